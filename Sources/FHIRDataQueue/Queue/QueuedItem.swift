@@ -1,0 +1,112 @@
+import Foundation
+
+/// The HTTP method a queued item is sent with.
+public enum FHIRMethod: String, Sendable, Codable, CaseIterable {
+    /// `POST [base]/[type]` (create) or `POST [base]` (transaction/batch Bundle).
+    case post = "POST"
+    /// `PUT [base]/[type]/[id]` (update, or update-as-create).
+    case put = "PUT"
+}
+
+/// Where an item is in its life. Delivered items leave the queue for the delivery journal.
+public enum ItemState: String, Sendable, Codable {
+    /// Waiting to be sent, in enqueue order.
+    case pending
+    /// Permanently rejected by the server; kept for an operator to retry or drop.
+    case parked
+}
+
+/// A request waiting in the queue, as an operator sees it (no body unless asked for).
+public struct QueuedItem: Sendable, Codable, Hashable {
+    /// The position in the queue: items of one server are sent in increasing `sequence`.
+    public let sequence: Int64
+    /// The stable identifier of the item, kept across retries and in the delivery journal.
+    public let id: UUID
+    /// The server's base URL, which names the queue.
+    public let queue: String
+    /// The HTTP method.
+    public let method: FHIRMethod
+    /// The full URL the request goes to.
+    public let url: String
+    /// The resource type (the envelope's resource type for encrypted items).
+    public let resourceType: String
+    /// The resource id, for updates.
+    public let resourceID: String?
+    /// Whether the body is an encrypted envelope rather than a plain FHIR resource.
+    public let encrypted: Bool
+    /// The current state.
+    public let state: ItemState
+    /// How many times a send was attempted.
+    public let attempts: Int
+    /// When the item was enqueued.
+    public let enqueuedAt: Date
+    /// When the last attempt was made.
+    public let lastAttemptAt: Date?
+    /// The HTTP status of the last failed attempt, if the server answered.
+    public let lastStatus: Int?
+    /// A PHI-free description of the last failure.
+    public let lastError: String?
+    /// The server's OperationOutcome (or error body) for a parked item.
+    public let outcome: String?
+    /// The size of the body in bytes.
+    public let size: Int
+}
+
+/// One line of the delivery journal: the chain-of-custody record of an item (no resource body).
+public struct DeliveryRecord: Sendable, Codable, Hashable {
+    /// What happened to the item.
+    public enum Event: String, Sendable, Codable {
+        /// The server accepted the item.
+        case delivered
+        /// An operator removed the item from the queue without sending it.
+        case dropped
+    }
+    /// The journal's own sequence number.
+    public let sequence: Int64
+    /// The item's stable identifier.
+    public let id: UUID
+    /// What happened.
+    public let event: Event
+    /// The queue (server base URL).
+    public let queue: String
+    /// The method and URL the item was sent to.
+    public let method: FHIRMethod
+    /// The request URL.
+    public let url: String
+    /// The resource type.
+    public let resourceType: String
+    /// The server's HTTP status (for deliveries).
+    public let status: Int?
+    /// The server's `Location` header.
+    public let location: String?
+    /// The id the server gave the resource.
+    public let serverID: String?
+    /// The version id the server gave the resource.
+    public let versionID: String?
+    /// How many attempts it took.
+    public let attempts: Int
+    /// When the item was enqueued.
+    public let enqueuedAt: Date
+    /// When it was delivered or dropped.
+    public let at: Date
+}
+
+/// Counts of a queue, for `dq status`.
+public struct QueueStatus: Sendable, Codable, Hashable {
+    /// The queue (server base URL).
+    public let queue: String
+    /// Items waiting to be sent.
+    public let pending: Int
+    /// Items permanently rejected, waiting for an operator.
+    public let parked: Int
+    /// Items in the delivery journal.
+    public let delivered: Int
+    /// When the oldest pending item was enqueued.
+    public let oldestPendingAt: Date?
+    /// Consecutive failed flush attempts against this server.
+    public let consecutiveFailures: Int
+    /// Until when flushes back off (unless forced).
+    public let nextAttemptAt: Date?
+    /// A PHI-free description of the last failure.
+    public let lastError: String?
+}

@@ -1,0 +1,127 @@
+import Foundation
+
+/// A validated FHIR resource in its JSON form, as dq stores and sends it.
+///
+/// The bytes are kept exactly as given (dq never re-serializes a resource, so decimals and key order
+/// survive unchanged); only the fields dq needs are read out.
+///
+/// ```swift
+/// let patient = try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8))
+/// ```
+public struct FHIRResource: Sendable, Hashable {
+    /// The default largest resource dq accepts: 64 MiB.
+    public static let defaultMaximumSize = 64 << 20
+
+    /// The JSON bytes, unchanged.
+    public let data: Data
+    /// The value of `resourceType`, e.g. `Patient`.
+    public let resourceType: String
+    /// The value of `id`, when present.
+    public let id: String?
+    /// The `Bundle.type` of a Bundle (`transaction`, `batch`, …), else `nil`.
+    public let bundleType: String?
+    /// The first `identifier` with both `system` and `value`, used for conditional create.
+    public let identifier: (system: String, value: String)?
+    /// Whether the resource has an `identifier` element of any shape.
+    let hasIdentifierElement: Bool
+
+    public static func == (lhs: FHIRResource, rhs: FHIRResource) -> Bool { lhs.data == rhs.data }
+    public func hash(into hasher: inout Hasher) { hasher.combine(data) }
+
+    /// Validates JSON bytes as a FHIR resource.
+    ///
+    /// - Parameters:
+    ///   - json: UTF-8 JSON of one resource.
+    ///   - maximumSize: the largest accepted size in bytes. The default is ``defaultMaximumSize``.
+    /// - Throws: ``DataQueueError`` with code ``DataQueueError/Code/invalidResource`` naming the problem
+    ///   (never quoting the content).
+    public init(json: Data, maximumSize: Int = FHIRResource.defaultMaximumSize) throws {
+        func invalid(_ why: String) -> DataQueueError { DataQueueError(.invalidResource, why) }
+        if json.count > maximumSize {
+            throw invalid("resource is \(json.count) bytes, over the limit of \(maximumSize) bytes")
+        }
+        if json.isEmpty || json.allSatisfy({ $0 == 0x20 || $0 == 0x0A || $0 == 0x0D || $0 == 0x09 }) {
+            throw invalid("input is empty")
+        }
+        if String(validating: json, as: UTF8.self) == nil {
+            throw invalid("input is not valid UTF-8")
+        }
+        let object: Any
+        do {
+            object = try JSONSerialization.jsonObject(with: json, options: [])
+        } catch {
+            throw invalid("input is not valid JSON")
+        }
+        guard let dictionary = object as? [String: Any] else {
+            throw invalid("JSON is not an object (a FHIR resource is a JSON object)")
+        }
+        guard let type = dictionary["resourceType"] else {
+            throw invalid("JSON object has no \"resourceType\"")
+        }
+        guard let typeString = type as? String, FHIRResource.isValidTypeName(typeString) else {
+            throw invalid("\"resourceType\" is not a FHIR type name")
+        }
+        var idString: String?
+        if let rawID = dictionary["id"] {
+            guard let text = rawID as? String, FHIRResource.isValidID(text) else {
+                throw invalid("\"id\" is not a valid FHIR id ([A-Za-z0-9-.]{1,64})")
+            }
+            idString = text
+        }
+        self.data = json
+        self.resourceType = typeString
+        self.id = idString
+        self.bundleType = typeString == "Bundle" ? dictionary["type"] as? String : nil
+        var found: (String, String)?
+        if let identifiers = dictionary["identifier"] as? [[String: Any]] {
+            for entry in identifiers {
+                if let system = entry["system"] as? String, let value = entry["value"] as? String,
+                    !system.isEmpty, !value.isEmpty
+                {
+                    found = (system, value)
+                    break
+                }
+            }
+        } else if let single = dictionary["identifier"] as? [String: Any],
+            let system = single["system"] as? String, let value = single["value"] as? String
+        {
+            found = (system, value)
+        }
+        self.identifier = found
+        self.hasIdentifierElement = dictionary["identifier"] != nil
+    }
+
+
+    /// A transaction or batch Bundle, which is sent as one request to the base URL.
+    public var isTransactionOrBatch: Bool {
+        bundleType == "transaction" || bundleType == "batch"
+    }
+
+    /// Returns a copy whose JSON carries one more identifier, inserted without re-serializing the rest.
+    ///
+    /// Used by idempotent mode for resources that have no identifier of their own.
+    func addingIdentifier(system: String, value: String) throws -> FHIRResource {
+        guard let brace = data.firstIndex(of: UInt8(ascii: "{")) else { return self }
+        let snippet = #""identifier":[{"system":"\#(system)","value":"\#(value)"}],"#
+        var bytes = Data()
+        bytes.reserveCapacity(data.count + snippet.utf8.count)
+        bytes.append(data[data.startIndex...brace])
+        bytes.append(contentsOf: Array(snippet.utf8))
+        bytes.append(data[data.index(after: brace)...])
+        return try FHIRResource(json: bytes, maximumSize: Int.max)
+    }
+
+    static func isValidTypeName(_ name: String) -> Bool {
+        guard let first = name.unicodeScalars.first, ("A"..."Z").contains(first), name.count <= 64 else {
+            return false
+        }
+        return name.unicodeScalars.allSatisfy { ("A"..."Z").contains($0) || ("a"..."z").contains($0) || ("0"..."9").contains($0) }
+    }
+
+    static func isValidID(_ id: String) -> Bool {
+        guard !id.isEmpty, id.utf8.count <= 64 else { return false }
+        return id.unicodeScalars.allSatisfy {
+            ("A"..."Z").contains($0) || ("a"..."z").contains($0) || ("0"..."9").contains($0) || $0 == "-" || $0 == "."
+        }
+    }
+}

@@ -1,0 +1,488 @@
+import Foundation
+import GRDB
+
+/// How hard an enqueue works to survive a power loss.
+public enum Durability: String, Sendable, Codable, CaseIterable {
+    /// `synchronous=FULL`: an enqueue returns after the commit reached the disk (survives power loss).
+    case full
+    /// `synchronous=NORMAL`: survives a crash of dq, but the last commits may be lost on power loss.
+    /// Several times faster per single enqueue.
+    case normal
+}
+
+/// A request to store, before it has a sequence number.
+struct NewItem: Sendable {
+    var id: UUID
+    var queue: String
+    var method: FHIRMethod
+    var url: String
+    var resourceType: String
+    var resourceID: String?
+    var encrypted: Bool
+    var contentType: String
+    var ifNoneExist: String?
+    var body: Data
+}
+
+/// A stored item with what is needed to send it.
+struct StoredItem: Sendable {
+    var info: QueuedItem
+    var contentType: String
+    var ifNoneExist: String?
+    var body: Data
+}
+
+/// The durable SQLite queue: items, the delivery journal and per-server backoff state.
+///
+/// The queue knows nothing of HTTP: it stores requests and records outcomes.
+final class QueueStore: Sendable {
+    let path: String
+    let database: DatabaseQueue
+    private let batcher: EnqueueBatcher
+
+    /// Opens or creates the database at `path` (mode 0600, directory 0700), migrating the schema under
+    /// an exclusive file lock so that several processes may open a new file at once.
+    init(path: String, durability: Durability, busyTimeout: TimeInterval = 30) throws {
+        self.path = path
+        let directory = (path as NSString).deletingLastPathComponent
+        if !directory.isEmpty {
+            do {
+                try FileManager.default.createDirectory(
+                    atPath: directory, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
+            } catch {
+                throw DataQueueError(.storage, "cannot create the database directory \(directory): \(error.localizedDescription)")
+            }
+        }
+        let migrationLock = try FileLock(path: path + ".lock")
+        try migrationLock.lock()
+        defer { migrationLock.unlock() }
+
+        if !FileManager.default.fileExists(atPath: path) {
+            let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+            if fd < 0 {
+                throw DataQueueError(.storage, "cannot create database \(path): \(String(cString: strerror(errno)))")
+            }
+            close(fd)
+        }
+        var configuration = Configuration()
+        configuration.journalMode = .wal
+        configuration.busyMode = .timeout(busyTimeout)
+        configuration.label = "dq"
+        let synchronous = durability == .full ? "FULL" : "NORMAL"
+        configuration.prepareDatabase { db in
+            try db.execute(sql: "PRAGMA synchronous = \(synchronous)")
+        }
+        do {
+            database = try DatabaseQueue(path: path, configuration: configuration)
+            try database.writeWithoutTransaction { db in
+                try db.execute(sql: "PRAGMA synchronous = \(synchronous)")
+            }
+            try Self.migrator.migrate(database)
+        } catch let error as DataQueueError {
+            throw error
+        } catch {
+            throw QueueStore.mapError(error, doing: "open the queue database \(path)")
+        }
+        batcher = EnqueueBatcher()
+    }
+
+    static var migrator: DatabaseMigrator {
+        var migrator = DatabaseMigrator()
+        migrator.registerMigration("v1") { db in
+            try db.execute(
+                sql: """
+                    CREATE TABLE item (
+                      seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                      uuid TEXT NOT NULL UNIQUE,
+                      queue TEXT NOT NULL,
+                      method TEXT NOT NULL,
+                      url TEXT NOT NULL,
+                      resource_type TEXT NOT NULL,
+                      resource_id TEXT,
+                      encrypted INTEGER NOT NULL DEFAULT 0,
+                      content_type TEXT NOT NULL,
+                      if_none_exist TEXT,
+                      body BLOB NOT NULL,
+                      state TEXT NOT NULL DEFAULT 'pending',
+                      attempts INTEGER NOT NULL DEFAULT 0,
+                      enqueued_at REAL NOT NULL,
+                      last_attempt_at REAL,
+                      last_status INTEGER,
+                      last_error TEXT,
+                      outcome TEXT
+                    );
+                    CREATE INDEX item_by_queue ON item(queue, state, seq);
+                    CREATE TABLE delivery (
+                      seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                      item_seq INTEGER NOT NULL,
+                      uuid TEXT NOT NULL,
+                      event TEXT NOT NULL,
+                      queue TEXT NOT NULL,
+                      method TEXT NOT NULL,
+                      url TEXT NOT NULL,
+                      resource_type TEXT NOT NULL,
+                      status INTEGER,
+                      location TEXT,
+                      server_id TEXT,
+                      version_id TEXT,
+                      attempts INTEGER NOT NULL,
+                      enqueued_at REAL NOT NULL,
+                      at REAL NOT NULL
+                    );
+                    CREATE INDEX delivery_by_queue ON delivery(queue, seq);
+                    CREATE TABLE server_state (
+                      queue TEXT PRIMARY KEY,
+                      failures INTEGER NOT NULL DEFAULT 0,
+                      next_attempt_at REAL,
+                      last_error TEXT
+                    );
+                    """)
+        }
+        return migrator
+    }
+
+    static func mapError(_ error: any Error, doing what: String) -> DataQueueError {
+        if let error = error as? DataQueueError { return error }
+        if let dbError = error as? DatabaseError {
+            switch dbError.resultCode {
+            case .SQLITE_FULL:
+                return DataQueueError(.storageFull, "cannot \(what): the disk or the file-size limit is full; nothing was written")
+            case .SQLITE_BUSY, .SQLITE_LOCKED:
+                return DataQueueError(.busy, "cannot \(what): the database is locked by another process")
+            default:
+                // The SQLite message names the failure, never row content (statement arguments are not public).
+                return DataQueueError(.storage, "cannot \(what): SQLite error \(dbError.resultCode.rawValue) (\(dbError.message ?? "unknown"))")
+            }
+        }
+        return DataQueueError(.storage, "cannot \(what): \(error)")
+    }
+
+    private func immediate<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
+        do {
+            return try await database.writeWithoutTransaction { db in
+                var result: T?
+                try db.inTransaction(.immediate) {
+                    result = try body(db)
+                    return .commit
+                }
+                return result!
+            }
+        } catch {
+            throw QueueStore.mapError(error, doing: what)
+        }
+    }
+
+    private func read<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
+        do {
+            return try await database.read(body)
+        } catch {
+            throw QueueStore.mapError(error, doing: what)
+        }
+    }
+
+    // MARK: - Enqueue
+
+    /// Stores `items` in one transaction: all of them or none. Returns their sequence numbers.
+    func insert(_ items: [NewItem]) async throws -> [Int64] {
+        try await immediate("enqueue") { db in try Self.insert(items, db: db) }
+    }
+
+    /// Stores one item, sharing a commit with other enqueues that wait at the same moment.
+    func insertGrouped(_ item: NewItem) async throws -> Int64 {
+        try await batcher.submit(item, store: self)
+    }
+
+    fileprivate func insertBatch(_ items: [NewItem]) async -> Result<[Int64], DataQueueError> {
+        do {
+            return .success(try await insert(items))
+        } catch {
+            return .failure(QueueStore.mapError(error, doing: "enqueue"))
+        }
+    }
+
+    private static func insert(_ items: [NewItem], db: Database) throws -> [Int64] {
+        let now = Date().timeIntervalSince1970
+        let statement = try db.cachedStatement(
+            sql: """
+                INSERT INTO item (uuid, queue, method, url, resource_type, resource_id, encrypted, content_type,
+                                  if_none_exist, body, enqueued_at)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                """)
+        var sequences: [Int64] = []
+        sequences.reserveCapacity(items.count)
+        for item in items {
+            try statement.execute(arguments: [
+                item.id.uuidString.lowercased(), item.queue, item.method.rawValue, item.url, item.resourceType,
+                item.resourceID, item.encrypted, item.contentType, item.ifNoneExist, item.body, now,
+            ])
+            sequences.append(db.lastInsertedRowID)
+        }
+        return sequences
+    }
+
+    // MARK: - Flush bookkeeping
+
+    /// The first pending item of `queue` after sequence `after`, with its body.
+    func nextPending(queue: String, after: Int64) async throws -> StoredItem? {
+        try await read("read the queue") { db in
+            try Row.fetchOne(
+                db, sql: "SELECT * FROM item WHERE queue = ? AND state = 'pending' AND seq > ? ORDER BY seq LIMIT 1",
+                arguments: [queue, after]
+            ).map(Self.storedItem)
+        }
+    }
+
+    /// Moves a delivered item into the journal, in one transaction, and clears the server's backoff.
+    func markDelivered(_ item: QueuedItem, status: Int, location: String?, serverID: String?, versionID: String?)
+        async throws
+    {
+        try await immediate("record a delivery") { db in
+            try db.execute(sql: "DELETE FROM item WHERE seq = ?", arguments: [item.sequence])
+            guard db.changesCount == 1 else { return }
+            try db.execute(
+                sql: """
+                    INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
+                                          server_id, version_id, attempts, enqueued_at, at)
+                    VALUES (?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                    """,
+                arguments: [
+                    item.sequence, item.id.uuidString.lowercased(), item.queue, item.method.rawValue, item.url,
+                    item.resourceType, status, location, serverID, versionID, item.attempts + 1,
+                    item.enqueuedAt.timeIntervalSince1970, Date().timeIntervalSince1970,
+                ])
+            try db.execute(
+                sql: "UPDATE server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = ? AND failures > 0",
+                arguments: [item.queue])
+        }
+    }
+
+    /// Parks an item the server rejected permanently, keeping the server's answer.
+    func park(_ item: QueuedItem, status: Int?, error: String, outcome: String?) async throws {
+        try await immediate("park an item") { db in
+            try db.execute(
+                sql: """
+                    UPDATE item SET state = 'parked', attempts = attempts + 1, last_attempt_at = ?, last_status = ?,
+                                    last_error = ?, outcome = ? WHERE seq = ?
+                    """,
+                arguments: [Date().timeIntervalSince1970, status, error, outcome, item.sequence])
+        }
+    }
+
+    /// Records a transient failure of `item` (if any) and the server's next allowed attempt.
+    func recordFailure(queue: String, item: QueuedItem?, status: Int?, error: String, nextAttemptAt: Date?)
+        async throws
+    {
+        try await immediate("record a failure") { db in
+            let now = Date().timeIntervalSince1970
+            if let item {
+                try db.execute(
+                    sql: """
+                        UPDATE item SET attempts = attempts + 1, last_attempt_at = ?, last_status = ?, last_error = ?
+                        WHERE seq = ?
+                        """,
+                    arguments: [now, status, error, item.sequence])
+            }
+            try db.execute(
+                sql: """
+                    INSERT INTO server_state (queue, failures, next_attempt_at, last_error) VALUES (?, 1, ?, ?)
+                    ON CONFLICT(queue) DO UPDATE SET failures = failures + 1, next_attempt_at = excluded.next_attempt_at,
+                                                     last_error = excluded.last_error
+                    """,
+                arguments: [queue, nextAttemptAt?.timeIntervalSince1970, error])
+        }
+    }
+
+    /// The number of consecutive failures and the backoff deadline of a server.
+    func serverState(queue: String) async throws -> (failures: Int, nextAttemptAt: Date?, lastError: String?) {
+        try await read("read the server state") { db in
+            guard let row = try Row.fetchOne(db, sql: "SELECT * FROM server_state WHERE queue = ?", arguments: [queue])
+            else { return (0, nil, nil) }
+            let next: Double? = row["next_attempt_at"]
+            return (row["failures"], next.map(Date.init(timeIntervalSince1970:)), row["last_error"])
+        }
+    }
+
+    // MARK: - Operator views
+
+    func status(queue: String) async throws -> QueueStatus {
+        try await read("read the queue status") { db in
+            let pending =
+                try Int.fetchOne(db, sql: "SELECT count(*) FROM item WHERE queue = ? AND state = 'pending'", arguments: [queue]) ?? 0
+            let parked =
+                try Int.fetchOne(db, sql: "SELECT count(*) FROM item WHERE queue = ? AND state = 'parked'", arguments: [queue]) ?? 0
+            let delivered =
+                try Int.fetchOne(
+                    db, sql: "SELECT count(*) FROM delivery WHERE queue = ? AND event = 'delivered'", arguments: [queue]) ?? 0
+            let oldest = try Double.fetchOne(
+                db, sql: "SELECT enqueued_at FROM item WHERE queue = ? AND state = 'pending' ORDER BY seq LIMIT 1",
+                arguments: [queue])
+            let server = try Row.fetchOne(db, sql: "SELECT * FROM server_state WHERE queue = ?", arguments: [queue])
+            let next: Double? = server?["next_attempt_at"]
+            return QueueStatus(
+                queue: queue, pending: pending, parked: parked, delivered: delivered,
+                oldestPendingAt: oldest.map(Date.init(timeIntervalSince1970:)),
+                consecutiveFailures: server?["failures"] ?? 0,
+                nextAttemptAt: next.map(Date.init(timeIntervalSince1970:)),
+                lastError: server?["last_error"])
+        }
+    }
+
+    /// All queue names that hold items or deliveries.
+    func queues() async throws -> [String] {
+        try await read("list queues") { db in
+            try String.fetchAll(db, sql: "SELECT queue FROM item UNION SELECT queue FROM delivery ORDER BY 1")
+        }
+    }
+
+    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {
+        try await read("list the queue") { db in
+            var sql = "SELECT seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size FROM item WHERE 1"
+            var arguments: StatementArguments = []
+            if let queue { sql += " AND queue = ?"; arguments += [queue] }
+            if let state { sql += " AND state = ?"; arguments += [state.rawValue] }
+            sql += " ORDER BY seq LIMIT ?"
+            arguments += [limit]
+            return try Row.fetchAll(db, sql: sql, arguments: arguments).map(Self.queuedItem)
+        }
+    }
+
+    /// Finds an item by UUID (full or a unique prefix) or by sequence number.
+    func item(_ reference: String) async throws -> StoredItem {
+        let found = try await read("find an item") { db -> [StoredItem] in
+            let rows: [Row]
+            if let sequence = Int64(reference) {
+                rows = try Row.fetchAll(db, sql: "SELECT * FROM item WHERE seq = ?", arguments: [sequence])
+            } else {
+                let prefix = reference.lowercased()
+                guard prefix.count >= 4, prefix.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return [] }
+                rows = try Row.fetchAll(
+                    db, sql: "SELECT * FROM item WHERE uuid >= ? AND uuid < ? LIMIT 2", arguments: [prefix, prefix + "~"])
+            }
+            return rows.map(Self.storedItem)
+        }
+        guard found.count == 1 else {
+            if found.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
+            throw DataQueueError(.notFound, "no queued item \(reference)")
+        }
+        return found[0]
+    }
+
+    /// Puts a parked item back in the pending queue (keeping its place in the order).
+    func retry(sequence: Int64) async throws -> Bool {
+        try await immediate("retry an item") { db in
+            try db.execute(
+                sql: "UPDATE item SET state = 'pending', outcome = NULL WHERE seq = ? AND state = 'parked'",
+                arguments: [sequence])
+            return db.changesCount == 1
+        }
+    }
+
+    /// Puts every parked item of `queue` back in the pending queue.
+    func retryAllParked(queue: String) async throws -> Int {
+        try await immediate("retry parked items") { db in
+            try db.execute(
+                sql: "UPDATE item SET state = 'pending', outcome = NULL WHERE queue = ? AND state = 'parked'",
+                arguments: [queue])
+            return db.changesCount
+        }
+    }
+
+    /// Removes an item without sending it, recording the drop in the journal.
+    func drop(_ item: QueuedItem) async throws {
+        try await immediate("drop an item") { db in
+            try db.execute(sql: "DELETE FROM item WHERE seq = ?", arguments: [item.sequence])
+            guard db.changesCount == 1 else { return }
+            try db.execute(
+                sql: """
+                    INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
+                                          server_id, version_id, attempts, enqueued_at, at)
+                    VALUES (?, ?, 'dropped', ?, ?, ?, ?, NULL, NULL, NULL, NULL, ?, ?, ?)
+                    """,
+                arguments: [
+                    item.sequence, item.id.uuidString.lowercased(), item.queue, item.method.rawValue, item.url,
+                    item.resourceType, item.attempts, item.enqueuedAt.timeIntervalSince1970, Date().timeIntervalSince1970,
+                ])
+        }
+    }
+
+    /// The delivery journal, oldest first (or the newest `limit` lines).
+    func deliveries(queue: String?, limit: Int) async throws -> [DeliveryRecord] {
+        try await read("read the delivery journal") { db in
+            var sql = "SELECT * FROM delivery"
+            var arguments: StatementArguments = []
+            if let queue { sql += " WHERE queue = ?"; arguments += [queue] }
+            sql += " ORDER BY seq DESC LIMIT ?"
+            arguments += [limit]
+            return try Row.fetchAll(db, sql: sql, arguments: arguments).reversed().map { row in
+                let uuid: String = row["uuid"]
+                let method: String = row["method"]
+                let event: String = row["event"]
+                return DeliveryRecord(
+                    sequence: row["seq"], id: UUID(uuidString: uuid) ?? UUID(),
+                    event: DeliveryRecord.Event(rawValue: event) ?? .delivered, queue: row["queue"],
+                    method: FHIRMethod(rawValue: method) ?? .post, url: row["url"], resourceType: row["resource_type"],
+                    status: row["status"], location: row["location"], serverID: row["server_id"],
+                    versionID: row["version_id"], attempts: row["attempts"],
+                    enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]), at: Date(timeIntervalSince1970: row["at"]))
+            }
+        }
+    }
+
+    // MARK: - Row mapping
+
+    private static func queuedItem(_ row: Row) -> QueuedItem {
+        let uuid: String = row["uuid"]
+        let method: String = row["method"]
+        let state: String = row["state"]
+        let lastAttempt: Double? = row["last_attempt_at"]
+        let size: Int? = row["size"]
+        let body: Data? = size == nil ? row["body"] : nil
+        return QueuedItem(
+            sequence: row["seq"], id: UUID(uuidString: uuid) ?? UUID(), queue: row["queue"],
+            method: FHIRMethod(rawValue: method) ?? .post, url: row["url"], resourceType: row["resource_type"],
+            resourceID: row["resource_id"], encrypted: row["encrypted"], state: ItemState(rawValue: state) ?? .pending,
+            attempts: row["attempts"], enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]),
+            lastAttemptAt: lastAttempt.map(Date.init(timeIntervalSince1970:)), lastStatus: row["last_status"],
+            lastError: row["last_error"], outcome: row["outcome"], size: size ?? body?.count ?? 0)
+    }
+
+    private static func storedItem(_ row: Row) -> StoredItem {
+        StoredItem(
+            info: queuedItem(row), contentType: row["content_type"], ifNoneExist: row["if_none_exist"], body: row["body"])
+    }
+}
+
+/// Groups enqueues that wait at the same moment into one durable commit (group commit).
+///
+/// Each caller still returns only after the commit that holds its item reached the disk.
+actor EnqueueBatcher {
+    private var waiting: [(NewItem, CheckedContinuation<Int64, any Error>)] = []
+    private var writing = false
+    /// The largest number of items one commit carries.
+    let maximumBatch = 512
+
+    func submit(_ item: NewItem, store: QueueStore) async throws -> Int64 {
+        try await withCheckedThrowingContinuation { continuation in
+            waiting.append((item, continuation))
+            if !writing {
+                writing = true
+                Task { await self.drain(store: store) }
+            }
+        }
+    }
+
+    private func drain(store: QueueStore) async {
+        while !waiting.isEmpty {
+            let batch = Array(waiting.prefix(maximumBatch))
+            waiting.removeFirst(batch.count)
+            let result = await store.insertBatch(batch.map(\.0))
+            switch result {
+            case .success(let sequences):
+                for (index, entry) in batch.enumerated() { entry.1.resume(returning: sequences[index]) }
+            case .failure(let error):
+                for entry in batch { entry.1.resume(throwing: error) }
+            }
+        }
+        writing = false
+    }
+}

@@ -1,0 +1,3 @@
+import FHIRDataQueue
+import ArgumentParser
+print("x")
