@@ -308,7 +308,7 @@ open class DataQueue: @unchecked Sendable {
                 try await store.markDelivered(
                     item, status: response.status, location: response.location, serverID: serverID, versionID: versionID)
                 report.delivered += 1
-                logger.debug("delivered", metadata: ["item": "\(item.id)", "status": "\(response.status)"])
+                logger.debug("delivered", metadata: ["item": "\(item.id.uuidString.lowercased())", "status": "\(response.status)"])
                 if item.sequence == tracking {
                     tracked = .delivered(
                         DeliveryRecord(
@@ -320,7 +320,7 @@ open class DataQueue: @unchecked Sendable {
             case .rejected(let status, let message, let outcome):
                 try await store.park(item, status: status, error: message, outcome: outcome)
                 report.parked += 1
-                logger.warning("parked", metadata: ["item": "\(item.id)", "reason": "\(message)"])
+                logger.warning("parked", metadata: ["item": "\(item.id.uuidString.lowercased())", "reason": "\(message)"])
                 if item.sequence == tracking { tracked = .parked(item, reason: message) }
             case .transient(let status, let message, let retryAfter):
                 let failures = (try await store.serverState(queue: queueName).failures) + 1
@@ -424,6 +424,15 @@ open class DataQueue: @unchecked Sendable {
     public func item(_ reference: String) async throws -> (QueuedItem, Data) {
         let stored = try await store.item(reference)
         return (stored.info, stored.body)
+    }
+
+    /// The state of an item, or nil when it is no longer queued (delivered or dropped: see the journal).
+    public func state(of id: UUID) async throws -> ItemState? {
+        do {
+            return try await store.item(id.uuidString.lowercased()).info.state
+        } catch let error as DataQueueError where error.code == .notFound {
+            return nil
+        }
     }
 
     /// Puts a parked item back in line (it keeps its place in the order).

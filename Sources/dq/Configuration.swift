@@ -1,0 +1,151 @@
+import FHIRDataQueue
+import Foundation
+
+/// The settings of one `dq` run: the config file, then `DQ_*` environment variables, then flags.
+struct DQSettings {
+    var server: URL
+    var configuration: DataQueue.Configuration
+    var authorization: (any AuthorizationProvider)?
+    var configPath: String?
+
+    /// Keys a config file may hold.
+    static let topLevelKeys: Set<String> = [
+        "server", "database", "durability", "idempotent", "max_resource_bytes", "timeout_seconds",
+        "connect_timeout_seconds", "retry", "ca_bundle", "auth", "encryption",
+    ]
+    static let authKeys: Set<String> = [
+        "bearer_token", "client_id", "client_secret", "authorize_uri", "token_uri", "authorize_type",
+        "registration_uri", "client_name", "scope",
+    ]
+
+    static func configError(_ message: String) -> DataQueueError {
+        DataQueueError(.invalidConfiguration, "configuration: \(message)")
+    }
+
+    /// Loads settings. `requireServer` is false for commands that only read the database.
+    static func load(options: QueueOptions, environment: [String: String] = ProcessInfo.processInfo.environment)
+        throws -> DQSettings
+    {
+        var file: [String: Any] = [:]
+        var configPath = options.config ?? environment["DQ_CONFIG"]
+        if configPath == nil, FileManager.default.fileExists(atPath: "dq.json") { configPath = "dq.json" }
+        if let configPath {
+            guard let data = FileManager.default.contents(atPath: configPath) else {
+                throw configError("cannot read the config file \(configPath)")
+            }
+            guard let object = try? JSONSerialization.jsonObject(with: data) as? [String: Any] else {
+                throw configError("\(configPath) is not a JSON object")
+            }
+            for key in object.keys where !topLevelKeys.contains(key) {
+                throw configError("unknown key \"\(key)\" in \(configPath)")
+            }
+            file = object
+        }
+        func string(_ key: String) throws -> String? {
+            guard let value = file[key] else { return nil }
+            guard let text = value as? String else { throw configError("\"\(key)\" must be a string") }
+            return text
+        }
+        func number(_ key: String, in object: [String: Any]? = nil, name: String? = nil) throws -> Double? {
+            guard let value = (object ?? file)[key] else { return nil }
+            guard let number = value as? NSNumber, !(value is Bool) else {
+                throw configError("\"\(name ?? key)\" must be a number")
+            }
+            return number.doubleValue
+        }
+
+        // Server
+        let serverText = try options.server ?? environment["DQ_SERVER"] ?? string("server")
+        guard let serverText, !serverText.isEmpty else {
+            throw configError("\"server\" is missing (set it in the config file, DQ_SERVER or --server)")
+        }
+        guard let server = URL(string: serverText), let scheme = server.scheme?.lowercased(),
+            scheme == "http" || scheme == "https", server.host != nil
+        else {
+            throw configError("\"server\" must be an http(s) URL with a host")
+        }
+
+        var configuration = DataQueue.Configuration()
+        if let database = try options.database ?? environment["DQ_DATABASE"] ?? string("database") {
+            guard !database.isEmpty else { throw configError("\"database\" is empty") }
+            configuration.databasePath = database
+        }
+        if let text = try options.durability ?? environment["DQ_DURABILITY"] ?? string("durability") {
+            guard let durability = Durability(rawValue: text) else {
+                throw configError("\"durability\" must be \"full\" or \"normal\"")
+            }
+            configuration.durability = durability
+        }
+        if let value = file["idempotent"] {
+            guard let flag = value as? Bool else { throw configError("\"idempotent\" must be true or false") }
+            configuration.idempotent = flag
+        }
+        if let text = environment["DQ_IDEMPOTENT"] {
+            guard let flag = ["1": true, "true": true, "0": false, "false": false][text.lowercased()] else {
+                throw configError("DQ_IDEMPOTENT must be true or false")
+            }
+            configuration.idempotent = flag
+        }
+        if options.idempotent { configuration.idempotent = true }
+        if let value = try number("max_resource_bytes") {
+            guard value >= 64 else { throw configError("\"max_resource_bytes\" must be at least 64") }
+            configuration.maximumResourceSize = Int(value)
+        }
+        if let value = try number("timeout_seconds") {
+            guard value > 0 else { throw configError("\"timeout_seconds\" must be positive") }
+            configuration.requestTimeout = value
+        }
+        if let value = options.timeout { configuration.requestTimeout = value }
+        if let value = try number("connect_timeout_seconds") {
+            guard value > 0 else { throw configError("\"connect_timeout_seconds\" must be positive") }
+            configuration.connectTimeout = value
+        }
+        if let retry = file["retry"] {
+            guard let retry = retry as? [String: Any] else { throw configError("\"retry\" must be an object") }
+            for key in retry.keys where !["initial_seconds", "maximum_seconds", "jitter"].contains(key) {
+                throw configError("unknown key \"retry.\(key)\"")
+            }
+            if let value = try number("initial_seconds", in: retry, name: "retry.initial_seconds") {
+                guard value >= 0 else { throw configError("\"retry.initial_seconds\" must not be negative") }
+                configuration.retryPolicy.initialDelay = value
+            }
+            if let value = try number("maximum_seconds", in: retry, name: "retry.maximum_seconds") {
+                guard value >= 0 else { throw configError("\"retry.maximum_seconds\" must not be negative") }
+                configuration.retryPolicy.maximumDelay = value
+            }
+            if let value = try number("jitter", in: retry, name: "retry.jitter") {
+                guard (0...1).contains(value) else { throw configError("\"retry.jitter\" must be between 0 and 1") }
+                configuration.retryPolicy.jitter = value
+            }
+        }
+        if let path = try environment["DQ_CA_BUNDLE"] ?? string("ca_bundle") {
+            guard FileManager.default.isReadableFile(atPath: path) else {
+                throw configError("\"ca_bundle\" file \(path) cannot be read")
+            }
+            configuration.caBundlePath = path
+        }
+
+        // Auth
+        var authorization: (any AuthorizationProvider)?
+        var auth: [String: Any] = [:]
+        if let value = file["auth"] {
+            guard let object = value as? [String: Any] else { throw configError("\"auth\" must be an object") }
+            for key in object.keys where !authKeys.contains(key) {
+                throw configError("unknown key \"auth.\(key)\"")
+            }
+            for (key, value) in object where !(value is String) {
+                throw configError("\"auth.\(key)\" must be a string")
+            }
+            auth = object
+        }
+        if let token = environment["DQ_TOKEN"] ?? auth["bearer_token"] as? String {
+            guard !token.isEmpty else { throw configError("\"auth.bearer_token\" is empty") }
+            authorization = StaticBearerToken(token)
+        } else if let type = auth["authorize_type"] as? String {
+            throw configError("\"auth.authorize_type\" \"\(type)\" is not supported by this version of dq (use auth.bearer_token or DQ_TOKEN)")
+        } else if auth["client_id"] != nil || auth["registration_uri"] != nil {
+            throw configError("\"auth.client_id\" / \"auth.registration_uri\" need OAuth2, which this version of dq does not support yet (use auth.bearer_token or DQ_TOKEN)")
+        }
+        return DQSettings(server: server, configuration: configuration, authorization: authorization, configPath: configPath)
+    }
+}

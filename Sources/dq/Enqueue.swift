@@ -1,0 +1,114 @@
+import ArgumentParser
+import FHIRDataQueue
+import Foundation
+
+/// Options for commands that read resources.
+struct InputOptions: ParsableArguments {
+    @Argument(help: "Resource files (JSON), or - for standard input.")
+    var files: [String]
+
+    @Flag(help: "Each input holds one resource per line (NDJSON).")
+    var ndjson = false
+
+    @Option(help: "POST (create), PUT (update, needs id) or auto (PUT when the resource has an id).")
+    var method: MethodChoice = .auto
+
+    @Option(help: "The largest resource in bytes (default: \"max_resource_bytes\", else 64 MiB).")
+    var maxBytes: Int?
+
+    func validate() throws {
+        if files.isEmpty { throw ValidationError("give at least one file, or - for standard input") }
+        if let maxBytes, maxBytes < 2 { throw ValidationError("--max-bytes must be at least 2") }
+    }
+
+    /// Reads every input; on any problem prints each and exits 65 without queueing anything.
+    func resources(limit: Int) throws -> [(FHIRResource, FHIRMethod)] {
+        let reader = InputReader(maximumSize: maxBytes ?? limit, ndjson: ndjson)
+        let (inputs, problems) = reader.read(files)
+        var invalid = problems
+        var resources: [(FHIRResource, FHIRMethod)] = []
+        for input in inputs {
+            let method = method.method(for: input.resource)
+            if method == .put && input.resource.id == nil {
+                invalid.append("\(input.label): a PUT (update) needs the resource's \"id\"")
+                continue
+            }
+            resources.append((input.resource, method))
+        }
+        if !invalid.isEmpty {
+            for problem in invalid { printError("dq: \(problem)") }
+            printError("dq: \(invalid.count) bad input(s); nothing was queued")
+            throw ExitCode(Exit.dataError)
+        }
+        if resources.isEmpty {
+            printError("dq: the input holds no resources; nothing was queued")
+            throw ExitCode(Exit.dataError)
+        }
+        return resources
+    }
+}
+
+extension DQ {
+    struct Enqueue: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Queue resources without sending them (all inputs, or none when one is bad).")
+
+        @OptionGroup var queueOptions: QueueOptions
+        @OptionGroup var input: InputOptions
+        @Flag(help: "Print the queued items as JSON.") var json = false
+
+        func run() async throws {
+            try await withQueue(queueOptions) { queue in
+                let resources = try input.resources(limit: queue.configuration.maximumResourceSize)
+                let items = try await queue.enqueue(contentsOf: resources)
+                if json {
+                    try printJSON(items)
+                } else {
+                    print("queued \(items.count) resource(s) for \(queue.queueName)")
+                }
+            }
+        }
+    }
+
+    struct Send: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Queue resources, then flush the queue up to them (older items go first).",
+            discussion: "Exit 0 when all were delivered, 75 when some stay queued, 65 when the server rejected some (parked), 77 on an authentication failure.")
+
+        @OptionGroup var queueOptions: QueueOptions
+        @OptionGroup var input: InputOptions
+        @Flag(help: "Print the outcome as JSON.") var json = false
+
+        func run() async throws {
+            let code: Int32 = try await withQueue(queueOptions) { queue in
+                let resources = try input.resources(limit: queue.configuration.maximumResourceSize)
+                let items = try await queue.enqueue(contentsOf: resources)
+                let report = try await queue.flush(force: false, lockWait: queue.configuration.lockWait)
+                var delivered = 0
+                var parked = 0
+                var queued = 0
+                var outcomes: [[String: String]] = []
+                for item in items {
+                    let state: String
+                    switch try await queue.state(of: item.id) {
+                    case .parked: parked += 1; state = "parked"
+                    case .pending: queued += 1; state = "queued"
+                    case nil: delivered += 1; state = "delivered"
+                    }
+                    outcomes.append(["id": item.id.uuidString.lowercased(), "resourceType": item.resourceType, "state": state])
+                }
+                if json {
+                    try printJSON(["items": outcomes])
+                } else {
+                    print("sent \(items.count) resource(s): \(delivered) delivered, \(queued) queued, \(parked) parked")
+                    if let stop = report.stop { printError("dq: \(FlushCommandSupport.describe(stop))") }
+                }
+                if case .authentication = report.stop { return Exit.permissionDenied }
+                if queued > 0 { return Exit.temporaryFailure }
+                if parked > 0 { return Exit.dataError }
+                return Exit.ok
+            }
+            if code != 0 { throw ExitCode(code) }
+        }
+    }
+}

@@ -1,0 +1,114 @@
+import ArgumentParser
+import FHIRDataQueue
+import Foundation
+
+/// Reads and validates resources from files, `-` (standard input) and NDJSON.
+///
+/// Every input is checked before anything is queued, so that a run either queues all or names each
+/// bad input and queues none.
+struct InputReader {
+    var maximumSize: Int
+    var ndjson: Bool
+
+    struct Input {
+        var label: String
+        var resource: FHIRResource
+    }
+
+    func read(_ paths: [String]) -> (inputs: [Input], problems: [String]) {
+        var inputs: [Input] = []
+        var problems: [String] = []
+        for path in paths {
+            let label = path == "-" ? "<stdin>" : path
+            let data: Data
+            do {
+                data = try load(path)
+            } catch let error as DataQueueError {
+                problems.append("\(label): \(error.message)")
+                continue
+            } catch {
+                problems.append("\(label): \(error)")
+                continue
+            }
+            if ndjson {
+                var lineNumber = 0
+                var start = data.startIndex
+                while start < data.endIndex {
+                    lineNumber += 1
+                    let end = data[start...].firstIndex(of: 0x0A) ?? data.endIndex
+                    var line = data[start..<end]
+                    if line.last == 0x0D { line = line.dropLast() }
+                    start = end < data.endIndex ? data.index(after: end) : end
+                    if line.allSatisfy({ $0 == 0x20 || $0 == 0x09 }) { continue }
+                    validate(Data(line), label: "\(label):\(lineNumber)", into: &inputs, problems: &problems)
+                }
+            } else {
+                validate(data, label: label, into: &inputs, problems: &problems)
+            }
+        }
+        return (inputs, problems)
+    }
+
+    private func validate(_ data: Data, label: String, into inputs: inout [Input], problems: inout [String]) {
+        do {
+            inputs.append(Input(label: label, resource: try FHIRResource(json: data, maximumSize: maximumSize)))
+        } catch let error as DataQueueError {
+            problems.append("\(label): \(error.message)")
+        } catch {
+            problems.append("\(label): \(error)")
+        }
+    }
+
+    private func load(_ path: String) throws -> Data {
+        let fileLimit = ndjson ? Int.max : maximumSize
+        if path == "-" {
+            var data = Data()
+            while let chunk = try FileHandle.standardInput.read(upToCount: 1 << 20), !chunk.isEmpty {
+                data.append(chunk)
+                if data.count > fileLimit {
+                    throw DataQueueError(.invalidResource, "input is over the limit of \(maximumSize) bytes")
+                }
+            }
+            return data
+        }
+        var isDirectory: ObjCBool = false
+        guard FileManager.default.fileExists(atPath: path, isDirectory: &isDirectory) else {
+            throw DataQueueError(.invalidResource, "no such file")
+        }
+        if isDirectory.boolValue { throw DataQueueError(.invalidResource, "is a directory, not a file") }
+        guard FileManager.default.isReadableFile(atPath: path) else {
+            throw DataQueueError(.invalidResource, "permission denied")
+        }
+        let attributes = try? FileManager.default.attributesOfItem(atPath: path)
+        if let size = (attributes?[.size] as? NSNumber)?.intValue, size > fileLimit {
+            throw DataQueueError(.invalidResource, "file is \(size) bytes, over the limit of \(maximumSize) bytes")
+        }
+        guard let data = FileManager.default.contents(atPath: path) else {
+            throw DataQueueError(.invalidResource, "cannot be read")
+        }
+        return data
+    }
+}
+
+/// How `dq enqueue` and `dq send` choose the HTTP method.
+enum MethodChoice: String, ExpressibleByArgument, CaseIterable {
+    case auto, post = "POST", put = "PUT"
+
+    init?(argument: String) {
+        switch argument.lowercased() {
+        case "auto": self = .auto
+        case "post": self = .post
+        case "put": self = .put
+        default: return nil
+        }
+    }
+
+    /// `auto` sends PUT for a resource with an id and POST otherwise (as C3-PRO did); Bundles are POSTed.
+    func method(for resource: FHIRResource) -> FHIRMethod {
+        switch self {
+        case .post: return .post
+        case .put: return .put
+        case .auto: return resource.id != nil && !resource.isTransactionOrBatch ? .put : .post
+        }
+    }
+}

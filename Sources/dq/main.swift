@@ -1,3 +1,0 @@
-import FHIRDataQueue
-import ArgumentParser
-print("x")
