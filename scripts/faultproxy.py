@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""A fault-injecting HTTP reverse proxy for dq's tests (standard library only).
+
+Usage: faultproxy.py --listen PORT --upstream http://127.0.0.1:18080 [--random RATE --seed N]
+
+Every request is forwarded to the upstream unless a fault is scripted for it. Faults are taken in order
+from a script that tests fill through the control endpoint, or drawn at random with --random:
+
+  pass            forward normally
+  503[:SECONDS]   answer 503 with Retry-After (default 1) without forwarding
+  drop-before     close the connection without forwarding (the server never sees the request)
+  drop-after      forward (the server commits), then close the connection without answering
+  delay:MS        forward after MS milliseconds
+  stall:SECONDS   forward, then hold the answer SECONDS before sending it (beyond a client timeout)
+
+Control (never forwarded):
+  POST /__proxy/faults   JSON list of faults to append to the script
+  GET  /__proxy/stats    JSON counts: requests, forwarded, and each fault injected
+  POST /__proxy/reset    clear the script and the counts
+"""
+import argparse
+import http.client
+import json
+import random
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LOCK = threading.Lock()
+SCRIPT = []
+STATS = {"requests": 0, "forwarded": 0, "faults": {}}
+ARGS = None
+RNG = random.Random(0)
+RANDOM_FAULTS = ["503:1", "drop-before", "drop-after", "delay:50", "stall:STALL"]
+
+
+def next_fault():
+    with LOCK:
+        STATS["requests"] += 1
+        if SCRIPT:
+            return SCRIPT.pop(0)
+        if ARGS.random > 0 and RNG.random() < ARGS.random:
+            return RNG.choice(RANDOM_FAULTS).replace("STALL", str(ARGS.stall))
+    return "pass"
+
+
+def count(name):
+    with LOCK:
+        STATS["faults"][name] = STATS["faults"].get(name, 0) + 1
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _body(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _reply(self, status, body=b"", headers=None):
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _control(self, body):
+        global SCRIPT
+        if self.path == "/__proxy/faults":
+            with LOCK:
+                SCRIPT.extend(json.loads(body or b"[]"))
+            return self._reply(204)
+        if self.path == "/__proxy/stats":
+            with LOCK:
+                data = json.dumps(STATS).encode()
+            return self._reply(200, data, {"Content-Type": "application/json"})
+        if self.path == "/__proxy/reset":
+            with LOCK:
+                SCRIPT = []
+                STATS.update({"requests": 0, "forwarded": 0, "faults": {}})
+            return self._reply(204)
+        return self._reply(404)
+
+    def _drop(self):
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _forward(self, body):
+        upstream = urllib.parse.urlsplit(ARGS.upstream)
+        connection = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        connection.request(self.command, self.path, body=body, headers=headers)
+        response = connection.getresponse()
+        data = response.read()
+        with LOCK:
+            STATS["forwarded"] += 1
+        keep = {k: v for k, v in response.getheaders()
+                if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+        connection.close()
+        return response.status, data, keep
+
+    def _handle(self):
+        body = self._body()
+        if self.path.startswith("/__proxy/"):
+            return self._control(body)
+        fault = next_fault()
+        name = fault.split(":")[0]
+        if name != "pass":
+            count(name)
+        if name == "503":
+            seconds = fault.split(":")[1] if ":" in fault else "1"
+            return self._reply(503, b'{"resourceType":"OperationOutcome"}',
+                               {"Retry-After": seconds, "Content-Type": "application/fhir+json"})
+        if name == "drop-before":
+            return self._drop()
+        if name == "delay":
+            time.sleep(int(fault.split(":")[1]) / 1000.0)
+        status, data, headers = self._forward(body)
+        if name == "drop-after":
+            return self._drop()
+        if name == "stall":
+            time.sleep(float(fault.split(":")[1]))
+        try:
+            self._reply(status, data, headers)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    do_GET = do_POST = do_PUT = do_DELETE = _handle
+
+
+def main():
+    global ARGS, RNG
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--listen", type=int, required=True)
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--random", type=float, default=0.0, help="share of requests given a random fault")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stall", type=float, default=3.0, help="seconds a random stall lasts")
+    ARGS = parser.parse_args()
+    RNG = random.Random(ARGS.seed)
+    server = ThreadingHTTPServer(("127.0.0.1", ARGS.listen), Handler)
+    server.daemon_threads = True
+    print(f"faultproxy listening on 127.0.0.1:{ARGS.listen} -> {ARGS.upstream}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

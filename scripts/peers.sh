@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Installs and runs the real servers dq is tested against, on free loopback ports.
+#
+#   scripts/peers.sh install          create .peers/venv with the pinned servers (idempotent)
+#   scripts/peers.sh start            start a shared sekmet-fhir; writes .peers/env (DQ_TEST_FHIR_BASE, ...)
+#   scripts/peers.sh stop             stop exactly the processes `start` started
+#   scripts/peers.sh fhir DIR PORT    run sekmet-fhir in the foreground with its data in DIR (used by tests)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+peers="$root/.peers"
+venv="$peers/venv"
+PY="${PYTHON:-python3}"
+
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+
+install() {
+  mkdir -p "$peers"
+  if [ -f "$venv/.installed-v1" ]; then return 0; fi
+  "$PY" -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1"
+  touch "$venv/.installed-v1"
+}
+
+write_settings() { # DIR PORT
+  mkdir -p "$1"
+  cat > "$1/settings.yaml" <<YAML
+host: 127.0.0.1
+port: $2
+base_url: http://127.0.0.1:$2/fhir
+data_dir: $1/data
+log_inbound: false
+simulator: {enabled: false}
+server_auth:
+  types: [none]
+YAML
+}
+
+wait_ready() { # URL
+  for _ in $(seq 1 150); do
+    if curl -fsS -o /dev/null "$1/metadata" 2>/dev/null; then return 0; fi
+    sleep 0.2
+  done
+  echo "peers: $1 did not become ready" >&2
+  return 1
+}
+
+case "${1:-}" in
+  install) install ;;
+  fhir)
+    dir="$2"; port="$3"
+    write_settings "$dir" "$port"
+    cd "$dir"
+    exec "$venv/bin/sekmet" serve -c "$dir/settings.yaml"
+    ;;
+  start)
+    install
+    "$0" stop >/dev/null 2>&1 || true
+    port=$(free_port)
+    dir="$peers/run/fhir"
+    rm -rf "$dir"; mkdir -p "$dir"
+    write_settings "$dir" "$port"
+    cd "$dir"
+    nohup "$venv/bin/sekmet" serve -c "$dir/settings.yaml" > "$dir/server.log" 2>&1 &
+    echo $! > "$peers/fhir.pid"
+    cd "$root"
+    wait_ready "http://127.0.0.1:$port/fhir"
+    {
+      echo "DQ_TEST_FHIR_BASE=http://127.0.0.1:$port/fhir"
+      echo "DQ_PEERS_VENV=$venv"
+    } > "$peers/env"
+    echo "peers: sekmet-fhir on http://127.0.0.1:$port/fhir (pid $(cat "$peers/fhir.pid"))"
+    ;;
+  stop)
+    if [ -f "$peers/fhir.pid" ]; then
+      pid=$(cat "$peers/fhir.pid")
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -9 "$pid" 2>/dev/null || true
+      rm -f "$peers/fhir.pid" "$peers/env"
+      echo "peers: stopped sekmet-fhir (pid $pid)"
+    fi
+    ;;
+  *) echo "usage: $0 install|start|stop|fhir DIR PORT" >&2; exit 64 ;;
+esac
