@@ -44,8 +44,19 @@ let package = Package(
         ),
         .testTarget(
             name: "FHIRDataQueueTests",
-            dependencies: ["FHIRDataQueue"],
-            resources: []
+            dependencies: [
+                "FHIRDataQueue",
+                .product(name: "GRDB", package: "GRDB.swift"),
+            ]
+        ),
+        .testTarget(
+            name: "IntegrationTests",
+            dependencies: [
+                "FHIRDataQueue",
+                .product(name: "GRDB", package: "GRDB.swift"),
+                .product(name: "AsyncHTTPClient", package: "async-http-client"),
+                .product(name: "NIOFoundationCompat", package: "swift-nio"),
+            ]
         ),
     ]
 )

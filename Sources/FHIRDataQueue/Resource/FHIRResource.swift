@@ -48,7 +48,7 @@ public struct FHIRResource: Sendable, Hashable {
         }
         let object: Any
         do {
-            object = try JSONSerialization.jsonObject(with: json, options: [])
+            object = try JSONSerialization.jsonObject(with: json, options: [.fragmentsAllowed])
         } catch {
             throw invalid("input is not valid JSON")
         }

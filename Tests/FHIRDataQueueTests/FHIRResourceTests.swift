@@ -1,0 +1,63 @@
+import Foundation
+import Testing
+
+@testable import FHIRDataQueue
+
+@Suite("FHIRResource validation")
+struct FHIRResourceTests {
+    @Test("A valid resource keeps its bytes and exposes type, id and identifier")
+    func valid() throws {
+        let json = #"{"resourceType":"Observation","id":"o-1","identifier":[{"value":"no-system"},{"system":"urn:s","value":"v"}],"valueQuantity":{"value":1.50}}"#
+        let resource = try FHIRResource(json: Data(json.utf8))
+        #expect(resource.data == Data(json.utf8))
+        #expect(resource.resourceType == "Observation")
+        #expect(resource.id == "o-1")
+        #expect(resource.identifier?.system == "urn:s" && resource.identifier?.value == "v")
+    }
+
+    @Test("Invalid inputs are refused with a specific reason", arguments: [
+        ("", "empty"),
+        ("  \n", "empty"),
+        ("{", "not valid JSON"),
+        ("[]", "not an object"),
+        ("42", "not an object"),
+        (#"{"id":"a"}"#, "no \"resourceType\""),
+        (#"{"resourceType":7}"#, "not a FHIR type name"),
+        (#"{"resourceType":"lowercase"}"#, "not a FHIR type name"),
+        (#"{"resourceType":"Patient","id":"bad id"}"#, "not a valid FHIR id"),
+        (#"{"resourceType":"Patient","id":5}"#, "not a valid FHIR id"),
+    ])
+    func invalid(input: String, reason: String) {
+        #expect {
+            try FHIRResource(json: Data(input.utf8))
+        } throws: { error in
+            guard let error = error as? DataQueueError else { return false }
+            return error.code == .invalidResource && error.message.contains(reason)
+        }
+    }
+
+    @Test("Invalid UTF-8 and oversize inputs are refused")
+    func bytesLevel() {
+        #expect(throws: DataQueueError.self) { try FHIRResource(json: Data([0x7B, 0xFF, 0x7D])) }
+        let big = Data(#"{"resourceType":"Patient","x":"\#(String(repeating: "a", count: 100))"}"#.utf8)
+        #expect {
+            try FHIRResource(json: big, maximumSize: 50)
+        } throws: { ($0 as? DataQueueError)?.message.contains("over the limit of 50 bytes") == true }
+    }
+
+    @Test("Deep nesting is refused or parsed without crashing")
+    func deepNesting() {
+        let depth = 100_000
+        let json = #"{"resourceType":"Patient","x":"# + String(repeating: "[", count: depth) + String(repeating: "]", count: depth) + "}"
+        _ = try? FHIRResource(json: Data(json.utf8))
+    }
+
+    @Test("An added identifier is inserted without re-serializing the rest")
+    func addingIdentifier() throws {
+        let json = #"{"resourceType":"Observation","valueQuantity":{"value":1.50}}"#
+        let tagged = try FHIRResource(json: Data(json.utf8)).addingIdentifier(system: "urn:ietf:rfc:3986", value: "urn:uuid:x")
+        #expect(String(decoding: tagged.data, as: UTF8.self)
+            == #"{"identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:x"}],"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
+        #expect(tagged.identifier?.value == "urn:uuid:x")
+    }
+}

@@ -1,0 +1,95 @@
+import Foundation
+import GRDB
+import Testing
+
+@testable import FHIRDataQueue
+
+@Suite("The SQLite queue store")
+struct QueueStoreTests {
+    let directory: URL
+
+    init() throws {
+        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-unit-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+    }
+
+    var path: String { directory.appendingPathComponent("q.sqlite").path }
+
+    func item(_ index: Int, queue: String = "http://h/fhir") -> NewItem {
+        NewItem(
+            id: UUID(), queue: queue, method: .post, url: queue + "/Patient", resourceType: "Patient", resourceID: nil,
+            encrypted: false, contentType: "application/fhir+json", ifNoneExist: nil,
+            body: Data(#"{"resourceType":"Patient","n":\#(index)}"#.utf8))
+    }
+
+    @Test("The database is WAL with synchronous=FULL by default, NORMAL when asked, and mode 0600")
+    func pragmas() async throws {
+        let store = try QueueStore(path: path, durability: .full)
+        let (mode, sync) = try await store.database.read { db in
+            (try String.fetchOne(db, sql: "PRAGMA journal_mode"), try Int.fetchOne(db, sql: "PRAGMA synchronous"))
+        }
+        #expect(mode == "wal")
+        #expect(sync == 2)
+        let permissions = try FileManager.default.attributesOfItem(atPath: path)[.posixPermissions] as? Int
+        #expect(permissions == 0o600)
+        let normal = try QueueStore(path: directory.appendingPathComponent("n.sqlite").path, durability: .normal)
+        let normalSync = try await normal.database.read { db in try Int.fetchOne(db, sql: "PRAGMA synchronous") }
+        #expect(normalSync == 1)
+    }
+
+    @Test("Concurrent enqueues share commits, each gets its own sequence, and nothing is lost")
+    func groupCommit() async throws {
+        let store = try QueueStore(path: path, durability: .full)
+        let sequences = try await withThrowingTaskGroup(of: Int64.self) { group in
+            for index in 0..<500 { group.addTask { try await store.insertGrouped(item(index)) } }
+            return try await group.reduce(into: [Int64]()) { $0.append($1) }
+        }
+        #expect(Set(sequences).count == 500)
+        #expect(try await store.status(queue: "http://h/fhir").pending == 500)
+    }
+
+    @Test("Items are read back in enqueue order, per queue")
+    func order() async throws {
+        let store = try QueueStore(path: path, durability: .normal)
+        _ = try await store.insert((0..<5).map { item($0) } + [item(99, queue: "http://h/other")])
+        var last: Int64 = 0
+        var bodies: [String] = []
+        while let next = try await store.nextPending(queue: "http://h/fhir", after: last) {
+            last = next.info.sequence
+            bodies.append(String(decoding: next.body, as: UTF8.self))
+        }
+        #expect(bodies == (0..<5).map { #"{"resourceType":"Patient","n":\#($0)}"# })
+    }
+
+    @Test("Many stores opening one new file at once migrate it exactly once")
+    func concurrentMigration() async throws {
+        for round in 0..<5 {
+            let shared = directory.appendingPathComponent("m\(round).sqlite").path
+            try await withThrowingTaskGroup(of: Void.self) { group in
+                for _ in 0..<8 {
+                    group.addTask { _ = try QueueStore(path: shared, durability: .full) }
+                }
+                try await group.waitForAll()
+            }
+        }
+    }
+
+    @Test("Delivery moves an item to the journal in one transaction; park and drop keep records")
+    func lifecycle() async throws {
+        let store = try QueueStore(path: path, durability: .normal)
+        let sequences = try await store.insert([item(0), item(1), item(2)])
+        let first = try await store.item(String(sequences[0])).info
+        try await store.markDelivered(first, status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1")
+        let second = try await store.item(String(sequences[1])).info
+        try await store.park(second, status: 400, error: "rejected", outcome: "{}")
+        let third = try await store.item(String(sequences[2])).info
+        try await store.drop(third)
+        let status = try await store.status(queue: "http://h/fhir")
+        #expect(status.pending == 0 && status.parked == 1 && status.delivered == 1)
+        let journal = try await store.deliveries(queue: nil, limit: 10)
+        #expect(journal.map(\.event) == [.delivered, .dropped])
+        #expect(journal.first?.serverID == "a")
+        #expect(try await store.retry(sequence: second.sequence))
+        #expect(try await store.status(queue: "http://h/fhir").pending == 1)
+    }
+}

@@ -1,0 +1,76 @@
+import Foundation
+import Testing
+
+@testable import FHIRDataQueue
+
+@Suite("Response classification and retry decisions")
+struct TransportDecisionTests {
+    @Test("Status codes map to success, permanent, transient or authentication", arguments: [
+        (200, "success"), (201, "success"), (204, "success"),
+        (400, "permanent"), (404, "permanent"), (409, "permanent"), (412, "permanent"), (422, "permanent"),
+        (301, "permanent"),
+        (401, "authentication"), (403, "authentication"),
+        (408, "transient"), (429, "transient"), (500, "transient"), (502, "transient"), (503, "transient"),
+    ])
+    func classification(status: Int, expected: String) {
+        let result = ResponseClassification.classify(status: status, body: Data(), retryAfter: nil, envelope: false)
+        let kind: String
+        switch result {
+        case .success: kind = "success"
+        case .permanent: kind = "permanent"
+        case .transient: kind = "transient"
+        case .authentication: kind = "authentication"
+        }
+        #expect(kind == expected)
+    }
+
+    @Test("On the encrypted endpoint a 2xx with an error body is a failure; empty and \"OK\" are success")
+    func envelopeQuirks() {
+        func classify(_ body: String) -> ResponseClassification {
+            ResponseClassification.classify(status: 200, body: Data(body.utf8), retryAfter: nil, envelope: true)
+        }
+        #expect(classify("") == .success)
+        #expect(classify("\"OK\"") == .success)
+        #expect(classify("{'error':'cannot decrypt'}") != .success)
+        #expect(classify(#"{"error":"x"}"#) != .success)
+        // The plain FHIR endpoint does not apply the quirk.
+        #expect(ResponseClassification.classify(status: 200, body: Data(#"{"error":"x"}"#.utf8), retryAfter: nil, envelope: false) == .success)
+    }
+
+    @Test("Retry-After is read as seconds or an HTTP date")
+    func retryAfter() {
+        #expect(ResponseClassification.parseRetryAfter("120") == 120)
+        #expect(ResponseClassification.parseRetryAfter(nil) == nil)
+        #expect(ResponseClassification.parseRetryAfter("soon") == nil)
+        let now = Date(timeIntervalSince1970: 1_700_000_000)
+        let later = ResponseClassification.parseRetryAfter("Tue, 14 Nov 2023 22:14:20 GMT", now: now)
+        #expect(later == 60)
+    }
+
+    @Test("Backoff doubles, is capped, is jittered, and honours a longer Retry-After")
+    func backoff() {
+        let policy = RetryPolicy(initialDelay: 10, maximumDelay: 100, jitter: 0.5)
+        for _ in 0..<50 {
+            #expect((5...10).contains(policy.delay(afterFailures: 1)))
+            #expect((10...20).contains(policy.delay(afterFailures: 2)))
+            #expect((50...100).contains(policy.delay(afterFailures: 30)))
+            #expect(policy.delay(afterFailures: 1, retryAfter: 300) == 300)
+        }
+        let delays = Set((0..<20).map { _ in policy.delay(afterFailures: 3) })
+        #expect(delays.count > 1, "jitter spreads clients")
+    }
+
+    @Test("Location headers give id and version")
+    func location() {
+        let (id, version) = DataQueue.parseLocation("http://h/fhir/Patient/abc/_history/3")
+        #expect(id == "abc" && version == "3")
+        let (plainID, noVersion) = DataQueue.parseLocation("http://h/fhir/Patient/abc")
+        #expect(plainID == "abc" && noVersion == nil)
+    }
+
+    @Test("Queue names keep the full base URL, so two servers on one host have two queues")
+    func queueNames() {
+        #expect(DataQueue.queueName(for: URL(string: "https://h/a/fhir/")!) == "https://h/a/fhir")
+        #expect(DataQueue.queueName(for: URL(string: "https://h/a/fhir")!) != DataQueue.queueName(for: URL(string: "https://h/b/fhir")!))
+    }
+}

@@ -1,0 +1,158 @@
+import Foundation
+import GRDB
+import Testing
+
+/// Bad input gets a clear, specific error and exit 65; what is already queued is not changed.
+@Suite("Bad input and configuration errors", .enabled(if: FileManager.default.isExecutableFile(atPath: Peers.dqBinary)))
+struct BadInputTests {
+    let work: TemporaryDirectory
+    let env: [String: String]
+
+    init() throws {
+        work = try TemporaryDirectory()
+        env = ["DQ_SERVER": "http://127.0.0.1:9/fhir", "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
+    }
+
+    /// Every row of the queue, to compare before and after.
+    func snapshot() throws -> [String] {
+        let db = try DatabaseQueue(path: work.file("queue.sqlite"))
+        return try db.read { db in
+            try Row.fetchAll(db, sql: "SELECT seq, uuid, state, hex(body) AS b FROM item ORDER BY seq").map { "\($0)" }
+        }
+    }
+
+    static let cases: [(String, [UInt8])] = [
+        ("malformed JSON", Array(#"{"resourceType":"Patient","#.utf8)),
+        ("non-object JSON", Array(#"["resourceType","Patient"]"#.utf8)),
+        ("missing resourceType", Array(#"{"id":"x"}"#.utf8)),
+        ("resourceType not a type name", Array(#"{"resourceType":"patient record"}"#.utf8)),
+        ("invalid UTF-8", [0x7B, 0x22, 0x72, 0xFF, 0xFE, 0x22, 0x7D]),
+        ("empty", []),
+        ("binary", [0x00, 0x01, 0x02, 0x89, 0x50, 0x4E, 0x47]),
+    ]
+
+    @Test("A bad file is named with its reason, exits 65, and leaves the queue unchanged", arguments: 0..<cases.count)
+    func badFile(index: Int) async throws {
+        let (name, bytes) = Self.cases[index]
+        let good = try work.write("good.json", #"{"resourceType":"Patient"}"#)
+        #expect(try await dq(["enqueue", good], env).status == 0)
+        let before = try snapshot()
+        let bad = work.file("bad.json")
+        try Data(bytes).write(to: URL(fileURLWithPath: bad))
+        let result = try await dq(["enqueue", good, bad], env)
+        #expect(result.status == 65, "\(name)")
+        #expect(result.stderr.contains("bad.json:"), "\(name): \(result.stderr)")
+        #expect(result.stderr.contains("nothing was queued"))
+        #expect(try snapshot() == before, "\(name): the queue changed")
+    }
+
+    @Test("Reasons are specific", arguments: [
+        (#"{"resourceType":"Patient","#, "not valid JSON"),
+        ("[1]", "not an object"),
+        (#"{"id":"x"}"#, "no \"resourceType\""),
+        (#"{"resourceType":"Patient","id":"has space"}"#, "not a valid FHIR id"),
+    ])
+    func specificReasons(input: String, reason: String) async throws {
+        let bad = try work.write("bad.json", input)
+        let result = try await dq(["enqueue", bad], env)
+        #expect(result.status == 65)
+        #expect(result.stderr.contains(reason), "\(result.stderr)")
+    }
+
+    @Test("A file over the size limit, a directory and a missing file are rejected with exit 65")
+    func filesystemProblems() async throws {
+        let good = try work.write("good.json", #"{"resourceType":"Patient"}"#)
+        #expect(try await dq(["enqueue", good], env).status == 0)
+        let before = try snapshot()
+        let big = try work.write("big.json", #"{"resourceType":"Patient","text":{"div":"\#(String(repeating: "x", count: 5000))"}}"#)
+        let over = try await dq(["enqueue", "--max-bytes", "1000", big], env)
+        #expect(over.status == 65)
+        #expect(over.stderr.contains("over the limit of 1000 bytes"))
+        let directory = try await dq(["enqueue", work.path], env)
+        #expect(directory.status == 65)
+        #expect(directory.stderr.contains("is a directory"))
+        let missing = try await dq(["enqueue", work.file("nope.json")], env)
+        #expect(missing.status == 65)
+        #expect(missing.stderr.contains("no such file"))
+        #expect(try snapshot() == before)
+    }
+
+    @Test("NDJSON names the bad line and queues none of the good ones")
+    func ndjsonBadLine() async throws {
+        let file = try work.write(
+            "in.ndjson", "{\"resourceType\":\"Patient\"}\n{\"resourceType\":\"Patient\"}\n{broken\n\n{\"resourceType\":\"Patient\"}\n")
+        let result = try await dq(["enqueue", "--ndjson", file], env)
+        #expect(result.status == 65)
+        #expect(result.stderr.contains("in.ndjson:3:"))
+        #expect(try snapshot().isEmpty)
+    }
+
+    @Test("PUT without an id is rejected; standard input works")
+    func putWithoutID() async throws {
+        let result = try await dq(["enqueue", "--method", "PUT", "-"], env, stdin: Data(#"{"resourceType":"Patient"}"#.utf8))
+        #expect(result.status == 65)
+        #expect(result.stderr.contains("<stdin>: a PUT (update) needs the resource's \"id\""))
+        let ok = try await dq(["enqueue", "-"], env, stdin: Data(#"{"resourceType":"Patient"}"#.utf8))
+        #expect(ok.status == 0)
+        #expect(try snapshot().count == 1)
+    }
+
+    @Test("Configuration errors exit 78 and name the key", arguments: [
+        (#"{"server":"http://127.0.0.1:9/fhir","durability":"sometimes"}"#, "\"durability\""),
+        (#"{"server":42}"#, "\"server\" must be a string"),
+        (#"{"server":"ftp://x"}"#, "\"server\" must be an http(s) URL"),
+        (#"{"server":"http://127.0.0.1:9/fhir","sever":"typo"}"#, "unknown key \"sever\""),
+        (#"{"server":"http://127.0.0.1:9/fhir","auth":{"client_secret":5}}"#, "\"auth.client_secret\" must be a string"),
+        (#"{"server":"http://127.0.0.1:9/fhir","retry":{"initial_seconds":"x"}}"#, "\"retry.initial_seconds\" must be a number"),
+        ("not json", "is not a JSON object"),
+    ])
+    func configErrors(config: String, message: String) async throws {
+        let path = try work.write("dq.json", config)
+        let result = try await dq(["status", "--config", path], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
+        #expect(result.status == 78, "\(result.stderr)")
+        #expect(result.stderr.contains(message), "\(result.stderr)")
+    }
+
+    @Test("A missing server setting exits 78 naming \"server\"; ./dq.json is read when present")
+    func missingServer() async throws {
+        let result = try await dq(["status"], ["HOME": work.path], directory: work.path)
+        #expect(result.status == 78)
+        #expect(result.stderr.contains("\"server\" is missing"))
+        _ = try work.write("dq.json", #"{"server":"http://127.0.0.1:9/fhir","database":"\#(work.file("cfg.sqlite"))"}"#)
+        let fromFile = try await dq(["status", "--json"], ["HOME": work.path], directory: work.path)
+        #expect(fromFile.status == 0, "\(fromFile.stderr)")
+        #expect(FileManager.default.fileExists(atPath: work.file("cfg.sqlite")))
+    }
+
+    @Test("The default database follows XDG and every file is created 0600 in a 0700 directory")
+    func defaultLocationAndModes() async throws {
+        let xdg = work.file("xdg")
+        let result = try await dq(
+            ["enqueue", "-"], ["DQ_SERVER": "http://127.0.0.1:9/fhir", "XDG_DATA_HOME": xdg, "HOME": work.path],
+            stdin: Data(#"{"resourceType":"Patient"}"#.utf8))
+        #expect(result.status == 0, "\(result.stderr)")
+        let database = xdg + "/dq/queue.sqlite"
+        #expect(FileManager.default.fileExists(atPath: database))
+        let flush = try await dq(["flush"], ["DQ_SERVER": "http://127.0.0.1:9/fhir", "XDG_DATA_HOME": xdg, "HOME": work.path])
+        #expect(flush.status == 75)
+        let files = try FileManager.default.contentsOfDirectory(atPath: xdg + "/dq")
+        #expect(files.contains("queue.sqlite") && files.contains("queue.sqlite.flush.lock"))
+        for file in files {
+            let mode = try FileManager.default.attributesOfItem(atPath: xdg + "/dq/" + file)[.posixPermissions] as? Int
+            #expect(mode == 0o600, "\(file) has mode \(String(mode ?? 0, radix: 8))")
+        }
+        let directoryMode = try FileManager.default.attributesOfItem(atPath: xdg + "/dq")[.posixPermissions] as? Int
+        #expect(directoryMode == 0o700)
+    }
+
+    @Test("Unknown items give exit 65 with a clear message; usage errors exit 64")
+    func unknownItemsAndUsage() async throws {
+        let show = try await dq(["show", "00000000-0000-0000-0000-000000000000"], env)
+        #expect(show.status == 65)
+        #expect(show.stderr.contains("no queued item"))
+        let usage = try await dq(["retry"], env)
+        #expect(usage.status == 64)
+        let noFiles = try await dq(["enqueue"], env)
+        #expect(noFiles.status == 64)
+    }
+}

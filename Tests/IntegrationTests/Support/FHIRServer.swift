@@ -1,0 +1,149 @@
+import Foundation
+import Testing
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A real sekmet-fhir server on a free loopback port, with its data in a temporary directory.
+///
+/// It can be killed (SIGKILL) and started again on the same port with the same data, to simulate an outage.
+final class FHIRServer: @unchecked Sendable {
+    let directory: TemporaryDirectory
+    let port: Int
+    var base: String { "http://127.0.0.1:\(port)/fhir" }
+    private var child: ChildProcess?
+
+    /// - Parameter tokens: static bearer tokens the server requires; nil for an open server.
+    init(tokens: [String]? = nil) throws {
+        try #require(Peers.installed, "the FHIR server peer is not installed: run scripts/peers.sh install")
+        directory = try TemporaryDirectory()
+        port = Peers.freePort()
+        let auth = tokens.map { "  types: [bearer]\n  tokens: [\($0.joined(separator: ", "))]\n  token_lifetime: 300" }
+            ?? "  types: [none]"
+        _ = try directory.write(
+            "settings.yaml",
+            """
+            host: 127.0.0.1
+            port: \(port)
+            base_url: http://127.0.0.1:\(port)/fhir
+            data_dir: \(directory.path)/data
+            log_inbound: false
+            simulator: {enabled: false}
+            server_auth:
+            \(auth)
+
+            """)
+    }
+
+    /// Starts a new server and waits until it answers.
+    static func start(tokens: [String]? = nil) async throws -> FHIRServer {
+        let server = try FHIRServer(tokens: tokens)
+        try await server.start()
+        return server
+    }
+
+    func start() async throws {
+        child = try ChildProcess(
+            Peers.venv + "/bin/sekmet", ["serve", "-c", directory.file("settings.yaml")], directory: directory.path)
+        let ready = try await eventually(timeout: .seconds(60)) {
+            (try? await HTTP.get(base + "/metadata"))?.0 != nil
+        }
+        if !ready {
+            let result = await child?.wait()
+            throw TestFailure("sekmet-fhir did not start: \(result?.stderr.suffix(2000) ?? "")")
+        }
+    }
+
+    /// Kills the server at once (SIGKILL), as a crash or a pulled cable would.
+    func kill() async {
+        guard let child else { return }
+        child.kill(SIGKILL)
+        _ = await child.wait()
+        self.child = nil
+    }
+
+    deinit {
+        if let child { child.kill(SIGKILL); child.process.waitUntilExit() }
+    }
+
+    /// Resources of `type` the server holds whose first identifier has `system`, oldest first,
+    /// as (identifier value, resource).
+    func resources(_ type: String, system: String) async throws -> [(String, [String: Any])] {
+        var all: [(String, [String: Any])] = []
+        var offset = 0
+        while true {
+            let page = try await HTTP.json("\(base)/\(type)/_history?_count=500&_offset=\(offset)")
+            let entries = page["entry"] as? [[String: Any]] ?? []
+            if entries.isEmpty { break }
+            for entry in entries {
+                guard let resource = entry["resource"] as? [String: Any],
+                    let identifiers = resource["identifier"] as? [[String: Any]],
+                    let match = identifiers.first(where: { $0["system"] as? String == system }),
+                    let value = match["value"] as? String
+                else { continue }
+                all.append((value, resource))
+            }
+            offset += entries.count
+        }
+        return all.reversed()
+    }
+
+    /// Identifier values of the resources of `type` with `system`, oldest first.
+    func values(_ type: String, system: String) async throws -> [String] {
+        try await resources(type, system: system).map(\.0)
+    }
+}
+
+/// scripts/faultproxy.py between dq and a server.
+final class FaultProxy: @unchecked Sendable {
+    let port: Int
+    var base: String { "http://127.0.0.1:\(port)/fhir" }
+    private let child: ChildProcess
+
+    init(upstream: FHIRServer, random: Double = 0, seed: Int = 0, stall: Double = 3) async throws {
+        port = Peers.freePort()
+        let script = Peers.packageRoot.appendingPathComponent("scripts/faultproxy.py").path
+        child = try ChildProcess(
+            "/usr/bin/env",
+            ["python3", script, "--listen", String(port), "--upstream", "http://127.0.0.1:\(upstream.port)",
+             "--random", String(random), "--seed", String(seed), "--stall", String(stall)])
+        let url = "http://127.0.0.1:\(port)/__proxy/stats"
+        let ready = try await eventually(timeout: .seconds(20)) { (try? await HTTP.get(url))?.0 == 200 }
+        if !ready { throw TestFailure("faultproxy did not start") }
+    }
+
+    /// Appends faults to the script (see scripts/faultproxy.py).
+    func inject(_ faults: [String]) async throws {
+        _ = try await HTTP.post(
+            "http://127.0.0.1:\(port)/__proxy/faults", json: try JSONSerialization.data(withJSONObject: faults))
+    }
+
+    /// The proxy's counters.
+    func stats() async throws -> [String: Any] {
+        try await HTTP.json("http://127.0.0.1:\(port)/__proxy/stats")
+    }
+
+    deinit {
+        child.kill(SIGKILL)
+        child.process.waitUntilExit()
+    }
+}
+
+/// Synthetic test resources with a per-test identifier system, so a test can find exactly its own.
+struct Resources {
+    let system = "urn:dq-test:\(UUID().uuidString.lowercased())"
+
+    func observation(_ index: Int, extra: String = "") -> String {
+        #"{"resourceType":"Observation","status":"final","identifier":[{"system":"\#(system)","value":"\#(index)"}],"code":{"text":"test \#(index)\#(extra)"}}"#
+    }
+
+    /// An Observation the server rejects (an element FHIR does not define).
+    func invalid(_ index: Int) -> String {
+        #"{"resourceType":"Observation","status":"final","identifier":[{"system":"\#(system)","value":"\#(index)"}],"code":{"text":"bad"},"notAnElement":true}"#
+    }
+
+    func ndjson(_ range: Range<Int>) -> String {
+        range.map { observation($0) }.joined(separator: "\n") + "\n"
+    }
+}

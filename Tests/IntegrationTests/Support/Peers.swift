@@ -1,0 +1,180 @@
+import AsyncHTTPClient
+import Foundation
+import NIOCore
+import NIOFoundationCompat
+import Testing
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Where the project and its test peers are.
+enum Peers {
+    static let packageRoot: URL = URL(fileURLWithPath: #filePath)
+        .deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+
+    static var environment: [String: String] { ProcessInfo.processInfo.environment }
+
+    static var venv: String {
+        environment["DQ_PEERS_VENV"] ?? packageRoot.appendingPathComponent(".peers/venv").path
+    }
+
+    /// Whether the peers are installed (`scripts/peers.sh install`).
+    static var installed: Bool { FileManager.default.isExecutableFile(atPath: venv + "/bin/sekmet") }
+
+    /// `make test` sets DQ_REQUIRE_PEERS=1: then a missing peer fails the tests instead of skipping them.
+    static var required: Bool { environment["DQ_REQUIRE_PEERS"] == "1" }
+
+    /// Integration tests run when the peers are installed or required.
+    static var enabled: Bool {
+        if !installed && !required {
+            print("IntegrationTests skipped: run `make test` (or scripts/peers.sh install) to install the real FHIR server")
+        }
+        return installed || required
+    }
+
+    static var dqBinary: String {
+        environment["DQ_BIN"] ?? packageRoot.appendingPathComponent(".build/debug/dq").path
+    }
+
+    static func freePort() -> Int {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        defer { close(fd) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        address.sin_port = 0
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        _ = withUnsafePointer(to: &address) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) } }
+        _ = withUnsafeMutablePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &length) }
+        }
+        return Int(UInt16(bigEndian: address.sin_port))
+    }
+}
+
+/// A temporary directory removed when the test ends.
+final class TemporaryDirectory: @unchecked Sendable {
+    let url: URL
+    var path: String { url.path }
+
+    init() throws {
+        url = FileManager.default.temporaryDirectory.appendingPathComponent("dq-test-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: url, withIntermediateDirectories: true)
+    }
+
+    func file(_ name: String) -> String { url.appendingPathComponent(name).path }
+
+    func write(_ name: String, _ text: String) throws -> String {
+        let path = file(name)
+        try Data(text.utf8).write(to: URL(fileURLWithPath: path))
+        return path
+    }
+
+    deinit { try? FileManager.default.removeItem(at: url) }
+}
+
+/// The result of running a process.
+struct ProcessResult: Sendable {
+    var status: Int32
+    var stdout: String
+    var stderr: String
+}
+
+/// A child process with its output in files.
+final class ChildProcess: @unchecked Sendable {
+    let process = Process()
+    let stdoutPath: String
+    let stderrPath: String
+
+    init(_ executable: String, _ arguments: [String], environment: [String: String] = [:], stdin: Data? = nil,
+         directory: String? = nil) throws {
+        let outputs = FileManager.default.temporaryDirectory.appendingPathComponent("dq-proc-\(UUID().uuidString)")
+        stdoutPath = outputs.path + ".out"
+        stderrPath = outputs.path + ".err"
+        _ = FileManager.default.createFile(atPath: stdoutPath, contents: nil)
+        _ = FileManager.default.createFile(atPath: stderrPath, contents: nil)
+        process.executableURL = URL(fileURLWithPath: executable)
+        process.arguments = arguments
+        var env = ProcessInfo.processInfo.environment
+        for key in env.keys where key.hasPrefix("DQ_") && key != "DQ_BIN" { env[key] = nil }
+        env.merge(environment) { $1 }
+        process.environment = env
+        if let directory { process.currentDirectoryURL = URL(fileURLWithPath: directory) }
+        process.standardOutput = try FileHandle(forWritingTo: URL(fileURLWithPath: stdoutPath))
+        process.standardError = try FileHandle(forWritingTo: URL(fileURLWithPath: stderrPath))
+        if let stdin {
+            let pipe = Pipe()
+            process.standardInput = pipe
+            try process.run()
+            pipe.fileHandleForWriting.write(stdin)
+            try pipe.fileHandleForWriting.close()
+        } else {
+            process.standardInput = FileHandle.nullDevice
+            try process.run()
+        }
+    }
+
+    var pid: Int32 { process.processIdentifier }
+
+    func kill(_ signal: Int32 = SIGKILL) { Glibc.kill(process.processIdentifier, signal) }
+
+    /// Waits without blocking a thread of the cooperative pool.
+    func wait() async -> ProcessResult {
+        while process.isRunning { try? await Task.sleep(for: .milliseconds(20)) }
+        let out = (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? ""
+        let err = (try? String(contentsOfFile: stderrPath, encoding: .utf8)) ?? ""
+        try? FileManager.default.removeItem(atPath: stdoutPath)
+        try? FileManager.default.removeItem(atPath: stderrPath)
+        return ProcessResult(status: process.terminationStatus, stdout: out, stderr: err)
+    }
+}
+
+/// Runs `dq` with the given arguments and environment.
+func dq(_ arguments: [String], _ environment: [String: String], stdin: Data? = nil, directory: String? = nil) async throws
+    -> ProcessResult
+{
+    try await ChildProcess(Peers.dqBinary, arguments, environment: environment, stdin: stdin, directory: directory).wait()
+}
+
+/// Simple HTTP calls for assertions.
+enum HTTP {
+    static func get(_ url: String) async throws -> (Int, Data) {
+        let response = try await HTTPClient.shared.execute(HTTPClientRequest(url: url), timeout: .seconds(30))
+        let body = try await response.body.collect(upTo: 64 << 20)
+        return (Int(response.status.code), Data(buffer: body))
+    }
+
+    static func post(_ url: String, json: Data) async throws -> (Int, Data) {
+        var request = HTTPClientRequest(url: url)
+        request.method = .POST
+        request.headers.add(name: "Content-Type", value: "application/json")
+        request.body = .bytes(ByteBuffer(data: json))
+        let response = try await HTTPClient.shared.execute(request, timeout: .seconds(30))
+        let body = try await response.body.collect(upTo: 64 << 20)
+        return (Int(response.status.code), Data(buffer: body))
+    }
+
+    static func json(_ url: String) async throws -> [String: Any] {
+        let (status, data) = try await get(url)
+        guard status == 200, let object = try JSONSerialization.jsonObject(with: data) as? [String: Any] else {
+            throw TestFailure("GET \(url) answered \(status)")
+        }
+        return object
+    }
+}
+
+struct TestFailure: Error, CustomStringConvertible {
+    var description: String
+    init(_ description: String) { self.description = description }
+}
+
+/// Polls `condition` until it holds or `timeout` passes.
+func eventually(timeout: Duration = .seconds(30), _ condition: () async throws -> Bool) async throws -> Bool {
+    let deadline = ContinuousClock.now + timeout
+    while ContinuousClock.now < deadline {
+        if try await condition() { return true }
+        try await Task.sleep(for: .milliseconds(50))
+    }
+    return false
+}
