@@ -17,7 +17,7 @@ public enum ItemState: String, Sendable, Codable {
 }
 
 /// A request waiting in the queue, as an operator sees it (no body unless asked for).
-public struct QueuedItem: Sendable, Codable, Hashable {
+public struct QueuedItem: Sendable, Encodable, Hashable {
     /// The position in the queue: items of one server are sent in increasing `sequence`.
     public let sequence: Int64
     /// The stable identifier of the item, kept across retries and in the delivery journal.
@@ -53,7 +53,7 @@ public struct QueuedItem: Sendable, Codable, Hashable {
 }
 
 /// One line of the delivery journal: the chain-of-custody record of an item (no resource body).
-public struct DeliveryRecord: Sendable, Codable, Hashable {
+public struct DeliveryRecord: Sendable, Encodable, Hashable {
     /// What happened to the item.
     public enum Event: String, Sendable, Codable {
         /// The server accepted the item.
@@ -109,4 +109,58 @@ public struct QueueStatus: Sendable, Codable, Hashable {
     public let nextAttemptAt: Date?
     /// A PHI-free description of the last failure.
     public let lastError: String?
+}
+
+extension QueuedItem {
+    private enum CodingKeys: String, CodingKey {
+        case sequence, id, queue, method, url, resourceType, resourceID, encrypted, state, attempts, enqueuedAt
+        case lastAttemptAt, lastStatus, lastError, outcome, size
+    }
+
+    /// Encodes the item with its id in lowercase, as dq prints ids everywhere.
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try container.encode(sequence, forKey: .sequence)
+        try container.encode(id.uuidString.lowercased(), forKey: .id)
+        try container.encode(queue, forKey: .queue)
+        try container.encode(method, forKey: .method)
+        try container.encode(url, forKey: .url)
+        try container.encode(resourceType, forKey: .resourceType)
+        try container.encodeIfPresent(resourceID, forKey: .resourceID)
+        try container.encode(encrypted, forKey: .encrypted)
+        try container.encode(state, forKey: .state)
+        try container.encode(attempts, forKey: .attempts)
+        try container.encode(enqueuedAt, forKey: .enqueuedAt)
+        try container.encodeIfPresent(lastAttemptAt, forKey: .lastAttemptAt)
+        try container.encodeIfPresent(lastStatus, forKey: .lastStatus)
+        try container.encodeIfPresent(lastError, forKey: .lastError)
+        try container.encodeIfPresent(outcome, forKey: .outcome)
+        try container.encode(size, forKey: .size)
+    }
+}
+
+extension DeliveryRecord {
+    private enum CodingKeys: String, CodingKey {
+        case sequence, id, event, queue, method, url, resourceType, status, location, serverID, versionID, attempts
+        case enqueuedAt, at
+    }
+
+    /// Encodes the record with its id in lowercase, as dq prints ids everywhere.
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try container.encode(sequence, forKey: .sequence)
+        try container.encode(id.uuidString.lowercased(), forKey: .id)
+        try container.encode(event, forKey: .event)
+        try container.encode(queue, forKey: .queue)
+        try container.encode(method, forKey: .method)
+        try container.encode(url, forKey: .url)
+        try container.encode(resourceType, forKey: .resourceType)
+        try container.encodeIfPresent(status, forKey: .status)
+        try container.encodeIfPresent(location, forKey: .location)
+        try container.encodeIfPresent(serverID, forKey: .serverID)
+        try container.encodeIfPresent(versionID, forKey: .versionID)
+        try container.encode(attempts, forKey: .attempts)
+        try container.encode(enqueuedAt, forKey: .enqueuedAt)
+        try container.encode(at, forKey: .at)
+    }
 }

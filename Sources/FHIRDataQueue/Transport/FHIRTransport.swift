@@ -35,6 +35,8 @@ final class FHIRTransport: Sendable {
         configuration.timeout = .init(
             connect: .milliseconds(Int64(connectTimeout * 1000)), read: .milliseconds(Int64(timeout * 1000)))
         configuration.redirectConfiguration = .disallow
+        // dq retries with its own backoff; the pool must not spin on a refused connection until the deadline.
+        configuration.connectionPool.retryConnectionEstablishment = false
         configuration.decompression = .enabled(limit: .ratio(100))
         if let caBundlePath {
             var tls = TLSConfiguration.makeClientConfiguration()
