@@ -41,6 +41,6 @@ entries = json.load(sys.stdin).get("entry", [])
 for e in reversed(entries):
     r = e["resource"]
     if r["resourceType"] == "Basic":
-        continue  # the server's own seed data
+        continue  # seed data of the server
     print("  %s/%s  %s" % (r["resourceType"], r["id"], e["response"]["status"]))
 '
