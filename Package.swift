@@ -47,6 +47,8 @@ let package = Package(
             dependencies: [
                 "FHIRDataQueue",
                 .product(name: "GRDB", package: "GRDB.swift"),
+                .product(name: "Crypto", package: "swift-crypto"),
+                .product(name: "_CryptoExtras", package: "swift-crypto"),
             ]
         ),
         .testTarget(

@@ -15,10 +15,10 @@ free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)
 
 install() {
   mkdir -p "$peers"
-  if [ -f "$venv/.installed-v1" ]; then return 0; fi
+  if [ -f "$venv/.installed-v2" ]; then return 0; fi
   "$PY" -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1"
-  touch "$venv/.installed-v1"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1" "cryptography==50.0.2"
+  touch "$venv/.installed-v2"
 }
 
 write_settings() { # DIR PORT

@@ -7,11 +7,23 @@ struct DQSettings {
     var configuration: DataQueue.Configuration
     var authorization: (any AuthorizationProvider)?
     var configPath: String?
+    var encryption: Encryption?
+
+    /// The `encryption` object: where and how envelopes go.
+    struct Encryption {
+        var endpoint: URL
+        var sealer: EnvelopeSealer
+        /// nil: every resource is encrypted.
+        var resourceTypes: Set<String>?
+    }
 
     /// Keys a config file may hold.
     static let topLevelKeys: Set<String> = [
         "server", "database", "durability", "idempotent", "max_resource_bytes", "timeout_seconds",
         "connect_timeout_seconds", "retry", "ca_bundle", "auth", "encryption",
+    ]
+    static let encryptionKeys: Set<String> = [
+        "endpoint", "certificate", "key_id", "fhir_version", "resource_types", "mode",
     ]
     static let authKeys: Set<String> = [
         "bearer_token", "client_id", "client_secret", "authorize_uri", "token_uri", "authorize_type",
@@ -146,6 +158,61 @@ struct DQSettings {
         } else if auth["client_id"] != nil || auth["registration_uri"] != nil {
             throw configError("\"auth.client_id\" / \"auth.registration_uri\" need OAuth2, which this version of dq does not support yet (use auth.bearer_token or DQ_TOKEN)")
         }
-        return DQSettings(server: server, configuration: configuration, authorization: authorization, configPath: configPath)
+        var encryption: Encryption?
+        if let value = file["encryption"] {
+            encryption = try loadEncryption(value, configPath: configPath)
+        }
+        return DQSettings(
+            server: server, configuration: configuration, authorization: authorization, configPath: configPath,
+            encryption: encryption)
+    }
+
+    static func loadEncryption(_ value: Any, configPath: String?) throws -> Encryption {
+        guard let object = value as? [String: Any] else { throw configError("\"encryption\" must be an object") }
+        for key in object.keys where !encryptionKeys.contains(key) {
+            throw configError("unknown key \"encryption.\(key)\"")
+        }
+        func text(_ key: String, required: Bool) throws -> String? {
+            guard let value = object[key] else {
+                if required { throw configError("\"encryption.\(key)\" is missing") }
+                return nil
+            }
+            guard let string = value as? String, !string.isEmpty else {
+                throw configError("\"encryption.\(key)\" must be a non-empty string")
+            }
+            return string
+        }
+        let endpointText = try text("endpoint", required: true)!
+        guard let endpoint = URL(string: endpointText), let scheme = endpoint.scheme?.lowercased(),
+            scheme == "http" || scheme == "https", endpoint.host != nil
+        else { throw configError("\"encryption.endpoint\" must be an http(s) URL with a host") }
+        var certificatePath = try text("certificate", required: true)!
+        if !certificatePath.hasPrefix("/"), let configPath {
+            // A relative certificate path is relative to the config file.
+            certificatePath = ((configPath as NSString).deletingLastPathComponent as NSString)
+                .appendingPathComponent(certificatePath)
+        }
+        let keyID = try text("key_id", required: true)!
+        let version = try text("fhir_version", required: false) ?? "1.0.2"
+        let modeText = try text("mode", required: false) ?? "c3pro"
+        guard let format = EnvelopeFormat(rawValue: modeText) else {
+            throw configError("\"encryption.mode\" must be \"c3pro\" or \"authenticated\"")
+        }
+        var types: Set<String>?
+        if let list = object["resource_types"] {
+            guard let array = list as? [String], !array.isEmpty else {
+                throw configError("\"encryption.resource_types\" must be a non-empty list of resource type names")
+            }
+            types = Set(array)
+        }
+        let recipient: RecipientKey
+        do {
+            recipient = try RecipientKey(contentsOfFile: certificatePath)
+        } catch let error as DataQueueError {
+            throw configError(error.message.replacingOccurrences(of: "encryption: ", with: "\"encryption.certificate\": "))
+        }
+        return Encryption(
+            endpoint: endpoint, sealer: EnvelopeSealer(recipient: recipient, keyID: keyID, fhirVersion: version, format: format),
+            resourceTypes: types)
     }
 }

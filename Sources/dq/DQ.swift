@@ -22,6 +22,7 @@ struct DQ: AsyncParsableCommand {
         version: DQVersion.current,
         subcommands: [
             Enqueue.self, Send.self, Flush.self, Status.self, List.self, Show.self, Retry.self, Drop.self, Log.self,
+            Decrypt.self,
         ])
 }
 
@@ -98,9 +99,17 @@ func withQueue<T>(_ options: QueueOptions, _ body: (DataQueue) async throws -> T
     let queue: DataQueue
     do {
         let settings = try DQSettings.load(options: options)
-        queue = try DataQueue(
-            baseURL: settings.server, configuration: settings.configuration, authorization: settings.authorization,
-            logger: logger)
+        if let encryption = settings.encryption {
+            let types = encryption.resourceTypes
+            queue = try EncryptedDataQueue(
+                baseURL: settings.server, encryptedBaseURL: encryption.endpoint, sealer: encryption.sealer,
+                shouldEncrypt: { resource in types?.contains(resource.resourceType) ?? true },
+                configuration: settings.configuration, authorization: settings.authorization, logger: logger)
+        } else {
+            queue = try DataQueue(
+                baseURL: settings.server, configuration: settings.configuration, authorization: settings.authorization,
+                logger: logger)
+        }
     } catch let error as DataQueueError {
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))

@@ -1,0 +1,165 @@
+import Crypto
+import Foundation
+import _CryptoExtras
+
+/// The encrypted message format sent to a C3-PRO style receiver.
+///
+/// Both formats are a JSON object of standard base64 strings:
+/// `{"key_id": …, "symmetric_key": …, "message": …, "version": …}`.
+public enum EnvelopeFormat: String, Sendable, Codable, CaseIterable {
+    /// The C3-PRO format, byte-compatible with deployed consumers: a fresh 32-byte AES key per message,
+    /// AES-256-CBC with PKCS#7 padding and an all-zero IV (not sent), the key wrapped with RSA-OAEP
+    /// (SHA-1, MGF1-SHA-1, empty label).
+    ///
+    /// > Important: CBC without a MAC is not authenticated. It is kept for compatibility; prefer
+    /// > ``authenticated`` where the receiver supports it.
+    case c3pro
+    /// dq's authenticated format: AES-256-GCM with a random 12-byte nonce, `message` = nonce ‖ ciphertext ‖
+    /// 16-byte tag, the key wrapped with RSA-OAEP-SHA-256 (MGF1-SHA-256), and `"alg": "A256GCM+RSA-OAEP-256"`
+    /// in the envelope. An old C3-PRO consumer fails to unwrap the key and refuses it rather than misreading it.
+    case authenticated
+
+    /// The value of the `alg` member that marks the authenticated format.
+    public static let authenticatedMarker = "A256GCM+RSA-OAEP-256"
+}
+
+/// Seals resources into envelopes for one receiver key.
+///
+/// ```swift
+/// let sealer = EnvelopeSealer(recipient: try RecipientKey(contentsOfFile: "server.crt"), keyID: "c3pro-2024")
+/// let envelope = try sealer.seal(resource.data)
+/// ```
+public struct EnvelopeSealer: Sendable {
+    /// The receiver's public key.
+    public let recipient: RecipientKey
+    /// Names the receiver's key pair (the consumer loads `<key_id>/private-c3pro.der`).
+    public let keyID: String
+    /// The FHIR version of the resources. The default is `1.0.2`, as the original sent.
+    public let fhirVersion: String
+    /// The format. The default is ``EnvelopeFormat/c3pro``.
+    public let format: EnvelopeFormat
+
+    /// Creates a sealer. Every parameter has the default stated on its property.
+    public init(recipient: RecipientKey, keyID: String, fhirVersion: String = "1.0.2", format: EnvelopeFormat = .c3pro) {
+        self.recipient = recipient
+        self.keyID = keyID
+        self.fhirVersion = fhirVersion
+        self.format = format
+    }
+
+    /// Encrypts `plaintext` with a fresh random AES-256 key and returns the envelope's JSON bytes.
+    public func seal(_ plaintext: Data) throws -> Data {
+        let key = SymmetricKey(size: .bits256)
+        let keyBytes = key.withUnsafeBytes { Data($0) }
+        let message: Data
+        let wrapped: Data
+        do {
+            switch format {
+            case .c3pro:
+                message = try EnvelopeCrypto.cbcEncrypt(plaintext, key: key)
+                wrapped = try recipient.wrap(keyBytes, sha256: false)
+            case .authenticated:
+                guard let combined = try AES.GCM.seal(plaintext, using: key).combined else {
+                    throw DataQueueError(.encryption, "AES-GCM produced no sealed box")
+                }
+                message = combined
+                wrapped = try recipient.wrap(keyBytes, sha256: true)
+            }
+        } catch let error as DataQueueError {
+            throw error
+        } catch {
+            throw DataQueueError(.encryption, "cannot encrypt the resource: \(error)")
+        }
+        var json = #"{"key_id":"# + EnvelopeCrypto.jsonString(keyID)
+        json += #","symmetric_key":""# + wrapped.base64EncodedString() + "\""
+        json += #","message":""# + message.base64EncodedString() + "\""
+        json += #","version":"# + EnvelopeCrypto.jsonString(fhirVersion)
+        if format == .authenticated { json += #","alg":""# + EnvelopeFormat.authenticatedMarker + "\"" }
+        json += "}"
+        return Data(json.utf8)
+    }
+}
+
+/// Opens envelopes with the receiver's private key, in either format (what `dq decrypt` does).
+public struct EnvelopeOpener: Sendable {
+    private let privateKeyPEM: String
+    /// The key size in bits.
+    public let keySizeInBits: Int
+
+    /// Reads an RSA private key (PEM, PKCS#1 or PKCS#8).
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when it is not a readable RSA private key.
+    public init(privateKeyPEM: String) throws {
+        do {
+            let key = try _RSA.Encryption.PrivateKey(unsafePEMRepresentation: privateKeyPEM)
+            self.keySizeInBits = key.keySizeInBits
+        } catch {
+            throw DataQueueError(.invalidConfiguration, "the private key is not a readable RSA private key (PEM)")
+        }
+        self.privateKeyPEM = privateKeyPEM
+    }
+
+    /// Decrypts an envelope and returns the resource bytes.
+    /// - Throws: ``DataQueueError`` with `.encryption` naming what is wrong with the envelope.
+    public func open(_ envelope: Data) throws -> Data {
+        func corrupt(_ why: String) -> DataQueueError { DataQueueError(.encryption, "envelope: \(why)") }
+        guard let object = (try? JSONSerialization.jsonObject(with: envelope, options: [.fragmentsAllowed])) as? [String: Any] else {
+            throw corrupt("not a JSON object")
+        }
+        for field in ["key_id", "symmetric_key", "message", "version"] {
+            guard object[field] is String else { throw corrupt("\"\(field)\" is missing or not a string") }
+        }
+        let authenticated: Bool
+        switch object["alg"] {
+        case nil: authenticated = false
+        case let alg as String where alg == EnvelopeFormat.authenticatedMarker: authenticated = true
+        default: throw corrupt("unknown \"alg\"")
+        }
+        guard let wrapped = Data(base64Encoded: object["symmetric_key"] as! String) else {
+            throw corrupt("\"symmetric_key\" is not base64")
+        }
+        guard let message = Data(base64Encoded: object["message"] as! String) else {
+            throw corrupt("\"message\" is not base64")
+        }
+        let keyBytes: Data
+        do {
+            let key = try _RSA.Encryption.PrivateKey(unsafePEMRepresentation: privateKeyPEM)
+            keyBytes = try key.decrypt(wrapped, padding: authenticated ? .PKCS1_OAEP_SHA256 : .PKCS1_OAEP)
+        } catch {
+            throw corrupt("the symmetric key cannot be unwrapped with this private key")
+        }
+        guard keyBytes.count == 32 || (!authenticated && keyBytes.count == 16) else {
+            throw corrupt("the symmetric key has \(keyBytes.count) bytes")
+        }
+        let key = SymmetricKey(data: keyBytes)
+        do {
+            if authenticated {
+                return try AES.GCM.open(try AES.GCM.SealedBox(combined: message), using: key)
+            }
+            return try EnvelopeCrypto.cbcDecrypt(message, key: key)
+        } catch {
+            throw corrupt(authenticated ? "the message fails authentication" : "the message cannot be decrypted (bad padding)")
+        }
+    }
+}
+
+/// The primitives of the C3-PRO format.
+enum EnvelopeCrypto {
+    static let zeroIV = [UInt8](repeating: 0, count: 16)
+
+    /// AES-CBC with PKCS#7 padding and the all-zero IV (C3-PRO's `AES/CBC/PKCS5Padding`).
+    static func cbcEncrypt(_ plaintext: Data, key: SymmetricKey) throws -> Data {
+        try AES._CBC.encrypt(plaintext, using: key, iv: try AES._CBC.IV(ivBytes: zeroIV))
+    }
+
+    static func cbcDecrypt(_ ciphertext: Data, key: SymmetricKey) throws -> Data {
+        guard !ciphertext.isEmpty, ciphertext.count % 16 == 0 else { throw DataQueueError(.encryption, "bad length") }
+        return try AES._CBC.decrypt(ciphertext, using: key, iv: try AES._CBC.IV(ivBytes: zeroIV))
+    }
+
+    /// A JSON string literal.
+    static func jsonString(_ text: String) -> String {
+        let data = (try? JSONSerialization.data(withJSONObject: [text], options: [.withoutEscapingSlashes])) ?? Data("[\"\"]".utf8)
+        let array = String(decoding: data, as: UTF8.self)
+        return String(array.dropFirst().dropLast())
+    }
+}
