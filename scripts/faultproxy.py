@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
 SCRIPT = []
-STATS = {"requests": 0, "forwarded": 0, "faults": {}}
+STATS = {"requests": 0, "forwarded": 0, "faults": {}, "tokens": []}
 ARGS = None
 RNG = random.Random(0)
 RANDOM_FAULTS = ["503:1", "drop-before", "drop-after", "delay:50", "stall:STALL"]
@@ -83,7 +83,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/__proxy/reset":
             with LOCK:
                 SCRIPT = []
-                STATS.update({"requests": 0, "forwarded": 0, "faults": {}})
+                STATS.update({"requests": 0, "forwarded": 0, "faults": {}, "tokens": []})
             return self._reply(204)
         return self._reply(404)
 
@@ -103,6 +103,11 @@ class Handler(BaseHTTPRequestHandler):
         data = response.read()
         with LOCK:
             STATS["forwarded"] += 1
+            if b"access_token" in data:  # lets tests check that no token leaks into dq's output
+                try:
+                    STATS["tokens"].append(json.loads(data)["access_token"])
+                except (ValueError, KeyError):
+                    pass
         keep = {k: v for k, v in response.getheaders()
                 if k.lower() not in ("content-length", "transfer-encoding", "connection")}
         connection.close()

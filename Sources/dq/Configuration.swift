@@ -27,7 +27,8 @@ struct DQSettings {
     ]
     static let authKeys: Set<String> = [
         "bearer_token", "client_id", "client_secret", "authorize_uri", "token_uri", "authorize_type",
-        "registration_uri", "client_name", "scope",
+        "registration_uri", "client_name", "scope", "token_endpoint_auth_method", "private_key", "key_id",
+        "registration_fields", "registration_headers", "credentials_dir",
     ]
 
     static func configError(_ message: String) -> DataQueueError {
@@ -145,7 +146,7 @@ struct DQSettings {
             for key in object.keys where !authKeys.contains(key) {
                 throw configError("unknown key \"auth.\(key)\"")
             }
-            for (key, value) in object where !(value is String) {
+            for (key, value) in object where !(value is String) && !["registration_fields", "registration_headers"].contains(key) {
                 throw configError("\"auth.\(key)\" must be a string")
             }
             auth = object
@@ -153,10 +154,9 @@ struct DQSettings {
         if let token = environment["DQ_TOKEN"] ?? auth["bearer_token"] as? String {
             guard !token.isEmpty else { throw configError("\"auth.bearer_token\" is empty") }
             authorization = StaticBearerToken(token)
-        } else if let type = auth["authorize_type"] as? String {
-            throw configError("\"auth.authorize_type\" \"\(type)\" is not supported by this version of dq (use auth.bearer_token or DQ_TOKEN)")
-        } else if auth["client_id"] != nil || auth["registration_uri"] != nil {
-            throw configError("\"auth.client_id\" / \"auth.registration_uri\" need OAuth2, which this version of dq does not support yet (use auth.bearer_token or DQ_TOKEN)")
+        } else if auth["authorize_type"] != nil || auth["client_id"] != nil || auth["registration_uri"] != nil {
+            authorization = try loadOAuth2(auth, server: server, environment: environment, configPath: configPath,
+                                           caBundle: configuration.caBundlePath)
         }
         var encryption: Encryption?
         if let value = file["encryption"] {
@@ -165,6 +165,76 @@ struct DQSettings {
         return DQSettings(
             server: server, configuration: configuration, authorization: authorization, configPath: configPath,
             encryption: encryption)
+    }
+
+    static func loadOAuth2(
+        _ auth: [String: Any], server: URL, environment: [String: String], configPath: String?, caBundle: String?
+    ) throws -> OAuth2ClientCredentials {
+        if let type = auth["authorize_type"] as? String, type != "client_credentials" {
+            throw configError("\"auth.authorize_type\" \"\(type)\" is not supported: dq runs unattended and uses \"client_credentials\"")
+        }
+        func url(_ key: String) throws -> URL? {
+            guard let text = auth[key] as? String else { return nil }
+            guard let url = URL(string: text), let scheme = url.scheme?.lowercased(), scheme == "http" || scheme == "https",
+                url.host != nil
+            else { throw configError("\"auth.\(key)\" must be an http(s) URL") }
+            return url
+        }
+        func relative(_ path: String) -> String {
+            if path.hasPrefix("/") { return path }
+            guard let configPath else { return path }
+            return ((configPath as NSString).deletingLastPathComponent as NSString).appendingPathComponent(path)
+        }
+        var oauth = OAuth2Configuration(fhirBaseURL: server)
+        oauth.clientID = auth["client_id"] as? String
+        oauth.clientSecret = environment["DQ_CLIENT_SECRET"] ?? auth["client_secret"] as? String
+        oauth.tokenURL = try url("token_uri") ?? url("authorize_uri")
+        oauth.registrationURI = try url("registration_uri")
+        if let name = auth["client_name"] as? String { oauth.clientName = name }
+        oauth.scope = auth["scope"] as? String
+        oauth.caBundlePath = caBundle
+        if let method = auth["token_endpoint_auth_method"] as? String {
+            guard let parsed = TokenEndpointAuthMethod(rawValue: method) else {
+                throw configError("\"auth.token_endpoint_auth_method\" must be client_secret_basic, client_secret_post or private_key_jwt")
+            }
+            oauth.authMethod = parsed
+        }
+        if let path = auth["private_key"] as? String {
+            oauth.assertionKey = try ClientAssertionKey(pemFile: relative(path), keyID: auth["key_id"] as? String)
+        }
+        if oauth.effectiveAuthMethod == .privateKeyJWT && oauth.assertionKey == nil {
+            throw configError("\"auth.private_key\" is missing (needed for private_key_jwt)")
+        }
+        if oauth.effectiveAuthMethod != .privateKeyJWT && oauth.clientID != nil && oauth.clientSecret == nil {
+            throw configError("\"auth.client_secret\" is missing (or set DQ_CLIENT_SECRET, or \"auth.private_key\")")
+        }
+        if let fields = auth["registration_fields"] {
+            guard let object = fields as? [String: Any] else { throw configError("\"auth.registration_fields\" must be an object") }
+            for (key, value) in object {
+                if let flag = value as? Bool, CFGetTypeIDIsBool(value) { oauth.registrationFlags[key] = flag }
+                else if let text = value as? String { oauth.registrationFields[key] = text }
+                else { throw configError("\"auth.registration_fields.\(key)\" must be a string or a boolean") }
+            }
+        }
+        if let headers = auth["registration_headers"] {
+            guard let object = headers as? [String: String] else {
+                throw configError("\"auth.registration_headers\" must be an object of strings")
+            }
+            oauth.registrationHeaders = object
+        }
+        if let directory = auth["credentials_dir"] as? String {
+            oauth.credentialStore = CredentialStore(directory: relative(directory))
+        }
+        if oauth.clientID == nil && oauth.registrationURI == nil && oauth.tokenURL != nil {
+            throw configError("\"auth.client_id\" is missing (or set \"auth.registration_uri\" to register dynamically)")
+        }
+        return try OAuth2ClientCredentials(configuration: oauth)
+    }
+
+    /// Whether a JSON value is a boolean (not the numbers 0 and 1).
+    static func CFGetTypeIDIsBool(_ value: Any) -> Bool {
+        guard let number = value as? NSNumber else { return false }
+        return String(cString: number.objCType) == "c" || type(of: value) == Bool.self
     }
 
     static func loadEncryption(_ value: Any, configPath: String?) throws -> Encryption {

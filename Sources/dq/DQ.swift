@@ -22,7 +22,7 @@ struct DQ: AsyncParsableCommand {
         version: DQVersion.current,
         subcommands: [
             Enqueue.self, Send.self, Flush.self, Status.self, List.self, Show.self, Retry.self, Drop.self, Log.self,
-            Decrypt.self,
+            Decrypt.self, Keygen.self, Register.self,
         ])
 }
 
@@ -114,16 +114,20 @@ func withQueue<T>(_ options: QueueOptions, _ body: (DataQueue) async throws -> T
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))
     }
+    func close() async {
+        try? await queue.shutdown()
+        if let oauth = queue.authorization as? OAuth2ClientCredentials { try? await oauth.shutdown() }
+    }
     do {
         let result = try await body(queue)
-        try? await queue.shutdown()
+        await close()
         return result
     } catch let error as DataQueueError {
-        try? await queue.shutdown()
+        await close()
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))
     } catch {
-        try? await queue.shutdown()
+        await close()
         throw error
     }
 }

@@ -13,13 +13,16 @@ final class FHIRServer: @unchecked Sendable {
     let port: Int
     var base: String { "http://127.0.0.1:\(port)/fhir" }
     private var child: ChildProcess?
+    /// A static token the tests read with when the server requires auth.
+    let readerToken: String?
 
     /// - Parameter tokens: static bearer tokens the server requires; nil for an open server.
-    init(tokens: [String]? = nil) throws {
+    init(tokens: [String]? = nil, auth: String? = nil, readerToken: String? = nil) throws {
+        self.readerToken = readerToken
         try #require(Peers.installed, "the FHIR server peer is not installed: run scripts/peers.sh install")
         directory = try TemporaryDirectory()
         port = Peers.freePort()
-        let auth = tokens.map { "  types: [bearer]\n  tokens: [\($0.joined(separator: ", "))]\n  token_lifetime: 300" }
+        let auth = auth ?? tokens.map { "  types: [bearer]\n  tokens: [\($0.joined(separator: ", "))]\n  token_lifetime: 300" }
             ?? "  types: [none]"
         _ = try directory.write(
             "settings.yaml",
@@ -37,8 +40,8 @@ final class FHIRServer: @unchecked Sendable {
     }
 
     /// Starts a new server and waits until it answers.
-    static func start(tokens: [String]? = nil) async throws -> FHIRServer {
-        let server = try FHIRServer(tokens: tokens)
+    static func start(tokens: [String]? = nil, auth: String? = nil) async throws -> FHIRServer {
+        let server = try FHIRServer(tokens: tokens, auth: auth)
         try await server.start()
         return server
     }
@@ -73,7 +76,7 @@ final class FHIRServer: @unchecked Sendable {
         var all: [(String, [String: Any])] = []
         var offset = 0
         while true {
-            let page = try await HTTP.json("\(base)/\(type)/_history?_count=500&_offset=\(offset)")
+            let page = try await HTTP.json("\(base)/\(type)/_history?_count=500&_offset=\(offset)", token: readerToken)
             let entries = page["entry"] as? [[String: Any]] ?? []
             if entries.isEmpty { break }
             for entry in entries {

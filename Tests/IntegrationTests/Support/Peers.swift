@@ -139,8 +139,10 @@ func dq(_ arguments: [String], _ environment: [String: String], stdin: Data? = n
 
 /// Simple HTTP calls for assertions.
 enum HTTP {
-    static func get(_ url: String) async throws -> (Int, Data) {
-        let response = try await HTTPClient.shared.execute(HTTPClientRequest(url: url), timeout: .seconds(30))
+    static func get(_ url: String, token: String? = nil) async throws -> (Int, Data) {
+        var request = HTTPClientRequest(url: url)
+        if let token { request.headers.add(name: "Authorization", value: "Bearer \(token)") }
+        let response = try await HTTPClient.shared.execute(request, timeout: .seconds(30))
         let body = try await response.body.collect(upTo: 64 << 20)
         return (Int(response.status.code), Data(buffer: body))
     }
@@ -155,8 +157,8 @@ enum HTTP {
         return (Int(response.status.code), Data(buffer: body))
     }
 
-    static func json(_ url: String) async throws -> [String: Any] {
-        let (status, data) = try await get(url)
+    static func json(_ url: String, token: String? = nil) async throws -> [String: Any] {
+        let (status, data) = try await get(url, token: token)
         guard status == 200, let object = try JSONSerialization.jsonObject(with: data) as? [String: Any] else {
             throw TestFailure("GET \(url) answered \(status)")
         }

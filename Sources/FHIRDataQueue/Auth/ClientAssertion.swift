@@ -1,0 +1,167 @@
+import Crypto
+import Foundation
+import _CryptoExtras
+
+/// A private key that signs SMART Backend Services client assertions (RFC 7523, `private_key_jwt`).
+///
+/// ```swift
+/// let key = try ClientAssertionKey(pemFile: "/etc/dq/client-key.pem", keyID: "dq-1")
+/// ```
+public struct ClientAssertionKey: Sendable {
+    /// The JWS algorithm.
+    public enum Algorithm: String, Sendable, CaseIterable {
+        /// RSASSA-PKCS1-v1_5 with SHA-384.
+        case rs384 = "RS384"
+        /// ECDSA on P-384 with SHA-384.
+        case es384 = "ES384"
+    }
+
+    private enum Backing: Sendable {
+        case rsa(_RSA.Signing.PrivateKey)
+        case p384(P384.Signing.PrivateKey)
+    }
+
+    private let backing: Backing
+    /// The `kid` put in every assertion header and in the JWK.
+    public let keyID: String
+    /// The algorithm, from the key type.
+    public var algorithm: Algorithm {
+        if case .rsa = backing { return .rs384 }
+        return .es384
+    }
+
+    /// Reads an RSA (2048 bits or more) or P-384 private key from a PEM file.
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the file.
+    public init(pemFile path: String, keyID: String? = nil) throws {
+        guard let data = FileManager.default.contents(atPath: path) else {
+            throw DataQueueError(.invalidConfiguration, "configuration: \"auth.private_key\": cannot read \(path)")
+        }
+        try self.init(pem: String(decoding: data, as: UTF8.self), keyID: keyID, source: path)
+    }
+
+    /// Reads an RSA or P-384 private key from PEM text.
+    public init(pem: String, keyID: String? = nil, source: String = "private key") throws {
+        let backing: Backing
+        if let key = try? P384.Signing.PrivateKey(pemRepresentation: pem) {
+            backing = .p384(key)
+        } else if let key = try? _RSA.Signing.PrivateKey(pemRepresentation: pem) {
+            backing = .rsa(key)
+        } else {
+            throw DataQueueError(
+                .invalidConfiguration,
+                "configuration: \"auth.private_key\": \(source) is not an RSA (2048+ bits) or P-384 private key in PEM")
+        }
+        // The default kid is the RFC 7638 thumbprint of the public key: stable across runs.
+        self.init(backing: backing, keyID: keyID ?? ClientAssertionKey(backing: backing, keyID: "").thumbprint)
+    }
+
+    private init(backing: Backing, keyID: String) {
+        self.backing = backing
+        self.keyID = keyID
+    }
+
+    /// Makes a new key pair.
+    public static func generate(_ algorithm: Algorithm, keyID: String? = nil) throws -> (ClientAssertionKey, pem: String) {
+        let pem: String
+        switch algorithm {
+        case .rs384: pem = try _RSA.Signing.PrivateKey(keySize: .bits2048).pemRepresentation
+        case .es384: pem = P384.Signing.PrivateKey().pemRepresentation
+        }
+        return (try ClientAssertionKey(pem: pem, keyID: keyID), pem)
+    }
+
+    /// The public key as a JWK (`kty`, `kid`, `alg`, `use: sig`, and `n`/`e` or `crv`/`x`/`y`).
+    public var publicJWK: [String: String] {
+        var jwk = publicJWKMembers
+        jwk["kid"] = keyID
+        jwk["alg"] = algorithm.rawValue
+        jwk["use"] = "sig"
+        return jwk
+    }
+
+    /// `{"keys":[jwk]}` as JSON text, to register with a server.
+    public var publicJWKS: String {
+        let data = try? JSONSerialization.data(
+            withJSONObject: ["keys": [publicJWK]], options: [.sortedKeys, .prettyPrinted, .withoutEscapingSlashes])
+        return String(decoding: data ?? Data(), as: UTF8.self)
+    }
+
+    private var publicJWKMembers: [String: String] {
+        switch backing {
+        case .rsa(let key):
+            let (n, e) = Self.rsaComponents(pkcs1: key.publicKey.pkcs1DERRepresentation)
+            return ["kty": "RSA", "n": n.base64URL, "e": e.base64URL]
+        case .p384(let key):
+            let point = key.publicKey.x963Representation.dropFirst()
+            return ["kty": "EC", "crv": "P-384", "x": Data(point.prefix(48)).base64URL, "y": Data(point.suffix(48)).base64URL]
+        }
+    }
+
+    /// The RFC 7638 JWK thumbprint (SHA-256, base64url).
+    var thumbprint: String {
+        let members = publicJWKMembers
+        let required = members["kty"] == "RSA" ? ["e", "kty", "n"] : ["crv", "kty", "x", "y"]
+        let json = "{" + required.map { "\"\($0)\":\"\(members[$0]!)\"" }.joined(separator: ",") + "}"
+        return Data(SHA256.hash(data: Data(json.utf8))).base64URL
+    }
+
+    /// Signs a client assertion for `clientID` at `tokenURL`, valid for `lifetime` seconds (at most 300).
+    public func assertion(clientID: String, tokenURL: String, lifetime: TimeInterval = 240, now: Date = Date()) throws -> String {
+        var header: [String: String] = ["alg": algorithm.rawValue, "typ": "JWT"]
+        if !keyID.isEmpty { header["kid"] = keyID }
+        let issued = Int(now.timeIntervalSince1970)
+        let claims: [String: Any] = [
+            "iss": clientID, "sub": clientID, "aud": tokenURL, "exp": issued + Int(min(lifetime, 300)),
+            "iat": issued, "jti": UUID().uuidString.lowercased(),
+        ]
+        let options: JSONSerialization.WritingOptions = [.sortedKeys, .withoutEscapingSlashes]
+        let signingInput = try JSONSerialization.data(withJSONObject: header, options: options).base64URL + "."
+            + JSONSerialization.data(withJSONObject: claims, options: options).base64URL
+        let signature: Data
+        switch backing {
+        case .rsa(let key):
+            signature = try key.signature(for: SHA384.hash(data: Data(signingInput.utf8)), padding: .insecurePKCS1v1_5)
+                .rawRepresentation
+        case .p384(let key):
+            signature = try key.signature(for: Data(signingInput.utf8)).rawRepresentation
+        }
+        return signingInput + "." + signature.base64URL
+    }
+
+    /// Splits a PKCS#1 RSAPublicKey DER into modulus and exponent (leading zero bytes removed).
+    static func rsaComponents(pkcs1 der: Data) -> (Data, Data) {
+        var bytes = [UInt8](der)
+        var index = 0
+        func length() -> Int {
+            var count = Int(bytes[index]); index += 1
+            if count & 0x80 != 0 {
+                let octets = count & 0x7F
+                count = 0
+                for _ in 0..<octets { count = (count << 8) | Int(bytes[index]); index += 1 }
+            }
+            return count
+        }
+        func integer() -> Data {
+            index += 1  // INTEGER tag
+            let count = length()
+            var value = Array(bytes[index..<index + count])
+            index += count
+            while value.count > 1 && value.first == 0 { value.removeFirst() }
+            return Data(value)
+        }
+        index += 1  // SEQUENCE tag
+        _ = length()
+        let modulus = integer()
+        let exponent = integer()
+        bytes.removeAll()
+        return (modulus, exponent)
+    }
+}
+
+extension Data {
+    /// Base64url without padding (RFC 7515).
+    var base64URL: String {
+        base64EncodedString().replacingOccurrences(of: "+", with: "-").replacingOccurrences(of: "/", with: "_")
+            .replacingOccurrences(of: "=", with: "")
+    }
+}

@@ -1,0 +1,91 @@
+import Crypto
+import Foundation
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Client credentials a registration endpoint issued, as stored on disk.
+public struct StoredCredentials: Sendable, Codable, Equatable {
+    /// The registration endpoint that issued them.
+    public var registrationURI: String
+    /// The issued client id.
+    public var clientID: String
+    /// The issued secret, if any (none for key-based clients).
+    public var clientSecret: String?
+    /// The token endpoint auth method the server registered.
+    public var tokenEndpointAuthMethod: String?
+    /// When the secret expires (`client_secret_expires_at`, 0 = never), if said.
+    public var clientSecretExpiresAt: Double?
+    /// When dq registered.
+    public var registeredAt: Date
+
+    enum CodingKeys: String, CodingKey {
+        case registrationURI = "registration_uri", clientID = "client_id", clientSecret = "client_secret"
+        case tokenEndpointAuthMethod = "token_endpoint_auth_method", clientSecretExpiresAt = "client_secret_expires_at"
+        case registeredAt = "registered_at"
+    }
+}
+
+/// Keeps credentials from dynamic registration outside the config: one file per registration endpoint,
+/// mode 0600, written atomically (a temporary file, fsync, rename), replaced on re-registration.
+public struct CredentialStore: Sendable {
+    /// The directory of the credential files.
+    public let directory: String
+
+    /// The default directory: `$XDG_CONFIG_HOME/dq/credentials`, else `~/.config/dq/credentials`.
+    public static func defaultDirectory(environment: [String: String] = ProcessInfo.processInfo.environment) -> String {
+        if let xdg = environment["XDG_CONFIG_HOME"], xdg.hasPrefix("/") { return xdg + "/dq/credentials" }
+        return (environment["HOME"] ?? NSHomeDirectory()) + "/.config/dq/credentials"
+    }
+
+    /// Creates a store in `directory` (the default is ``defaultDirectory(environment:)``).
+    public init(directory: String = CredentialStore.defaultDirectory()) {
+        self.directory = directory
+    }
+
+    /// The file that holds the credentials of `registrationURI`.
+    public func path(for registrationURI: String) -> String {
+        let digest = SHA256.hash(data: Data(registrationURI.utf8)).prefix(12).map { String(format: "%02x", $0) }.joined()
+        return directory + "/client-" + digest + ".json"
+    }
+
+    /// The stored credentials for `registrationURI`, or nil.
+    public func load(registrationURI: String) throws -> StoredCredentials? {
+        let file = path(for: registrationURI)
+        guard let data = FileManager.default.contents(atPath: file) else { return nil }
+        let decoder = JSONDecoder()
+        decoder.dateDecodingStrategy = .iso8601
+        guard let credentials = try? decoder.decode(StoredCredentials.self, from: data),
+            credentials.registrationURI == registrationURI
+        else {
+            throw DataQueueError(.invalidConfiguration, "the credential file \(file) is unreadable; remove it to register again")
+        }
+        return credentials
+    }
+
+    /// Stores (or replaces) credentials atomically with mode 0600.
+    public func save(_ credentials: StoredCredentials) throws {
+        do {
+            try FileManager.default.createDirectory(
+                atPath: directory, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
+        } catch {
+            throw DataQueueError(.storage, "cannot create the credential directory \(directory)")
+        }
+        let encoder = JSONEncoder()
+        encoder.outputFormatting = [.sortedKeys, .prettyPrinted, .withoutEscapingSlashes]
+        encoder.dateEncodingStrategy = .iso8601
+        let data = try encoder.encode(credentials)
+        let file = path(for: credentials.registrationURI)
+        let temporary = file + ".tmp-\(getpid())-\(UUID().uuidString.prefix(8))"
+        let fd = open(temporary, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
+        guard fd >= 0 else { throw DataQueueError(.storage, "cannot write the credential file \(file)") }
+        let written = data.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+        let synced = fsync(fd)
+        close(fd)
+        guard written == data.count, synced == 0, rename(temporary, file) == 0 else {
+            unlink(temporary)
+            throw DataQueueError(.storage, "cannot write the credential file \(file)")
+        }
+    }
+}

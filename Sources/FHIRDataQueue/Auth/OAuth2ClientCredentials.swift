@@ -1,0 +1,299 @@
+import AsyncHTTPClient
+import Foundation
+import Logging
+import NIOCore
+import NIOFoundationCompat
+import NIOHTTP1
+import NIOSSL
+
+/// OAuth2 client_credentials (with a client secret or a SMART Backend Services signed assertion), with
+/// endpoint discovery, RFC 7591 dynamic registration, and a token cache.
+///
+/// One token request is in flight at a time however many sends wait on it; a token is renewed
+/// ``OAuth2Configuration/renewalSkew`` seconds before it expires, and after a 401 the queue asks for a
+/// fresh one once. Secrets, assertions and tokens are never logged or put in error messages.
+///
+/// ```swift
+/// var configuration = OAuth2Configuration(fhirBaseURL: base)
+/// configuration.clientID = "c1"; configuration.clientSecret = secret
+/// let auth = try OAuth2ClientCredentials(configuration: configuration)
+/// let queue = try DataQueue(baseURL: base, authorization: auth)
+/// ```
+///
+/// > Important: call ``shutdown()`` when done.
+public actor OAuth2ClientCredentials: AuthorizationProvider {
+    /// The settings.
+    public nonisolated let configuration: OAuth2Configuration
+    private let http: HTTPClient
+    private var token: (value: String, renewAt: Date)?
+    private var inflight: Task<String, any Error>?
+    private var endpoints: (token: URL, registration: URL?)?
+    private var credentials: (id: String, secret: String?)?
+    /// Set when the token endpoint accepted HTTP Basic credentials only without form-urlencoding.
+    private var rawBasicCredentials = false
+    /// How many token requests were made (for tests and `dq status`).
+    public private(set) var tokenRequests = 0
+
+    /// Creates the client. No request is made until a token is needed.
+    public init(configuration: OAuth2Configuration) throws {
+        self.configuration = configuration
+        var http = HTTPClient.Configuration()
+        http.redirectConfiguration = .disallow
+        http.connectionPool.retryConnectionEstablishment = false
+        if let ca = configuration.caBundlePath {
+            var tls = TLSConfiguration.makeClientConfiguration()
+            tls.trustRoots = .file(ca)
+            http.tlsConfiguration = tls
+        }
+        self.http = HTTPClient(eventLoopGroupProvider: .singleton, configuration: http)
+        if let id = configuration.clientID { credentials = (id, configuration.clientSecret) }
+    }
+
+    /// Releases the HTTP client.
+    public func shutdown() async throws { try await http.shutdown() }
+
+    public nonisolated func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String? {
+        "Bearer " + (try await accessToken(forceRefresh: forceRefresh, logger: logger))
+    }
+
+    /// A valid access token, from the cache or a new token request.
+    public func accessToken(forceRefresh: Bool = false, logger: Logger? = nil) async throws -> String {
+        if let inflight { return try await inflight.value }
+        if !forceRefresh, let token, token.renewAt > Date() {
+            return token.value
+        }
+        let log = logger ?? Logger(label: "dq.auth", factory: { _ in SwiftLogNoOpLogHandler() })
+        let task = Task { try await self.requestToken(logger: log) }
+        inflight = task
+        do {
+            let value = try await task.value
+            inflight = nil
+            return value
+        } catch {
+            inflight = nil
+            throw error
+        }
+    }
+
+    // MARK: - Token request
+
+    private func requestToken(logger: Logger) async throws -> String {
+        let tokenURL = try await resolveEndpoints().token
+        let (clientID, secret) = try await clientCredentials(logger: logger)
+        var form: [(String, String)] = [("grant_type", "client_credentials")]
+        if let scope = configuration.scope { form.append(("scope", scope)) }
+        var headers = HTTPHeaders()
+        let method = configuration.effectiveAuthMethod
+        switch method {
+        case .privateKeyJWT:
+            guard let key = configuration.assertionKey else {
+                throw DataQueueError(.invalidConfiguration, "configuration: private_key_jwt needs \"auth.private_key\"")
+            }
+            form.append(("client_assertion_type", "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"))
+            form.append(("client_assertion", try key.assertion(clientID: clientID, tokenURL: tokenURL.absoluteString)))
+        case .clientSecretPost:
+            form.append(("client_id", clientID))
+            form.append(("client_secret", secret ?? ""))
+        case .clientSecretBasic:
+            headers.add(name: "Authorization", value: Self.basic(clientID, secret ?? "", encoded: !rawBasicCredentials))
+        }
+        logger.debug("requesting a token", metadata: ["endpoint": "\(tokenURL.absoluteString)", "method": "\(method.rawValue)"])
+        tokenRequests += 1
+        var (status, body) = try await post(tokenURL, form: form, headers: headers)
+        if method == .clientSecretBasic, status == 401, !rawBasicCredentials,
+            Self.formEncode(clientID) != clientID || Self.formEncode(secret ?? "") != (secret ?? "")
+        {
+            // Some servers do not form-urldecode Basic credentials (RFC 6749 §2.3.1); try them raw once.
+            headers.replaceOrAdd(name: "Authorization", value: Self.basic(clientID, secret ?? "", encoded: false))
+            tokenRequests += 1
+            (status, body) = try await post(tokenURL, form: form, headers: headers)
+            if (200..<300).contains(status) { rawBasicCredentials = true }
+        }
+        let parsed = try Self.parseTokenResponse(status: status, body: body)
+        // Renew ahead of expiry by the skew, but never by more than a quarter of a short lifetime.
+        let skew = min(configuration.renewalSkew, parsed.expiresIn / 4)
+        token = (parsed.token, Date().addingTimeInterval(parsed.expiresIn - skew))
+        logger.debug("token obtained", metadata: ["expires_in": "\(Int(parsed.expiresIn))"])
+        return parsed.token
+    }
+
+    /// Reads a token response: 200 or 202, `access_token`, `expires_in` as a number or a string.
+    static func parseTokenResponse(status: Int, body: Data) throws -> (token: String, expiresIn: TimeInterval) {
+        let object = (try? JSONSerialization.jsonObject(with: lenientJSON(body))) as? [String: Any]
+        guard (200..<300).contains(status) else {
+            let error = (object?["error"] as? String).map { " (\($0))" } ?? ""
+            if (400..<500).contains(status) && status != 408 && status != 429 {
+                throw DataQueueError(.authentication, "the token endpoint refused the client: \(status)\(error)")
+            }
+            throw DataQueueError(.transport, "the token endpoint answered \(status)\(error)")
+        }
+        guard let token = object?["access_token"] as? String, !token.isEmpty else {
+            throw DataQueueError(.authentication, "the token endpoint's answer has no access_token")
+        }
+        var expiresIn: TimeInterval = 300
+        if let number = object?["expires_in"] as? NSNumber { expiresIn = number.doubleValue }
+        else if let text = object?["expires_in"] as? String, let value = Double(text) { expiresIn = value }
+        return (token, max(expiresIn, 1))
+    }
+
+    static func formEncode(_ text: String) -> String {
+        var allowed = CharacterSet.alphanumerics
+        allowed.insert(charactersIn: "-._*")
+        return (text.addingPercentEncoding(withAllowedCharacters: allowed) ?? text).replacingOccurrences(of: "%20", with: "+")
+    }
+
+    static func basic(_ id: String, _ secret: String, encoded: Bool) -> String {
+        let pair = encoded ? formEncode(id) + ":" + formEncode(secret) : id + ":" + secret
+        return "Basic " + Data(pair.utf8).base64EncodedString()
+    }
+
+    // MARK: - Credentials and registration
+
+    private func clientCredentials(logger: Logger) async throws -> (String, String?) {
+        if let credentials { return credentials }
+        guard let registration = try await resolveEndpoints().registration else {
+            throw DataQueueError(
+                .invalidConfiguration,
+                "configuration: \"auth.client_id\" is missing and there is no \"auth.registration_uri\" to register with")
+        }
+        if let stored = try configuration.credentialStore.load(registrationURI: registration.absoluteString) {
+            logger.debug("using stored registered credentials")
+            credentials = (stored.clientID, stored.clientSecret)
+            return (stored.clientID, stored.clientSecret)
+        }
+        let stored = try await register(at: registration, logger: logger)
+        return (stored.clientID, stored.clientSecret)
+    }
+
+    /// Registers this client now (RFC 7591) and stores the credentials, replacing earlier ones.
+    @discardableResult
+    public func register(logger: Logger? = nil) async throws -> StoredCredentials {
+        guard let registration = try await resolveEndpoints().registration else {
+            throw DataQueueError(.invalidConfiguration, "configuration: \"auth.registration_uri\" is missing")
+        }
+        return try await register(
+            at: registration, logger: logger ?? Logger(label: "dq.auth", factory: { _ in SwiftLogNoOpLogHandler() }))
+    }
+
+    private func register(at url: URL, logger: Logger) async throws -> StoredCredentials {
+        let method = configuration.effectiveAuthMethod
+        var body: [String: Any] = [
+            "client_name": configuration.clientName, "grant_types": ["client_credentials"],
+            "token_endpoint_auth_method": method.rawValue,
+        ]
+        if let scope = configuration.scope { body["scope"] = scope }
+        if let key = configuration.assertionKey { body["jwks"] = ["keys": [key.publicJWK]] }
+        for (key, value) in configuration.registrationFields { body[key] = value }
+        for (key, value) in configuration.registrationFlags { body[key] = value }
+        var request = HTTPClientRequest(url: url.absoluteString)
+        request.method = .POST
+        request.headers.add(name: "Content-Type", value: "application/json")
+        request.headers.add(name: "Accept", value: "application/json")
+        for (name, value) in configuration.registrationHeaders { request.headers.add(name: name, value: value) }
+        request.body = .bytes(ByteBuffer(data: try JSONSerialization.data(withJSONObject: body, options: [.withoutEscapingSlashes])))
+        logger.info("registering the client", metadata: ["endpoint": "\(url.absoluteString)"])
+        let (status, data) = try await execute(request)
+        guard (200..<300).contains(status) else {
+            let object = (try? JSONSerialization.jsonObject(with: Self.lenientJSON(data))) as? [String: Any]
+            let error = (object?["error"] as? String).map { " (\($0))" } ?? ""
+            if (400..<500).contains(status) {
+                throw DataQueueError(.authentication, "the registration endpoint refused the registration: \(status)\(error)")
+            }
+            throw DataQueueError(.transport, "the registration endpoint answered \(status)\(error)")
+        }
+        guard let object = (try? JSONSerialization.jsonObject(with: Self.lenientJSON(data))) as? [String: Any],
+            let clientID = object["client_id"] as? String, !clientID.isEmpty
+        else {
+            throw DataQueueError(.authentication, "the registration answer has no client_id")
+        }
+        let stored = StoredCredentials(
+            registrationURI: url.absoluteString, clientID: clientID, clientSecret: object["client_secret"] as? String,
+            tokenEndpointAuthMethod: object["token_endpoint_auth_method"] as? String,
+            clientSecretExpiresAt: (object["client_secret_expires_at"] as? NSNumber)?.doubleValue, registeredAt: Date())
+        try configuration.credentialStore.save(stored)
+        credentials = (stored.clientID, stored.clientSecret)
+        token = nil
+        return stored
+    }
+
+    /// JSON with trailing commas removed (the C3-PRO registration server sends one).
+    static func lenientJSON(_ data: Data) -> Data {
+        let text = String(decoding: data, as: UTF8.self)
+        let cleaned = text.replacingOccurrences(of: #",\s*([}\]])"#, with: "$1", options: .regularExpression)
+        return Data(cleaned.utf8)
+    }
+
+    // MARK: - Discovery
+
+    private func resolveEndpoints() async throws -> (token: URL, registration: URL?) {
+        if let endpoints { return endpoints }
+        if let tokenURL = configuration.tokenURL {
+            endpoints = (tokenURL, configuration.registrationURI)
+            return endpoints!
+        }
+        let base = DataQueue.queueName(for: configuration.fhirBaseURL)
+        let smart = try? await getJSON(base + "/.well-known/smart-configuration")
+        var capability: [String: Any]?
+        if Self.endpoints(smartConfiguration: smart, capabilityStatement: nil).token == nil {
+            capability = try? await getJSON(base + "/metadata")
+        }
+        let found = Self.endpoints(smartConfiguration: smart, capabilityStatement: capability)
+        guard let token = found.token else {
+            throw DataQueueError(
+                .invalidConfiguration,
+                "configuration: no token endpoint: set \"auth.token_uri\" (the server offers neither .well-known/smart-configuration nor oauth-uris)")
+        }
+        endpoints = (token, configuration.registrationURI ?? found.registration)
+        return endpoints!
+    }
+
+    /// The discovery order: the SMART configuration document first, then the CapabilityStatement's
+    /// `oauth-uris` extension.
+    static func endpoints(smartConfiguration: [String: Any]?, capabilityStatement: [String: Any]?) -> (token: URL?, registration: URL?) {
+        if let smart = smartConfiguration, let token = (smart["token_endpoint"] as? String).flatMap(URL.init(string:)) {
+            return (token, (smart["registration_endpoint"] as? String).flatMap(URL.init(string:)))
+        }
+        guard let rest = (capabilityStatement?["rest"] as? [[String: Any]])?.first,
+            let extensions = (rest["security"] as? [String: Any])?["extension"] as? [[String: Any]],
+            let oauth = extensions.first(where: {
+                $0["url"] as? String == "http://fhir-registry.smarthealthit.org/StructureDefinition/oauth-uris"
+            }),
+            let inner = oauth["extension"] as? [[String: Any]]
+        else { return (nil, nil) }
+        func uri(_ name: String) -> URL? {
+            (inner.first(where: { $0["url"] as? String == name })?["valueUri"] as? String).flatMap(URL.init(string:))
+        }
+        return (uri("token"), uri("register"))
+    }
+
+    // MARK: - HTTP
+
+    private func getJSON(_ url: String) async throws -> [String: Any]? {
+        var request = HTTPClientRequest(url: url)
+        request.headers.add(name: "Accept", value: "application/json, application/fhir+json")
+        let (status, data) = try await execute(request)
+        guard status == 200 else { return nil }
+        return try JSONSerialization.jsonObject(with: data) as? [String: Any]
+    }
+
+    private func post(_ url: URL, form: [(String, String)], headers: HTTPHeaders) async throws -> (Int, Data) {
+        var request = HTTPClientRequest(url: url.absoluteString)
+        request.method = .POST
+        request.headers = headers
+        request.headers.add(name: "Content-Type", value: "application/x-www-form-urlencoded")
+        request.headers.add(name: "Accept", value: "application/json")
+        let body = form.map { Self.formEncode($0.0) + "=" + Self.formEncode($0.1) }.joined(separator: "&")
+        request.body = .bytes(ByteBuffer(string: body))
+        return try await execute(request)
+    }
+
+    private func execute(_ request: HTTPClientRequest) async throws -> (Int, Data) {
+        do {
+            let response = try await http.execute(request, timeout: .seconds(Int64(configuration.timeout)))
+            let body = try await response.body.collect(upTo: 1 << 20)
+            return (Int(response.status.code), Data(buffer: body))
+        } catch {
+            throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(FHIRTransport.describe(error))")
+        }
+    }
+}

@@ -1,0 +1,72 @@
+import Foundation
+
+/// How ``OAuth2ClientCredentials`` authenticates to the token endpoint.
+public enum TokenEndpointAuthMethod: String, Sendable, CaseIterable {
+    /// HTTP Basic with the client id and secret, each form-urlencoded first (RFC 6749 §2.3.1).
+    case clientSecretBasic = "client_secret_basic"
+    /// `client_id` and `client_secret` in the form body.
+    case clientSecretPost = "client_secret_post"
+    /// A signed JWT client assertion (RFC 7523, SMART Backend Services).
+    case privateKeyJWT = "private_key_jwt"
+}
+
+/// The settings of an OAuth2 client_credentials client (and of its dynamic registration).
+///
+/// ```swift
+/// var configuration = OAuth2Configuration(fhirBaseURL: base)
+/// configuration.clientID = "c1"
+/// configuration.clientSecret = secret
+/// ```
+public struct OAuth2Configuration: Sendable {
+    /// The FHIR base URL, for discovery and as the default `aud`.
+    public var fhirBaseURL: URL
+    /// The client id; nil with a ``registrationURI`` makes dq register itself. The default is nil.
+    public var clientID: String?
+    /// The client secret, for the secret methods. The default is nil.
+    public var clientSecret: String?
+    /// The token endpoint. nil: discovered from `[base]/.well-known/smart-configuration`, then the
+    /// CapabilityStatement's `oauth-uris` extension. The default is nil.
+    public var tokenURL: URL?
+    /// The token endpoint auth method. The default is `client_secret_basic`, or `private_key_jwt` with a key.
+    public var authMethod: TokenEndpointAuthMethod?
+    /// The signing key for `private_key_jwt`. The default is nil.
+    public var assertionKey: ClientAssertionKey?
+    /// The scope requested. The default is `system/*.cruds`... unless the server grants less.
+    public var scope: String?
+    /// The RFC 7591 registration endpoint. nil: discovered when registration is needed. The default is nil.
+    public var registrationURI: URL?
+    /// The `client_name` sent when registering. The default is `dq`.
+    public var clientName: String
+    /// Extra members of the registration request body (e.g. C3-PRO's `sandbox`, `receipt-data`,
+    /// or `software_statement`). The default is none.
+    public var registrationFields: [String: String]
+    /// Boolean extra members of the registration body (e.g. `"sandbox": true`). The default is none.
+    public var registrationFlags: [String: Bool]
+    /// Extra headers of the registration request (e.g. C3-PRO's `Antispam`). The default is none.
+    public var registrationHeaders: [String: String]
+    /// Where registered credentials are kept. The default is ``CredentialStore/init(directory:)``.
+    public var credentialStore: CredentialStore
+    /// Renew a token this many seconds before it expires. The default is 60.
+    public var renewalSkew: TimeInterval
+    /// The deadline of a token or registration request, in seconds. The default is 30.
+    public var timeout: TimeInterval
+    /// A PEM file of CA certificates to trust (private PKI). The default is nil (the system's).
+    public var caBundlePath: String?
+
+    /// Creates a configuration; every other property has the default stated on it.
+    public init(fhirBaseURL: URL) {
+        self.fhirBaseURL = fhirBaseURL
+        self.clientName = "dq"
+        self.registrationFields = [:]
+        self.registrationFlags = [:]
+        self.registrationHeaders = [:]
+        self.credentialStore = CredentialStore()
+        self.renewalSkew = 60
+        self.timeout = 30
+    }
+
+    /// The method in use: ``authMethod``, else `private_key_jwt` with a key, else `client_secret_basic`.
+    public var effectiveAuthMethod: TokenEndpointAuthMethod {
+        authMethod ?? (assertionKey != nil ? .privateKeyJWT : .clientSecretBasic)
+    }
+}

@@ -1,0 +1,57 @@
+import ArgumentParser
+import FHIRDataQueue
+import Foundation
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+extension DQ {
+    struct Keygen: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Make a key pair for SMART Backend Services (private_key_jwt) and print the public JWKS.",
+            discussion: "The private key is written mode 0600 and never printed; register the printed JWKS with the server.")
+
+        @Option(help: "RS384 (RSA 2048) or ES384 (P-384).") var alg: String = "ES384"
+        @Option(help: "Where to write the private key (PEM). Refuses to overwrite.") var out: String
+        @Option(help: "The key id (default: the key's RFC 7638 thumbprint).") var kid: String?
+
+        func run() async throws {
+            guard let algorithm = ClientAssertionKey.Algorithm(rawValue: alg.uppercased()) else {
+                throw ValidationError("--alg must be RS384 or ES384")
+            }
+            let (key, pem) = try ClientAssertionKey.generate(algorithm, keyID: kid)
+            let fd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
+            guard fd >= 0 else {
+                printError("dq: cannot create \(out): \(String(cString: strerror(errno)))")
+                throw ExitCode(Exit.ioError)
+            }
+            let data = Data(pem.utf8)
+            let written = data.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+            fsync(fd)
+            close(fd)
+            guard written == data.count else {
+                printError("dq: cannot write \(out)")
+                throw ExitCode(Exit.ioError)
+            }
+            print(key.publicJWKS)
+        }
+    }
+
+    struct Register: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Register this client now (RFC 7591) and store the credentials (replacing earlier ones).")
+        @OptionGroup var queueOptions: QueueOptions
+
+        func run() async throws {
+            try await withQueue(queueOptions) { queue in
+                guard let oauth = queue.authorization as? OAuth2ClientCredentials else {
+                    throw DataQueueError(.invalidConfiguration, "configuration: \"auth.registration_uri\" is not set")
+                }
+                let stored = try await oauth.register()
+                let path = oauth.configuration.credentialStore.path(for: stored.registrationURI)
+                print("registered as client \(stored.clientID); credentials stored in \(path)")
+            }
+        }
+    }
+}

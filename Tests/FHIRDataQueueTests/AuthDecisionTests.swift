@@ -1,0 +1,107 @@
+import Foundation
+import Testing
+
+@testable import FHIRDataQueue
+
+@Suite("OAuth2 decisions")
+struct AuthDecisionTests {
+    let smart: [String: Any] = ["token_endpoint": "https://a/token", "registration_endpoint": "https://a/register"]
+    let capability: [String: Any] = [
+        "resourceType": "CapabilityStatement",
+        "rest": [[
+            "security": ["extension": [[
+                "url": "http://fhir-registry.smarthealthit.org/StructureDefinition/oauth-uris",
+                "extension": [
+                    ["url": "token", "valueUri": "https://b/token"], ["url": "register", "valueUri": "https://b/register"],
+                    ["url": "authorize", "valueUri": "https://b/authorize"],
+                ],
+            ]]]
+        ]],
+    ]
+
+    @Test("Discovery prefers smart-configuration, then the CapabilityStatement's oauth-uris")
+    func discoveryOrder() {
+        let both = OAuth2ClientCredentials.endpoints(smartConfiguration: smart, capabilityStatement: capability)
+        #expect(both.token?.absoluteString == "https://a/token" && both.registration?.absoluteString == "https://a/register")
+        let onlyCapability = OAuth2ClientCredentials.endpoints(smartConfiguration: nil, capabilityStatement: capability)
+        #expect(onlyCapability.token?.absoluteString == "https://b/token")
+        #expect(onlyCapability.registration?.absoluteString == "https://b/register")
+        let emptySmart = OAuth2ClientCredentials.endpoints(smartConfiguration: ["issuer": "x"], capabilityStatement: capability)
+        #expect(emptySmart.token?.absoluteString == "https://b/token")
+        let none = OAuth2ClientCredentials.endpoints(smartConfiguration: nil, capabilityStatement: ["resourceType": "CapabilityStatement"])
+        #expect(none.token == nil)
+    }
+
+    @Test("Token responses: 200 and 202, expires_in as number or string, errors classified")
+    func tokenResponses() throws {
+        let ok = try OAuth2ClientCredentials.parseTokenResponse(
+            status: 202, body: Data(#"{"access_token":"t","token_type":"bearer","expires_in":"1800"}"#.utf8))
+        #expect(ok.token == "t" && ok.expiresIn == 1800)
+        let number = try OAuth2ClientCredentials.parseTokenResponse(status: 200, body: Data(#"{"access_token":"u","expires_in":60}"#.utf8))
+        #expect(number.expiresIn == 60)
+        #expect {
+            try OAuth2ClientCredentials.parseTokenResponse(status: 401, body: Data(#"{"error":"invalid_client"}"#.utf8))
+        } throws: { ($0 as? DataQueueError)?.code == .authentication }
+        #expect {
+            try OAuth2ClientCredentials.parseTokenResponse(status: 503, body: Data())
+        } throws: { ($0 as? DataQueueError)?.code == .transport }
+    }
+
+    @Test("Basic credentials are form-urlencoded first (RFC 6749 §2.3.1)")
+    func basicEncoding() {
+        let header = OAuth2ClientCredentials.basic("id 1", "a+b/c=", encoded: true)
+        let decoded = String(decoding: Data(base64Encoded: String(header.dropFirst(6)))!, as: UTF8.self)
+        #expect(decoded == "id+1:a%2Bb%2Fc%3D")
+    }
+
+    @Test("A registration answer with a trailing comma is read (the C3-PRO server sends one)")
+    func lenientRegistration() throws {
+        let body = Data("{\"client_id\": \"abc\", \"client_secret\": \"x\",\n \"grant_types\": [\"client_credentials\",],\n}".utf8)
+        let object = try JSONSerialization.jsonObject(with: OAuth2ClientCredentials.lenientJSON(body)) as? [String: Any]
+        #expect(object?["client_id"] as? String == "abc")
+    }
+
+    @Test("Stored credentials are 0600, replaced atomically, one file per registration endpoint")
+    func credentialStore() throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-cred-\(UUID().uuidString.prefix(8))").path
+        let store = CredentialStore(directory: directory)
+        let first = StoredCredentials(
+            registrationURI: "https://r/register", clientID: "a", clientSecret: "s", tokenEndpointAuthMethod: nil,
+            clientSecretExpiresAt: nil, registeredAt: Date(timeIntervalSince1970: 1))
+        try store.save(first)
+        var second = first
+        second.clientID = "b"
+        try store.save(second)
+        #expect(try store.load(registrationURI: "https://r/register")?.clientID == "b")
+        #expect(try store.load(registrationURI: "https://other/register") == nil)
+        let mode = try FileManager.default.attributesOfItem(atPath: store.path(for: "https://r/register"))[.posixPermissions] as? Int
+        #expect(mode == 0o600)
+        #expect(try FileManager.default.contentsOfDirectory(atPath: directory).count == 1, "no temporary files left")
+    }
+
+    @Test("Client assertions carry iss = sub = client_id, the exact token URL, exp within 5 minutes and a fresh jti",
+          arguments: ClientAssertionKey.Algorithm.allCases)
+    func assertions(algorithm: ClientAssertionKey.Algorithm) throws {
+        let (key, _) = try ClientAssertionKey.generate(algorithm, keyID: "k1")
+        let now = Date()
+        let first = try key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
+        let second = try key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
+        func part(_ jwt: String, _ index: Int) throws -> [String: Any] {
+            var text = String(jwt.split(separator: ".")[index]).replacingOccurrences(of: "-", with: "+")
+                .replacingOccurrences(of: "_", with: "/")
+            while text.count % 4 != 0 { text += "=" }
+            let data = try #require(Data(base64Encoded: text))
+            return try #require(JSONSerialization.jsonObject(with: data) as? [String: Any])
+        }
+        let header = try part(first, 0)
+        let claims = try part(first, 1)
+        #expect(header["alg"] as? String == algorithm.rawValue && header["kid"] as? String == "k1" && header["typ"] as? String == "JWT")
+        #expect(claims["iss"] as? String == "c" && claims["sub"] as? String == "c")
+        #expect(claims["aud"] as? String == "http://127.0.0.1:1/auth/token")
+        let exp = try #require(claims["exp"] as? Int)
+        #expect(exp > Int(now.timeIntervalSince1970) && exp <= Int(now.timeIntervalSince1970) + 300)
+        #expect(try part(second, 1)["jti"] as? String != claims["jti"] as? String)
+        let signature = first.split(separator: ".")[2]
+        #expect(signature.count == (algorithm == .es384 ? 128 : 342), "raw r||s for ES384, 256 bytes for RS384")
+    }
+}
