@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
 SCRIPT = []
-STATS = {"requests": 0, "forwarded": 0, "faults": {}, "tokens": []}
+STATS = {"requests": 0, "forwarded": 0, "faults": {}, "tokens": [], "registrations": []}
 ARGS = None
 RNG = random.Random(0)
 RANDOM_FAULTS = ["503:1", "drop-before", "drop-after", "delay:50", "stall:STALL"]
@@ -83,7 +83,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/__proxy/reset":
             with LOCK:
                 SCRIPT = []
-                STATS.update({"requests": 0, "forwarded": 0, "faults": {}, "tokens": []})
+                STATS.update({"requests": 0, "forwarded": 0, "faults": {}, "tokens": [], "registrations": []})
             return self._reply(204)
         return self._reply(404)
 
@@ -117,6 +117,9 @@ class Handler(BaseHTTPRequestHandler):
         body = self._body()
         if self.path.startswith("/__proxy/"):
             return self._control(body)
+        if "register" in self.path and self.command == "POST":
+            with LOCK:  # lets tests check what a registration request carried
+                STATS["registrations"].append({"headers": dict(self.headers.items()), "body": body.decode("utf-8", "replace")})
         fault = next_fault()
         name = fault.split(":")[0]
         if name != "pass":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs and runs the real servers dq is tested against, on free loopback ports.
 #
-#   scripts/peers.sh install          create .peers/venv with the pinned servers (idempotent)
+#   scripts/peers.sh install          create .peers/venv (sekmet-fhir, cryptography) and .peers/canaille (idempotent)
 #   scripts/peers.sh start            start a shared sekmet-fhir; writes .peers/env (DQ_TEST_FHIR_BASE, ...)
 #   scripts/peers.sh stop             stop exactly the processes `start` started
 #   scripts/peers.sh fhir DIR PORT    run sekmet-fhir in the foreground with its data in DIR (used by tests)
@@ -15,10 +15,18 @@ free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)
 
 install() {
   mkdir -p "$peers"
-  if [ -f "$venv/.installed-v2" ]; then return 0; fi
-  "$PY" -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1" "cryptography==50.0.2"
-  touch "$venv/.installed-v2"
+  if [ ! -f "$venv/.installed-v2" ]; then
+    "$PY" -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1" "cryptography==50.0.2"
+    touch "$venv/.installed-v2"
+  fi
+  # Canaille (OAuth2 with RFC 7591 registration) in its own venv: its Flask stack is not sekmet's.
+  if [ ! -f "$peers/canaille/.installed-v1" ]; then
+    "$PY" -m venv "$peers/canaille"
+    "$peers/canaille/bin/pip" install --quiet --disable-pip-version-check \
+      "pytest-iam==0.3.0" "canaille==0.3.6" "authlib==1.9.9" "joserfc==1.8.0"
+    touch "$peers/canaille/.installed-v1"
+  fi
 }
 
 write_settings() { # DIR PORT

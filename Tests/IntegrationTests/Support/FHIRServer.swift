@@ -1,4 +1,7 @@
+import AsyncHTTPClient
 import Foundation
+import NIOCore
+import NIOFoundationCompat
 import Testing
 
 #if canImport(Glibc)
@@ -104,12 +107,16 @@ final class FaultProxy: @unchecked Sendable {
     var base: String { "http://127.0.0.1:\(port)/fhir" }
     private let child: ChildProcess
 
-    init(upstream: FHIRServer, random: Double = 0, seed: Int = 0, stall: Double = 3) async throws {
+    convenience init(upstream: FHIRServer, random: Double = 0, seed: Int = 0, stall: Double = 3) async throws {
+        try await self.init(upstreamPort: upstream.port, random: random, seed: seed, stall: stall)
+    }
+
+    init(upstreamPort: Int, random: Double = 0, seed: Int = 0, stall: Double = 3) async throws {
         port = Peers.freePort()
         let script = Peers.packageRoot.appendingPathComponent("scripts/faultproxy.py").path
         child = try ChildProcess(
             "/usr/bin/env",
-            ["python3", script, "--listen", String(port), "--upstream", "http://127.0.0.1:\(upstream.port)",
+            ["python3", script, "--listen", String(port), "--upstream", "http://127.0.0.1:\(upstreamPort)",
              "--random", String(random), "--seed", String(seed), "--stall", String(stall)])
         let url = "http://127.0.0.1:\(port)/__proxy/stats"
         let ready = try await eventually(timeout: .seconds(20)) { (try? await HTTP.get(url))?.0 == 200 }
@@ -148,5 +155,43 @@ struct Resources {
 
     func ndjson(_ range: Range<Int>) -> String {
         range.map { observation($0) }.joined(separator: "\n") + "\n"
+    }
+}
+
+/// Canaille, a real OAuth2 server with RFC 7591 registration (scripts/canaille_server.py).
+final class CanailleServer: @unchecked Sendable {
+    let port: Int
+    var base: String { "http://127.0.0.1:\(port)" }
+    private let child: ChildProcess
+
+    init() async throws {
+        port = Peers.freePort()
+        let python = Peers.packageRoot.appendingPathComponent(".peers/canaille/bin/python").path
+        try #require(FileManager.default.isExecutableFile(atPath: python), "Canaille is not installed: run scripts/peers.sh install")
+        let script = Peers.packageRoot.appendingPathComponent("scripts/canaille_server.py").path
+        child = try ChildProcess(python, [script, "--port", String(port)])
+        let url = base + "/.well-known/oauth-authorization-server"
+        let ready = try await eventually(timeout: .seconds(60)) { (try? await HTTP.get(url))?.0 == 200 }
+        if !ready {
+            let result = await child.wait()
+            throw TestFailure("Canaille did not start: \(result.stderr.suffix(2000))")
+        }
+    }
+
+    /// RFC 7662 introspection of `token`, authenticated as the client.
+    func introspect(_ token: String, clientID: String, secret: String) async throws -> [String: Any] {
+        var request = HTTPClientRequest(url: base + "/oauth/introspect")
+        request.method = .POST
+        request.headers.add(name: "Content-Type", value: "application/x-www-form-urlencoded")
+        request.headers.add(name: "Authorization", value: "Basic " + Data("\(clientID):\(secret)".utf8).base64EncodedString())
+        request.body = .bytes(ByteBuffer(string: "token=" + token))
+        let response = try await HTTPClient.shared.execute(request, timeout: .seconds(30))
+        let body = try await response.body.collect(upTo: 1 << 20)
+        return try JSONSerialization.jsonObject(with: Data(buffer: body)) as? [String: Any] ?? [:]
+    }
+
+    deinit {
+        child.kill(SIGKILL)
+        child.process.waitUntilExit()
     }
 }
