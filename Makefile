@@ -3,6 +3,7 @@ SWIFT ?= swift
 APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv
 export DQ_BIN := $(CURDIR)/.build/debug/dq
 
+BENCH_APT := nginx-light apache2-utils
 .PHONY: all build release deps peers test unit demo bench torture lint clean
 
 all: build
@@ -24,11 +25,25 @@ release: deps
 peers:
 	scripts/peers.sh install
 
-# Every test: unit tests and integration tests against a real sekmet-fhir server started here.
+# Every test: a short torture run, then unit and integration tests against real servers started here.
 test: build peers
+	.peers/venv/bin/python scripts/torture.py --quick
 	@scripts/peers.sh start
 	@set -a; . .peers/env; set +a; export DQ_REQUIRE_PEERS=1; \
 	$(SWIFT) test --skip-build; rc=$$?; scripts/peers.sh stop; exit $$rc
+
+# The full crash, fault, concurrency, exhaustion and bad-input runs (about 10 minutes).
+torture: build peers
+	.peers/venv/bin/python scripts/torture.py --out Benchmarks/torture.md
+
+# Benchmarks (release build): one table of dq against references measured in the same run.
+bench: deps peers
+	@missing=""; for p in $(BENCH_APT); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	scripts/peers.sh bench
+	$(SWIFT) build -c release --product dq
+	$(SWIFT) build -c release --product dq-bench
+	python3 Benchmarks/run.py $(BENCH_ARGS)
 
 # Unit tests only (no servers).
 unit: build

@@ -42,6 +42,11 @@ let package = Package(
                 .product(name: "Logging", package: "swift-log"),
             ]
         ),
+        .executableTarget(
+            name: "dq-bench",
+            dependencies: ["FHIRDataQueue"],
+            path: "Benchmarks/DQBenchmarks"
+        ),
         .testTarget(
             name: "FHIRDataQueueTests",
             dependencies: [

@@ -153,10 +153,17 @@ def main():
     parser.add_argument("--random", type=float, default=0.0, help="share of requests given a random fault")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stall", type=float, default=3.0, help="seconds a random stall lasts")
+    parser.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     ARGS = parser.parse_args()
     RNG = random.Random(ARGS.seed)
     server = ThreadingHTTPServer(("127.0.0.1", ARGS.listen), Handler)
     server.daemon_threads = True
+    if ARGS.tls_cert:
+        import ssl
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(ARGS.tls_cert, ARGS.tls_key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     print(f"faultproxy listening on 127.0.0.1:{ARGS.listen} -> {ARGS.upstream}", flush=True)
     server.serve_forever()
 

@@ -2,6 +2,7 @@
 # Installs and runs the real servers dq is tested against, on free loopback ports.
 #
 #   scripts/peers.sh install          create .peers/venv (sekmet-fhir, cryptography) and .peers/canaille (idempotent)
+#   scripts/peers.sh bench            also .peers/bench with the benchmark peers (fhirclient, fhirpy, queues)
 #   scripts/peers.sh start            start a shared sekmet-fhir; writes .peers/env (DQ_TEST_FHIR_BASE, ...)
 #   scripts/peers.sh stop             stop exactly the processes `start` started
 #   scripts/peers.sh fhir DIR PORT    run sekmet-fhir in the foreground with its data in DIR (used by tests)
@@ -52,8 +53,19 @@ wait_ready() { # URL
   return 1
 }
 
+bench() {
+  install
+  if [ ! -f "$peers/bench/.installed-v1" ]; then
+    "$PY" -m venv "$peers/bench"
+    "$peers/bench/bin/pip" install --quiet --disable-pip-version-check \
+      "fhirclient==4.4.0" "fhirpy==2.3.1" "requests==2.34.2" "persist-queue==1.1.0" "litequeue==0.9"
+    touch "$peers/bench/.installed-v1"
+  fi
+}
+
 case "${1:-}" in
   install) install ;;
+  bench) bench ;;
   fhir)
     dir="$2"; port="$3"
     write_settings "$dir" "$port"
@@ -88,5 +100,5 @@ case "${1:-}" in
       echo "peers: stopped sekmet-fhir (pid $pid)"
     fi
     ;;
-  *) echo "usage: $0 install|start|stop|fhir DIR PORT" >&2; exit 64 ;;
+  *) echo "usage: $0 install|bench|start|stop|fhir DIR PORT" >&2; exit 64 ;;
 esac

@@ -82,6 +82,8 @@ var standardErrorIsTerminal: Bool { isatty(2) == 1 }
 
 /// Opens the queue, runs `body`, shuts down, and turns errors into messages and exit codes.
 func withQueue<T>(_ options: QueueOptions, _ body: (DataQueue) async throws -> T) async throws -> T {
+    // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
+    signal(SIGXFSZ, SIG_IGN)
     let level: Logger.Level
     if options.verbose {
         level = .debug

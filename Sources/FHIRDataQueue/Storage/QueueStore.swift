@@ -147,6 +147,10 @@ final class QueueStore: Sendable {
             switch dbError.resultCode {
             case .SQLITE_FULL:
                 return DataQueueError(.storageFull, "cannot \(what): the disk or the file-size limit is full; nothing was written")
+            case .SQLITE_IOERR where dbError.extendedResultCode == .SQLITE_IOERR_WRITE:
+                // EFBIG and ENOSPC during a write surface as SQLITE_IOERR_WRITE; the transaction is rolled back.
+                return DataQueueError(
+                    .storageFull, "cannot \(what): a write failed (disk full, file-size limit or I/O error); nothing was written")
             case .SQLITE_BUSY, .SQLITE_LOCKED:
                 return DataQueueError(.busy, "cannot \(what): the database is locked by another process")
             default:

@@ -1,0 +1,375 @@
+#!/usr/bin/env python3
+"""make bench: dq's figures next to a reference measured in the same run, as ratios.
+
+Each case runs --repeat times; the table shows medians. Results go to Benchmarks/results.md.
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = []
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def resource(i, size=1024):
+    head = '{"resourceType":"Observation","status":"final","identifier":[{"system":"urn:bench","value":"%d"}],"code":{"text":"' % i
+    return head + "x" * max(0, size - len(head) - 3) + '"}}'
+
+
+def median_of(fn, repeat):
+    values = [fn() for _ in range(repeat)]
+    return statistics.median(values)
+
+
+def row(case, dq_value, unit, ref_name, ref_value, target, note=""):
+    ratio = dq_value / ref_value if ref_value else float("nan")
+    ROWS.append((case, dq_value, unit, ref_name, ref_value, ratio, target, note))
+    print("  %-44s dq %12.1f %-8s | %-34s %12.1f | ratio %6.2f (target %s) %s"
+          % (case, dq_value, unit, ref_name, ref_value, ratio, target, note), flush=True)
+
+
+def run(cmd, env=None, stdin=None, check=True):
+    result = subprocess.run(cmd, env=env, stdin=stdin, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise SystemExit("command failed: %s\n%s" % (" ".join(cmd), result.stderr[-2000:]))
+    return result
+
+
+def bench_json(args, *cmd):
+    out = run([args.bench] + [str(c) for c in cmd]).stdout.strip().splitlines()[-1]
+    return json.loads(out)
+
+
+def raw_sqlite_serial(path, count, size, synchronous="FULL"):
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=%s" % synchronous)
+    db.execute("CREATE TABLE IF NOT EXISTS item (seq INTEGER PRIMARY KEY AUTOINCREMENT, uuid TEXT, body BLOB)")
+    bodies = [resource(i, size).encode() for i in range(count)]
+    start = time.perf_counter()
+    for i, body in enumerate(bodies):
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT INTO item (uuid, body) VALUES (?, ?)", (str(i), body))
+        db.execute("COMMIT")
+    elapsed = time.perf_counter() - start
+    db.close()
+    return count / elapsed
+
+
+def raw_sqlite_bulk(path, lines):
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("CREATE TABLE item (seq INTEGER PRIMARY KEY AUTOINCREMENT, uuid TEXT, body BLOB)")
+    start = time.perf_counter()
+    with open(lines, "rb") as f:
+        rows = [(str(i), line.rstrip(b"\n")) for i, line in enumerate(f)]
+    db.execute("BEGIN IMMEDIATE")
+    db.executemany("INSERT INTO item (uuid, body) VALUES (?, ?)", rows)
+    db.execute("COMMIT")
+    elapsed = time.perf_counter() - start
+    db.close()
+    return len(rows) / elapsed
+
+
+def write_ndjson(path, count, size=512):
+    with open(path, "w") as f:
+        for i in range(count):
+            f.write(resource(i, size) + "\n")
+
+
+def dq_env(work, server, db="queue.sqlite"):
+    env = dict(os.environ)
+    env.update({"DQ_SERVER": server, "DQ_DATABASE": os.path.join(work, db), "HOME": work})
+    return env
+
+
+def case_enqueue(args, work):
+    print("1-3. enqueue", flush=True)
+    n = args.scale(2000)
+
+    def dq_serial():
+        path = os.path.join(work, "s-%f.sqlite" % time.time())
+        return bench_json(args, "enqueue-serial", path, n, 1024, "full")["per_second"]
+
+    def raw_serial():
+        return raw_sqlite_serial(os.path.join(work, "raw-%f.sqlite" % time.time()), n, 1024)
+
+    dq_value = median_of(dq_serial, args.repeat)
+    raw_value = median_of(raw_serial, args.repeat)
+    row("1 durable enqueue, 1 item/commit (items/s)", dq_value, "items/s", "raw SQLite loop, WAL+FULL", raw_value, ">= 0.8")
+
+    m = args.scale(20000)
+
+    def dq_concurrent():
+        path = os.path.join(work, "c-%f.sqlite" % time.time())
+        return bench_json(args, "enqueue-concurrent", path, m, 1024, 64)["per_second"]
+
+    concurrent = median_of(dq_concurrent, args.repeat)
+    row("2 durable enqueue, 64 producers (items/s)", concurrent, "items/s", "dq 1 item/commit (case 1)", dq_value,
+        ">= 4 and >= 20,000/s", "(%s)" % ("met" if concurrent >= 20000 and concurrent >= 4 * dq_value else "missed"))
+
+    k = args.scale(100000)
+    lines = os.path.join(work, "bulk.ndjson")
+    write_ndjson(lines, k, 512)
+
+    def dq_bulk():
+        env = dq_env(work, "http://127.0.0.1:9/fhir", "b-%f.sqlite" % time.time())
+        start = time.perf_counter()
+        run([args.dq, "enqueue", "--ndjson", lines], env=env)
+        return k / (time.perf_counter() - start)
+
+    def raw_bulk():
+        return raw_sqlite_bulk(os.path.join(work, "rb-%f.sqlite" % time.time()), lines)
+
+    row("3 dq enqueue --ndjson %d (items/s)" % k, median_of(dq_bulk, args.repeat), "items/s",
+        "raw SQLite batched insert", median_of(raw_bulk, args.repeat), ">= 0.5")
+
+
+def start_nginx(work):
+    port = free_port()
+    conf = os.path.join(work, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write("""daemon off; worker_processes 1; pid %s/nginx.pid; error_log %s/nginx-error.log;
+events { worker_connections 256; }
+http { access_log off; client_body_temp_path %s; client_max_body_size 64m;
+  server { listen 127.0.0.1:%d; location / { return 201 '{"resourceType":"OperationOutcome"}'; } } }
+""" % (work, work, work, port))
+    process = subprocess.Popen(["nginx", "-c", conf, "-p", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            urllib.request.urlopen("http://127.0.0.1:%d/" % port, timeout=1)
+            break
+        except Exception:
+            time.sleep(0.05)
+    return process, port
+
+
+def case_flush_sink(args, work):
+    print("4. flush to a loopback sink (nginx)", flush=True)
+    if not shutil.which("nginx") or not shutil.which("ab"):
+        print("  skipped: nginx and ab (apache2-utils) are not installed")
+        return
+    nginx, port = start_nginx(work)
+    try:
+        n = args.scale(5000)
+        lines = os.path.join(work, "sink.ndjson")
+        write_ndjson(lines, n, 1024)
+        server = "http://127.0.0.1:%d/fhir" % port
+
+        def dq_flush():
+            env = dq_env(work, server, "f-%f.sqlite" % time.time())
+            run([args.dq, "enqueue", "--ndjson", lines], env=env)
+            start = time.perf_counter()
+            out = run([args.dq, "flush"], env=env).stdout
+            elapsed = time.perf_counter() - start
+            assert "%d delivered" % n in out, out
+            return n / elapsed
+
+        body = os.path.join(work, "body.json")
+        with open(body, "w") as f:
+            f.write(resource(0, 1024))
+
+        def ab():
+            out = run(["ab", "-q", "-n", str(n), "-c", "1", "-k", "-p", body, "-T", "application/fhir+json",
+                       server + "/Observation"]).stdout
+            return float(re.search(r"Requests per second:\s+([\d.]+)", out).group(1))
+
+        row("4 flush to nginx 201 sink (items/s)", median_of(dq_flush, args.repeat), "items/s",
+            "ab -c 1 -k, same bodies", median_of(ab, args.repeat), ">= 0.5", "(dq: durable journal per item)")
+    finally:
+        nginx.terminate()
+        nginx.wait()
+
+
+def case_flush_fhir(args, work):
+    print("5. flush to sekmet-fhir", flush=True)
+    venv = os.path.join(ROOT, ".peers", "venv")
+    bench_venv = os.path.join(ROOT, ".peers", "bench")
+    port = free_port()
+    data = os.path.join(work, "sekmet")
+    os.makedirs(data, exist_ok=True)
+    with open(os.path.join(data, "settings.yaml"), "w") as f:
+        f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\nlog_inbound: false\n"
+                "simulator: {enabled: false}\nserver_auth:\n  types: [none]\n" % (port, port, data))
+    server = subprocess.Popen([os.path.join(venv, "bin", "sekmet"), "serve", "-c", os.path.join(data, "settings.yaml")],
+                              cwd=data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = "http://127.0.0.1:%d/fhir" % port
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(base + "/metadata", timeout=1)
+                break
+            except Exception:
+                time.sleep(0.1)
+        n = args.scale(300)
+        lines = os.path.join(work, "fhir.ndjson")
+        write_ndjson(lines, n, 512)
+
+        def dq_flush():
+            env = dq_env(work, base, "fh-%f.sqlite" % time.time())
+            run([args.dq, "enqueue", "--ndjson", lines], env=env)
+            start = time.perf_counter()
+            out = run([args.dq, "flush"], env=env).stdout
+            assert "%d delivered" % n in out, out
+            return n / (time.perf_counter() - start)
+
+        peer = os.path.join(ROOT, "Benchmarks", "peers_fhir.py")
+
+        def peer_rate(name):
+            out = run([os.path.join(bench_venv, "bin", "python"), peer, name, base, lines]).stdout
+            return float(out.strip().splitlines()[-1])
+
+        dq_value = median_of(dq_flush, args.repeat)
+        for name in ("fhirclient", "fhirpy", "requests"):
+            row("5 flush to sekmet-fhir (items/s)", dq_value, "items/s", "%s, sequential creates" % name,
+                median_of(lambda: peer_rate(name), args.repeat), ">= 1.0")
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def case_seal(args, work):
+    print("6. envelope sealing", flush=True)
+    key = os.path.join(work, "k.pem")
+    cert = os.path.join(work, "c.pem")
+    run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-subj", "/CN=b", "-days", "2",
+         "-out", cert])
+    count = args.scale(20000)
+    small = median_of(lambda: bench_json(args, "seal", cert, 2048, count, "c3pro")["per_second"], args.repeat)
+    out = run(["openssl", "speed", "-seconds", "3", "rsa2048"]).stdout
+    verify = float(re.search(r"rsa 2048 bits\s+[\d.]+s\s+[\d.]+s\s+[\d.]+\s+([\d.]+)", out).group(1))
+    row("6a seal 2 KiB resource, c3pro (envelopes/s)", small, "env/s", "openssl speed rsa2048 public ops/s", verify, ">= 0.6")
+    big = median_of(lambda: bench_json(args, "seal", cert, 1 << 20, args.scale(200), "c3pro")["mb_per_second"], args.repeat)
+    out = run(["openssl", "speed", "-seconds", "3", "-bytes", "16384", "-evp", "aes-256-cbc"]).stdout
+    kbytes = float(out.strip().splitlines()[-1].split()[-1].rstrip("k"))
+    row("6b seal 1 MiB resource, c3pro (MB/s)", big, "MB/s", "openssl speed -evp aes-256-cbc (16 KiB)", kbytes * 1000 / 1e6, ">= 0.5")
+    gcm = median_of(lambda: bench_json(args, "seal", cert, 1 << 20, args.scale(200), "authenticated")["mb_per_second"], args.repeat)
+    out = run(["openssl", "speed", "-seconds", "3", "-bytes", "16384", "-evp", "aes-256-gcm"]).stdout
+    kbytes = float(out.strip().splitlines()[-1].split()[-1].rstrip("k"))
+    row("6c seal 1 MiB resource, authenticated (MB/s)", gcm, "MB/s", "openssl speed -evp aes-256-gcm (16 KiB)", kbytes * 1000 / 1e6, "-")
+
+
+def peak_rss_mb(cmd, env):
+    result = run(["/usr/bin/time", "-v"] + cmd, env=env, check=False)
+    match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)
+    return int(match.group(1)) / 1024 if match else float("nan")
+
+
+def case_memory(args, work):
+    print("7. memory", flush=True)
+    if not shutil.which("nginx"):
+        print("  skipped: nginx is not installed")
+        return
+    n = args.scale(1000000)
+    lines = os.path.join(work, "mem.ndjson")
+    nginx, port = start_nginx(work)
+    try:
+        env = dq_env(work, "http://127.0.0.1:%d/fhir" % port, "mem.sqlite")
+        # Fill the queue in chunks (the CLI validates and commits each file in one transaction).
+        chunk = min(n, 100000)
+        write_ndjson(lines, chunk, 300)
+        for _ in range(n // chunk):
+            run([args.dq, "enqueue", "--ndjson", lines], env=env)
+        limit = args.scale(20000)
+        flush_rss = peak_rss_mb([args.dq, "flush", "--limit", str(limit)], env)
+        empty_rss = peak_rss_mb([args.dq, "status"], dq_env(work, "http://127.0.0.1:9/fhir", "empty.sqlite"))
+        row("7a peak RSS, dq flush (%d of %d queued)" % (limit, n), flush_rss, "MB", "dq status, empty queue", empty_rss,
+            "flush <= 64 MB", "(%s)" % ("met" if flush_rss <= 64 else "missed"))
+    finally:
+        nginx.terminate()
+        nginx.wait()
+    bundle = os.path.join(work, "bundle.json")
+    entries = args.scale(50000)
+    with open(bundle, "w") as f:
+        f.write('{"resourceType":"Bundle","type":"transaction","entry":[')
+        f.write(",".join('{"resource":%s,"request":{"method":"POST","url":"Observation"}}' % resource(i, 900)
+                         for i in range(entries)))
+        f.write("]}")
+    size_mb = os.path.getsize(bundle) / 1e6
+    rss = peak_rss_mb([args.dq, "enqueue", bundle], dq_env(work, "http://127.0.0.1:9/fhir", "bundle.sqlite"))
+    row("7b peak RSS, dq enqueue of a %.0f MB Bundle" % size_mb, rss, "MB", "the Bundle's size", size_mb, "-")
+
+
+def case_startup(args, work):
+    print("8. start-up", flush=True)
+    env = dq_env(work, "http://127.0.0.1:9/fhir", "start.sqlite")
+    run([args.dq, "status"], env=env)
+    db = os.path.join(work, "start.sqlite")
+    runs = args.scale(30)
+
+    def timed(cmd, env=None):
+        start = time.perf_counter()
+        for _ in range(runs):
+            run(cmd, env=env)
+        return (time.perf_counter() - start) / runs * 1000
+
+    dq_ms = median_of(lambda: timed([args.dq, "status"], env), args.repeat)
+    sqlite_ms = median_of(lambda: timed(["sqlite3", db, "select count(*) from item"]), args.repeat)
+    row("8 dq status, empty database (ms per run)", dq_ms, "ms", "sqlite3 DB 'select count(*)'", sqlite_ms, "<= 3")
+
+
+def case_peers(args, work):
+    print("9. durable queue peers", flush=True)
+    bench_venv = os.path.join(ROOT, ".peers", "bench")
+    n = args.scale(2000)
+    peer = os.path.join(ROOT, "Benchmarks", "peers_queue.py")
+    dq_put = median_of(lambda: bench_json(args, "enqueue-serial", os.path.join(work, "p-%f.sqlite" % time.time()), n, 1024,
+                                          "full")["per_second"], args.repeat)
+    for name in ("persist-queue", "litequeue"):
+        out = median_of(lambda: float(run([os.path.join(bench_venv, "bin", "python"), peer, name, work, str(n)])
+                                      .stdout.strip().splitlines()[-1]), args.repeat)
+        row("9 durable put, 1 item/commit (items/s)", dq_put, "items/s", "%s put, synchronous=FULL" % name, out, ">= 1.0")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dq", default=os.path.join(ROOT, ".build", "release", "dq"))
+    parser.add_argument("--bench", default=os.path.join(ROOT, ".build", "release", "dq-bench"))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
+    parser.add_argument("--cases", default="1,4,5,6,7,8,9")
+    parser.add_argument("--out", default=os.path.join(ROOT, "Benchmarks", "results.md"))
+    args = parser.parse_args()
+    factor = 0.1 if args.quick else 1.0
+    args.scale = lambda n: max(1, int(n * factor))
+    cases = {"1": case_enqueue, "4": case_flush_sink, "5": case_flush_fhir, "6": case_seal, "7": case_memory,
+             "8": case_startup, "9": case_peers}
+    work = tempfile.mkdtemp(prefix="dq-bench-")
+    try:
+        for key in args.cases.split(","):
+            cases[key](args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    machine = "%s, %d cores, %s" % (platform.machine(), os.cpu_count(), platform.platform())
+    lines = ["# dq benchmarks", "", "Machine: %s. Command: `make bench` (release build, median of %d runs%s)." %
+             (machine, args.repeat, ", --quick" if args.quick else ""), "",
+             "| case | dq | unit | reference | reference value | ratio | target |", "|---|---:|---|---|---:|---:|---|"]
+    for case, dq_value, unit, ref_name, ref_value, ratio, target, note in ROWS:
+        lines.append("| %s | %.1f | %s | %s | %.1f | %.2f | %s %s |" % (case, dq_value, unit, ref_name, ref_value, ratio, target, note))
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

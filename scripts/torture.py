@@ -1,0 +1,439 @@
+#!/usr/bin/env python3
+"""make torture: crash, fault, concurrency, exhaustion and bad-input runs against the real FHIR server.
+
+Every run ends by comparing what the server holds with what was enqueued: lost, duplicated, out of order.
+Loops are bounded in count and time, use loopback only, and stop every process they start.
+
+  scripts/torture.py [--quick] [--seed N]
+"""
+import argparse
+import json
+import os
+import random
+import resource as rlimit
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV = os.path.join(ROOT, ".peers", "venv")
+DQ = os.environ.get("DQ_BIN", os.path.join(ROOT, ".build", "debug", "dq"))
+BENCH = os.environ.get("DQ_BENCH_BIN", os.path.join(os.path.dirname(DQ), "dq-bench"))
+CHILDREN = []
+TABLE = []
+FAILURES = []
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def spawn(cmd, **kw):
+    process = subprocess.Popen(cmd, **kw)
+    CHILDREN.append(process)
+    return process
+
+
+def stop_all():
+    for process in CHILDREN:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def wait_http(url, seconds=60):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except Exception:
+            time.sleep(0.1)
+    raise SystemExit("not ready: " + url)
+
+
+class FHIR:
+    def __init__(self, work):
+        self.port = free_port()
+        self.dir = os.path.join(work, "fhir-%d" % self.port)
+        os.makedirs(self.dir)
+        with open(os.path.join(self.dir, "settings.yaml"), "w") as f:
+            f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\n"
+                    "log_inbound: false\nsimulator: {enabled: false}\nserver_auth:\n  types: [none]\n"
+                    % (self.port, self.port, self.dir))
+        self.base = "http://127.0.0.1:%d/fhir" % self.port
+        self.process = None
+        self.start()
+
+    def start(self):
+        self.process = spawn([os.path.join(VENV, "bin", "sekmet"), "serve", "-c", os.path.join(self.dir, "settings.yaml")],
+                             cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_http(self.base + "/metadata")
+
+    def kill(self):
+        self.process.kill()
+        self.process.wait()
+
+    def values(self, rtype, system):
+        """Identifier values of `system` on the server, oldest first."""
+        found, offset = [], 0
+        while True:
+            with urllib.request.urlopen("%s/%s/_history?_count=500&_offset=%d" % (self.base, rtype, offset), timeout=60) as r:
+                page = json.load(r)
+            entries = page.get("entry", [])
+            if not entries:
+                break
+            for entry in entries:
+                for ident in entry.get("resource", {}).get("identifier", []):
+                    if ident.get("system") == system:
+                        found.append(ident["value"])
+            offset += len(entries)
+        return list(reversed(found))
+
+
+def observation(system, value):
+    return json.dumps({"resourceType": "Observation", "status": "final",
+                       "identifier": [{"system": system, "value": value}], "code": {"text": "torture " + value}})
+
+
+def dq(args, env, timeout=120, **kw):
+    return subprocess.run([DQ] + args, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def env_for(work, server, db="queue.sqlite", idempotent=True, timeout=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DQ_")}
+    env.update({"DQ_SERVER": server, "DQ_DATABASE": os.path.join(work, db), "HOME": work})
+    if idempotent:
+        env["DQ_IDEMPOTENT"] = "true"
+    return env
+
+
+def flush_until_done(env, extra=(), attempts=200):
+    for _ in range(attempts):
+        result = dq(["flush", "--now", "--wait", "30"] + list(extra), env)
+        if result.returncode == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def check(name, runs, kills, faults, expected, actual, extra_ok=True, note="", groups=None):
+    """expected: values in the order they must appear; actual: values on the server, oldest first.
+    groups: lists of values whose order must hold within each list (order between lists is free)."""
+    seen = {}
+    for value in actual:
+        seen[value] = seen.get(value, 0) + 1
+    lost = sum(1 for value in expected if value not in seen)
+    duplicated = sum(count - 1 for count in seen.values() if count > 1)
+    unexpected = sum(1 for value in seen if value not in set(expected))
+    out_of_order = 0
+    for group in (groups or [expected]):
+        positions = {value: i for i, value in enumerate(group)}
+        order = [positions[v] for v in dict.fromkeys(actual) if v in positions]
+        out_of_order += sum(1 for a, b in zip(order, order[1:]) if b < a)
+    TABLE.append((name, runs, kills, faults, len(expected), len(seen), lost, duplicated + unexpected, out_of_order, note))
+    ok = lost == 0 and duplicated == 0 and unexpected == 0 and out_of_order == 0 and extra_ok
+    if not ok:
+        FAILURES.append(name)
+    print("  %s: %s" % (name, "ok" if ok else "FAILED"), flush=True)
+
+
+def integrity(path):
+    con = sqlite3.connect(path)
+    result = con.execute("PRAGMA integrity_check").fetchone()[0]
+    con.close()
+    return result == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+def crash_loop(work, iterations, rng):
+    print("crash loop: %d iterations of enqueue and flush killed with SIGKILL" % iterations, flush=True)
+    fhir = FHIR(work)
+    env = env_for(work, fhir.base, "crash.sqlite")
+    system = "urn:torture:crash:%d" % rng.randrange(1 << 30)
+    committed, uncertain, kills = [], [], 0
+    chunk_file = os.path.join(work, "chunk.ndjson")
+    for iteration in range(iterations):
+        values = ["%05d-%d" % (iteration, i) for i in range(rng.randint(1, 6))]
+        with open(chunk_file, "w") as f:
+            f.write("\n".join(observation(system, v) for v in values) + "\n")
+        enqueue = spawn([DQ, "enqueue", "--ndjson", chunk_file], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        flush = spawn([DQ, "flush", "--now", "--wait", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0, 0.12))
+        victims = [p for p in (enqueue, flush) if rng.random() < 0.7]
+        for p in victims:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                kills += 1
+        code = enqueue.wait()
+        flush.wait()
+        (committed if code == 0 else uncertain).append(values)
+    ok = flush_until_done(env)
+    actual = fhir.values("Observation", system)
+    present = set(actual)
+    # A killed enqueue committed all of its chunk or none of it (one transaction).
+    expected = []
+    atomic = True
+    for iteration_values in sorted(committed + uncertain, key=lambda v: v[0]):
+        hits = sum(1 for v in iteration_values if v in present)
+        if iteration_values in committed or hits:
+            expected.extend(iteration_values)
+        if hits not in (0, len(iteration_values)):
+            atomic = False
+    good = ok and atomic and integrity(os.path.join(work, "crash.sqlite"))
+    check("crash loop (SIGKILL enqueue + flush)", iterations, kills, 0, expected, actual, good,
+          "integrity_check ok" if good else "integrity/atomicity FAILED")
+    fhir.kill()
+
+
+def network_faults(work, count, rng, seed):
+    print("network faults: %d resources through a fault-injecting proxy" % count, flush=True)
+    fhir = FHIR(work)
+    port = free_port()
+    spawn([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(port),
+           "--upstream", "http://127.0.0.1:%d" % fhir.port, "--random", "0.2", "--seed", str(seed), "--stall", "2.5"],
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http("http://127.0.0.1:%d/__proxy/stats" % port)
+    env = env_for(work, "http://127.0.0.1:%d/fhir" % port, "faults.sqlite")
+    system = "urn:torture:faults:%d" % rng.randrange(1 << 30)
+    values = ["%06d" % i for i in range(count)]
+    path = os.path.join(work, "faults.ndjson")
+    with open(path, "w") as f:
+        f.write("\n".join(observation(system, v) for v in values) + "\n")
+    assert dq(["enqueue", "--ndjson", path], env).returncode == 0
+    ok = flush_until_done(env, ["--timeout", "1.5"], attempts=max(200, count))
+    with urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % port) as r:
+        stats = json.load(r)
+    faults = sum(stats["faults"].values())
+    check("network faults (503, drops, latency, stalls)", 1, 0, faults, values, fhir.values("Observation", system), ok,
+          ", ".join("%s %d" % kv for kv in sorted(stats["faults"].items())))
+    fhir.kill()
+
+
+def concurrency(work, producers, per_producer, rng):
+    print("concurrency: %d enqueue + %d flush processes and an in-process library user" % (producers, producers), flush=True)
+    fhir = FHIR(work)
+    env = env_for(work, fhir.base, "conc.sqlite")
+    system = "urn:torture:conc:%d" % rng.randrange(1 << 30)
+    processes, expected_by_producer = [], []
+    for producer in range(producers):
+        values = ["p%d-%05d" % (producer, i) for i in range(per_producer)]
+        expected_by_producer.append(values)
+        path = os.path.join(work, "p%d.ndjson" % producer)
+        with open(path, "w") as f:
+            f.write("\n".join(observation(system, v) for v in values) + "\n")
+    for producer in range(producers):
+        processes.append(spawn([DQ, "enqueue", "--ndjson", os.path.join(work, "p%d.ndjson" % producer)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        processes.append(spawn([DQ, "flush", "--wait", "60"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    library_values = ["lib-%05d" % i for i in range(per_producer)]
+    if os.path.exists(BENCH):
+        processes.append(spawn([BENCH, "library-user", os.path.join(work, "conc.sqlite"), fhir.base, system,
+                                str(per_producer)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        expected_by_producer.append(library_values)
+    codes = [p.wait() for p in processes]
+    ok = flush_until_done(env) and all(c in (0, 75) for c in codes)
+    actual = fhir.values("Observation", system)
+    everything = [v for values in expected_by_producer for v in values]
+    # Order holds per producer; interleaving between producers is free.
+    check("concurrency (enqueue x%d, flush x%d, library)" % (producers, producers), 1, 0, 0, everything, actual, ok,
+          "order checked per producer", groups=expected_by_producer)
+    fhir.kill()
+
+
+def exhaustion(work):
+    print("resource exhaustion: file-size limit during enqueue", flush=True)
+    env = env_for(work, "http://127.0.0.1:9/fhir", "full.sqlite", idempotent=False)
+    small = os.path.join(work, "small.json")
+    with open(small, "w") as f:
+        f.write(observation("urn:torture:full", "first"))
+    assert dq(["enqueue", small], env).returncode == 0
+    db = os.path.join(work, "full.sqlite")
+    before = sqlite3.connect(db).execute("SELECT count(*) FROM item").fetchone()[0]
+    big = os.path.join(work, "big.ndjson")
+    with open(big, "w") as f:
+        for i in range(3000):
+            f.write(json.dumps({"resourceType": "Observation", "status": "final", "code": {"text": "x" * 1500},
+                                "identifier": [{"system": "urn:torture:full", "value": str(i)}]}) + "\n")
+    limit = os.path.getsize(db) + 256 * 1024
+
+    def cap():
+        rlimit.setrlimit(rlimit.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run([DQ, "enqueue", "--ndjson", big], env=env, capture_output=True, text=True, preexec_fn=cap,
+                            timeout=120)
+    clear = result.returncode == 74 and "nothing was written" in result.stderr
+    after = sqlite3.connect(db).execute("SELECT count(*) FROM item").fetchone()[0]
+    again = dq(["enqueue", "--ndjson", big], env)
+    final = sqlite3.connect(db).execute("SELECT count(*) FROM item").fetchone()[0]
+    ok = clear and after == before and again.returncode == 0 and final == before + 3000 and integrity(db)
+    TABLE.append(("disk/file-size limit during enqueue", 1, 0, 1, 3001, final, 0 if final == 3001 else 3001 - final, 0, 0,
+                  "exit %d %r; unchanged: %s; works after: %s" % (result.returncode, result.stderr.strip()[:60],
+                                                                   after == before, again.returncode == 0)))
+    if not ok:
+        FAILURES.append("exhaustion")
+    print("  exhaustion: %s" % ("ok" if ok else "FAILED"), flush=True)
+
+
+def bad_inputs(work, rng, count, fuzz_seconds):
+    print("bad input: %d malformed inputs, corrupt envelopes, %ds of fuzzing" % (count, fuzz_seconds), flush=True)
+    env = env_for(work, "http://127.0.0.1:9/fhir", "bad.sqlite", idempotent=False)
+    good = os.path.join(work, "good.json")
+    with open(good, "w") as f:
+        f.write(observation("urn:torture:bad", "kept"))
+    assert dq(["enqueue", good], env).returncode == 0
+    db = os.path.join(work, "bad.sqlite")
+    snapshot = lambda: sqlite3.connect(db).execute("SELECT group_concat(uuid) FROM item").fetchone()[0]
+    before = snapshot()
+    valid = observation("urn:torture:bad", "x").encode()
+    generators = [
+        lambda: valid[: rng.randrange(1, len(valid) - 1)],                              # truncated
+        lambda: b'{"resourceType":"Patient","a":' + b"[" * 200000 + b"]" * 200000 + b"}",  # deeply nested
+        lambda: b'{"resourceType":"Patient","n":1' + b"0" * 100000 + b"}",               # huge number
+        lambda: b'{"resourceType":"Patient","n":1e999999}',
+        lambda: valid.replace(b"torture", bytes([0xC3, 0x28])),                         # invalid UTF-8
+        lambda: b'{"resourceType":%d}' % rng.randrange(1000),                           # wrong type
+        lambda: b'{"resourceType":["Patient"]}',
+        lambda: bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400))),        # binary
+        lambda: b"[" + valid + b"]",
+        lambda: b"\xef\xbb\xbf" + b'{"resourceType":"Pat ient"}',
+        lambda: b'{"resourceType":"Patient","id":"' + b"a" * 100 + b'"}',
+        lambda: b"",
+    ]
+    crashes = hangs = wrong = 0
+    for i in range(count):
+        data = generators[i % len(generators)]()
+        path = os.path.join(work, "bad-%d.json" % i)
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            result = dq(["enqueue", path], env, timeout=20)
+        except subprocess.TimeoutExpired:
+            hangs += 1
+            continue
+        if result.returncode < 0:
+            crashes += 1
+        elif result.returncode != 65 or "bad-%d.json:" % i not in result.stderr:
+            wrong += 1
+    # Corrupt envelopes for dq decrypt.
+    key = os.path.join(work, "k.pem")
+    subprocess.run(["openssl", "genrsa", "-out", key, "2048"], capture_output=True, check=True)
+    envelopes = [b"", b"{}", b"[]", b'{"key_id":"k","symmetric_key":"AAAA","message":"AAAA","version":"1"}',
+                 b'{"key_id":"k","symmetric_key":"!!","message":"","version":"1"}', b"\x00\x01\x02",
+                 b'{"key_id":1,"symmetric_key":"","message":"","version":""}',
+                 b'{"key_id":"k","symmetric_key":"","message":"","version":"","alg":"none"}']
+    for i, data in enumerate(envelopes):
+        path = os.path.join(work, "env-%d.json" % i)
+        with open(path, "wb") as f:
+            f.write(data)
+        result = dq(["decrypt", "--key", key, path], env, timeout=20)
+        if result.returncode < 0:
+            crashes += 1
+        elif result.returncode != 65:
+            wrong += 1
+    fuzz_runs = fuzz_crashes = 0
+    if os.path.exists(BENCH) and fuzz_seconds > 0:
+        fuzz = subprocess.run([BENCH, "fuzz", str(rng.randrange(1 << 30)), str(fuzz_seconds), key], capture_output=True,
+                              text=True, timeout=fuzz_seconds + 60)
+        if fuzz.returncode != 0:
+            fuzz_crashes = 1
+        else:
+            fuzz_runs = json.loads(fuzz.stdout.strip().splitlines()[-1])["count"]
+    unchanged = snapshot() == before
+    ok = crashes == 0 and hangs == 0 and wrong == 0 and unchanged and fuzz_crashes == 0
+    TABLE.append(("bad input (%d files, %d envelopes, fuzz)" % (count, len(envelopes)), count + len(envelopes) + fuzz_runs,
+                  0, 0, 1, 1, 0 if unchanged else 1, 0, 0,
+                  "crashes %d, hangs %d, wrong exit %d, fuzz inputs %d" % (crashes + fuzz_crashes, hangs, wrong, fuzz_runs)))
+    if not ok:
+        FAILURES.append("bad input")
+    print("  bad input: %s" % ("ok" if ok else "FAILED"), flush=True)
+
+
+def security(work):
+    print("security: file modes, TLS verification", flush=True)
+    problems = []
+    for name in os.listdir(work):
+        if name.endswith((".sqlite", ".sqlite-wal", ".sqlite-shm", ".lock")):
+            mode = os.stat(os.path.join(work, name)).st_mode & 0o777
+            if mode != 0o600:
+                problems.append("%s is %o" % (name, mode))
+    # TLS: a self-signed server is refused (no way to turn verification off), accepted with its CA as ca_bundle.
+    cert, key = os.path.join(work, "tls.crt"), os.path.join(work, "tls.key")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "2",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], capture_output=True, check=True)
+    fhir = FHIR(work)
+    port = free_port()
+    spawn([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(port), "--upstream",
+           "http://127.0.0.1:%d" % fhir.port, "--tls-cert", cert, "--tls-key", key],
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    env = env_for(work, "https://127.0.0.1:%d/fhir" % port, "tls.sqlite", idempotent=False)
+    sample = os.path.join(work, "tls.json")
+    with open(sample, "w") as f:
+        f.write(observation("urn:torture:tls", "1"))
+    refused = dq(["send", sample], env)
+    if refused.returncode != 75:
+        problems.append("self-signed TLS was not refused (exit %d)" % refused.returncode)
+    env["DQ_CA_BUNDLE"] = cert
+    accepted = dq(["flush", "--now"], env)
+    if accepted.returncode != 0:
+        problems.append("TLS with ca_bundle failed: %s" % accepted.stderr[-200:])
+    fhir.kill()
+    TABLE.append(("security (0600 files, TLS verify)", 1, 0, 0, 1, 1 if accepted.returncode == 0 else 0, 0, 0, 0,
+                  "; ".join(problems) or "all files 0600; self-signed refused; ca_bundle accepted"))
+    if problems:
+        FAILURES.append("security")
+    print("  security: %s" % ("ok" if not problems else "FAILED: " + "; ".join(problems)), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    work = tempfile.mkdtemp(prefix="dq-torture-")
+    started = time.time()
+    print("torture: seed %d, %s" % (args.seed, "quick" if args.quick else "full"), flush=True)
+    try:
+        crash_loop(work, 25 if args.quick else 200, rng)
+        network_faults(work, 150 if args.quick else 1000, rng, args.seed)
+        concurrency(work, 3, 40 if args.quick else 300, rng)
+        exhaustion(work)
+        bad_inputs(work, rng, 60 if args.quick else 600, 5 if args.quick else 60)
+        security(work)
+    finally:
+        stop_all()
+        shutil.rmtree(work, ignore_errors=True)
+    header = "| run | runs | kills | faults | enqueued | delivered | lost | duplicated | out of order | notes |"
+    lines = ["", "Torture (seed %d, %s, %.0f s):" % (args.seed, "quick" if args.quick else "full", time.time() - started), "",
+             header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in TABLE:
+        lines.append("| %s | %d | %d | %d | %d | %d | %d | %d | %d | %s |" % r)
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines).strip() + "\n")
+    print("torture: %d passed, %d failed" % (len(TABLE) - len(FAILURES), len(FAILURES)))
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    finally:
+        stop_all()
