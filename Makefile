@@ -53,7 +53,7 @@ demo: build peers
 	scripts/demo.sh
 
 lint:
-	$(SWIFT) format lint --strict -r Sources Tests
+	$(SWIFT) format lint --strict -r Sources Tests Benchmarks
 
 clean:
 	rm -rf .build .peers

@@ -9,15 +9,18 @@ import Foundation
 @main
 struct DQBenchmarks {
     static func resource(_ index: Int, size: Int) -> FHIRResource {
-        let head = #"{"resourceType":"Observation","status":"final","identifier":[{"system":"urn:bench","value":"\#(index)"}],"code":{"text":""#
+        let head =
+            #"{"resourceType":"Observation","status":"final","identifier":[{"system":"urn:bench","value":"\#(index)"}],"code":{"text":""#
         let tail = #""}}"#
         let padding = String(repeating: "x", count: max(0, size - head.utf8.count - tail.utf8.count))
         return try! FHIRResource(json: Data((head + padding + tail).utf8))
     }
 
     static func report(_ name: String, count: Int, seconds: Double, extra: [String: Double] = [:]) {
-        var fields = ["case": "\"\(name)\"", "count": "\(count)", "seconds": String(format: "%.6f", seconds),
-                      "per_second": String(format: "%.1f", Double(count) / seconds)]
+        var fields = [
+            "case": "\"\(name)\"", "count": "\(count)", "seconds": String(format: "%.6f", seconds),
+            "per_second": String(format: "%.1f", Double(count) / seconds),
+        ]
         for (key, value) in extra { fields[key] = String(format: "%.3f", value) }
         print("{" + fields.sorted { $0.key < $1.key }.map { "\"\($0.key)\": \($0.value)" }.joined(separator: ", ") + "}")
     }
@@ -68,8 +71,9 @@ struct DQBenchmarks {
             let start = ContinuousClock.now
             for _ in 0..<count { bytes += try sealer.seal(plaintext).count }
             let elapsed = ContinuousClock.now - start
-            report("seal", count: count, seconds: elapsed.seconds,
-                   extra: ["mb_per_second": Double(size * count) / elapsed.seconds / 1_000_000])
+            report(
+                "seal", count: count, seconds: elapsed.seconds,
+                extra: ["mb_per_second": Double(size * count) / elapsed.seconds / 1_000_000])
             precondition(bytes > 0)
         case "library-user":
             // A service using the library in-process, next to dq processes on the same queue (torture).
@@ -79,7 +83,8 @@ struct DQBenchmarks {
             configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
             let queue = try DataQueue(baseURL: URL(string: server)!, configuration: configuration)
             for index in 0..<count {
-                let json = #"{"resourceType":"Observation","status":"final","identifier":[{"system":"\#(system)","value":"lib-\#(String(format: "%05d", index))"}],"code":{"text":"library"}}"#
+                let json =
+                    #"{"resourceType":"Observation","status":"final","identifier":[{"system":"\#(system)","value":"lib-\#(String(format: "%05d", index))"}],"code":{"text":"library"}}"#
                 _ = try await queue.create(try FHIRResource(json: Data(json.utf8)))
             }
             try await queue.shutdown()
@@ -89,7 +94,9 @@ struct DQBenchmarks {
             let seconds = Double(arguments[3])!
             let opener = try EnvelopeOpener(privateKeyPEM: try String(contentsOfFile: arguments[4], encoding: .utf8))
             let seeds: [Data] = [
-                Data(#"{"resourceType":"Observation","status":"final","identifier":[{"system":"urn:x","value":"1"}],"valueQuantity":{"value":1.5}}"#.utf8),
+                Data(
+                    #"{"resourceType":"Observation","status":"final","identifier":[{"system":"urn:x","value":"1"}],"valueQuantity":{"value":1.5}}"#
+                        .utf8),
                 Data(#"{"resourceType":"Bundle","type":"transaction","entry":[{"resource":{"resourceType":"Patient","id":"a"}}]}"#.utf8),
                 Data(#"{"key_id":"k","symmetric_key":"AAAA","message":"AAAA","version":"1.0.2","alg":"A256GCM+RSA-OAEP-256"}"#.utf8),
             ]
@@ -104,7 +111,9 @@ struct DQBenchmarks {
                     case 0: bytes[position] = UInt8.random(in: 0...255, using: &generator)
                     case 1: bytes.remove(at: position)
                     case 2: bytes.insert(contentsOf: bytes[position..<min(bytes.count, position + 8)], at: position)
-                    default: bytes.insert([0x7B, 0x5B, 0x22, 0x7D, 0x5D, 0x2C, 0x3A, 0xFF][Int.random(in: 0..<8, using: &generator)], at: position)
+                    default:
+                        bytes.insert(
+                            [0x7B, 0x5B, 0x22, 0x7D, 0x5D, 0x2C, 0x3A, 0xFF][Int.random(in: 0..<8, using: &generator)], at: position)
                     }
                     if bytes.isEmpty { bytes = [0x7B] }
                 }

@@ -37,6 +37,7 @@ public struct DataQueueError: Error, Sendable, CustomStringConvertible, Equatabl
         /// A resource could not be encrypted or an envelope decrypted.
         public static let encryption = Code(.encryption)
 
+        /// The code's name, e.g. `invalidResource`.
         public var description: String { value.rawValue }
     }
 
@@ -51,5 +52,6 @@ public struct DataQueueError: Error, Sendable, CustomStringConvertible, Equatabl
         self.message = message
     }
 
+    /// The PHI-free message.
     public var description: String { message }
 }

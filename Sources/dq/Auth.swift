@@ -3,7 +3,7 @@ import FHIRDataQueue
 import Foundation
 
 #if canImport(Glibc)
-import Glibc
+    import Glibc
 #endif
 
 extension DQ {

@@ -155,8 +155,9 @@ struct DQSettings {
             guard !token.isEmpty else { throw configError("\"auth.bearer_token\" is empty") }
             authorization = StaticBearerToken(token)
         } else if auth["authorize_type"] != nil || auth["client_id"] != nil || auth["registration_uri"] != nil {
-            authorization = try loadOAuth2(auth, server: server, environment: environment, configPath: configPath,
-                                           caBundle: configuration.caBundlePath)
+            authorization = try loadOAuth2(
+                auth, server: server, environment: environment, configPath: configPath,
+                caBundle: configuration.caBundlePath)
         }
         var encryption: Encryption?
         if let value = file["encryption"] {
@@ -211,9 +212,13 @@ struct DQSettings {
         if let fields = auth["registration_fields"] {
             guard let object = fields as? [String: Any] else { throw configError("\"auth.registration_fields\" must be an object") }
             for (key, value) in object {
-                if let flag = value as? Bool, CFGetTypeIDIsBool(value) { oauth.registrationFlags[key] = flag }
-                else if let text = value as? String { oauth.registrationFields[key] = text }
-                else { throw configError("\"auth.registration_fields.\(key)\" must be a string or a boolean") }
+                if let flag = value as? Bool, CFGetTypeIDIsBool(value) {
+                    oauth.registrationFlags[key] = flag
+                } else if let text = value as? String {
+                    oauth.registrationFields[key] = text
+                } else {
+                    throw configError("\"auth.registration_fields.\(key)\" must be a string or a boolean")
+                }
             }
         }
         if let headers = auth["registration_headers"] {

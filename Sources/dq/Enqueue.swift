@@ -73,7 +73,9 @@ extension DQ {
     struct Send: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Queue resources, then flush the queue up to them (older items go first).",
-            discussion: "Exit 0 when all were delivered, 75 when some stay queued, 65 when the server rejected some (parked), 77 on an authentication failure.")
+            discussion:
+                "Exit 0 when all were delivered, 75 when some stay queued, 65 when the server rejected some (parked), 77 on an authentication failure."
+        )
 
         @OptionGroup var queueOptions: QueueOptions
         @OptionGroup var input: InputOptions

@@ -18,7 +18,9 @@ extension DQ {
     struct Flush: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Send queued items in order (for cron).",
-            discussion: "Exit 0 when nothing pending remains, 75 when items stay queued (transient failure, backoff, another flusher, --limit), 77 on an authentication failure.")
+            discussion:
+                "Exit 0 when nothing pending remains, 75 when items stay queued (transient failure, backoff, another flusher, --limit), 77 on an authentication failure."
+        )
 
         @OptionGroup var queueOptions: QueueOptions
 
@@ -55,7 +57,8 @@ extension DQ {
                             remaining: report.remaining, parkedTotal: report.parkedTotal, stopped: stopText))
                 } else {
                     print(
-                        "flushed \(queue.queueName): \(report.delivered) delivered, \(report.parked) parked, \(report.remaining) pending, \(report.parkedTotal) parked in total")
+                        "flushed \(queue.queueName): \(report.delivered) delivered, \(report.parked) parked, \(report.remaining) pending, \(report.parkedTotal) parked in total"
+                    )
                     if let stopText { printError("dq: \(stopText)") }
                     if report.parkedTotal > 0 { printError("dq: parked items need an operator: dq list --parked") }
                 }

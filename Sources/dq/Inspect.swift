@@ -48,7 +48,8 @@ extension DQ {
                 print("SEQ\tID\tSTATE\tMETHOD\tTYPE\tATTEMPTS\tENQUEUED\tLAST ERROR")
                 for item in items {
                     print(
-                        "\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(item.state.rawValue)\t\(item.method.rawValue)\t\(item.resourceType)\t\(item.attempts)\t\(formatDate(item.enqueuedAt))\t\(item.lastError ?? "-")")
+                        "\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(item.state.rawValue)\t\(item.method.rawValue)\t\(item.resourceType)\t\(item.attempts)\t\(formatDate(item.enqueuedAt))\t\(item.lastError ?? "-")"
+                    )
                 }
             }
         }
@@ -135,7 +136,8 @@ extension DQ {
                 print("AT\tEVENT\tID\tMETHOD\tTYPE\tSTATUS\tLOCATION\tATTEMPTS")
                 for record in records {
                     print(
-                        "\(formatDate(record.at))\t\(record.event.rawValue)\t\(record.id.uuidString.lowercased())\t\(record.method.rawValue)\t\(record.resourceType)\t\(record.status.map(String.init) ?? "-")\t\(record.location ?? "-")\t\(record.attempts)")
+                        "\(formatDate(record.at))\t\(record.event.rawValue)\t\(record.id.uuidString.lowercased())\t\(record.method.rawValue)\t\(record.resourceType)\t\(record.status.map(String.init) ?? "-")\t\(record.location ?? "-")\t\(record.attempts)"
+                    )
                 }
             }
         }

@@ -8,15 +8,21 @@ struct AuthDecisionTests {
     let smart: [String: Any] = ["token_endpoint": "https://a/token", "registration_endpoint": "https://a/register"]
     let capability: [String: Any] = [
         "resourceType": "CapabilityStatement",
-        "rest": [[
-            "security": ["extension": [[
-                "url": "http://fhir-registry.smarthealthit.org/StructureDefinition/oauth-uris",
-                "extension": [
-                    ["url": "token", "valueUri": "https://b/token"], ["url": "register", "valueUri": "https://b/register"],
-                    ["url": "authorize", "valueUri": "https://b/authorize"],
-                ],
-            ]]]
-        ]],
+        "rest": [
+            [
+                "security": [
+                    "extension": [
+                        [
+                            "url": "http://fhir-registry.smarthealthit.org/StructureDefinition/oauth-uris",
+                            "extension": [
+                                ["url": "token", "valueUri": "https://b/token"], ["url": "register", "valueUri": "https://b/register"],
+                                ["url": "authorize", "valueUri": "https://b/authorize"],
+                            ],
+                        ]
+                    ]
+                ]
+            ]
+        ],
     ]
 
     @Test("Discovery prefers smart-configuration, then the CapabilityStatement's oauth-uris")
@@ -79,8 +85,9 @@ struct AuthDecisionTests {
         #expect(try FileManager.default.contentsOfDirectory(atPath: directory).count == 1, "no temporary files left")
     }
 
-    @Test("Client assertions carry iss = sub = client_id, the exact token URL, exp within 5 minutes and a fresh jti",
-          arguments: ClientAssertionKey.Algorithm.allCases)
+    @Test(
+        "Client assertions carry iss = sub = client_id, the exact token URL, exp within 5 minutes and a fresh jti",
+        arguments: ClientAssertionKey.Algorithm.allCases)
     func assertions(algorithm: ClientAssertionKey.Algorithm) throws {
         let (key, _) = try ClientAssertionKey.generate(algorithm, keyID: "k1")
         let now = Date()

@@ -37,8 +37,11 @@ struct EnvelopeTests {
         let b = try #require(JSONSerialization.jsonObject(with: second) as? [String: String])
         #expect(a["message"] != b["message"], "a fresh AES key per message")
         #expect(a["key_id"] == "k/1" && a["version"] == "4.0.1")
-        #expect(Set(a.keys) == (format == .c3pro ? ["key_id", "symmetric_key", "message", "version"]
-            : ["key_id", "symmetric_key", "message", "version", "alg"]))
+        #expect(
+            Set(a.keys)
+                == (format == .c3pro
+                    ? ["key_id", "symmetric_key", "message", "version"]
+                    : ["key_id", "symmetric_key", "message", "version", "alg"]))
         #expect(String(decoding: first, as: UTF8.self).contains("\\/") == false)
     }
 

@@ -7,7 +7,8 @@ import Testing
 struct FHIRResourceTests {
     @Test("A valid resource keeps its bytes and exposes type, id and identifier")
     func valid() throws {
-        let json = #"{"resourceType":"Observation","id":"o-1","identifier":[{"value":"no-system"},{"system":"urn:s","value":"v"}],"valueQuantity":{"value":1.50}}"#
+        let json =
+            #"{"resourceType":"Observation","id":"o-1","identifier":[{"value":"no-system"},{"system":"urn:s","value":"v"}],"valueQuantity":{"value":1.50}}"#
         let resource = try FHIRResource(json: Data(json.utf8))
         #expect(resource.data == Data(json.utf8))
         #expect(resource.resourceType == "Observation")
@@ -15,18 +16,20 @@ struct FHIRResourceTests {
         #expect(resource.identifier?.system == "urn:s" && resource.identifier?.value == "v")
     }
 
-    @Test("Invalid inputs are refused with a specific reason", arguments: [
-        ("", "empty"),
-        ("  \n", "empty"),
-        ("{", "not valid JSON"),
-        ("[]", "not an object"),
-        ("42", "not an object"),
-        (#"{"id":"a"}"#, "no \"resourceType\""),
-        (#"{"resourceType":7}"#, "not a FHIR type name"),
-        (#"{"resourceType":"lowercase"}"#, "not a FHIR type name"),
-        (#"{"resourceType":"Patient","id":"bad id"}"#, "not a valid FHIR id"),
-        (#"{"resourceType":"Patient","id":5}"#, "not a valid FHIR id"),
-    ])
+    @Test(
+        "Invalid inputs are refused with a specific reason",
+        arguments: [
+            ("", "empty"),
+            ("  \n", "empty"),
+            ("{", "not valid JSON"),
+            ("[]", "not an object"),
+            ("42", "not an object"),
+            (#"{"id":"a"}"#, "no \"resourceType\""),
+            (#"{"resourceType":7}"#, "not a FHIR type name"),
+            (#"{"resourceType":"lowercase"}"#, "not a FHIR type name"),
+            (#"{"resourceType":"Patient","id":"bad id"}"#, "not a valid FHIR id"),
+            (#"{"resourceType":"Patient","id":5}"#, "not a valid FHIR id"),
+        ])
     func invalid(input: String, reason: String) {
         #expect {
             try FHIRResource(json: Data(input.utf8))
@@ -56,8 +59,10 @@ struct FHIRResourceTests {
     func addingIdentifier() throws {
         let json = #"{"resourceType":"Observation","valueQuantity":{"value":1.50}}"#
         let tagged = try FHIRResource(json: Data(json.utf8)).addingIdentifier(system: "urn:ietf:rfc:3986", value: "urn:uuid:x")
-        #expect(String(decoding: tagged.data, as: UTF8.self)
-            == #"{"identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:x"}],"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
+        #expect(
+            String(decoding: tagged.data, as: UTF8.self)
+                == #"{"identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:x"}],"resourceType":"Observation","valueQuantity":{"value":1.50}}"#
+        )
         #expect(tagged.identifier?.value == "urn:uuid:x")
     }
 }

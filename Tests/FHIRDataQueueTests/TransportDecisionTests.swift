@@ -5,13 +5,15 @@ import Testing
 
 @Suite("Response classification and retry decisions")
 struct TransportDecisionTests {
-    @Test("Status codes map to success, permanent, transient or authentication", arguments: [
-        (200, "success"), (201, "success"), (204, "success"),
-        (400, "permanent"), (404, "permanent"), (409, "permanent"), (412, "permanent"), (422, "permanent"),
-        (301, "permanent"),
-        (401, "authentication"), (403, "authentication"),
-        (408, "transient"), (429, "transient"), (500, "transient"), (502, "transient"), (503, "transient"),
-    ])
+    @Test(
+        "Status codes map to success, permanent, transient or authentication",
+        arguments: [
+            (200, "success"), (201, "success"), (204, "success"),
+            (400, "permanent"), (404, "permanent"), (409, "permanent"), (412, "permanent"), (422, "permanent"),
+            (301, "permanent"),
+            (401, "authentication"), (403, "authentication"),
+            (408, "transient"), (429, "transient"), (500, "transient"), (502, "transient"), (503, "transient"),
+        ])
     func classification(status: Int, expected: String) {
         let result = ResponseClassification.classify(status: status, body: Data(), retryAfter: nil, envelope: false)
         let kind: String
@@ -34,7 +36,8 @@ struct TransportDecisionTests {
         #expect(classify("{'error':'cannot decrypt'}") != .success)
         #expect(classify(#"{"error":"x"}"#) != .success)
         // The plain FHIR endpoint does not apply the quirk.
-        #expect(ResponseClassification.classify(status: 200, body: Data(#"{"error":"x"}"#.utf8), retryAfter: nil, envelope: false) == .success)
+        #expect(
+            ResponseClassification.classify(status: 200, body: Data(#"{"error":"x"}"#.utf8), retryAfter: nil, envelope: false) == .success)
     }
 
     @Test("Retry-After is read as seconds or an HTTP date")

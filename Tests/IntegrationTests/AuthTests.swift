@@ -102,8 +102,10 @@ struct AuthTests {
         let env = try config(proxy.base, auth: ["client_id": "c1", "client_secret": secret, "token_uri": tokenURI])
         let file = try work.write("o.ndjson", resources.ndjson(0..<3))
         var outputs: [String] = []
-        for arguments in [["enqueue", "-v", "--ndjson", file], ["flush", "-v"], ["status", "--json"], ["log", "--json"],
-                          ["list", "--json"], ["status", "-v"]] {
+        for arguments in [
+            ["enqueue", "-v", "--ndjson", file], ["flush", "-v"], ["status", "--json"], ["log", "--json"],
+            ["list", "--json"], ["status", "-v"],
+        ] {
             let result = try await dq(arguments, env)
             outputs.append(result.stdout + result.stderr)
         }

@@ -46,12 +46,14 @@ struct BadInputTests {
         #expect(try snapshot() == before, "\(name): the queue changed")
     }
 
-    @Test("Reasons are specific", arguments: [
-        (#"{"resourceType":"Patient","#, "not valid JSON"),
-        ("[1]", "not an object"),
-        (#"{"id":"x"}"#, "no \"resourceType\""),
-        (#"{"resourceType":"Patient","id":"has space"}"#, "not a valid FHIR id"),
-    ])
+    @Test(
+        "Reasons are specific",
+        arguments: [
+            (#"{"resourceType":"Patient","#, "not valid JSON"),
+            ("[1]", "not an object"),
+            (#"{"id":"x"}"#, "no \"resourceType\""),
+            (#"{"resourceType":"Patient","id":"has space"}"#, "not a valid FHIR id"),
+        ])
     func specificReasons(input: String, reason: String) async throws {
         let bad = try work.write("bad.json", input)
         let result = try await dq(["enqueue", bad], env)
@@ -97,15 +99,17 @@ struct BadInputTests {
         #expect(try snapshot().count == 1)
     }
 
-    @Test("Configuration errors exit 78 and name the key", arguments: [
-        (#"{"server":"http://127.0.0.1:9/fhir","durability":"sometimes"}"#, "\"durability\""),
-        (#"{"server":42}"#, "\"server\" must be a string"),
-        (#"{"server":"ftp://x"}"#, "\"server\" must be an http(s) URL"),
-        (#"{"server":"http://127.0.0.1:9/fhir","sever":"typo"}"#, "unknown key \"sever\""),
-        (#"{"server":"http://127.0.0.1:9/fhir","auth":{"client_secret":5}}"#, "\"auth.client_secret\" must be a string"),
-        (#"{"server":"http://127.0.0.1:9/fhir","retry":{"initial_seconds":"x"}}"#, "\"retry.initial_seconds\" must be a number"),
-        ("not json", "is not a JSON object"),
-    ])
+    @Test(
+        "Configuration errors exit 78 and name the key",
+        arguments: [
+            (#"{"server":"http://127.0.0.1:9/fhir","durability":"sometimes"}"#, "\"durability\""),
+            (#"{"server":42}"#, "\"server\" must be a string"),
+            (#"{"server":"ftp://x"}"#, "\"server\" must be an http(s) URL"),
+            (#"{"server":"http://127.0.0.1:9/fhir","sever":"typo"}"#, "unknown key \"sever\""),
+            (#"{"server":"http://127.0.0.1:9/fhir","auth":{"client_secret":5}}"#, "\"auth.client_secret\" must be a string"),
+            (#"{"server":"http://127.0.0.1:9/fhir","retry":{"initial_seconds":"x"}}"#, "\"retry.initial_seconds\" must be a number"),
+            ("not json", "is not a JSON object"),
+        ])
     func configErrors(config: String, message: String) async throws {
         let path = try work.write("dq.json", config)
         let result = try await dq(["status", "--config", path], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])

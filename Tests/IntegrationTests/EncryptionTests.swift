@@ -20,8 +20,9 @@ struct EncryptionTests {
         return ["DQ_CONFIG": path, "HOME": work.path]
     }
 
-    @Test("Every envelope dq makes is decrypted by the receiver, and the server holds exactly the originals",
-          arguments: ["c3pro", "authenticated"])
+    @Test(
+        "Every envelope dq makes is decrypted by the receiver, and the server holds exactly the originals",
+        arguments: ["c3pro", "authenticated"])
     func endToEnd(mode: String) async throws {
         let keys = try await TestKeys()
         let server = try await FHIRServer.start()
@@ -62,7 +63,8 @@ struct EncryptionTests {
         // Control: the same resource without encryption is on disk in plaintext (so the check can fail).
         let plain = ["DQ_SERVER": "http://127.0.0.1:9/fhir", "DQ_DATABASE": work.file("plain.sqlite"), "HOME": work.path]
         #expect(try await dq(["enqueue", file], plain).status == 0)
-        let plainBytes = try Data(contentsOf: URL(fileURLWithPath: work.file("plain.sqlite")))
+        let plainBytes =
+            try Data(contentsOf: URL(fileURLWithPath: work.file("plain.sqlite")))
             + ((try? Data(contentsOf: URL(fileURLWithPath: work.file("plain.sqlite-wal")))) ?? Data())
         #expect(plainBytes.range(of: Data(marker.utf8)) != nil)
     }
@@ -75,9 +77,10 @@ struct EncryptionTests {
         let env = try config(server: server.base, receiver: receiver.base, certificate: keys.certificateDER, types: ["Observation"])
         var lines: [String] = []
         for index in 0..<6 {
-            lines.append(index % 2 == 0
-                ? resources.observation(index)
-                : #"{"resourceType":"Patient","identifier":[{"system":"\#(resources.system)","value":"\#(index)"}]}"#)
+            lines.append(
+                index % 2 == 0
+                    ? resources.observation(index)
+                    : #"{"resourceType":"Patient","identifier":[{"system":"\#(resources.system)","value":"\#(index)"}]}"#)
         }
         let file = try work.write("mixed.ndjson", lines.joined(separator: "\n"))
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
@@ -85,7 +88,8 @@ struct EncryptionTests {
         #expect((try await receiver.stats())["forwarded"] as? Int == 3)
         let log = try await dq(["log", "--json"], env)
         let journal = try #require(try JSONSerialization.jsonObject(with: Data(log.stdout.utf8)) as? [[String: Any]])
-        #expect(journal.map { $0["url"] as? String } == (0..<6).map { $0 % 2 == 0 ? receiver.base + "/Observation" : server.base + "/Patient" })
+        #expect(
+            journal.map { $0["url"] as? String } == (0..<6).map { $0 % 2 == 0 ? receiver.base + "/Observation" : server.base + "/Patient" })
         #expect(try await server.values("Observation", system: resources.system) == ["0", "2", "4"])
         #expect(try await server.values("Patient", system: resources.system) == ["1", "3", "5"])
     }
@@ -133,7 +137,8 @@ struct EncryptionTests {
         #expect(decrypted.stdout == resource + "\n")
 
         for mode in ["c3pro", "authenticated"] {
-            let env = try config(server: "http://127.0.0.1:9/fhir", receiver: "http://127.0.0.1:9/enc", certificate: keys.certificate, mode: mode)
+            let env = try config(
+                server: "http://127.0.0.1:9/fhir", receiver: "http://127.0.0.1:9/enc", certificate: keys.certificate, mode: mode)
             _ = try? FileManager.default.removeItem(atPath: work.file("queue.sqlite"))
             let enqueued = try await dq(["enqueue", "--json", plain], env)
             let items = try #require(try JSONSerialization.jsonObject(with: Data(enqueued.stdout.utf8)) as? [[String: Any]])

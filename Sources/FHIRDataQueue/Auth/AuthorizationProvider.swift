@@ -28,6 +28,7 @@ public struct StaticBearerToken: AuthorizationProvider, CustomStringConvertible 
     /// Creates a provider that always sends `Authorization: Bearer <token>`.
     public init(_ token: String) { self.token = token }
 
+    /// `Bearer <token>`, always the same.
     public func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String? {
         "Bearer \(token)"
     }

@@ -115,7 +115,8 @@ public struct ClientAssertionKey: Sendable {
             "iat": issued, "jti": UUID().uuidString.lowercased(),
         ]
         let options: JSONSerialization.WritingOptions = [.sortedKeys, .withoutEscapingSlashes]
-        let signingInput = try JSONSerialization.data(withJSONObject: header, options: options).base64URL + "."
+        let signingInput =
+            try JSONSerialization.data(withJSONObject: header, options: options).base64URL + "."
             + JSONSerialization.data(withJSONObject: claims, options: options).base64URL
         let signature: Data
         switch backing {

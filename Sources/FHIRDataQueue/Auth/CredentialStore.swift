@@ -2,7 +2,7 @@ import Crypto
 import Foundation
 
 #if canImport(Glibc)
-import Glibc
+    import Glibc
 #endif
 
 /// Client credentials a registration endpoint issued, as stored on disk.

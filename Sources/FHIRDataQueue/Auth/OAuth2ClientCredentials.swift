@@ -52,6 +52,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
     /// Releases the HTTP client.
     public func shutdown() async throws { try await http.shutdown() }
 
+    /// `Bearer <token>`, from the cache or a new token request (see ``accessToken(forceRefresh:logger:)``).
     public nonisolated func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String? {
         "Bearer " + (try await accessToken(forceRefresh: forceRefresh, logger: logger))
     }
@@ -131,8 +132,11 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
             throw DataQueueError(.authentication, "the token endpoint's answer has no access_token")
         }
         var expiresIn: TimeInterval = 300
-        if let number = object?["expires_in"] as? NSNumber { expiresIn = number.doubleValue }
-        else if let text = object?["expires_in"] as? String, let value = Double(text) { expiresIn = value }
+        if let number = object?["expires_in"] as? NSNumber {
+            expiresIn = number.doubleValue
+        } else if let text = object?["expires_in"] as? String, let value = Double(text) {
+            expiresIn = value
+        }
         return (token, max(expiresIn, 1))
     }
 
@@ -241,7 +245,8 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         guard let token = found.token else {
             throw DataQueueError(
                 .invalidConfiguration,
-                "configuration: no token endpoint: set \"auth.token_uri\" (the server offers neither .well-known/smart-configuration nor oauth-uris)")
+                "configuration: no token endpoint: set \"auth.token_uri\" (the server offers neither .well-known/smart-configuration nor oauth-uris)"
+            )
         }
         endpoints = (token, configuration.registrationURI ?? found.registration)
         return endpoints!

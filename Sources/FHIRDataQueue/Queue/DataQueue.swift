@@ -232,8 +232,9 @@ open class DataQueue: @unchecked Sendable {
     /// Queues `resource` and flushes up to it.
     public func send(_ resource: FHIRResource, method: FHIRMethod) async throws -> SendOutcome {
         let item = try await enqueue(resource, method: method)
-        let (report, outcome) = try await flush(limit: nil, force: false, through: item.sequence, tracking: item.sequence,
-                                                lockWait: configuration.lockWait, progress: nil)
+        let (report, outcome) = try await flush(
+            limit: nil, force: false, through: item.sequence, tracking: item.sequence,
+            lockWait: configuration.lockWait, progress: nil)
         if let outcome { return outcome }
         if case .authentication(let message) = report.stop {
             throw DataQueueError(.authentication, message)

@@ -25,7 +25,9 @@ public struct FHIRResource: Sendable, Hashable {
     /// Whether the resource has an `identifier` element of any shape.
     let hasIdentifierElement: Bool
 
+    /// Resources are equal when their bytes are.
     public static func == (lhs: FHIRResource, rhs: FHIRResource) -> Bool { lhs.data == rhs.data }
+    /// Hashes the bytes.
     public func hash(into hasher: inout Hasher) { hasher.combine(data) }
 
     /// Validates JSON bytes as a FHIR resource.
@@ -90,7 +92,6 @@ public struct FHIRResource: Sendable, Hashable {
         self.identifier = found
         self.hasIdentifierElement = dictionary["identifier"] != nil
     }
-
 
     /// A transaction or batch Bundle, which is sent as one request to the base URL.
     public var isTransactionOrBatch: Bool {

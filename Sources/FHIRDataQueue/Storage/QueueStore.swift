@@ -155,7 +155,8 @@ final class QueueStore: Sendable {
                 return DataQueueError(.busy, "cannot \(what): the database is locked by another process")
             default:
                 // The SQLite message names the failure, never row content (statement arguments are not public).
-                return DataQueueError(.storage, "cannot \(what): SQLite error \(dbError.resultCode.rawValue) (\(dbError.message ?? "unknown"))")
+                return DataQueueError(
+                    .storage, "cannot \(what): SQLite error \(dbError.resultCode.rawValue) (\(dbError.message ?? "unknown"))")
             }
         }
         return DataQueueError(.storage, "cannot \(what): \(error)")
@@ -340,7 +341,8 @@ final class QueueStore: Sendable {
 
     func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {
         try await read("list the queue") { db in
-            var sql = "SELECT seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size FROM item WHERE 1"
+            var sql =
+                "SELECT seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size FROM item WHERE 1"
             var arguments: StatementArguments = []
             if let queue { sql += " AND queue = ?"; arguments += [queue] }
             if let state { sql += " AND state = ?"; arguments += [state.rawValue] }

@@ -5,7 +5,7 @@ import NIOFoundationCompat
 import Testing
 
 #if canImport(Glibc)
-import Glibc
+    import Glibc
 #endif
 
 /// A real sekmet-fhir server on a free loopback port, with its data in a temporary directory.
@@ -25,7 +25,8 @@ final class FHIRServer: @unchecked Sendable {
         try #require(Peers.installed, "the FHIR server peer is not installed: run scripts/peers.sh install")
         directory = try TemporaryDirectory()
         port = Peers.freePort()
-        let auth = auth ?? tokens.map { "  types: [bearer]\n  tokens: [\($0.joined(separator: ", "))]\n  token_lifetime: 300" }
+        let auth =
+            auth ?? tokens.map { "  types: [bearer]\n  tokens: [\($0.joined(separator: ", "))]\n  token_lifetime: 300" }
             ?? "  types: [none]"
         _ = try directory.write(
             "settings.yaml",
@@ -116,8 +117,10 @@ final class FaultProxy: @unchecked Sendable {
         let script = Peers.packageRoot.appendingPathComponent("scripts/faultproxy.py").path
         child = try ChildProcess(
             "/usr/bin/env",
-            ["python3", script, "--listen", String(port), "--upstream", "http://127.0.0.1:\(upstreamPort)",
-             "--random", String(random), "--seed", String(seed), "--stall", String(stall)])
+            [
+                "python3", script, "--listen", String(port), "--upstream", "http://127.0.0.1:\(upstreamPort)",
+                "--random", String(random), "--seed", String(seed), "--stall", String(stall),
+            ])
         let url = "http://127.0.0.1:\(port)/__proxy/stats"
         let ready = try await eventually(timeout: .seconds(20)) { (try? await HTTP.get(url))?.0 == 200 }
         if !ready { throw TestFailure("faultproxy did not start") }

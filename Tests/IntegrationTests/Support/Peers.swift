@@ -5,7 +5,7 @@ import NIOFoundationCompat
 import Testing
 
 #if canImport(Glibc)
-import Glibc
+    import Glibc
 #endif
 
 /// Where the project and its test peers are.
@@ -87,8 +87,10 @@ final class ChildProcess: @unchecked Sendable {
     let stdoutPath: String
     let stderrPath: String
 
-    init(_ executable: String, _ arguments: [String], environment: [String: String] = [:], stdin: Data? = nil,
-         directory: String? = nil) throws {
+    init(
+        _ executable: String, _ arguments: [String], environment: [String: String] = [:], stdin: Data? = nil,
+        directory: String? = nil
+    ) throws {
         let outputs = FileManager.default.temporaryDirectory.appendingPathComponent("dq-proc-\(UUID().uuidString)")
         stdoutPath = outputs.path + ".out"
         stderrPath = outputs.path + ".err"

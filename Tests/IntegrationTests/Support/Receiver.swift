@@ -24,7 +24,9 @@ struct TestKeys {
     func smallCertificate() async throws -> String {
         let key = directory.file("small.pem")
         try await Self.openssl(["genrsa", "-out", key, "1024"])
-        try await Self.openssl(["req", "-x509", "-new", "-key", key, "-subj", "/CN=small", "-days", "30", "-out", directory.file("small.crt")])
+        try await Self.openssl([
+            "req", "-x509", "-new", "-key", key, "-subj", "/CN=small", "-days", "30", "-out", directory.file("small.crt"),
+        ])
         return directory.file("small.crt")
     }
 
@@ -54,7 +56,8 @@ final class C3PROReceiver: @unchecked Sendable {
         port = Peers.freePort()
         let script = Peers.packageRoot.appendingPathComponent("scripts/c3pro_receiver.py").path
         child = try ChildProcess(
-            Peers.venv + "/bin/python", [script, "serve", "--listen", String(port), "--key", key, "--forward", server.base, "--reply", reply])
+            Peers.venv + "/bin/python",
+            [script, "serve", "--listen", String(port), "--key", key, "--forward", server.base, "--reply", reply])
         let ready = try await eventually(timeout: .seconds(20)) {
             (try? await HTTP.get("http://127.0.0.1:\(port)/__receiver/stats"))?.0 == 200
         }
