@@ -70,13 +70,26 @@ public struct EnvelopeSealer: Sendable {
         } catch {
             throw DataQueueError(.encryption, "cannot encrypt the resource: \(error)")
         }
-        var json = #"{"key_id":"# + EnvelopeCrypto.jsonString(keyID)
-        json += #","symmetric_key":""# + wrapped.base64EncodedString() + "\""
-        json += #","message":""# + message.base64EncodedString() + "\""
-        json += #","version":"# + EnvelopeCrypto.jsonString(fhirVersion)
-        if format == .authenticated { json += #","alg":""# + EnvelopeFormat.authenticatedMarker + "\"" }
-        json += "}"
-        return Data(json.utf8)
+        // Built as bytes: the message is most of the envelope and is copied once.
+        let symmetricKey = wrapped.base64EncodedData()
+        let messageBase64 = message.base64EncodedData()
+        var json = Data()
+        json.reserveCapacity(messageBase64.count + symmetricKey.count + keyID.utf8.count + 128)
+        json.append(contentsOf: #"{"key_id":"#.utf8)
+        json.append(contentsOf: EnvelopeCrypto.jsonString(keyID).utf8)
+        json.append(contentsOf: #","symmetric_key":""#.utf8)
+        json.append(symmetricKey)
+        json.append(contentsOf: #"","message":""#.utf8)
+        json.append(messageBase64)
+        json.append(contentsOf: #"","version":"#.utf8)
+        json.append(contentsOf: EnvelopeCrypto.jsonString(fhirVersion).utf8)
+        if format == .authenticated {
+            json.append(contentsOf: #","alg":""#.utf8)
+            json.append(contentsOf: EnvelopeFormat.authenticatedMarker.utf8)
+            json.append(UInt8(ascii: "\""))
+        }
+        json.append(UInt8(ascii: "}"))
+        return json
     }
 }
 

@@ -293,21 +293,36 @@ open class DataQueue: @unchecked Sendable {
         }
 
         var last: Int64 = 0
+        var prefetched: ArraySlice<StoredItem> = []
+        // The journal commit of one delivery runs while the next item is on the wire; it is awaited
+        // before the next commit, so a failed commit still stops the flush.
+        // Never cancelled: a started journal commit always finishes.
+        var bookkeeping: Task<Void, any Error>?
         loop: while true {
             if let limit, report.delivered + report.parked >= limit {
                 report.stop = .limit
                 break
             }
-            guard let stored = try await store.nextPending(queue: queueName, after: last) else { break }
+            if prefetched.isEmpty {
+                prefetched = ArraySlice(
+                    try await store.pendingBatch(queue: queueName, after: last, maxCount: 16, maxBytes: 4 << 20))
+            }
+            guard let stored = prefetched.popFirst() else { break }
             if let through, stored.info.sequence > through { break }
             last = stored.info.sequence
             let item = stored.info
             let result = await deliver(stored)
+            try await bookkeeping?.value
+            bookkeeping = nil
             switch result {
             case .delivered(let response):
                 let (serverID, versionID) = Self.parseLocation(response.location)
-                try await store.markDelivered(
-                    item, status: response.status, location: response.location, serverID: serverID, versionID: versionID)
+                let store = self.store
+                bookkeeping = Task {
+                    try await store.markDelivered(
+                        item, status: response.status, location: response.location, serverID: serverID,
+                        versionID: versionID)
+                }
                 report.delivered += 1
                 logger.debug("delivered", metadata: ["item": "\(item.id.uuidString.lowercased())", "status": "\(response.status)"])
                 if item.sequence == tracking {
@@ -340,6 +355,8 @@ open class DataQueue: @unchecked Sendable {
             }
             progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
         }
+        try await bookkeeping?.value
+        bookkeeping = nil
         try await fillCounts(&report)
         return (report, tracked)
     }
@@ -452,7 +469,16 @@ open class DataQueue: @unchecked Sendable {
     }
 
     /// Removes an item without sending it; the journal records the drop.
+    ///
+    /// Takes the flush lock (waiting up to ``Configuration/lockWait``), so an item is never dropped while a
+    /// flush is sending it.
+    /// - Throws: `.notFound`, or `.busy` when a flush holds the lock longer.
     public func drop(_ reference: String) async throws -> QueuedItem {
+        let lock = try FileLock(path: flushLockPath)
+        guard try await lock.lock(until: .now + .milliseconds(Int64(configuration.lockWait * 1000))) else {
+            throw DataQueueError(.busy, "a flush of this queue is running; try again when it ends")
+        }
+        defer { lock.unlock() }
         let stored = try await store.item(reference)
         try await store.drop(stored.info)
         return stored.info

@@ -237,6 +237,25 @@ final class QueueStore: Sendable {
         }
     }
 
+    /// The next pending items of `queue` after sequence `after`, in order: at most `maxCount`, and no more
+    /// once their bodies reach `maxBytes` (at least one item when any is pending).
+    func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
+        try await read("read the queue") { db in
+            let cursor = try Row.fetchCursor(
+                db, sql: "SELECT * FROM item WHERE queue = ? AND state = 'pending' AND seq > ? ORDER BY seq LIMIT ?",
+                arguments: [queue, after, maxCount])
+            var items: [StoredItem] = []
+            var bytes = 0
+            while let row = try cursor.next() {
+                let item = Self.storedItem(row)
+                items.append(item)
+                bytes += item.body.count
+                if bytes >= maxBytes { break }
+            }
+            return items
+        }
+    }
+
     /// Moves a delivered item into the journal, in one transaction, and clears the server's backoff.
     func markDelivered(_ item: QueuedItem, status: Int, location: String?, serverID: String?, versionID: String?)
         async throws

@@ -1,6 +1,7 @@
 import AsyncHTTPClient
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOFoundationCompat
 import NIOHTTP1
@@ -25,7 +26,9 @@ struct TransportResponse: Sendable {
 
 /// The HTTP side of dq: sends requests with a deadline and reports the answer; knows nothing of SQLite.
 final class FHIRTransport: Sendable {
-    private let client: HTTPClient
+    /// Made on first use, so commands that only read the queue start no event loop.
+    private let box = NIOLockedValueBox<HTTPClient?>(nil)
+    private let configuration: HTTPClient.Configuration
     let timeout: TimeAmount
     /// The largest response body read; the rest is discarded (responses are only summarized).
     let maximumResponseBytes = 1 << 20
@@ -43,12 +46,25 @@ final class FHIRTransport: Sendable {
             tls.trustRoots = .file(caBundlePath)
             configuration.tlsConfiguration = tls
         }
-        self.client = HTTPClient(eventLoopGroupProvider: .singleton, configuration: configuration)
+        self.configuration = configuration
         self.timeout = .milliseconds(Int64(timeout * 1000))
     }
 
+    private var client: HTTPClient {
+        box.withLockedValue { client in
+            if let client { return client }
+            let made = HTTPClient(eventLoopGroupProvider: .singleton, configuration: configuration)
+            client = made
+            return made
+        }
+    }
+
     func shutdown() async throws {
-        try await client.shutdown()
+        let client = box.withLockedValue { client in
+            defer { client = nil }
+            return client
+        }
+        try await client?.shutdown()
     }
 
     /// Sends `request`; throws ``DataQueueError`` with code `.transport` when no answer came.
