@@ -48,23 +48,33 @@ public struct FHIRResource: Sendable, Hashable {
         if String(validating: json, as: UTF8.self) == nil {
             throw invalid("input is not valid UTF-8")
         }
-        let object: Any
+        let document: JSONScanner.Document
         do {
-            object = try JSONSerialization.jsonObject(with: json, options: [.fragmentsAllowed])
+            document = try json.withUnsafeBytes { raw in
+                try JSONScanner.scan(raw.bindMemory(to: UInt8.self), keys: ["resourceType", "id", "type", "identifier"])
+            }
+        } catch JSONScanner.Failure.tooDeep {
+            throw invalid("JSON is nested deeper than \(JSONScanner.maximumDepth) levels")
         } catch {
             throw invalid("input is not valid JSON")
         }
-        guard let dictionary = object as? [String: Any] else {
+        guard document.isObject else {
             throw invalid("JSON is not an object (a FHIR resource is a JSON object)")
         }
-        guard let type = dictionary["resourceType"] else {
+        /// Decodes one small member value (the scanner has validated the whole document).
+        func member(_ key: String) -> Any? {
+            guard let range = document.members[key] else { return nil }
+            return try? JSONSerialization.jsonObject(
+                with: json[(json.startIndex + range.lowerBound)..<(json.startIndex + range.upperBound)], options: [.fragmentsAllowed])
+        }
+        guard let type = member("resourceType") else {
             throw invalid("JSON object has no \"resourceType\"")
         }
         guard let typeString = type as? String, FHIRResource.isValidTypeName(typeString) else {
             throw invalid("\"resourceType\" is not a FHIR type name")
         }
         var idString: String?
-        if let rawID = dictionary["id"] {
+        if let rawID = member("id") {
             guard let text = rawID as? String, FHIRResource.isValidID(text) else {
                 throw invalid("\"id\" is not a valid FHIR id ([A-Za-z0-9-.]{1,64})")
             }
@@ -73,9 +83,10 @@ public struct FHIRResource: Sendable, Hashable {
         self.data = json
         self.resourceType = typeString
         self.id = idString
-        self.bundleType = typeString == "Bundle" ? dictionary["type"] as? String : nil
+        self.bundleType = typeString == "Bundle" ? member("type") as? String : nil
+        let identifierValue = member("identifier")
         var found: (String, String)?
-        if let identifiers = dictionary["identifier"] as? [[String: Any]] {
+        if let identifiers = identifierValue as? [[String: Any]] {
             for entry in identifiers {
                 if let system = entry["system"] as? String, let value = entry["value"] as? String,
                     !system.isEmpty, !value.isEmpty
@@ -84,13 +95,13 @@ public struct FHIRResource: Sendable, Hashable {
                     break
                 }
             }
-        } else if let single = dictionary["identifier"] as? [String: Any],
+        } else if let single = identifierValue as? [String: Any],
             let system = single["system"] as? String, let value = single["value"] as? String
         {
             found = (system, value)
         }
         self.identifier = found
-        self.hasIdentifierElement = dictionary["identifier"] != nil
+        self.hasIdentifierElement = document.members["identifier"] != nil
     }
 
     /// A transaction or batch Bundle, which is sent as one request to the base URL.

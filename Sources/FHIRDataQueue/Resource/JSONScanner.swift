@@ -1,0 +1,221 @@
+/// A validating JSON scanner (RFC 8259) that builds no objects.
+///
+/// It checks a whole document in one pass with an explicit stack (no recursion, so deep nesting cannot
+/// overflow a thread's stack) and records where the top-level object's members' values lie, so a caller
+/// can decode just the few members it needs. Memory stays proportional to the nesting depth, not to the
+/// document: a 50 MB Bundle is validated without building 50 MB of objects.
+struct JSONScanner {
+    /// The deepest nesting accepted. FHIR resources are far shallower.
+    static let maximumDepth = 512
+
+    enum Failure: Error, Equatable {
+        case invalid
+        case tooDeep
+    }
+
+    /// The result of a scan.
+    struct Document {
+        /// Whether the top-level value is an object.
+        var isObject: Bool
+        /// Byte ranges of the top-level members' values, by key (the last one wins for a repeated key).
+        var members: [String: Range<Int>]
+    }
+
+    /// Scans `bytes`, recording the value ranges of the top-level members named in `keys`.
+    static func scan(_ bytes: UnsafeBufferPointer<UInt8>, keys: Set<String>) throws(Failure) -> Document {
+        var scanner = Scanner(bytes: bytes, keys: keys)
+        return try scanner.run()
+    }
+
+    private struct Scanner {
+        let bytes: UnsafeBufferPointer<UInt8>
+        let keys: Set<String>
+        var index = 0
+        var stack: [UInt8] = []  // "{" or "["
+        var members: [String: Range<Int>] = [:]
+        var currentKey: String?
+        var valueStart = 0
+
+        init(bytes: UnsafeBufferPointer<UInt8>, keys: Set<String>) {
+            self.bytes = bytes
+            self.keys = keys
+        }
+
+        mutating func skipWhitespace() {
+            while index < bytes.count {
+                switch bytes[index] {
+                case 0x20, 0x09, 0x0A, 0x0D: index += 1
+                default: return
+                }
+            }
+        }
+
+        mutating func run() throws(Failure) -> Document {
+            skipWhitespace()
+            guard index < bytes.count else { throw .invalid }
+            let isObject = bytes[index] == UInt8(ascii: "{")
+            try value()
+            skipWhitespace()
+            guard index == bytes.count, stack.isEmpty else { throw .invalid }
+            return Document(isObject: isObject, members: members)
+        }
+
+        /// Parses the value that starts here, with every value nested in it, without recursion.
+        mutating func value() throws(Failure) {
+            var expectValue = true
+            repeat {
+                skipWhitespace()
+                guard index < bytes.count else { throw .invalid }
+                if expectValue {
+                    if stack.count == 1 && stack[0] == UInt8(ascii: "{") { valueStart = index }
+                    let c = bytes[index]
+                    switch c {
+                    case UInt8(ascii: "{"), UInt8(ascii: "["):
+                        guard stack.count < JSONScanner.maximumDepth else { throw .tooDeep }
+                        stack.append(c)
+                        index += 1
+                        skipWhitespace()
+                        guard index < bytes.count else { throw .invalid }
+                        let close = c == UInt8(ascii: "{") ? UInt8(ascii: "}") : UInt8(ascii: "]")
+                        if bytes[index] == close {
+                            index += 1
+                            stack.removeLast()
+                            expectValue = false
+                            finishedValue()
+                        } else if c == UInt8(ascii: "{") {
+                            try key()
+                        }
+                    case UInt8(ascii: "\""):
+                        try string()
+                        expectValue = false
+                        finishedValue()
+                    case UInt8(ascii: "t"):
+                        try literal("true")
+                        expectValue = false
+                        finishedValue()
+                    case UInt8(ascii: "f"):
+                        try literal("false")
+                        expectValue = false
+                        finishedValue()
+                    case UInt8(ascii: "n"):
+                        try literal("null")
+                        expectValue = false
+                        finishedValue()
+                    default:
+                        try number()
+                        expectValue = false
+                        finishedValue()
+                    }
+                } else {
+                    // After a value inside a container: "," or the closing bracket.
+                    guard let top = stack.last else { throw .invalid }
+                    let c = bytes[index]
+                    index += 1
+                    if c == UInt8(ascii: ",") {
+                        if top == UInt8(ascii: "{") { try key() }
+                        expectValue = true
+                    } else if (top == UInt8(ascii: "{") && c == UInt8(ascii: "}"))
+                        || (top == UInt8(ascii: "[") && c == UInt8(ascii: "]"))
+                    {
+                        stack.removeLast()
+                        finishedValue()
+                    } else {
+                        throw .invalid
+                    }
+                }
+            } while expectValue || !stack.isEmpty
+        }
+
+        /// Records the range of a top-level member's value that just ended.
+        mutating func finishedValue() {
+            if stack.count == 1 && stack[0] == UInt8(ascii: "{"), let key = currentKey {
+                members[key] = valueStart..<index
+                currentKey = nil
+            }
+        }
+
+        /// Reads `"key" :` inside an object; remembers the key at the top level.
+        mutating func key() throws(Failure) {
+            skipWhitespace()
+            guard index < bytes.count, bytes[index] == UInt8(ascii: "\"") else { throw .invalid }
+            let start = index + 1
+            let escaped = try string()
+            if stack.count == 1 {
+                let raw = String(decoding: UnsafeBufferPointer(rebasing: bytes[start..<(index - 1)]), as: UTF8.self)
+                currentKey = escaped ? nil : (keys.contains(raw) ? raw : nil)
+            }
+            skipWhitespace()
+            guard index < bytes.count, bytes[index] == UInt8(ascii: ":") else { throw .invalid }
+            index += 1
+        }
+
+        /// Reads a string; returns whether it held an escape.
+        @discardableResult
+        mutating func string() throws(Failure) -> Bool {
+            index += 1  // opening quote
+            var escaped = false
+            while index < bytes.count {
+                let c = bytes[index]
+                if c == UInt8(ascii: "\"") {
+                    index += 1
+                    return escaped
+                }
+                if c < 0x20 { throw .invalid }
+                if c == UInt8(ascii: "\\") {
+                    escaped = true
+                    index += 1
+                    guard index < bytes.count else { throw .invalid }
+                    switch bytes[index] {
+                    case UInt8(ascii: "\""), UInt8(ascii: "\\"), UInt8(ascii: "/"), UInt8(ascii: "b"), UInt8(ascii: "f"),
+                        UInt8(ascii: "n"), UInt8(ascii: "r"), UInt8(ascii: "t"):
+                        index += 1
+                    case UInt8(ascii: "u"):
+                        guard index + 4 < bytes.count else { throw .invalid }
+                        for offset in 1...4 where !isHex(bytes[index + offset]) { throw .invalid }
+                        index += 5
+                    default:
+                        throw .invalid
+                    }
+                    continue
+                }
+                index += 1
+            }
+            throw .invalid
+        }
+
+        func isHex(_ c: UInt8) -> Bool {
+            (0x30...0x39).contains(c) || (0x41...0x46).contains(c) || (0x61...0x66).contains(c)
+        }
+
+        mutating func literal(_ word: StaticString) throws(Failure) {
+            let count = word.utf8CodeUnitCount
+            guard index + count <= bytes.count else { throw .invalid }
+            for offset in 0..<count where bytes[index + offset] != word.utf8Start[offset] { throw .invalid }
+            index += count
+        }
+
+        mutating func number() throws(Failure) {
+            func digits() -> Int {
+                let start = index
+                while index < bytes.count, (0x30...0x39).contains(bytes[index]) { index += 1 }
+                return index - start
+            }
+            if index < bytes.count, bytes[index] == UInt8(ascii: "-") { index += 1 }
+            guard index < bytes.count else { throw .invalid }
+            if bytes[index] == UInt8(ascii: "0") {
+                index += 1
+            } else {
+                guard digits() > 0 else { throw .invalid }
+            }
+            if index < bytes.count, bytes[index] == UInt8(ascii: ".") {
+                index += 1
+                guard digits() > 0 else { throw .invalid }
+            }
+            if index < bytes.count, bytes[index] == UInt8(ascii: "e") || bytes[index] == UInt8(ascii: "E") {
+                index += 1
+                if index < bytes.count, bytes[index] == UInt8(ascii: "+") || bytes[index] == UInt8(ascii: "-") { index += 1 }
+                guard digits() > 0 else { throw .invalid }
+            }
+        }
+    }
+}
