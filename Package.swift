@@ -61,6 +61,7 @@ let package = Package(
             name: "IntegrationTests",
             dependencies: [
                 "FHIRDataQueue",
+                .product(name: "Logging", package: "swift-log"),
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "AsyncHTTPClient", package: "async-http-client"),
                 .product(name: "NIOFoundationCompat", package: "swift-nio"),

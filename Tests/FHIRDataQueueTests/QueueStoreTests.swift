@@ -79,7 +79,10 @@ struct QueueStoreTests {
         let store = try QueueStore(path: path, durability: .normal)
         let sequences = try await store.insert([item(0), item(1), item(2)])
         let first = try await store.item(String(sequences[0])).info
-        try await store.markDelivered(first, status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1")
+        try await store.markDelivered([
+            QueueStore.Delivery(
+                item: first, status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1")
+        ])
         let second = try await store.item(String(sequences[1])).info
         try await store.park(second, status: 400, error: "rejected", outcome: "{}")
         let third = try await store.item(String(sequences[2])).info

@@ -1,5 +1,6 @@
 import FHIRDataQueue
 import Foundation
+import Logging
 import Testing
 
 /// `DataQueue` used in-process, as a data-collection service would, against a real server.
@@ -157,5 +158,34 @@ struct LibraryTests {
         try await right.shutdown()
         let (status, _) = try await HTTP.get(server.base + "/Observation")
         #expect(status == 401, "the server really requires the token")
+    }
+
+    /// Hands out a stale token first, the good one when asked to refresh.
+    actor RotatingToken: AuthorizationProvider {
+        let good: String
+        var refreshes = 0
+        init(good: String) { self.good = good }
+        nonisolated func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String? {
+            await header(forceRefresh)
+        }
+        func header(_ forceRefresh: Bool) -> String {
+            if forceRefresh { refreshes += 1 }
+            return refreshes > 0 ? "Bearer \(good)" : "Bearer stale"
+        }
+    }
+
+    @Test("After a 401 the queue asks once for a fresh token and retries the same item")
+    func refreshAfter401() async throws {
+        let token = "tok-\(UUID().uuidString)"
+        let server = try await FHIRServer.start(tokens: [token])
+        var configuration = DataQueue.Configuration(databasePath: work.file("refresh.sqlite"))
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
+        let provider = RotatingToken(good: token)
+        let queue = try DataQueue(baseURL: URL(string: server.base)!, configuration: configuration, authorization: provider)
+        for index in 0..<3 { try await queue.enqueue(try FHIRResource(json: Data(resources.observation(index).utf8))) }
+        let report = try await queue.flush()
+        #expect(report.delivered == 3 && report.stop == nil)
+        #expect(await provider.refreshes == 1, "one refresh, then the fresh token serves the rest")
+        try await queue.shutdown()
     }
 }

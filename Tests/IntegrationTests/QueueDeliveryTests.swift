@@ -20,7 +20,10 @@ struct QueueDeliveryTests {
     @Test("Resources queued while the server is down are all delivered in order once it is up")
     func serverDownThenUp() async throws {
         let server = try FHIRServer()  // not started: nothing listens on its port
-        let env = environment(server.base)
+        // A backoff long enough that the server's start-up cannot outlast it.
+        let config = try work.write("dq.json", #"{"retry": {"initial_seconds": 600}}"#)
+        var env = environment(server.base)
+        env["DQ_CONFIG"] = config
         let file = try work.write("batch.ndjson", resources.ndjson(0..<20))
 
         let enqueue = try await dq(["enqueue", "--ndjson", file], env)
@@ -83,7 +86,8 @@ struct QueueDeliveryTests {
         #expect(again.stdout.contains("0 delivered, 1 parked"))
 
         // Drop removes it and the journal says so.
-        #expect(try await dq(["drop", String(id.prefix(8))], env).status == 0)
+        let dropped = try await dq(["drop", String(id.prefix(8))], env)
+        #expect(dropped.status == 0, "\(dropped.stderr)")
         let log = try await dq(["log", "--json"], env)
         let journal = try #require(try JSONSerialization.jsonObject(with: Data(log.stdout.utf8)) as? [[String: Any]])
         #expect(journal.filter { $0["event"] as? String == "dropped" }.count == 1)

@@ -10,6 +10,8 @@ import _CryptoExtras
 public struct RecipientKey: Sendable {
     /// The SubjectPublicKeyInfo DER of the key.
     let spkiDER: Data
+    /// The parsed key, kept so each message does not parse it again.
+    private let box: KeyBox
     /// The key size in bits.
     public let keySizeInBits: Int
     /// When the certificate expires, if the key came from a certificate.
@@ -77,13 +79,20 @@ public struct RecipientKey: Sendable {
             throw fail("the RSA key has \(key.keySizeInBits) bits; at least 2048 are required")
         }
         self.spkiDER = spki
+        self.box = KeyBox(key)
         self.keySizeInBits = key.keySizeInBits
         self.notValidAfter = expiry
     }
 
     /// Wraps `keyBytes` with RSA-OAEP.
     func wrap(_ keyBytes: Data, sha256: Bool) throws -> Data {
-        let key = try _RSA.Encryption.PublicKey(unsafeDERRepresentation: spkiDER)
-        return try key.encrypt(keyBytes, padding: sha256 ? .PKCS1_OAEP_SHA256 : .PKCS1_OAEP)
+        try box.key.encrypt(keyBytes, padding: sha256 ? .PKCS1_OAEP_SHA256 : .PKCS1_OAEP)
     }
+}
+
+/// Holds an RSA public key. `_RSA.Encryption.PublicKey` is not marked `Sendable` in swift-crypto 4.5.2, but
+/// it is immutable and BoringSSL's public-key operations are safe to run from several threads at once.
+private final class KeyBox: @unchecked Sendable {
+    let key: _RSA.Encryption.PublicKey
+    init(_ key: _RSA.Encryption.PublicKey) { self.key = key }
 }

@@ -294,69 +294,70 @@ open class DataQueue: @unchecked Sendable {
 
         var last: Int64 = 0
         var prefetched: ArraySlice<StoredItem> = []
-        // The journal commit of one delivery runs while the next item is on the wire; it is awaited
-        // before the next commit, so a failed commit still stops the flush.
-        // Never cancelled: a started journal commit always finishes.
-        var bookkeeping: Task<Void, any Error>?
-        loop: while true {
-            if let limit, report.delivered + report.parked >= limit {
-                report.stop = .limit
-                break
-            }
-            if prefetched.isEmpty {
-                prefetched = ArraySlice(
-                    try await store.pendingBatch(queue: queueName, after: last, maxCount: 16, maxBytes: 4 << 20))
-            }
-            guard let stored = prefetched.popFirst() else { break }
-            if let through, stored.info.sequence > through { break }
-            last = stored.info.sequence
-            let item = stored.info
-            let result = await deliver(stored)
-            try await bookkeeping?.value
-            bookkeeping = nil
-            switch result {
-            case .delivered(let response):
-                let (serverID, versionID) = Self.parseLocation(response.location)
-                let store = self.store
-                bookkeeping = Task {
-                    try await store.markDelivered(
-                        item, status: response.status, location: response.location, serverID: serverID,
-                        versionID: versionID)
+        // Journal commits run while the next items are on the wire, several deliveries per commit; a
+        // failed commit stops the flush at the next delivery, and the flush returns only once all are committed.
+        let recorder = DeliveryRecorder(store: store)
+        do {
+            loop: while true {
+                if let limit, report.delivered + report.parked >= limit {
+                    report.stop = .limit
+                    break
                 }
-                report.delivered += 1
-                logger.debug("delivered", metadata: ["item": "\(item.id.uuidString.lowercased())", "status": "\(response.status)"])
-                if item.sequence == tracking {
-                    tracked = .delivered(
-                        DeliveryRecord(
-                            sequence: 0, id: item.id, event: .delivered, queue: item.queue, method: item.method,
-                            url: item.url, resourceType: item.resourceType, status: response.status,
-                            location: response.location, serverID: serverID, versionID: versionID,
-                            attempts: item.attempts + 1, enqueuedAt: item.enqueuedAt, at: Date()))
+                if prefetched.isEmpty {
+                    prefetched = ArraySlice(
+                        try await store.pendingBatch(queue: queueName, after: last, maxCount: 16, maxBytes: 4 << 20))
                 }
-            case .rejected(let status, let message, let outcome):
-                try await store.park(item, status: status, error: message, outcome: outcome)
-                report.parked += 1
-                logger.warning("parked", metadata: ["item": "\(item.id.uuidString.lowercased())", "reason": "\(message)"])
-                if item.sequence == tracking { tracked = .parked(item, reason: message) }
-            case .transient(let status, let message, let retryAfter):
-                let failures = (try await store.serverState(queue: queueName).failures) + 1
-                let retryAt = Date().addingTimeInterval(
-                    configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
-                try await store.recordFailure(
-                    queue: queueName, item: item, status: status, error: message, nextAttemptAt: retryAt)
-                report.stop = .transient(message, retryAt: retryAt)
-                logger.notice("flush stopped", metadata: ["reason": "\(message)"])
-                break loop
-            case .authentication(let status, let message):
-                try await store.recordFailure(queue: queueName, item: item, status: status, error: message, nextAttemptAt: nil)
-                report.stop = .authentication(message)
-                logger.error("authentication failed", metadata: ["reason": "\(message)"])
-                break loop
+                guard let stored = prefetched.popFirst() else { break }
+                if let through, stored.info.sequence > through { break }
+                last = stored.info.sequence
+                let item = stored.info
+                let result = await deliver(stored)
+                switch result {
+                case .delivered(let response):
+                    let (serverID, versionID) = Self.parseLocation(response.location)
+                    try await recorder.record(
+                        QueueStore.Delivery(
+                            item: item, status: response.status, location: response.location, serverID: serverID,
+                            versionID: versionID))
+                    if await recorder.backlog > 256 { try await recorder.finish() }
+                    report.delivered += 1
+                    logger.debug("delivered", metadata: ["item": "\(item.id.uuidString.lowercased())", "status": "\(response.status)"])
+                    if item.sequence == tracking {
+                        tracked = .delivered(
+                            DeliveryRecord(
+                                sequence: 0, id: item.id, event: .delivered, queue: item.queue, method: item.method,
+                                url: item.url, resourceType: item.resourceType, status: response.status,
+                                location: response.location, serverID: serverID, versionID: versionID,
+                                attempts: item.attempts + 1, enqueuedAt: item.enqueuedAt, at: Date()))
+                    }
+                case .rejected(let status, let message, let outcome):
+                    try await store.park(item, status: status, error: message, outcome: outcome)
+                    report.parked += 1
+                    logger.warning("parked", metadata: ["item": "\(item.id.uuidString.lowercased())", "reason": "\(message)"])
+                    if item.sequence == tracking { tracked = .parked(item, reason: message) }
+                case .transient(let status, let message, let retryAfter):
+                    let failures = (try await store.serverState(queue: queueName).failures) + 1
+                    let retryAt = Date().addingTimeInterval(
+                        configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
+                    try await store.recordFailure(
+                        queue: queueName, item: item, status: status, error: message, nextAttemptAt: retryAt)
+                    report.stop = .transient(message, retryAt: retryAt)
+                    logger.notice("flush stopped", metadata: ["reason": "\(message)"])
+                    break loop
+                case .authentication(let status, let message):
+                    try await store.recordFailure(queue: queueName, item: item, status: status, error: message, nextAttemptAt: nil)
+                    report.stop = .authentication(message)
+                    logger.error("authentication failed", metadata: ["reason": "\(message)"])
+                    break loop
+                }
+                progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
             }
-            progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
+        } catch {
+            // Whatever stopped the flush, deliveries already made reach the journal first.
+            try? await recorder.finish()
+            throw error
         }
-        try await bookkeeping?.value
-        bookkeeping = nil
+        try await recorder.finish()
         try await fillCounts(&report)
         return (report, tracked)
     }

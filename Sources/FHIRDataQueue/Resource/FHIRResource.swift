@@ -21,7 +21,19 @@ public struct FHIRResource: Sendable, Hashable {
     /// The `Bundle.type` of a Bundle (`transaction`, `batch`, …), else `nil`.
     public let bundleType: String?
     /// The first `identifier` with both `system` and `value`, used for conditional create.
-    public let identifier: (system: String, value: String)?
+    public var identifier: (system: String, value: String)? {
+        guard let identifierJSON else { return nil }
+        let value = try? JSONSerialization.jsonObject(with: identifierJSON, options: [.fragmentsAllowed])
+        let entries = value as? [[String: Any]] ?? (value as? [String: Any]).map { [$0] } ?? []
+        for entry in entries {
+            if let system = entry["system"] as? String, let value = entry["value"] as? String, !system.isEmpty, !value.isEmpty {
+                return (system, value)
+            }
+        }
+        return nil
+    }
+    /// The JSON of the `identifier` member, decoded only when asked for.
+    private let identifierJSON: Data?
     /// Whether the resource has an `identifier` element of any shape.
     let hasIdentifierElement: Bool
 
@@ -64,6 +76,14 @@ public struct FHIRResource: Sendable, Hashable {
         /// Decodes one small member value (the scanner has validated the whole document).
         func member(_ key: String) -> Any? {
             guard let range = document.members[key] else { return nil }
+            let start = json.startIndex + range.lowerBound
+            let end = json.startIndex + range.upperBound
+            // A plain string without escapes needs no JSON decoder.
+            if range.count >= 2, json[start] == UInt8(ascii: "\""), json[end - 1] == UInt8(ascii: "\""),
+                !json[start..<end].contains(UInt8(ascii: "\\"))
+            {
+                return String(decoding: json[(start + 1)..<(end - 1)], as: UTF8.self)
+            }
             return try? JSONSerialization.jsonObject(
                 with: json[(json.startIndex + range.lowerBound)..<(json.startIndex + range.upperBound)], options: [.fragmentsAllowed])
         }
@@ -84,23 +104,9 @@ public struct FHIRResource: Sendable, Hashable {
         self.resourceType = typeString
         self.id = idString
         self.bundleType = typeString == "Bundle" ? member("type") as? String : nil
-        let identifierValue = member("identifier")
-        var found: (String, String)?
-        if let identifiers = identifierValue as? [[String: Any]] {
-            for entry in identifiers {
-                if let system = entry["system"] as? String, let value = entry["value"] as? String,
-                    !system.isEmpty, !value.isEmpty
-                {
-                    found = (system, value)
-                    break
-                }
-            }
-        } else if let single = identifierValue as? [String: Any],
-            let system = single["system"] as? String, let value = single["value"] as? String
-        {
-            found = (system, value)
+        self.identifierJSON = document.members["identifier"].map {
+            Data(json[(json.startIndex + $0.lowerBound)..<(json.startIndex + $0.upperBound)])
         }
-        self.identifier = found
         self.hasIdentifierElement = document.members["identifier"] != nil
     }
 

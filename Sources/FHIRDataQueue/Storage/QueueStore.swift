@@ -256,27 +256,40 @@ final class QueueStore: Sendable {
         }
     }
 
-    /// Moves a delivered item into the journal, in one transaction, and clears the server's backoff.
-    func markDelivered(_ item: QueuedItem, status: Int, location: String?, serverID: String?, versionID: String?)
-        async throws
-    {
+    /// A delivery to record in the journal.
+    struct Delivery: Sendable {
+        var item: QueuedItem
+        var status: Int
+        var location: String?
+        var serverID: String?
+        var versionID: String?
+    }
+
+    /// Moves delivered items into the journal, all in one transaction, and clears the server's backoff.
+    func markDelivered(_ deliveries: [Delivery]) async throws {
+        guard let queue = deliveries.first?.item.queue else { return }
         try await immediate("record a delivery") { db in
-            try db.execute(sql: "DELETE FROM item WHERE seq = ?", arguments: [item.sequence])
-            guard db.changesCount == 1 else { return }
-            try db.execute(
+            let now = Date().timeIntervalSince1970
+            let delete = try db.cachedStatement(sql: "DELETE FROM item WHERE seq = ?")
+            let insert = try db.cachedStatement(
                 sql: """
                     INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
                                           server_id, version_id, attempts, enqueued_at, at)
                     VALUES (?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-                    """,
-                arguments: [
+                    """)
+            for delivery in deliveries {
+                let item = delivery.item
+                try delete.execute(arguments: [item.sequence])
+                guard db.changesCount == 1 else { continue }
+                try insert.execute(arguments: [
                     item.sequence, item.id.uuidString.lowercased(), item.queue, item.method.rawValue, item.url,
-                    item.resourceType, status, location, serverID, versionID, item.attempts + 1,
-                    item.enqueuedAt.timeIntervalSince1970, Date().timeIntervalSince1970,
+                    item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
+                    item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now,
                 ])
+            }
             try db.execute(
                 sql: "UPDATE server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = ? AND failures > 0",
-                arguments: [item.queue])
+                arguments: [queue])
         }
     }
 
@@ -509,5 +522,51 @@ actor EnqueueBatcher {
             }
         }
         writing = false
+    }
+}
+
+/// Records deliveries in the journal in the background while the flush sends the next items, grouping the
+/// deliveries that wait into one commit (group commit), so the flush is not held to one fsync per item.
+actor DeliveryRecorder {
+    private let store: QueueStore
+    private var waiting: [QueueStore.Delivery] = []
+    private var running = false
+    private var failure: DataQueueError?
+    private var idle: [CheckedContinuation<Void, Never>] = []
+
+    init(store: QueueStore) { self.store = store }
+
+    /// How many deliveries wait for their commit.
+    var backlog: Int { waiting.count }
+
+    /// Queues a delivery for the journal; throws the error of an earlier failed commit.
+    func record(_ delivery: QueueStore.Delivery) throws {
+        if let failure { throw failure }
+        waiting.append(delivery)
+        if !running {
+            running = true
+            Task { await self.drain() }
+        }
+    }
+
+    private func drain() async {
+        while !waiting.isEmpty && failure == nil {
+            let batch = waiting
+            waiting.removeAll()
+            do {
+                try await store.markDelivered(batch)
+            } catch {
+                failure = QueueStore.mapError(error, doing: "record a delivery")
+            }
+        }
+        running = false
+        for waiter in idle { waiter.resume() }
+        idle.removeAll()
+    }
+
+    /// Waits until every recorded delivery is committed; throws the first commit error.
+    func finish() async throws {
+        if running { await withCheckedContinuation { idle.append($0) } }
+        if let failure { throw failure }
     }
 }
