@@ -319,7 +319,7 @@ open class DataQueue: @unchecked Sendable {
                         QueueStore.Delivery(
                             item: item, status: response.status, location: response.location, serverID: serverID,
                             versionID: versionID))
-                    if await recorder.backlog > 256 { try await recorder.finish() }
+                    if await recorder.backlog >= 32 { try await recorder.finish() }
                     report.delivered += 1
                     logger.debug("delivered", metadata: ["item": "\(item.id.uuidString.lowercased())", "status": "\(response.status)"])
                     if item.sequence == tracking {
