@@ -57,6 +57,25 @@ struct JSONScannerTests {
         #expect(result == .tooDeep)
     }
 
+    @Test(
+        "Numbers beyond a double or longer than the limit are refused; large finite ones pass",
+        arguments: [
+            ("1e999999", false), ("-1e309", false), ("1" + String(repeating: "0", count: 400), false),
+            ("0." + String(repeating: "0", count: 70) + "1", false), ("1.7976931348623157e308", true),
+            ("123456789012345678.123456789", true), ("5e-324", true), ("1e-999", true),
+        ])
+    func numberRange(text: String, accepted: Bool) {
+        var failure: JSONScanner.Failure?
+        Array("[\(text)]".utf8).withUnsafeBufferPointer { buffer in
+            do {
+                _ = try JSONScanner.scan(buffer, keys: [])
+            } catch {
+                failure = error as? JSONScanner.Failure
+            }
+        }
+        #expect(failure == (accepted ? nil : .numberOutOfRange), "\(text.prefix(30))")
+    }
+
     @Test("It agrees with JSONSerialization on 20,000 random mutations of valid documents (but for trailing commas)")
     func differential() {
         var generator = SystemRandomNumberGenerator()

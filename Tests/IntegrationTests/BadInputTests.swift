@@ -29,6 +29,8 @@ struct BadInputTests {
         ("invalid UTF-8", [0x7B, 0x22, 0x72, 0xFF, 0xFE, 0x22, 0x7D]),
         ("empty", []),
         ("binary", [0x00, 0x01, 0x02, 0x89, 0x50, 0x4E, 0x47]),
+        ("number beyond a double", Array(#"{"resourceType":"Observation","valueQuantity":{"value":1e999999}}"#.utf8)),
+        ("number of 1,000 digits", Array((#"{"resourceType":"Patient","n":1"# + String(repeating: "0", count: 1000) + "}").utf8)),
     ]
 
     @Test("A bad file is named with its reason, exits 65, and leaves the queue unchanged", arguments: 0..<cases.count)

@@ -67,6 +67,9 @@ public struct FHIRResource: Sendable, Hashable {
             }
         } catch JSONScanner.Failure.tooDeep {
             throw invalid("JSON is nested deeper than \(JSONScanner.maximumDepth) levels")
+        } catch JSONScanner.Failure.numberOutOfRange {
+            throw invalid(
+                "a number is out of range (longer than \(JSONScanner.maximumNumberLength) characters or beyond a double)")
         } catch {
             throw invalid("input is not valid JSON")
         }

@@ -1,3 +1,5 @@
+import Foundation
+
 /// A validating JSON scanner (RFC 8259) that builds no objects.
 ///
 /// It checks a whole document in one pass with an explicit stack (no recursion, so deep nesting cannot
@@ -7,10 +9,15 @@
 struct JSONScanner {
     /// The deepest nesting accepted. FHIR resources are far shallower.
     static let maximumDepth = 512
+    /// The longest number accepted, in characters. FHIR decimals carry at most 18 significant digits; RFC 8259
+    /// lets a parser limit the range and precision of numbers, and receivers differ wildly beyond that.
+    static let maximumNumberLength = 64
 
     enum Failure: Error, Equatable {
         case invalid
         case tooDeep
+        /// A number longer than ``maximumNumberLength`` or outside the range of a double (such as `1e999`).
+        case numberOutOfRange
     }
 
     /// The result of a scan.
@@ -195,6 +202,17 @@ struct JSONScanner {
         }
 
         mutating func number() throws(Failure) {
+            let start = index
+            try numberSyntax()
+            let length = index - start
+            guard length <= JSONScanner.maximumNumberLength else { throw .numberOutOfRange }
+            // A finite double is the common ground of every JSON receiver; `1e999` is not one.
+            var text = [CChar](repeating: 0, count: length + 1)
+            for offset in 0..<length { text[offset] = CChar(bitPattern: bytes[start + offset]) }
+            guard strtod(text, nil).isFinite else { throw .numberOutOfRange }
+        }
+
+        mutating func numberSyntax() throws(Failure) {
             func digits() -> Int {
                 let start = index
                 while index < bytes.count, (0x30...0x39).contains(bytes[index]) { index += 1 }
