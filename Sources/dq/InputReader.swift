@@ -31,22 +31,43 @@ struct InputReader {
                 continue
             }
             if ndjson {
-                var lineNumber = 0
-                var start = data.startIndex
-                while start < data.endIndex {
-                    lineNumber += 1
-                    let end = data[start...].firstIndex(of: 0x0A) ?? data.endIndex
-                    var line = data[start..<end]
-                    if line.last == 0x0D { line = line.dropLast() }
-                    start = end < data.endIndex ? data.index(after: end) : end
-                    if line.allSatisfy({ $0 == 0x20 || $0 == 0x09 }) { continue }
-                    validate(Data(line), label: "\(label):\(lineNumber)", into: &inputs, problems: &problems)
+                for (lineNumber, line) in Self.lines(of: data) {
+                    validate(line, label: "\(label):\(lineNumber)", into: &inputs, problems: &problems)
                 }
             } else {
                 validate(data, label: label, into: &inputs, problems: &problems)
             }
         }
         return (inputs, problems)
+    }
+
+    /// The non-blank lines of `data` with their 1-based numbers, without line ends (LF or CRLF).
+    static func lines(of data: Data) -> [(Int, Data)] {
+        data.withUnsafeBytes { (raw: UnsafeRawBufferPointer) -> [(Int, Data)] in
+            guard let base = raw.baseAddress else { return [] }
+            var lines: [(Int, Data)] = []
+            var start = 0
+            var number = 0
+            while start < raw.count {
+                number += 1
+                let end: Int
+                if let found = memchr(base + start, 0x0A, raw.count - start) {
+                    end = base.distance(to: UnsafeRawPointer(found))
+                } else {
+                    end = raw.count
+                }
+                var stop = end
+                if stop > start, raw[stop - 1] == 0x0D { stop -= 1 }
+                var blank = true
+                for index in start..<stop where raw[index] != 0x20 && raw[index] != 0x09 {
+                    blank = false
+                    break
+                }
+                if !blank { lines.append((number, Data(bytes: base + start, count: stop - start))) }
+                start = end + 1
+            }
+            return lines
+        }
     }
 
     private func validate(_ data: Data, label: String, into inputs: inout [Input], problems: inout [String]) {

@@ -134,7 +134,7 @@ open class DataQueue: @unchecked Sendable {
             if configuration.idempotent {
                 if resource.identifier == nil && !resource.hasIdentifierElement {
                     resource = try resource.addingIdentifier(
-                        system: "urn:ietf:rfc:3986", value: "urn:uuid:\(itemID.uuidString.lowercased())")
+                        system: "urn:ietf:rfc:3986", value: "urn:uuid:\(itemID.lowercasedString)")
                 }
                 if let identifier = resource.identifier {
                     ifNoneExist = "identifier=" + Self.searchEscape(identifier.system) + "|" + Self.searchEscape(identifier.value)
@@ -153,7 +153,7 @@ open class DataQueue: @unchecked Sendable {
     }
 
     private func newItem(for resource: FHIRResource, method: FHIRMethod) throws -> NewItem {
-        let id = UUID()
+        let id = UUID.random()
         let request = try prepareRequest(for: resource, method: method, itemID: id)
         return NewItem(
             id: id, queue: queueName, method: request.method, url: request.url, resourceType: request.resourceType,
@@ -321,7 +321,7 @@ open class DataQueue: @unchecked Sendable {
                             versionID: versionID))
                     if await recorder.backlog >= 32 { try await recorder.finish() }
                     report.delivered += 1
-                    logger.debug("delivered", metadata: ["item": "\(item.id.uuidString.lowercased())", "status": "\(response.status)"])
+                    logger.debug("delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(response.status)"])
                     if item.sequence == tracking {
                         tracked = .delivered(
                             DeliveryRecord(
@@ -333,7 +333,7 @@ open class DataQueue: @unchecked Sendable {
                 case .rejected(let status, let message, let outcome):
                     try await store.park(item, status: status, error: message, outcome: outcome)
                     report.parked += 1
-                    logger.warning("parked", metadata: ["item": "\(item.id.uuidString.lowercased())", "reason": "\(message)"])
+                    logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
                     if item.sequence == tracking { tracked = .parked(item, reason: message) }
                 case .transient(let status, let message, let retryAfter):
                     let failures = (try await store.serverState(queue: queueName).failures) + 1
@@ -448,7 +448,7 @@ open class DataQueue: @unchecked Sendable {
     /// The state of an item, or nil when it is no longer queued (delivered or dropped: see the journal).
     public func state(of id: UUID) async throws -> ItemState? {
         do {
-            return try await store.item(id.uuidString.lowercased()).info.state
+            return try await store.item(id.lowercasedString).info.state
         } catch let error as DataQueueError where error.code == .notFound {
             return nil
         }
@@ -459,7 +459,7 @@ open class DataQueue: @unchecked Sendable {
     public func retry(_ reference: String) async throws -> QueuedItem {
         let stored = try await store.item(reference)
         guard try await store.retry(sequence: stored.info.sequence) else {
-            throw DataQueueError(.notFound, "item \(stored.info.id.uuidString.lowercased()) is not parked")
+            throw DataQueueError(.notFound, "item \(stored.info.id.lowercasedString) is not parked")
         }
         return stored.info
     }

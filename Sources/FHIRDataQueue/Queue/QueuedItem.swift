@@ -121,7 +121,7 @@ extension QueuedItem {
     public func encode(to encoder: any Encoder) throws {
         var container = encoder.container(keyedBy: CodingKeys.self)
         try container.encode(sequence, forKey: .sequence)
-        try container.encode(id.uuidString.lowercased(), forKey: .id)
+        try container.encode(id.lowercasedString, forKey: .id)
         try container.encode(queue, forKey: .queue)
         try container.encode(method, forKey: .method)
         try container.encode(url, forKey: .url)
@@ -149,7 +149,7 @@ extension DeliveryRecord {
     public func encode(to encoder: any Encoder) throws {
         var container = encoder.container(keyedBy: CodingKeys.self)
         try container.encode(sequence, forKey: .sequence)
-        try container.encode(id.uuidString.lowercased(), forKey: .id)
+        try container.encode(id.lowercasedString, forKey: .id)
         try container.encode(event, forKey: .event)
         try container.encode(queue, forKey: .queue)
         try container.encode(method, forKey: .method)

@@ -217,7 +217,7 @@ final class QueueStore: Sendable {
         sequences.reserveCapacity(items.count)
         for item in items {
             try statement.execute(arguments: [
-                item.id.uuidString.lowercased(), item.queue, item.method.rawValue, item.url, item.resourceType,
+                item.id.lowercasedString, item.queue, item.method.rawValue, item.url, item.resourceType,
                 item.resourceID, item.encrypted, item.contentType, item.ifNoneExist, item.body, now,
             ])
             sequences.append(db.lastInsertedRowID)
@@ -282,7 +282,7 @@ final class QueueStore: Sendable {
                 try delete.execute(arguments: [item.sequence])
                 guard db.changesCount == 1 else { continue }
                 try insert.execute(arguments: [
-                    item.sequence, item.id.uuidString.lowercased(), item.queue, item.method.rawValue, item.url,
+                    item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, item.url,
                     item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
                     item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now,
                 ])
@@ -437,7 +437,7 @@ final class QueueStore: Sendable {
                     VALUES (?, ?, 'dropped', ?, ?, ?, ?, NULL, NULL, NULL, NULL, ?, ?, ?)
                     """,
                 arguments: [
-                    item.sequence, item.id.uuidString.lowercased(), item.queue, item.method.rawValue, item.url,
+                    item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, item.url,
                     item.resourceType, item.attempts, item.enqueuedAt.timeIntervalSince1970, Date().timeIntervalSince1970,
                 ])
         }
