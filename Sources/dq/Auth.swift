@@ -9,6 +9,7 @@ import Foundation
 extension DQ {
     struct Keygen: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "keygen",
             abstract: "Make a key pair for SMART Backend Services (private_key_jwt) and print the public JWKS.",
             discussion: "The private key is written mode 0600 and never printed; register the printed JWKS with the server.")
 
@@ -40,6 +41,7 @@ extension DQ {
 
     struct Register: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "register",
             abstract: "Register this client now (RFC 7591) and store the credentials (replacing earlier ones).")
         @OptionGroup var queueOptions: QueueOptions
 

@@ -5,6 +5,7 @@ import Foundation
 extension DQ {
     struct Decrypt: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "decrypt",
             abstract: "Decrypt an envelope (C3-PRO or authenticated format) and print the resource.",
             discussion: "For receivers and operators. Exit 65 for a corrupt envelope, 78 for an unreadable key.")
 

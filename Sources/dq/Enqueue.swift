@@ -51,6 +51,7 @@ struct InputOptions: ParsableArguments {
 extension DQ {
     struct Enqueue: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "enqueue",
             abstract: "Queue resources without sending them (all inputs, or none when one is bad).")
 
         @OptionGroup var queueOptions: QueueOptions
@@ -72,6 +73,7 @@ extension DQ {
 
     struct Send: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "send",
             abstract: "Queue resources, then flush the queue up to them (older items go first).",
             discussion:
                 "Exit 0 when all were delivered, 75 when some stay queued, 65 when the server rejected some (parked), 77 on an authentication failure."

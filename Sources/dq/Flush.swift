@@ -17,6 +17,7 @@ enum FlushCommandSupport {
 extension DQ {
     struct Flush: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "flush",
             abstract: "Send queued items in order (for cron).",
             discussion:
                 "Exit 0 when nothing pending remains, 75 when items stay queued (transient failure, backoff, another flusher, --limit), 77 on an authentication failure."

@@ -4,7 +4,8 @@ import Foundation
 
 extension DQ {
     struct Status: AsyncParsableCommand {
-        static let configuration = CommandConfiguration(abstract: "Show counts of the queue and the server's backoff state.")
+        static let configuration = CommandConfiguration(
+            commandName: "status", abstract: "Show counts of the queue and the server's backoff state.")
         @OptionGroup var queueOptions: QueueOptions
         @Flag(help: "Print as JSON.") var json = false
 
@@ -27,7 +28,8 @@ extension DQ {
     }
 
     struct List: AsyncParsableCommand {
-        static let configuration = CommandConfiguration(abstract: "List queued items in order.")
+        static let configuration = CommandConfiguration(
+            commandName: "list", abstract: "List queued items in order.")
         @OptionGroup var queueOptions: QueueOptions
         @Flag(help: "Only parked items (rejected by the server).") var parked = false
         @Flag(help: "Only pending items.") var pending = false
@@ -56,7 +58,8 @@ extension DQ {
     }
 
     struct Show: AsyncParsableCommand {
-        static let configuration = CommandConfiguration(abstract: "Show one queued item and the server's last answer.")
+        static let configuration = CommandConfiguration(
+            commandName: "show", abstract: "Show one queued item and the server's last answer.")
         @OptionGroup var queueOptions: QueueOptions
         @Argument(help: "The item's id (or a unique prefix of 4+ characters) or sequence number.") var id: String
         @Flag(help: "Also print the stored body (may contain PHI).") var body = false
@@ -86,7 +89,8 @@ extension DQ {
     }
 
     struct Retry: AsyncParsableCommand {
-        static let configuration = CommandConfiguration(abstract: "Put parked items back in line for the next flush.")
+        static let configuration = CommandConfiguration(
+            commandName: "retry", abstract: "Put parked items back in line for the next flush.")
         @OptionGroup var queueOptions: QueueOptions
         @Argument(help: "The item's id or sequence number.") var id: String?
         @Flag(help: "Retry every parked item.") var allParked = false
@@ -109,6 +113,7 @@ extension DQ {
 
     struct Drop: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "drop",
             abstract: "Remove an item without sending it (recorded in the journal).")
         @OptionGroup var queueOptions: QueueOptions
         @Argument(help: "The item's id or sequence number.") var id: String
@@ -123,6 +128,7 @@ extension DQ {
 
     struct Log: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
+            commandName: "log",
             abstract: "Show the delivery journal: when, where, status and the server's id of each item.")
         @OptionGroup var queueOptions: QueueOptions
         @Option(help: "The newest this many lines (default 100).") var limit = 100

@@ -37,6 +37,27 @@ struct QueueStoreTests {
         #expect(normalSync == 1)
     }
 
+    @Test("Opening an existing queue and reading its status writes nothing to disk")
+    func readOnlyOpen() async throws {
+        do {
+            let store = try QueueStore(path: path, durability: .full)
+            _ = try await store.insert([item(1)])
+        }
+        func fingerprint() -> [String] {
+            [path, path + "-wal"].map { file in
+                guard let attributes = try? FileManager.default.attributesOfItem(atPath: file) else { return "absent" }
+                let modified = (attributes[.modificationDate] as? Date)?.timeIntervalSince1970 ?? 0
+                return "\(attributes[.size] ?? 0)@\(modified)"
+            }
+        }
+        let before = fingerprint()
+        do {
+            let store = try QueueStore(path: path, durability: .full)
+            #expect(try await store.status(queue: "http://h/fhir").pending == 1)
+        }
+        #expect(fingerprint() == before)
+    }
+
     @Test("Concurrent enqueues share commits, each gets its own sequence, and nothing is lost")
     func groupCommit() async throws {
         let store = try QueueStore(path: path, durability: .full)

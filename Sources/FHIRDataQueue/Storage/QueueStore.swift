@@ -65,19 +65,27 @@ final class QueueStore: Sendable {
             close(fd)
         }
         var configuration = Configuration()
-        configuration.journalMode = .wal
+        // WAL is set here rather than with GRDB's `.wal`, which writes a table into the WAL file on every open
+        // (for DatabasePool readers): two fsyncs for each `dq status`. The mode is persistent in the file.
+        configuration.journalMode = .default
         configuration.busyMode = .timeout(busyTimeout)
         configuration.label = "dq"
         let synchronous = durability == .full ? "FULL" : "NORMAL"
         configuration.prepareDatabase { db in
+            if try String.fetchOne(db, sql: "PRAGMA journal_mode") != "wal" {
+                guard try String.fetchOne(db, sql: "PRAGMA journal_mode = WAL") == "wal" else {
+                    throw DataQueueError(.storage, "cannot switch the queue database to WAL mode")
+                }
+            }
             try db.execute(sql: "PRAGMA synchronous = \(synchronous)")
         }
         do {
             database = try DatabaseQueue(path: path, configuration: configuration)
-            try database.writeWithoutTransaction { db in
-                try db.execute(sql: "PRAGMA synchronous = \(synchronous)")
+            let migrator = Self.migrator
+            // Only a new or older file needs the write transaction a migration takes.
+            if try !database.read({ db in try migrator.hasCompletedMigrations(db) }) {
+                try migrator.migrate(database)
             }
-            try Self.migrator.migrate(database)
         } catch let error as DataQueueError {
             throw error
         } catch {
