@@ -315,11 +315,11 @@ open class DataQueue: @unchecked Sendable {
                 switch result {
                 case .delivered(let response):
                     let (serverID, versionID) = Self.parseLocation(response.location)
-                    try await recorder.record(
+                    try recorder.record(
                         QueueStore.Delivery(
                             item: item, status: response.status, location: response.location, serverID: serverID,
                             versionID: versionID))
-                    if await recorder.backlog >= 32 { try await recorder.finish() }
+                    if recorder.backlog >= 32 { try await recorder.finish() }
                     report.delivered += 1
                     logger.debug("delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(response.status)"])
                     if item.sequence == tracking {

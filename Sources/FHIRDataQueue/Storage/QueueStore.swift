@@ -92,19 +92,7 @@ final class QueueStore: Sendable {
             throw QueueStore.mapError(error, doing: "open the queue database \(path)")
         }
         batcher = EnqueueBatcher { [database] items in
-            do {
-                return .success(
-                    try database.writeWithoutTransaction { db in
-                        var sequences: [Int64] = []
-                        try db.inTransaction(.immediate) {
-                            sequences = try QueueStore.insert(items, db: db)
-                            return .commit
-                        }
-                        return sequences
-                    })
-            } catch {
-                return .failure(QueueStore.mapError(error, doing: "enqueue"))
-            }
+            QueueStore.immediateNow(database, "enqueue") { db in try QueueStore.insert(items, db: db) }
         }
     }
 
@@ -199,6 +187,25 @@ final class QueueStore: Sendable {
         }
     }
 
+    /// ``immediate(_:_:)`` for the writer threads, which may block: a synchronous write transaction.
+    fileprivate static func immediateNow<T>(
+        _ database: DatabaseQueue, _ what: String, _ body: (Database) throws -> T
+    ) -> Result<T, DataQueueError> {
+        do {
+            return .success(
+                try database.writeWithoutTransaction { db in
+                    var result: T?
+                    try db.inTransaction(.immediate) {
+                        result = try body(db)
+                        return .commit
+                    }
+                    return result!
+                })
+        } catch {
+            return .failure(QueueStore.mapError(error, doing: what))
+        }
+    }
+
     private func read<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
         do {
             return try await database.read(body)
@@ -282,29 +289,37 @@ final class QueueStore: Sendable {
     /// Moves delivered items into the journal, all in one transaction, and clears the server's backoff.
     func markDelivered(_ deliveries: [Delivery]) async throws {
         guard let queue = deliveries.first?.item.queue else { return }
-        try await immediate("record a delivery") { db in
-            let now = Date().timeIntervalSince1970
-            let delete = try db.cachedStatement(sql: "DELETE FROM item WHERE seq = ?")
-            let insert = try db.cachedStatement(
-                sql: """
-                    INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
-                                          server_id, version_id, attempts, enqueued_at, at)
-                    VALUES (?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-                    """)
-            for delivery in deliveries {
-                let item = delivery.item
-                try delete.execute(arguments: [item.sequence])
-                guard db.changesCount == 1 else { continue }
-                try insert.execute(arguments: [
-                    item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, item.url,
-                    item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
-                    item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now,
-                ])
-            }
-            try db.execute(
-                sql: "UPDATE server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = ? AND failures > 0",
-                arguments: [queue])
+        try await immediate("record a delivery") { db in try Self.journal(deliveries, queue: queue, db: db) }
+    }
+
+    /// ``markDelivered(_:)`` on the calling thread (for the journal's writer thread).
+    fileprivate func markDeliveredNow(_ deliveries: [Delivery]) -> Result<Void, DataQueueError> {
+        guard let queue = deliveries.first?.item.queue else { return .success(()) }
+        return Self.immediateNow(database, "record a delivery") { db in try Self.journal(deliveries, queue: queue, db: db) }
+    }
+
+    private static func journal(_ deliveries: [Delivery], queue: String, db: Database) throws {
+        let now = Date().timeIntervalSince1970
+        let delete = try db.cachedStatement(sql: "DELETE FROM item WHERE seq = ?")
+        let insert = try db.cachedStatement(
+            sql: """
+                INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
+                                      server_id, version_id, attempts, enqueued_at, at)
+                VALUES (?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                """)
+        for delivery in deliveries {
+            let item = delivery.item
+            try delete.execute(arguments: [item.sequence])
+            guard db.changesCount == 1 else { continue }
+            try insert.execute(arguments: [
+                item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, item.url,
+                item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
+                item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now,
+            ])
         }
+        try db.cachedStatement(
+            sql: "UPDATE server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = ? AND failures > 0"
+        ).execute(arguments: [queue])
     }
 
     /// Parks an item the server rejected permanently, keeping the server's answer.
@@ -571,9 +586,15 @@ final class EnqueueBatcher: @unchecked Sendable {
 
 /// Records deliveries in the journal in the background while the flush sends the next items, grouping the
 /// deliveries that wait into one commit (group commit), so the flush is not held to one fsync per item.
-actor DeliveryRecorder {
+///
+/// Commits run on a writer thread of their own (as in ``EnqueueBatcher``); ``record(_:)`` only appends
+/// under a lock, so the flush loop does not hop threads to journal a delivery.
+final class DeliveryRecorder: @unchecked Sendable {
     private let store: QueueStore
+    private let condition = NSCondition()
+    // Guarded by `condition`.
     private var waiting: [QueueStore.Delivery] = []
+    private var committing = false
     private var running = false
     private var failure: DataQueueError?
     private var idle: [CheckedContinuation<Void, Never>] = []
@@ -581,36 +602,65 @@ actor DeliveryRecorder {
     init(store: QueueStore) { self.store = store }
 
     /// How many deliveries wait for their commit.
-    var backlog: Int { waiting.count }
+    var backlog: Int {
+        condition.lock()
+        defer { condition.unlock() }
+        return waiting.count
+    }
 
     /// Queues a delivery for the journal; throws the error of an earlier failed commit.
     func record(_ delivery: QueueStore.Delivery) throws {
+        condition.lock()
+        defer { condition.unlock() }
         if let failure { throw failure }
         waiting.append(delivery)
-        if !running {
+        if running {
+            condition.signal()
+        } else {
             running = true
-            Task { await self.drain() }
+            let thread = Thread { [self] in self.writerLoop() }
+            thread.name = "dq-journal"
+            thread.start()
         }
     }
 
-    private func drain() async {
-        while !waiting.isEmpty && failure == nil {
+    private func writerLoop() {
+        condition.lock()
+        while true {
+            if waiting.isEmpty || failure != nil {
+                for waiter in idle { waiter.resume() }
+                idle.removeAll()
+                if !condition.wait(until: Date(timeIntervalSinceNow: 0.5)) && (waiting.isEmpty || failure != nil) {
+                    running = false
+                    condition.unlock()
+                    return
+                }
+                continue
+            }
             let batch = waiting
             waiting.removeAll()
-            do {
-                try await store.markDelivered(batch)
-            } catch {
-                failure = QueueStore.mapError(error, doing: "record a delivery")
-            }
+            committing = true
+            condition.unlock()
+            let result = store.markDeliveredNow(batch)
+            condition.lock()
+            committing = false
+            if case .failure(let error) = result { failure = error }
         }
-        running = false
-        for waiter in idle { waiter.resume() }
-        idle.removeAll()
     }
 
     /// Waits until every recorded delivery is committed; throws the first commit error.
     func finish() async throws {
-        if running { await withCheckedContinuation { idle.append($0) } }
-        if let failure { throw failure }
+        await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
+            condition.lock()
+            if (waiting.isEmpty && !committing) || failure != nil {
+                condition.unlock()
+                continuation.resume()
+            } else {
+                idle.append(continuation)
+                condition.signal()
+                condition.unlock()
+            }
+        }
+        if let failure = condition.withLock({ failure }) { throw failure }
     }
 }
