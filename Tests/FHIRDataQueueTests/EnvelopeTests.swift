@@ -25,6 +25,32 @@ struct EnvelopeTests {
         return (recipient, try EnvelopeOpener(privateKeyPEM: privateKey.pemRepresentation))
     }
 
+    @Test(
+        "CBC in chained chunks gives the bytes of one pass, at and around the chunk boundaries",
+        arguments: [0, 1, 15, 16, 47, 48, 49_151, 49_152, 49_153, 98_304, 150_000])
+    func chunkedCBC(size: Int) throws {
+        var generator = SystemRandomNumberGenerator()
+        let plaintext = Data((0..<size).map { _ in UInt8.random(in: 0...255, using: &generator) })
+        let key = SymmetricKey(size: .bits256)
+        var chunked = Data()
+        try EnvelopeCrypto.cbcEncryptChunks(plaintext, key: key) { chunked.append($0) }
+        #expect(chunked == (try EnvelopeCrypto.cbcEncrypt(plaintext, key: key)))
+        #expect(try EnvelopeCrypto.cbcDecrypt(chunked, key: key) == plaintext)
+    }
+
+    @Test("Base64 written in place equals Foundation's, for every length up to 200")
+    func base64() {
+        for length in 0...200 {
+            let input = Data((0..<length).map { UInt8(truncatingIfNeeded: $0 &* 37 &+ length) })
+            var output = [UInt8](repeating: 0, count: Base64Writer.encodedCount(length))
+            let written = input.withUnsafeBytes { source in
+                output.withUnsafeMutableBytes { Base64Writer.encode(source, into: $0) }
+            }
+            #expect(written == output.count)
+            #expect(String(decoding: output, as: UTF8.self) == input.base64EncodedString(), "length \(length)")
+        }
+    }
+
     @Test("Both formats round-trip; every message gets a fresh key", arguments: EnvelopeFormat.allCases)
     func roundTrip(format: EnvelopeFormat) throws {
         let (recipient, opener) = try Self.keyPair()

@@ -126,7 +126,15 @@ struct EncryptionTests {
     @Test("dq decrypt opens an envelope made by Python; Python and openssl open envelopes made by dq")
     func bothDirections() async throws {
         let keys = try await TestKeys()
-        let resource = resources.observation(1, extra: " ünïcode")
+        // A small resource, and one of 150 KB: dq encrypts the C3-PRO message in 48 KiB chunks.
+        for resource in [
+            resources.observation(1, extra: " ünïcode"), resources.observation(2, extra: String(repeating: "x", count: 150_000)),
+        ] {
+            try await bothDirections(resource, keys: keys)
+        }
+    }
+
+    func bothDirections(_ resource: String, keys: TestKeys) async throws {
         let plain = try work.write("r.json", resource)
 
         let sealed = try await C3PROReceiver.tool(["seal", "--cert", keys.certificate, "--key-id", "k", plain])

@@ -45,24 +45,39 @@ public struct EnvelopeSealer: Sendable {
         self.keyID = keyID
         self.fhirVersion = fhirVersion
         self.format = format
+        head = Array(#"{"key_id":"#.utf8) + Array(EnvelopeCrypto.jsonString(keyID).utf8) + Array(#","symmetric_key":""#.utf8)
+        var tail = Array(#"","version":"#.utf8) + Array(EnvelopeCrypto.jsonString(fhirVersion).utf8)
+        if format == .authenticated {
+            tail += Array(#","alg":""#.utf8) + Array(EnvelopeFormat.authenticatedMarker.utf8) + [UInt8(ascii: "\"")]
+        }
+        self.tail = tail + [UInt8(ascii: "}")]
     }
+
+    /// The envelope's fixed bytes before the wrapped key, and after the message.
+    private let head: [UInt8]
+    private let tail: [UInt8]
+    private static let middle = Array(#"","message":""#.utf8)
 
     /// Encrypts `plaintext` with a fresh random AES-256 key and returns the envelope's JSON bytes.
     public func seal(_ plaintext: Data) throws -> Data {
         let key = SymmetricKey(size: .bits256)
         let keyBytes = key.withUnsafeBytes { Data($0) }
-        let message: Data
+        // The C3-PRO message is encrypted chunk by chunk straight into the envelope (see below); the
+        // authenticated one in one piece.
+        var sealed: Data?
+        let messageCount: Int
         let wrapped: Data
         do {
             switch format {
             case .c3pro:
-                message = try EnvelopeCrypto.cbcEncrypt(plaintext, key: key)
+                messageCount = (plaintext.count / 16 + 1) * 16
                 wrapped = try recipient.wrap(keyBytes, sha256: false)
             case .authenticated:
                 guard let combined = try AES.GCM.seal(plaintext, using: key).combined else {
                     throw DataQueueError(.encryption, "AES-GCM produced no sealed box")
                 }
-                message = combined
+                sealed = combined
+                messageCount = combined.count
                 wrapped = try recipient.wrap(keyBytes, sha256: true)
             }
         } catch let error as DataQueueError {
@@ -70,25 +85,42 @@ public struct EnvelopeSealer: Sendable {
         } catch {
             throw DataQueueError(.encryption, "cannot encrypt the resource: \(error)")
         }
-        // Built as bytes: the message is most of the envelope and is copied once.
-        let symmetricKey = wrapped.base64EncodedData()
-        let messageBase64 = message.base64EncodedData()
-        var json = Data()
-        json.reserveCapacity(messageBase64.count + symmetricKey.count + keyID.utf8.count + 128)
-        json.append(contentsOf: #"{"key_id":"#.utf8)
-        json.append(contentsOf: EnvelopeCrypto.jsonString(keyID).utf8)
-        json.append(contentsOf: #","symmetric_key":""#.utf8)
-        json.append(symmetricKey)
-        json.append(contentsOf: #"","message":""#.utf8)
-        json.append(messageBase64)
-        json.append(contentsOf: #"","version":"#.utf8)
-        json.append(contentsOf: EnvelopeCrypto.jsonString(fhirVersion).utf8)
-        if format == .authenticated {
-            json.append(contentsOf: #","alg":""#.utf8)
-            json.append(contentsOf: EnvelopeFormat.authenticatedMarker.utf8)
-            json.append(UInt8(ascii: "\""))
+        // Built as bytes in one buffer of the exact size: the message is most of the envelope and is
+        // base64-encoded straight into place.
+        let count =
+            head.count + Base64Writer.encodedCount(wrapped.count) + Self.middle.count
+            + Base64Writer.encodedCount(messageCount) + tail.count
+        var json = Data(count: count)
+        try json.withUnsafeMutableBytes { (out: UnsafeMutableRawBufferPointer) in
+            var offset = 0
+            func put(_ bytes: [UInt8]) {
+                bytes.withUnsafeBytes { out.baseAddress!.advanced(by: offset).copyMemory(from: $0.baseAddress!, byteCount: $0.count) }
+                offset += bytes.count
+            }
+            func encode(_ data: Data) {
+                offset += data.withUnsafeBytes { input in
+                    Base64Writer.encode(input, into: UnsafeMutableRawBufferPointer(rebasing: out[offset...]))
+                }
+            }
+            put(head)
+            encode(wrapped)
+            put(Self.middle)
+            if let sealed {
+                encode(sealed)
+            } else {
+                // CBC in chunks of whole blocks, each chained to the last ciphertext block of the one
+                // before (the same bytes as one pass), so that the ciphertext of a megabyte resource never
+                // exists as a whole: each chunk is base64-encoded into place while it is still in the cache.
+                // The chunk size is a multiple of 48, so every chunk but the last encodes without padding.
+                do {
+                    try EnvelopeCrypto.cbcEncryptChunks(plaintext, key: key) { encode($0) }
+                } catch {
+                    throw DataQueueError(.encryption, "cannot encrypt the resource: \(error)")
+                }
+            }
+            put(tail)
+            precondition(offset == count)
         }
-        json.append(UInt8(ascii: "}"))
         return json
     }
 }
@@ -163,6 +195,23 @@ enum EnvelopeCrypto {
     static func cbcEncrypt(_ plaintext: Data, key: SymmetricKey) throws -> Data {
         try AES._CBC.encrypt(plaintext, using: key, iv: try AES._CBC.IV(ivBytes: zeroIV))
     }
+
+    /// The bytes of ``cbcEncrypt(_:key:)``, delivered to `body` in pieces of ``cbcChunk`` bytes (the last
+    /// one with the PKCS#7 padding).
+    static func cbcEncryptChunks(_ plaintext: Data, key: SymmetricKey, _ body: (Data) throws -> Void) throws {
+        var iv = try AES._CBC.IV(ivBytes: zeroIV)
+        var start = plaintext.startIndex
+        while plaintext.endIndex - start > cbcChunk {
+            let chunk = try AES._CBC.encrypt(plaintext[start..<start + cbcChunk], using: key, iv: iv, noPadding: true)
+            try body(chunk)
+            iv = try AES._CBC.IV(ivBytes: chunk.suffix(16))
+            start += cbcChunk
+        }
+        try body(try AES._CBC.encrypt(plaintext[start...], using: key, iv: iv))
+    }
+
+    /// 48 KiB: whole AES blocks, whole base64 groups, and small enough to stay in the cache.
+    static let cbcChunk = 48 * 1024
 
     static func cbcDecrypt(_ ciphertext: Data, key: SymmetricKey) throws -> Data {
         guard !ciphertext.isEmpty, ciphertext.count % 16 == 0 else { throw DataQueueError(.encryption, "bad length") }
