@@ -5,6 +5,7 @@ import NIOConcurrencyHelpers
 import NIOCore
 import NIOFoundationCompat
 import NIOHTTP1
+import NIOPosix
 import NIOSSL
 
 /// One HTTP request as dq sends it.
@@ -53,7 +54,9 @@ final class FHIRTransport: Sendable {
     private var client: HTTPClient {
         box.withLockedValue { client in
             if let client { return client }
-            let made = HTTPClient(eventLoopGroupProvider: .singleton, configuration: configuration)
+            // One event loop of the shared group, not the group: a flush sends one request at a time, and
+            // with the whole group each request hopped between loop threads (a wake-up per hop).
+            let made = HTTPClient(eventLoopGroup: MultiThreadedEventLoopGroup.singleton.next(), configuration: configuration)
             client = made
             return made
         }
@@ -68,29 +71,30 @@ final class FHIRTransport: Sendable {
     }
 
     /// Sends `request`; throws ``DataQueueError`` with code `.transport` when no answer came.
+    ///
+    /// It uses the client's event-loop API with a delegate that keeps the head and the first
+    /// ``maximumResponseBytes`` of the body on the event loop: one hand-over to the caller per request,
+    /// where the async API costs a task, a scheduled timeout and a hop per body chunk.
     func send(_ request: OutgoingRequest, authorization: String?, logger: Logger) async throws -> TransportResponse {
-        var http = HTTPClientRequest(url: request.url)
-        http.method = request.method == .post ? .POST : .PUT
-        http.headers.add(name: "Content-Type", value: request.contentType)
-        http.headers.add(name: "Accept", value: "application/fhir+json, application/json;q=0.9, */*;q=0.1")
-        http.headers.add(name: "User-Agent", value: "dq/\(DQVersion.current)")
-        if let ifNoneExist = request.ifNoneExist { http.headers.add(name: "If-None-Exist", value: ifNoneExist) }
-        if let authorization { http.headers.add(name: "Authorization", value: authorization) }
-        http.body = .bytes(ByteBuffer(data: request.body))
+        var headers = HTTPHeaders()
+        headers.add(name: "Content-Type", value: request.contentType)
+        headers.add(name: "Accept", value: "application/fhir+json, application/json;q=0.9, */*;q=0.1")
+        headers.add(name: "User-Agent", value: "dq/\(DQVersion.current)")
+        if let ifNoneExist = request.ifNoneExist { headers.add(name: "If-None-Exist", value: ifNoneExist) }
+        if let authorization { headers.add(name: "Authorization", value: authorization) }
         do {
-            let response = try await client.execute(http, timeout: timeout, logger: logger)
-            var collected = ByteBuffer()
-            for try await var chunk in response.body {
-                if collected.readableBytes < maximumResponseBytes {
-                    let take = min(chunk.readableBytes, maximumResponseBytes - collected.readableBytes)
-                    if let slice = chunk.readSlice(length: take) { collected.writeImmutableBuffer(slice) }
-                }
-            }
+            let http = try HTTPClient.Request(
+                url: request.url, method: request.method == .post ? .POST : .PUT, headers: headers,
+                body: .byteBuffer(ByteBuffer(data: request.body)))
+            let delegate = ResponseSummary(limit: maximumResponseBytes)
+            let (head, body) = try await client.execute(
+                request: http, delegate: delegate, deadline: .now() + timeout, logger: logger
+            ).futureResult.get()
             return TransportResponse(
-                status: Int(response.status.code),
-                location: response.headers.first(name: "Location") ?? response.headers.first(name: "Content-Location"),
-                retryAfter: ResponseClassification.parseRetryAfter(response.headers.first(name: "Retry-After")),
-                body: Data(buffer: collected))
+                status: Int(head.status.code),
+                location: head.headers.first(name: "Location") ?? head.headers.first(name: "Content-Location"),
+                retryAfter: ResponseClassification.parseRetryAfter(head.headers.first(name: "Retry-After")),
+                body: Data(buffer: body))
         } catch {
             throw DataQueueError(.transport, "no answer from \(Self.redacted(request.url)): \(Self.describe(error))")
         }
@@ -125,4 +129,36 @@ final class FHIRTransport: Sendable {
 public enum DQVersion {
     /// The version string, e.g. `0.1.0`.
     public static let current = "0.1.0"
+}
+
+/// Keeps a response's head and the first `limit` bytes of its body; the rest is read and discarded, so
+/// that a large answer to a delivered item is never taken for a failure.
+///
+/// Every callback runs on the request's event loop, one after the other, which is what makes the
+/// mutable state safe.
+private final class ResponseSummary: HTTPClientResponseDelegate, @unchecked Sendable {
+    typealias Response = (HTTPResponseHead, ByteBuffer)
+
+    private let limit: Int
+    private var head: HTTPResponseHead?
+    private var body = ByteBuffer()
+
+    init(limit: Int) { self.limit = limit }
+
+    func didReceiveHead(task: HTTPClient.Task<Response>, _ head: HTTPResponseHead) -> EventLoopFuture<Void> {
+        self.head = head
+        return task.eventLoop.makeSucceededVoidFuture()
+    }
+
+    func didReceiveBodyPart(task: HTTPClient.Task<Response>, _ buffer: ByteBuffer) -> EventLoopFuture<Void> {
+        var buffer = buffer
+        let take = min(buffer.readableBytes, limit - body.readableBytes)
+        if take > 0, let slice = buffer.readSlice(length: take) { body.writeImmutableBuffer(slice) }
+        return task.eventLoop.makeSucceededVoidFuture()
+    }
+
+    func didFinishRequest(task: HTTPClient.Task<Response>) throws -> Response {
+        guard let head else { throw HTTPClientError.remoteConnectionClosed }
+        return (head, body)
+    }
 }
