@@ -31,8 +31,14 @@ struct InputReader {
                 continue
             }
             if ndjson {
-                for (lineNumber, line) in Self.lines(of: data) {
-                    validate(line, label: "\(label):\(lineNumber)", into: &inputs, problems: &problems)
+                let lines = Self.lines(of: data)
+                let results = Self.validateConcurrently(lines.map(\.1), maximumSize: maximumSize)
+                for (index, result) in results.enumerated() {
+                    let lineLabel = "\(label):\(lines[index].0)"
+                    switch result {
+                    case .success(let resource): inputs.append(Input(label: lineLabel, resource: resource))
+                    case .failure(let problem): problems.append("\(lineLabel): \(problem.message)")
+                    }
                 }
             } else {
                 validate(data, label: label, into: &inputs, problems: &problems)
@@ -68,6 +74,26 @@ struct InputReader {
             }
             return lines
         }
+    }
+
+    /// Validates `documents` on every core (validation is pure CPU work and the documents are independent);
+    /// the results keep the input order.
+    static func validateConcurrently(_ documents: [Data], maximumSize: Int) -> [Result<FHIRResource, DataQueueError>] {
+        let results = ResultSlots(count: documents.count)
+        defer { results.deallocate() }
+        let chunk = 1024
+        DispatchQueue.concurrentPerform(iterations: (documents.count + chunk - 1) / chunk) { part in
+            for index in part * chunk..<min(documents.count, (part + 1) * chunk) {
+                do {
+                    results.set(index, .success(try FHIRResource(json: documents[index], maximumSize: maximumSize)))
+                } catch let error as DataQueueError {
+                    results.set(index, .failure(error))
+                } catch {
+                    results.set(index, .failure(DataQueueError(.invalidResource, "\(error)")))
+                }
+            }
+        }
+        return results.collect()
     }
 
     private func validate(_ data: Data, label: String, into inputs: inout [Input], problems: inout [String]) {
@@ -131,5 +157,25 @@ enum MethodChoice: String, ExpressibleByArgument, CaseIterable {
         case .put: return .put
         case .auto: return resource.id != nil && !resource.isTransactionOrBatch ? .put : .post
         }
+    }
+}
+
+/// One slot per input, written by exactly one concurrent worker each (disjoint indices), read after all
+/// workers finished: the reason the `@unchecked Sendable` is sound.
+private final class ResultSlots: @unchecked Sendable {
+    private let slots: UnsafeMutableBufferPointer<Result<FHIRResource, DataQueueError>?>
+
+    init(count: Int) {
+        slots = .allocate(capacity: count)
+        slots.initialize(repeating: nil)
+    }
+
+    func set(_ index: Int, _ value: Result<FHIRResource, DataQueueError>) { slots[index] = value }
+
+    func collect() -> [Result<FHIRResource, DataQueueError>] { slots.map { $0! } }
+
+    func deallocate() {
+        slots.deinitialize()
+        slots.deallocate()
     }
 }

@@ -58,6 +58,23 @@ struct QueueStoreTests {
         #expect(fingerprint() == before)
     }
 
+    @Test("An item is found by its id, a unique prefix or suffix, or its sequence; a shared prefix is ambiguous")
+    func references() async throws {
+        let store = try QueueStore(path: path, durability: .normal)
+        var items = (0..<3).map { item($0) }
+        for index in items.indices { items[index].id = UUID.timeOrdered() }
+        let sequences = try await store.insert(items)
+        let ids = items.map(\.id.lowercasedString)
+        #expect(try await store.item(ids[1]).info.sequence == sequences[1])
+        #expect(try await store.item(String(ids[2].suffix(12))).info.sequence == sequences[2])
+        #expect(try await store.item(String(ids[0].suffix(12)).uppercased()).info.sequence == sequences[0])
+        #expect(try await store.item("\(sequences[1])").info.id == items[1].id)
+        // Time-ordered ids queued in the same instant share their first characters.
+        await #expect(throws: DataQueueError.self) { try await store.item(String(ids[0].prefix(4))) }
+        await #expect(throws: DataQueueError.self) { try await store.item("ffffffff") }
+        await #expect(throws: DataQueueError.self) { try await store.item("x';--") }
+    }
+
     @Test("Concurrent enqueues share commits, each gets its own sequence, and nothing is lost")
     func groupCommit() async throws {
         let store = try QueueStore(path: path, durability: .full)

@@ -5,17 +5,26 @@ import Testing
 
 @Suite("Item identifiers")
 struct UUIDTests {
-    @Test("Random UUIDs are version 4, RFC 9562 variant, and distinct")
-    func random() {
+    @Test("Item UUIDs are version 7 with the RFC 9562 variant, distinct, ordered by time, and carry the clock")
+    func timeOrdered() throws {
         var seen = Set<UUID>()
+        var previousPrefix = ""
+        let before = UInt64(Date().timeIntervalSince1970 * 1000)
         for _ in 0..<10_000 {
-            let id = UUID.random()
-            let text = id.uuidString
-            #expect(Array(text)[14] == "4", "version nibble of \(text)")
-            #expect("89AB".contains(Array(text)[19]), "variant of \(text)")
+            let id = UUID.timeOrdered()
+            let text = id.lowercasedString
+            #expect(Array(text)[14] == "7", "version nibble of \(text)")
+            #expect("89ab".contains(Array(text)[19]), "variant of \(text)")
+            // The 60 bits of time (milliseconds and the sub-millisecond fraction) never go back.
+            let prefix = String(text.prefix(18))
+            #expect(prefix >= previousPrefix, "\(prefix) after \(previousPrefix)")
+            previousPrefix = prefix
             seen.insert(id)
         }
         #expect(seen.count == 10_000)
+        let millisecondsHex = String(UUID.timeOrdered().lowercasedString.replacingOccurrences(of: "-", with: "").prefix(12))
+        let milliseconds = try #require(UInt64(millisecondsHex, radix: 16))
+        #expect(milliseconds >= before && milliseconds <= UInt64(Date().timeIntervalSince1970 * 1000) + 1)
     }
 
     @Test("The lowercase form equals Foundation's uuidString, lowercased")

@@ -153,7 +153,7 @@ open class DataQueue: @unchecked Sendable {
     }
 
     private func newItem(for resource: FHIRResource, method: FHIRMethod) throws -> NewItem {
-        let id = UUID.random()
+        let id = UUID.timeOrdered()
         let request = try prepareRequest(for: resource, method: method, itemID: id)
         return NewItem(
             id: id, queue: queueName, method: request.method, url: request.url, resourceType: request.resourceType,

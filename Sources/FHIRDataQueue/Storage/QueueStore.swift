@@ -420,10 +420,17 @@ final class QueueStore: Sendable {
             if let sequence = Int64(reference) {
                 rows = try Row.fetchAll(db, sql: "SELECT * FROM item WHERE seq = ?", arguments: [sequence])
             } else {
-                let prefix = reference.lowercased()
-                guard prefix.count >= 4, prefix.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return [] }
+                let part = reference.lowercased()
+                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return [] }
+                // A prefix (from the index), else a suffix: item ids are time-ordered (UUIDv7), so ids queued
+                // together share their first characters and differ in their last ones.
                 rows = try Row.fetchAll(
-                    db, sql: "SELECT * FROM item WHERE uuid >= ? AND uuid < ? LIMIT 2", arguments: [prefix, prefix + "~"])
+                    db, sql: "SELECT * FROM item WHERE uuid >= ? AND uuid < ? LIMIT 2", arguments: [part, part + "~"])
+                if rows.isEmpty {
+                    return try Row.fetchAll(
+                        db, sql: "SELECT * FROM item WHERE substr(uuid, -?) = ? LIMIT 2", arguments: [part.count, part]
+                    ).map(Self.storedItem)
+                }
             }
             return rows.map(Self.storedItem)
         }

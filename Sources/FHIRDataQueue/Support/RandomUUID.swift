@@ -1,16 +1,21 @@
 import Foundation
 
 extension UUID {
-    /// A random (version 4, RFC 9562) UUID from the system's cryptographic generator (`getrandom`).
+    /// A time-ordered UUID (version 7, RFC 9562 §5.7): 48 bits of Unix time in milliseconds, 12 bits of
+    /// sub-millisecond time (§6.2, method 3), then 62 random bits from the system's cryptographic generator.
     ///
-    /// `UUID()` on Linux opens and reads `/dev/urandom` on every call; a bulk enqueue of 100,000 resources
-    /// spent a tenth of its time in those system calls.
-    static func random() -> UUID {
+    /// Items enqueued later get larger identifiers, so the queue's unique index grows at its right edge
+    /// instead of taking random inserts all over the tree: a bulk enqueue of 100,000 resources spends about
+    /// half as long in SQLite. (`UUID()` on Linux also opens `/dev/urandom` on every call.) The identifier
+    /// reveals when the item was enqueued, to the millisecond, which the delivery journal records anyway.
+    static func timeOrdered() -> UUID {
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        let milliseconds = UInt64(now.tv_sec) * 1000 + UInt64(now.tv_nsec) / 1_000_000
+        let fraction = UInt64(now.tv_nsec % 1_000_000) * 4096 / 1_000_000
         var generator = SystemRandomNumberGenerator()
-        var high = generator.next() as UInt64
-        var low = generator.next() as UInt64
-        high = (high & ~0xF000) | 0x4000  // version 4
-        low = (low & ~(0xC0 << 56)) | (0x80 << 56)  // variant 10xx
+        let high = milliseconds << 16 | 0x7000 | fraction
+        let low = (generator.next() as UInt64) & ~(0xC0 << 56) | (0x80 << 56)  // variant 10xx
         var bytes = (high.bigEndian, low.bigEndian)
         return withUnsafeBytes(of: &bytes) { raw in
             UUID(uuid: raw.load(as: uuid_t.self))
