@@ -101,6 +101,7 @@ open class DataQueue: @unchecked Sendable {
 
     /// Releases the HTTP client. Call once, when done with the queue.
     public func shutdown() async throws {
+        store.stopWriters()
         try await transport.shutdown()
     }
 

@@ -221,6 +221,11 @@ final class QueueStore: Sendable {
         try await immediate("enqueue") { db in try Self.insert(items, db: db) }
     }
 
+    /// Lets the enqueue writer thread end now rather than after its idle timeout (it holds the database open).
+    func stopWriters() {
+        batcher.stop()
+    }
+
     /// Stores one item, sharing a commit with other enqueues that wait at the same moment.
     func insertGrouped(_ item: NewItem) async throws -> Int64 {
         try await batcher.submit(item)
@@ -537,6 +542,7 @@ final class EnqueueBatcher: @unchecked Sendable {
     // Guarded by `condition`.
     private var waiting: [(NewItem, CheckedContinuation<Int64, any Error>)] = []
     private var running = false
+    private var stopping = false
     private let condition = NSCondition()
     private let commit: @Sendable ([NewItem]) -> Result<[Int64], DataQueueError>
     /// The largest number of items one commit carries.
@@ -553,6 +559,7 @@ final class EnqueueBatcher: @unchecked Sendable {
         try await withCheckedThrowingContinuation { continuation in
             condition.lock()
             waiting.append((item, continuation))
+            stopping = false
             if running {
                 condition.signal()
             } else {
@@ -565,11 +572,19 @@ final class EnqueueBatcher: @unchecked Sendable {
         }
     }
 
+    /// Ends the writer thread once no enqueue waits (a later enqueue starts it again).
+    func stop() {
+        condition.lock()
+        stopping = true
+        condition.signal()
+        condition.unlock()
+    }
+
     private func writerLoop() {
         condition.lock()
         while true {
             if waiting.isEmpty {
-                let signalled = condition.wait(until: Date(timeIntervalSinceNow: idleTimeout))
+                let signalled = !stopping && condition.wait(until: Date(timeIntervalSinceNow: idleTimeout))
                 if !signalled && waiting.isEmpty {
                     running = false
                     condition.unlock()
