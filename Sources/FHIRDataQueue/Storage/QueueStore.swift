@@ -172,16 +172,11 @@ final class QueueStore: Sendable {
         return DataQueueError(.storage, "cannot \(what): \(error)")
     }
 
+    /// Runs `body` in a `BEGIN IMMEDIATE` transaction on GRDB's writer queue (async: the caller's thread
+    /// is not blocked).
     private func immediate<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
         do {
-            return try await database.writeWithoutTransaction { db in
-                var result: T?
-                try db.inTransaction(.immediate) {
-                    result = try body(db)
-                    return .commit
-                }
-                return result!
-            }
+            return try await database.writeWithoutTransaction { db in try Self.inImmediateTransaction(db, body) }
         } catch {
             throw QueueStore.mapError(error, doing: what)
         }
@@ -191,19 +186,17 @@ final class QueueStore: Sendable {
     fileprivate static func immediateNow<T>(
         _ database: DatabaseQueue, _ what: String, _ body: (Database) throws -> T
     ) -> Result<T, DataQueueError> {
-        do {
-            return .success(
-                try database.writeWithoutTransaction { db in
-                    var result: T?
-                    try db.inTransaction(.immediate) {
-                        result = try body(db)
-                        return .commit
-                    }
-                    return result!
-                })
-        } catch {
-            return .failure(QueueStore.mapError(error, doing: what))
+        Result { try database.writeWithoutTransaction { db in try inImmediateTransaction(db, body) } }
+            .mapError { QueueStore.mapError($0, doing: what) }
+    }
+
+    private static func inImmediateTransaction<T>(_ db: Database, _ body: (Database) throws -> T) throws -> T {
+        var result: T?
+        try db.inTransaction(.immediate) {
+            result = try body(db)
+            return .commit
         }
+        return result!
     }
 
     private func read<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
