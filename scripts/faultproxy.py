@@ -12,6 +12,7 @@ from a script that tests fill through the control endpoint, or drawn at random w
   drop-after      forward (the server commits), then close the connection without answering
   delay:MS        forward after MS milliseconds
   stall:SECONDS   forward, then hold the answer SECONDS before sending it (beyond a client timeout)
+  pad:BYTES       forward, then add BYTES of trailing whitespace to the answer's body (a huge answer)
 
 Control (never forwarded):
   POST /__proxy/faults   JSON list of faults to append to the script
@@ -137,6 +138,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._drop()
         if name == "stall":
             time.sleep(float(fault.split(":")[1]))
+        if name == "pad":
+            data = data + b" " * int(fault.split(":")[1])
         try:
             self._reply(status, data, headers)
         except (BrokenPipeError, ConnectionResetError):

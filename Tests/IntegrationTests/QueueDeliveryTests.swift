@@ -119,6 +119,24 @@ struct QueueDeliveryTests {
         #expect(journal.map { $0["status"] as? Int } == [201, 200, 201], "the retried create matched the existing one")
     }
 
+    @Test("An answer far over the 1 MiB dq reads is still a delivery: journaled once, never re-sent")
+    func hugeAnswerIsDelivered() async throws {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server)
+        let env = environment(proxy.base, idempotent: false)
+        let file = try work.write("two.ndjson", resources.ndjson(0..<2))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        try await proxy.inject(["pad:5000000"])  // the first answer carries 5 MB of trailing whitespace
+        let flushed = try await dq(["flush"], env)
+        #expect(flushed.status == 0, "\(flushed.stderr)")
+        #expect(flushed.stdout.contains("2 delivered"), "\(flushed.stdout)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "1"])
+        let log = try await dq(["log", "--json"], env)
+        let journal = try #require(try JSONSerialization.jsonObject(with: Data(log.stdout.utf8)) as? [[String: Any]])
+        #expect(journal.map { $0["status"] as? Int } == [201, 201])
+        #expect(try await proxy.stats()["faults"] as? [String: Int] == ["pad": 1])
+    }
+
     @Test("Without idempotent mode the same lost response does create a duplicate (the test can fail)")
     func lostResponseWithoutIdempotencyDuplicates() async throws {
         let server = try await FHIRServer.start()
