@@ -264,7 +264,9 @@ open class DataQueue: @unchecked Sendable {
         limit: Int? = nil, force: Bool = false, lockWait: TimeInterval = 0,
         progress: (@Sendable (FlushProgress) -> Void)? = nil
     ) async throws -> FlushReport {
-        try await flush(limit: limit, force: force, through: nil, tracking: nil, lockWait: lockWait, progress: progress).0
+        try await withTaskExecutorPreference(transport.taskExecutor) {
+            try await flush(limit: limit, force: force, through: nil, tracking: nil, lockWait: lockWait, progress: progress).0
+        }
     }
 
     private var flushLockPath: String { configuration.databasePath + ".flush.lock" }

@@ -33,8 +33,13 @@ final class FHIRTransport: Sendable {
     let timeout: TimeAmount
     /// The largest response body read; the rest is discarded (responses are only summarized).
     let maximumResponseBytes = 1 << 20
+    /// The event loop the client runs on.
+    let eventLoop: any EventLoop = MultiThreadedEventLoopGroup.singleton.next()
+    /// Runs a flush's code on ``eventLoop`` too (see ``EventLoopTaskExecutor``).
+    let taskExecutor: EventLoopTaskExecutor
 
     init(timeout: TimeInterval, connectTimeout: TimeInterval, caBundlePath: String?) throws {
+        taskExecutor = EventLoopTaskExecutor(eventLoop)
         var configuration = HTTPClient.Configuration()
         configuration.timeout = .init(
             connect: .milliseconds(Int64(connectTimeout * 1000)), read: .milliseconds(Int64(timeout * 1000)))
@@ -56,7 +61,7 @@ final class FHIRTransport: Sendable {
             if let client { return client }
             // One event loop of the shared group, not the group: a flush sends one request at a time, and
             // with the whole group each request hopped between loop threads (a wake-up per hop).
-            let made = HTTPClient(eventLoopGroup: MultiThreadedEventLoopGroup.singleton.next(), configuration: configuration)
+            let made = HTTPClient(eventLoopGroup: eventLoop, configuration: configuration)
             client = made
             return made
         }
@@ -160,5 +165,20 @@ private final class ResponseSummary: HTTPClientResponseDelegate, @unchecked Send
     func didFinishRequest(task: HTTPClient.Task<Response>) throws -> Response {
         guard let head else { throw HTTPClientError.remoteConnectionClosed }
         return (head, body)
+    }
+}
+
+/// Runs a task's jobs on one NIO event loop: with it as the task executor preference, a flush's code and
+/// its HTTP client share a thread, so each answer resumes the flush without waking another thread.
+///
+/// The flush never blocks: storage work goes to GRDB's queue and to the journal's writer thread.
+final class EventLoopTaskExecutor: TaskExecutor, @unchecked Sendable {
+    private let loop: any EventLoop
+
+    init(_ loop: any EventLoop) { self.loop = loop }
+
+    func enqueue(_ job: consuming ExecutorJob) {
+        let job = UnownedJob(job)
+        loop.execute { job.runSynchronously(on: self.asUnownedTaskExecutor()) }
     }
 }
