@@ -119,6 +119,29 @@ struct QueueDeliveryTests {
         #expect(journal.map { $0["status"] as? Int } == [201, 200, 201], "the retried create matched the existing one")
     }
 
+    @Test("A flush killed with its request on the wire leaves a marker; the next one lets that request settle")
+    func killedMidRequestSettles() async throws {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server)
+        let env = environment(proxy.base, idempotent: true)
+        let file = try work.write("two.ndjson", resources.ndjson(0..<2))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        try await proxy.inject(["stall:3"])  // the server stores item 0; its answer is held back
+        let first = try ChildProcess(Peers.dqBinary, ["flush"], environment: env)
+        while (try await proxy.stats()["forwarded"] as? Int ?? 0) < 1 { try await Task.sleep(for: .milliseconds(20)) }
+        first.kill()
+        _ = await first.wait()
+        let marker = try String(contentsOfFile: work.file("queue.sqlite.flush.lock"), encoding: .utf8)
+        #expect(marker.split(separator: " ").first == "1", "the marker names item 1 (sequence): \(marker)")
+
+        let second = try await dq(["flush", "--now"], env)
+        #expect(second.status == 0, "\(second.stderr)")
+        #expect(second.stderr.contains("letting the server settle"), "\(second.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "1"])
+        let after = try String(contentsOfFile: work.file("queue.sqlite.flush.lock"), encoding: .utf8)
+        #expect(after.isEmpty, "an orderly flush leaves no marker")
+    }
+
     @Test("An answer far over the 1 MiB dq reads is still a delivery: journaled once, never re-sent")
     func hugeAnswerIsDelivered() async throws {
         let server = try await FHIRServer.start()

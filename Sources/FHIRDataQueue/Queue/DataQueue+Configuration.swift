@@ -27,6 +27,12 @@ extension DataQueue {
         /// How long `create`/`update` wait for another flusher of this queue, in seconds, before they
         /// leave their resource queued. The default is 30.
         public var lockWait: TimeInterval
+        /// How long a flush waits, after finding that the previous flusher of this queue stopped while a
+        /// request was on the wire (killed, crashed, cancelled), before it sends anything: the server may
+        /// still be processing that orphaned request, and a server whose conditional create is not atomic
+        /// would otherwise create the resource twice even in idempotent mode. Counted from when the orphaned
+        /// request was sent, so it costs nothing after an orderly stop. The default is 1 second.
+        public var settleDelay: TimeInterval
         /// A PEM file of CA certificates to trust instead of the system's (private PKI). TLS
         /// verification is always on. The default is `nil` (the system trust store).
         public var caBundlePath: String?
@@ -41,6 +47,7 @@ extension DataQueue {
             connectTimeout: TimeInterval = 10,
             retryPolicy: RetryPolicy = RetryPolicy(),
             lockWait: TimeInterval = 30,
+            settleDelay: TimeInterval = 1,
             caBundlePath: String? = nil
         ) {
             self.databasePath = databasePath
@@ -51,6 +58,7 @@ extension DataQueue {
             self.connectTimeout = connectTimeout
             self.retryPolicy = retryPolicy
             self.lockWait = lockWait
+            self.settleDelay = settleDelay
             self.caBundlePath = caBundlePath
         }
     }

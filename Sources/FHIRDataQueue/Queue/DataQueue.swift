@@ -295,6 +295,19 @@ open class DataQueue: @unchecked Sendable {
             }
         }
 
+        // A flusher that died with a request on the wire left a marker: let the server finish that request
+        // before sending it (or anything) again, or a non-atomic conditional create could run twice.
+        if let orphan = lock.inFlight() {
+            let wait = orphan.sentAt.addingTimeInterval(configuration.settleDelay).timeIntervalSinceNow
+            if wait > 0 {
+                logger.warning(
+                    "a previous flush stopped while sending; letting the server settle its request first",
+                    metadata: ["item": "\(orphan.sequence)", "seconds": "\(wait)"])
+                try await Task.sleep(for: .milliseconds(Int64(min(wait, configuration.settleDelay) * 1000)))
+            }
+            lock.clearInFlight()
+        }
+
         var last: Int64 = 0
         var prefetched: ArraySlice<StoredItem> = []
         // Journal commits run while the next items are on the wire, several deliveries per commit; a
@@ -314,7 +327,11 @@ open class DataQueue: @unchecked Sendable {
                 if let through, stored.info.sequence > through { break }
                 last = stored.info.sequence
                 let item = stored.info
+                lock.markInFlight(sequence: item.sequence)
                 let result = await deliver(stored)
+                // Without an answer (connection lost, timeout) the request may still be at the server: the
+                // marker stays, so that the next flush lets it settle first.
+                if case .transient(nil, _, _) = result {} else { lock.clearInFlight() }
                 switch result {
                 case .delivered(let response):
                     let (serverID, versionID) = Self.parseLocation(response.location)

@@ -53,4 +53,27 @@ final class FileLock: @unchecked Sendable {
     }
 
     func unlock() { flock(descriptor, LOCK_UN) }
+
+    // MARK: - The in-flight marker
+
+    /// Notes in the lock file that the item `sequence` is being sent now (for a later flusher to see if
+    /// this one dies before the answer). A small write to the page cache: no fsync, no SQLite.
+    func markInFlight(sequence: Int64, at date: Date = Date()) {
+        let text = Array("\(sequence) \(date.timeIntervalSince1970)\n".utf8)
+        _ = ftruncate(descriptor, 0)
+        _ = text.withUnsafeBytes { pwrite(descriptor, $0.baseAddress, $0.count, 0) }
+    }
+
+    /// Clears the marker: the answer came (or the request was given up) while this flusher was alive.
+    func clearInFlight() { _ = ftruncate(descriptor, 0) }
+
+    /// The marker a flusher left behind: the item it was sending and when.
+    func inFlight() -> (sequence: Int64, sentAt: Date)? {
+        var buffer = [UInt8](repeating: 0, count: 64)
+        let count = buffer.withUnsafeMutableBytes { pread(descriptor, $0.baseAddress, $0.count, 0) }
+        guard count > 0 else { return nil }
+        let fields = String(decoding: buffer[0..<count], as: UTF8.self).split(whereSeparator: \.isWhitespace)
+        guard fields.count == 2, let sequence = Int64(fields[0]), let seconds = Double(fields[1]) else { return nil }
+        return (sequence, Date(timeIntervalSince1970: seconds))
+    }
 }
