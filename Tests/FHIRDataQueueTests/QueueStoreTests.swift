@@ -117,10 +117,11 @@ struct QueueStoreTests {
         let store = try QueueStore(path: path, durability: .normal)
         let sequences = try await store.insert([item(0), item(1), item(2)])
         let first = try await store.item(String(sequences[0])).info
-        try await store.markDelivered([
+        let recorder = DeliveryRecorder(store: store)
+        try recorder.record(
             QueueStore.Delivery(
-                item: first, status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1")
-        ])
+                item: first, status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1"))
+        try await recorder.finish()
         let second = try await store.item(String(sequences[1])).info
         try await store.park(second, status: 400, error: "rejected", outcome: "{}")
         let third = try await store.item(String(sequences[2])).info

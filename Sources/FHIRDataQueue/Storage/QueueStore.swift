@@ -284,14 +284,9 @@ final class QueueStore: Sendable {
         var versionID: String?
     }
 
-    /// Moves delivered items into the journal, all in one transaction, and clears the server's backoff.
-    func markDelivered(_ deliveries: [Delivery]) async throws {
-        guard let queue = deliveries.first?.item.queue else { return }
-        try await immediate("record a delivery") { db in try Self.journal(deliveries, queue: queue, db: db) }
-    }
-
-    /// ``markDelivered(_:)`` on the calling thread (for the journal's writer thread).
-    fileprivate func markDeliveredNow(_ deliveries: [Delivery]) -> Result<Void, DataQueueError> {
+    /// Moves delivered items to the journal in one transaction and clears the server's backoff, on the
+    /// calling thread (the journal's writer thread, see ``DeliveryRecorder``).
+    fileprivate func markDelivered(_ deliveries: [Delivery]) -> Result<Void, DataQueueError> {
         guard let queue = deliveries.first?.item.queue else { return .success(()) }
         return Self.immediateNow(database, "record a delivery") { db in try Self.journal(deliveries, queue: queue, db: db) }
     }
@@ -656,7 +651,7 @@ final class DeliveryRecorder: @unchecked Sendable {
             waiting.removeAll()
             committing = true
             condition.unlock()
-            let result = store.markDeliveredNow(batch)
+            let result = store.markDelivered(batch)
             condition.lock()
             committing = false
             if case .failure(let error) = result { failure = error }
