@@ -20,7 +20,7 @@ struct DQSettings {
     /// Keys a config file may hold.
     static let topLevelKeys: Set<String> = [
         "server", "database", "durability", "idempotent", "max_resource_bytes", "timeout_seconds",
-        "connect_timeout_seconds", "retry", "ca_bundle", "auth", "encryption",
+        "connect_timeout_seconds", "settle_seconds", "retry", "ca_bundle", "auth", "encryption",
     ]
     static let encryptionKeys: Set<String> = [
         "endpoint", "certificate", "key_id", "fhir_version", "resource_types", "mode",
@@ -112,6 +112,10 @@ struct DQSettings {
         if let value = try number("connect_timeout_seconds") {
             guard value > 0 else { throw configError("\"connect_timeout_seconds\" must be positive") }
             configuration.connectTimeout = value
+        }
+        if let value = try number("settle_seconds") {
+            guard value >= 0 else { throw configError("\"settle_seconds\" must be zero or more") }
+            configuration.settleDelay = value
         }
         if let retry = file["retry"] {
             guard let retry = retry as? [String: Any] else { throw configError("\"retry\" must be an object") }

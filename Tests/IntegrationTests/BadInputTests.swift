@@ -108,6 +108,7 @@ struct BadInputTests {
             (#"{"server":42}"#, "\"server\" must be a string"),
             (#"{"server":"ftp://x"}"#, "\"server\" must be an http(s) URL"),
             (#"{"server":"http://127.0.0.1:9/fhir","sever":"typo"}"#, "unknown key \"sever\""),
+            (#"{"server":"http://127.0.0.1:9/fhir","settle_seconds":-1}"#, "\"settle_seconds\" must be zero or more"),
             (#"{"server":"http://127.0.0.1:9/fhir","auth":{"client_secret":5}}"#, "\"auth.client_secret\" must be a string"),
             (#"{"server":"http://127.0.0.1:9/fhir","retry":{"initial_seconds":"x"}}"#, "\"retry.initial_seconds\" must be a number"),
             ("not json", "is not a JSON object"),
