@@ -134,7 +134,9 @@ struct QueueDeliveryTests {
         let marker = try String(contentsOfFile: work.file("queue.sqlite.flush.lock"), encoding: .utf8)
         #expect(marker.split(separator: " ").first == "1", "the marker names item 1 (sequence): \(marker)")
 
-        let second = try await dq(["flush", "--now"], env)
+        // A settle time far above how long this test takes to start the next flush (robust on a busy machine).
+        let config = try work.write("settle.json", #"{"settle_seconds": 4}"#)
+        let second = try await dq(["flush", "--now", "--config", config], env)
         #expect(second.status == 0, "\(second.stderr)")
         #expect(second.stderr.contains("letting the server settle"), "\(second.stderr)")
         #expect(try await server.values("Observation", system: resources.system) == ["0", "1"])
