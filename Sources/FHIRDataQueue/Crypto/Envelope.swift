@@ -191,13 +191,8 @@ public struct EnvelopeOpener: Sendable {
 enum EnvelopeCrypto {
     static let zeroIV = [UInt8](repeating: 0, count: 16)
 
-    /// AES-CBC with PKCS#7 padding and the all-zero IV (C3-PRO's `AES/CBC/PKCS5Padding`).
-    static func cbcEncrypt(_ plaintext: Data, key: SymmetricKey) throws -> Data {
-        try AES._CBC.encrypt(plaintext, using: key, iv: try AES._CBC.IV(ivBytes: zeroIV))
-    }
-
-    /// The bytes of ``cbcEncrypt(_:key:)``, delivered to `body` in pieces of ``cbcChunk`` bytes (the last
-    /// one with the PKCS#7 padding).
+    /// AES-CBC with PKCS#7 padding and the all-zero IV (C3-PRO's `AES/CBC/PKCS5Padding`), delivered to
+    /// `body` in pieces of ``cbcChunk`` bytes (the last one with the padding).
     static func cbcEncryptChunks(_ plaintext: Data, key: SymmetricKey, _ body: (Data) throws -> Void) throws {
         var iv = try AES._CBC.IV(ivBytes: zeroIV)
         var start = plaintext.startIndex
