@@ -30,18 +30,14 @@ struct InputReader {
                 problems.append("\(label): \(error)")
                 continue
             }
-            if ndjson {
-                let lines = Self.lines(of: data)
-                let results = Self.validateConcurrently(lines.map(\.1), maximumSize: maximumSize)
-                for (index, result) in results.enumerated() {
-                    let lineLabel = "\(label):\(lines[index].0)"
-                    switch result {
-                    case .success(let resource): inputs.append(Input(label: lineLabel, resource: resource))
-                    case .failure(let problem): problems.append("\(lineLabel): \(problem.message)")
-                    }
+            // A file is one document; an NDJSON file one per non-blank line, labelled with its line number.
+            let documents = ndjson ? Self.lines(of: data).map { ("\(label):\($0.0)", $0.1) } : [(label, data)]
+            let results = Self.validateConcurrently(documents.map(\.1), maximumSize: maximumSize)
+            for (index, result) in results.enumerated() {
+                switch result {
+                case .success(let resource): inputs.append(Input(label: documents[index].0, resource: resource))
+                case .failure(let problem): problems.append("\(documents[index].0): \(problem.message)")
                 }
-            } else {
-                validate(data, label: label, into: &inputs, problems: &problems)
             }
         }
         return (inputs, problems)
@@ -94,16 +90,6 @@ struct InputReader {
             }
         }
         return results.collect()
-    }
-
-    private func validate(_ data: Data, label: String, into inputs: inout [Input], problems: inout [String]) {
-        do {
-            inputs.append(Input(label: label, resource: try FHIRResource(json: data, maximumSize: maximumSize)))
-        } catch let error as DataQueueError {
-            problems.append("\(label): \(error.message)")
-        } catch {
-            problems.append("\(label): \(error)")
-        }
     }
 
     private func load(_ path: String) throws -> Data {
