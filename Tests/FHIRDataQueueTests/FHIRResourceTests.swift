@@ -48,11 +48,22 @@ struct FHIRResourceTests {
         } throws: { ($0 as? DataQueueError)?.message.contains("over the limit of 50 bytes") == true }
     }
 
-    @Test("Deep nesting is refused or parsed without crashing")
-    func deepNesting() {
-        let depth = 100_000
-        let json = #"{"resourceType":"Patient","x":"# + String(repeating: "[", count: depth) + String(repeating: "]", count: depth) + "}"
-        _ = try? FHIRResource(json: Data(json.utf8))
+    @Test("Nesting deeper than 512 levels is refused as invalid, naming the limit; 512 levels are accepted")
+    func deepNesting() throws {
+        /// A Patient with `arrays` nested arrays in one member: the resource's own object is one more level.
+        func nested(_ arrays: Int) -> Data {
+            Data(
+                (#"{"resourceType":"Patient","x":"# + String(repeating: "[", count: arrays)
+                    + String(repeating: "]", count: arrays) + "}").utf8)
+        }
+        let limit = 512
+        let atLimit = try FHIRResource(json: nested(limit - 1))
+        #expect(atLimit.resourceType == "Patient")
+        for arrays in [limit, 100_000] {
+            let error = #expect(throws: DataQueueError.self, "\(arrays + 1) levels") { try FHIRResource(json: nested(arrays)) }
+            #expect(error?.code == .invalidResource, "\(arrays + 1) levels")
+            #expect(error?.message.contains("nested deeper than \(limit) levels") == true, "\(String(describing: error))")
+        }
     }
 
     @Test("An added identifier is inserted without re-serializing the rest")

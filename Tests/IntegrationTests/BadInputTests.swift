@@ -3,12 +3,18 @@ import GRDB
 import Testing
 
 /// Bad input gets a clear, specific error and exit 65; what is already queued is not changed.
-@Suite("Bad input and configuration errors", .enabled(if: FileManager.default.isExecutableFile(atPath: Peers.dqBinary)))
+/// Skipped when dq is not built, unless DQ_REQUIRE_PEERS=1 (`make test`): then a missing binary fails every test.
+@Suite(
+    "Bad input and configuration errors",
+    .enabled(if: Peers.required || FileManager.default.isExecutableFile(atPath: Peers.dqBinary), "dq is not built"))
 struct BadInputTests {
     let work: TemporaryDirectory
     let env: [String: String]
 
     init() throws {
+        try #require(
+            FileManager.default.isExecutableFile(atPath: Peers.dqBinary),
+            "DQ_REQUIRE_PEERS=1 but the dq binary \(Peers.dqBinary) is missing or not executable: run swift build (or set DQ_BIN)")
         work = try TemporaryDirectory()
         env = ["DQ_SERVER": "http://127.0.0.1:9/fhir", "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
     }

@@ -80,8 +80,8 @@ struct LibraryTests {
     func concurrentProducers() async throws {
         let server = try await FHIRServer.start()
         let queue = try queue(server.base)
-        let producers = 8
-        let perProducer = 8
+        let producers = 64
+        let perProducer = 8  // under 100: a value's producer is value / 100
         try await withThrowingTaskGroup(of: Void.self) { group in
             for producer in 0..<producers {
                 group.addTask {

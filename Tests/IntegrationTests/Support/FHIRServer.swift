@@ -57,7 +57,7 @@ final class FHIRServer: @unchecked Sendable {
             (try? await HTTP.get(base + "/metadata"))?.0 != nil
         }
         if !ready {
-            let result = await child?.wait()
+            let result = await child?.stop()
             throw TestFailure("sekmet-fhir did not start: \(result?.stderr.suffix(2000) ?? "")")
         }
     }
@@ -176,7 +176,7 @@ final class CanailleServer: @unchecked Sendable {
         let url = base + "/.well-known/oauth-authorization-server"
         let ready = try await eventually(timeout: .seconds(60)) { (try? await HTTP.get(url))?.0 == 200 }
         if !ready {
-            let result = await child.wait()
+            let result = await child.stop()
             throw TestFailure("Canaille did not start: \(result.stderr.suffix(2000))")
         }
     }

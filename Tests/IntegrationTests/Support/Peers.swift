@@ -121,9 +121,25 @@ final class ChildProcess: @unchecked Sendable {
 
     func kill(_ signal: Int32 = SIGKILL) { Glibc.kill(process.processIdentifier, signal) }
 
-    /// Waits without blocking a thread of the cooperative pool.
-    func wait() async -> ProcessResult {
-        while process.isRunning { try? await Task.sleep(for: .milliseconds(20)) }
+    /// Kills the process if it still runs (a peer that never became ready) and returns its output.
+    func stop() async -> ProcessResult {
+        if process.isRunning { kill(SIGKILL) }
+        return await wait()
+    }
+
+    /// Waits without blocking a thread of the cooperative pool. A process still running after `timeout` is a
+    /// test failure: it is killed (SIGKILL) and its output returned.
+    func wait(timeout: Duration = .seconds(300)) async -> ProcessResult {
+        let deadline = ContinuousClock.now + timeout
+        while process.isRunning {
+            if ContinuousClock.now >= deadline {
+                Issue.record("\(process.executableURL?.path ?? "?") \(process.arguments ?? []) still ran after \(timeout): killed")
+                kill(SIGKILL)
+                process.waitUntilExit()
+                break
+            }
+            try? await Task.sleep(for: .milliseconds(20))
+        }
         let out = (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? ""
         let err = (try? String(contentsOfFile: stderrPath, encoding: .utf8)) ?? ""
         try? FileManager.default.removeItem(atPath: stdoutPath)

@@ -62,7 +62,7 @@ final class C3PROReceiver: @unchecked Sendable {
             (try? await HTTP.get("http://127.0.0.1:\(port)/__receiver/stats"))?.0 == 200
         }
         if !ready {
-            let result = await child.wait()
+            let result = await child.stop()
             throw TestFailure("receiver did not start: \(result.stderr)")
         }
     }
