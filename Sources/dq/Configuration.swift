@@ -61,10 +61,22 @@ struct DQSettings {
         }
         func number(_ key: String, in object: [String: Any]? = nil, name: String? = nil) throws -> Double? {
             guard let value = (object ?? file)[key] else { return nil }
-            guard let number = value as? NSNumber, !(value is Bool) else {
+            guard let number = value as? NSNumber, !CFGetTypeIDIsBool(value), number.doubleValue.isFinite else {
                 throw configError("\"\(name ?? key)\" must be a number")
             }
             return number.doubleValue
+        }
+        /// A duration from the file, checked as every duration is (finite, in range).
+        func seconds(_ key: String, in object: [String: Any]? = nil, name: String? = nil, allowZero: Bool) throws
+            -> Double?
+        {
+            guard let value = try number(key, in: object, name: name) else { return nil }
+            do {
+                try DataQueue.Configuration.checkSeconds(value, name: "\"\(name ?? key)\"", allowZero: allowZero)
+            } catch let error as DataQueueError {
+                throw configError(error.message)
+            }
+            return value
         }
 
         // Server
@@ -72,15 +84,22 @@ struct DQSettings {
         guard let serverText, !serverText.isEmpty else {
             throw configError("\"server\" is missing (set it in the config file, DQ_SERVER or --server)")
         }
-        guard let server = URL(string: serverText), let scheme = server.scheme?.lowercased(),
-            scheme == "http" || scheme == "https", server.host != nil
-        else {
+        guard let server = URL(string: serverText) else {
             throw configError("\"server\" must be an http(s) URL with a host")
+        }
+        do {
+            _ = try DataQueue.queueName(for: server)
+        } catch let error as DataQueueError {
+            throw configError("\"" + error.message.replacingOccurrences(of: "server: ", with: "server\": "))
         }
 
         var configuration = DataQueue.Configuration()
         if let database = try options.database ?? environment["DQ_DATABASE"] ?? string("database") {
-            guard !database.isEmpty else { throw configError("\"database\" is empty") }
+            do {
+                try DataQueue.Configuration.checkDatabasePath(database, name: "\"database\"")
+            } catch let error as DataQueueError {
+                throw configError(error.message)
+            }
             configuration.databasePath = database
         }
         if let text = try options.durability ?? environment["DQ_DURABILITY"] ?? string("durability") {
@@ -101,33 +120,26 @@ struct DQSettings {
         }
         if options.idempotent { configuration.idempotent = true }
         if let value = try number("max_resource_bytes") {
-            guard value >= 64 else { throw configError("\"max_resource_bytes\" must be at least 64") }
+            let limit = DataQueue.Configuration.maximumResourceSizeLimit
+            guard value.rounded() == value, value >= 64, value <= Double(limit) else {
+                throw configError("\"max_resource_bytes\" must be a whole number of bytes from 64 to \(limit)")
+            }
             configuration.maximumResourceSize = Int(value)
         }
-        if let value = try number("timeout_seconds") {
-            guard value > 0 else { throw configError("\"timeout_seconds\" must be positive") }
-            configuration.requestTimeout = value
-        }
+        if let value = try seconds("timeout_seconds", allowZero: false) { configuration.requestTimeout = value }
+        // Flags are checked by argument parsing (QueueOptions.validate), with the same check.
         if let value = options.timeout { configuration.requestTimeout = value }
-        if let value = try number("connect_timeout_seconds") {
-            guard value > 0 else { throw configError("\"connect_timeout_seconds\" must be positive") }
-            configuration.connectTimeout = value
-        }
-        if let value = try number("settle_seconds") {
-            guard value >= 0 else { throw configError("\"settle_seconds\" must be zero or more") }
-            configuration.settleDelay = value
-        }
+        if let value = try seconds("connect_timeout_seconds", allowZero: false) { configuration.connectTimeout = value }
+        if let value = try seconds("settle_seconds", allowZero: true) { configuration.settleDelay = value }
         if let retry = file["retry"] {
             guard let retry = retry as? [String: Any] else { throw configError("\"retry\" must be an object") }
             for key in retry.keys where !["initial_seconds", "maximum_seconds", "jitter"].contains(key) {
                 throw configError("unknown key \"retry.\(key)\"")
             }
-            if let value = try number("initial_seconds", in: retry, name: "retry.initial_seconds") {
-                guard value >= 0 else { throw configError("\"retry.initial_seconds\" must not be negative") }
+            if let value = try seconds("initial_seconds", in: retry, name: "retry.initial_seconds", allowZero: true) {
                 configuration.retryPolicy.initialDelay = value
             }
-            if let value = try number("maximum_seconds", in: retry, name: "retry.maximum_seconds") {
-                guard value >= 0 else { throw configError("\"retry.maximum_seconds\" must not be negative") }
+            if let value = try seconds("maximum_seconds", in: retry, name: "retry.maximum_seconds", allowZero: true) {
                 configuration.retryPolicy.maximumDelay = value
             }
             if let value = try number("jitter", in: retry, name: "retry.jitter") {

@@ -48,6 +48,19 @@ struct QueueOptions: ParsableArguments {
 
     @Flag(name: [.short, .long], help: "Log more (to standard error).")
     var verbose = false
+
+    func validate() throws {
+        if let timeout { try checkFlagSeconds(timeout, name: "--timeout", allowZero: false) }
+    }
+}
+
+/// The library's check of a duration, for a flag: a bad value is a usage error (exit 64) naming the flag.
+func checkFlagSeconds(_ value: Double, name: String, allowZero: Bool) throws {
+    do {
+        try DataQueue.Configuration.checkSeconds(value, name: name, allowZero: allowZero)
+    } catch let error as DataQueueError {
+        throw ValidationError(error.message)
+    }
 }
 
 /// Exit codes from sysexits.h, mapped from error codes in one place.
@@ -81,7 +94,9 @@ func printError(_ text: String) {
 var standardErrorIsTerminal: Bool { isatty(2) == 1 }
 
 /// Opens the queue, runs `body`, shuts down, and turns errors into messages and exit codes.
-func withQueue<T>(_ options: QueueOptions, _ body: (DataQueue) async throws -> T) async throws -> T {
+///
+/// `readOnly` opens an existing queue without creating or writing anything (for commands that only read).
+func withQueue<T>(_ options: QueueOptions, readOnly: Bool = false, _ body: (DataQueue) async throws -> T) async throws -> T {
     // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
     signal(SIGXFSZ, SIG_IGN)
     let level: Logger.Level
@@ -100,7 +115,8 @@ func withQueue<T>(_ options: QueueOptions, _ body: (DataQueue) async throws -> T
     let logger = Logger(label: "dq")
     let queue: DataQueue
     do {
-        let settings = try DQSettings.load(options: options)
+        var settings = try DQSettings.load(options: options)
+        settings.configuration.readOnly = readOnly
         if let encryption = settings.encryption {
             let types = encryption.resourceTypes
             queue = try EncryptedDataQueue(
@@ -118,7 +134,6 @@ func withQueue<T>(_ options: QueueOptions, _ body: (DataQueue) async throws -> T
     }
     func close() async {
         try? await queue.shutdown()
-        if let oauth = queue.authorization as? OAuth2ClientCredentials { try? await oauth.shutdown() }
     }
     do {
         let result = try await body(queue)

@@ -22,13 +22,13 @@ struct InputOptions: ParsableArguments {
     }
 
     /// Reads every input; on any problem prints each and exits 65 without queueing anything.
-    func resources(limit: Int) throws -> [(FHIRResource, FHIRMethod)] {
+    func resources(limit: Int, queue: DataQueue) throws -> [(FHIRResource, FHIRMethod)] {
         let reader = InputReader(maximumSize: maxBytes ?? limit, ndjson: ndjson)
         let (inputs, problems) = reader.read(files)
         var invalid = problems
         var resources: [(FHIRResource, FHIRMethod)] = []
         for input in inputs {
-            let method = method.method(for: input.resource)
+            let method = method.method(for: input.resource, queue: queue)
             if method == .put && input.resource.id == nil {
                 invalid.append("\(input.label): a PUT (update) needs the resource's \"id\"")
                 continue
@@ -60,7 +60,7 @@ extension DQ {
 
         func run() async throws {
             try await withQueue(queueOptions) { queue in
-                let resources = try input.resources(limit: queue.configuration.maximumResourceSize)
+                let resources = try input.resources(limit: queue.configuration.maximumResourceSize, queue: queue)
                 let items = try await queue.enqueue(contentsOf: resources)
                 if json {
                     try printJSON(items)
@@ -85,7 +85,7 @@ extension DQ {
 
         func run() async throws {
             let code: Int32 = try await withQueue(queueOptions) { queue in
-                let resources = try input.resources(limit: queue.configuration.maximumResourceSize)
+                let resources = try input.resources(limit: queue.configuration.maximumResourceSize, queue: queue)
                 let items = try await queue.enqueue(contentsOf: resources)
                 let report = try await queue.flush(force: false, lockWait: queue.configuration.lockWait)
                 var delivered = 0

@@ -25,14 +25,14 @@ extension DQ {
 
         @OptionGroup var queueOptions: QueueOptions
 
-        @Option(help: "Handle at most this many items.") var limit: Int?
+        @Option(parsing: .unconditional, help: "Handle at most this many items.") var limit: Int?
         @Flag(help: "Try now even if the server is backing off after failures.") var now = false
         @Option(help: "Seconds to wait for another flusher of this queue (default 0).") var wait: Double = 0
         @Flag(help: "Print the summary as JSON.") var json = false
 
         func validate() throws {
             if let limit, limit < 1 { throw ValidationError("--limit must be at least 1") }
-            if wait < 0 { throw ValidationError("--wait must not be negative") }
+            try checkFlagSeconds(wait, name: "--wait", allowZero: true)
         }
 
         func run() async throws {

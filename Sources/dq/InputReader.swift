@@ -136,12 +136,13 @@ enum MethodChoice: String, ExpressibleByArgument, CaseIterable {
         }
     }
 
-    /// `auto` sends PUT for a resource with an id and POST otherwise (as C3-PRO did); Bundles are POSTed.
-    func method(for resource: FHIRResource) -> FHIRMethod {
+    /// `auto` asks the queue (``DataQueue/defaultMethod(for:)``): PUT for a resource with an id and POST
+    /// otherwise (as C3-PRO did), POST for Bundles and for what an encrypted queue encrypts.
+    func method(for resource: FHIRResource, queue: DataQueue) -> FHIRMethod {
         switch self {
         case .post: return .post
         case .put: return .put
-        case .auto: return resource.id != nil && !resource.isTransactionOrBatch ? .put : .post
+        case .auto: return queue.defaultMethod(for: resource)
         }
     }
 }

@@ -10,7 +10,7 @@ extension DQ {
         @Flag(help: "Print as JSON.") var json = false
 
         func run() async throws {
-            try await withQueue(queueOptions) { queue in
+            try await withQueue(queueOptions, readOnly: true) { queue in
                 let status = try await queue.status()
                 if json { try printJSON(status); return }
                 print("queue:      \(status.queue)")
@@ -42,7 +42,7 @@ extension DQ {
         }
 
         func run() async throws {
-            try await withQueue(queueOptions) { queue in
+            try await withQueue(queueOptions, readOnly: true) { queue in
                 let state: ItemState? = parked ? .parked : pending ? .pending : nil
                 let items = try await queue.items(state: state, limit: limit)
                 if json { try printJSON(items); return }
@@ -66,7 +66,7 @@ extension DQ {
         @Flag(help: "Print as JSON.") var json = false
 
         func run() async throws {
-            try await withQueue(queueOptions) { queue in
+            try await withQueue(queueOptions, readOnly: true) { queue in
                 let (item, data) = try await queue.item(id)
                 if json {
                     struct Shown: Encodable { var item: QueuedItem; var body: String? }
@@ -76,7 +76,7 @@ extension DQ {
                 print("id:        \(item.id.uuidString.lowercased())")
                 print("sequence:  \(item.sequence)")
                 print("state:     \(item.state.rawValue)")
-                print("request:   \(item.method.rawValue) \(item.url)")
+                print("request:   \(item.method.rawValue) \((try? queue.requestURL(for: item)) ?? item.url)")
                 print("type:      \(item.resourceType)\(item.encrypted ? " (encrypted envelope)" : "")")
                 print("size:      \(item.size) bytes")
                 print("enqueued:  \(formatDate(item.enqueuedAt))")
@@ -94,9 +94,14 @@ extension DQ {
         @OptionGroup var queueOptions: QueueOptions
         @Argument(help: "The item's id or sequence number.") var id: String?
         @Flag(help: "Retry every parked item.") var allParked = false
+        @Flag(
+            inversion: .prefixedNo,
+            help: "--no-conditional: send the item as a plain create from now on, even in idempotent mode (for a server that refuses its If-None-Exist); --conditional: let idempotent mode apply again."
+        ) var conditional: Bool?
 
         func validate() throws {
             if (id == nil) == !allParked { throw ValidationError("give an item id or --all-parked (not both)") }
+            if conditional != nil && allParked { throw ValidationError("--conditional/--no-conditional apply to one item") }
         }
 
         func run() async throws {
@@ -104,7 +109,7 @@ extension DQ {
                 if allParked {
                     print("\(try await queue.retryAllParked()) parked item(s) back in line")
                 } else if let id {
-                    let item = try await queue.retry(id)
+                    let item = try await queue.retry(id, conditionalCreate: conditional)
                     print("item \(item.id.uuidString.lowercased()) back in line")
                 }
             }
@@ -135,7 +140,7 @@ extension DQ {
         @Flag(help: "Print as JSON.") var json = false
 
         func run() async throws {
-            try await withQueue(queueOptions) { queue in
+            try await withQueue(queueOptions, readOnly: true) { queue in
                 let records = try await queue.deliveries(limit: limit)
                 if json { try printJSON(records); return }
                 if records.isEmpty { print("no deliveries"); return }

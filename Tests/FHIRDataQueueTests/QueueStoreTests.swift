@@ -17,8 +17,8 @@ struct QueueStoreTests {
 
     func item(_ index: Int, queue: String = "http://h/fhir") -> NewItem {
         NewItem(
-            id: UUID(), queue: queue, method: .post, url: queue + "/Patient", resourceType: "Patient", resourceID: nil,
-            encrypted: false, contentType: "application/fhir+json", ifNoneExist: nil,
+            id: UUID(), queue: queue, method: .post, url: "Patient", resourceType: "Patient", resourceID: nil,
+            encrypted: false, contentType: "application/fhir+json",
             body: Data(#"{"resourceType":"Patient","n":\#(index)}"#.utf8))
     }
 
@@ -101,14 +101,40 @@ struct QueueStoreTests {
 
     @Test("Many stores opening one new file at once migrate it exactly once")
     func concurrentMigration() async throws {
+        let openers = 8
         for round in 0..<5 {
             let shared = directory.appendingPathComponent("m\(round).sqlite").path
-            try await withThrowingTaskGroup(of: Void.self) { group in
-                for _ in 0..<8 {
-                    group.addTask { _ = try QueueStore(path: shared, durability: .full) }
+            // Each opener hands back its store or its error, so every failed open is reported.
+            let results: [Result<QueueStore, any Error>] = await withTaskGroup(of: Result<QueueStore, any Error>.self) { group in
+                for _ in 0..<openers {
+                    group.addTask { Result { try QueueStore(path: shared, durability: .full) } }
                 }
-                try await group.waitForAll()
+                var all: [Result<QueueStore, any Error>] = []
+                for await result in group { all.append(result) }
+                return all
             }
+            let stores = results.compactMap { try? $0.get() }
+            let failures = results.compactMap { result -> String? in
+                if case .failure(let error) = result { return "\(error)" }
+                return nil
+            }
+            #expect(failures.isEmpty, "round \(round): \(failures)")
+            #expect(stores.count == openers, "round \(round)")
+            let store = try #require(stores.first)
+            let (applied, tables) = try await store.database.read { db in
+                (
+                    try String.fetchAll(db, sql: "SELECT identifier FROM grdb_migrations"),
+                    try ["item", "delivery", "server_state"].filter { try db.tableExists($0) }
+                )
+            }
+            // Every registered migration ran, each once, and nothing else did.
+            #expect(applied.count == Set(applied).count, "round \(round): \(applied)")
+            #expect(applied.sorted() == QueueStore.migrator.migrations.sorted(), "round \(round): \(applied)")
+            #expect(tables == ["item", "delivery", "server_state"], "round \(round)")
+            // The migrated file works: an item inserted through one store is seen through another.
+            #expect(try await store.insert([item(round)]).count == 1)
+            let other = try #require(stores.last)
+            #expect(try await other.status(queue: "http://h/fhir").pending == 1, "round \(round)")
         }
     }
 
@@ -120,12 +146,12 @@ struct QueueStoreTests {
         let recorder = DeliveryRecorder(store: store)
         try recorder.record(
             QueueStore.Delivery(
-                item: first, status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1"))
+                item: first, url: "http://h/fhir/Patient", status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1"))
         try await recorder.finish()
         let second = try await store.item(String(sequences[1])).info
         try await store.park(second, status: 400, error: "rejected", outcome: "{}")
         let third = try await store.item(String(sequences[2])).info
-        try await store.drop(third)
+        try await store.drop(third, url: "http://h/fhir/Patient")
         let status = try await store.status(queue: "http://h/fhir")
         #expect(status.pending == 0 && status.parked == 1 && status.delivered == 1)
         let journal = try await store.deliveries(queue: nil, limit: 10)

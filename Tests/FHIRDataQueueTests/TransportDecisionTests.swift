@@ -71,9 +71,40 @@ struct TransportDecisionTests {
         #expect(plainID == "abc" && noVersion == nil)
     }
 
-    @Test("Queue names keep the full base URL, so two servers on one host have two queues")
-    func queueNames() {
-        #expect(DataQueue.queueName(for: URL(string: "https://h/a/fhir/")!) == "https://h/a/fhir")
-        #expect(DataQueue.queueName(for: URL(string: "https://h/a/fhir")!) != DataQueue.queueName(for: URL(string: "https://h/b/fhir")!))
+    @Test("Queue names keep the full path, so two servers on one host have two queues")
+    func queueNames() throws {
+        #expect(try DataQueue.queueName(for: URL(string: "https://h/a/fhir/")!) == "https://h/a/fhir")
+        #expect(
+            try DataQueue.queueName(for: URL(string: "https://h/a/fhir")!)
+                != DataQueue.queueName(for: URL(string: "https://h/b/fhir")!))
+    }
+
+    @Test(
+        "A host differing only in case, or a default port written out, is the same server",
+        arguments: [
+            "HTTPS://FHIR.Example.org/r4", "https://fhir.example.org:443/r4", "https://fhir.example.org/r4/",
+            "https://fhir.example.org/r4//",
+        ])
+    func queueNameNormalForm(url: String) throws {
+        #expect(try DataQueue.queueName(for: URL(string: url)!) == "https://fhir.example.org/r4")
+    }
+
+    @Test("A port that is not the scheme's default stays in the name")
+    func queueNameKeepsPort() throws {
+        #expect(try DataQueue.queueName(for: URL(string: "http://h:443/fhir")!) == "http://h:443/fhir")
+        #expect(try DataQueue.queueName(for: URL(string: "http://h:80/fhir")!) == "http://h/fhir")
+    }
+
+    @Test(
+        "A base URL with a query, a fragment, credentials or another scheme is refused, naming why",
+        arguments: [
+            ("https://h/fhir?x=1", "query"), ("https://h/fhir#f", "fragment"), ("https://u:p@h/fhir", "user or password"),
+            ("https://u@h/fhir", "user or password"), ("ftp://h/fhir", "http or https"), ("https:///fhir", "host"),
+        ])
+    func queueNameRefusals(url: String, why: String) throws {
+        let error = try #require(throws: DataQueueError.self) { try DataQueue.queueName(for: URL(string: url)!) }
+        #expect(error.code == .invalidConfiguration)
+        #expect(error.message.contains(why))
+        #expect(!error.message.contains("u:p"))
     }
 }

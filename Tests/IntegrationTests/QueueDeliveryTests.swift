@@ -2,6 +2,10 @@ import Foundation
 import GRDB
 import Testing
 
+#if canImport(Glibc)
+    import Glibc
+#endif
+
 /// The core promises, proven against a real FHIR server through the `dq` command line:
 /// nothing lost, nothing duplicated, order kept, never blocked by one bad item.
 @Suite("Delivery through dq against sekmet-fhir", .serialized, .enabled(if: Peers.enabled))
@@ -128,9 +132,10 @@ struct QueueDeliveryTests {
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
         try await proxy.inject(["stall:3"])  // the server stores item 0; its answer is held back
         let first = try ChildProcess(Peers.dqBinary, ["flush"], environment: env)
-        while (try await proxy.stats()["forwarded"] as? Int ?? 0) < 1 { try await Task.sleep(for: .milliseconds(20)) }
+        let forwarded = try await eventually { (try await proxy.stats()["forwarded"] as? Int ?? 0) >= 1 }
         first.kill()
         _ = await first.wait()
+        try #require(forwarded, "within 30 seconds the flush did not get its first item through the proxy")
         let marker = try String(contentsOfFile: work.file("queue.sqlite.flush.lock"), encoding: .utf8)
         #expect(marker.split(separator: " ").first == "1", "the marker names item 1 (sequence): \(marker)")
 
@@ -202,11 +207,12 @@ struct QueueDeliveryTests {
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
 
         let flush = try ChildProcess(Peers.dqBinary, ["flush"], environment: env)
-        _ = try await eventually {
+        let started = try await eventually {
             try await server.values("Observation", system: resources.system).count >= 20
         }
         await server.kill()
         let interrupted = await flush.wait()
+        try #require(started, "the flush did not deliver 20 items within 30 seconds: \(interrupted.stderr)")
         #expect(interrupted.status == 75, "\(interrupted.stderr)")
 
         try await server.start()
@@ -232,18 +238,34 @@ struct QueueDeliveryTests {
         #expect(delivered.contains("\(count) delivered") && delivered.contains("0 delivered"))
     }
 
-    @Test("A busy queue makes a flush without --wait exit 75 without sending anything twice")
+    @Test("A flush while another holds the queue's lock exits 75 and sends nothing; the next one sends each item once")
     func busyFlushExits75() async throws {
         let server = try await FHIRServer.start()
         let env = environment(server.base)
+        // A first flush leaves the queue's flush lock file beside the database.
+        let warmUp = try work.write("warm-up.json", #"{"resourceType":"Patient"}"#)
+        #expect(try await dq(["enqueue", warmUp], env).status == 0)
+        #expect(try await dq(["flush"], env).status == 0)
+        let files = try FileManager.default.contentsOfDirectory(atPath: work.path)
+        let lockName = try #require(
+            files.first { $0.hasPrefix("queue.sqlite.flush") && $0.hasSuffix(".lock") }, "no flush lock file in \(files)")
         let file = try work.write("many.ndjson", resources.ndjson(0..<80))
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
-        let first = try ChildProcess(Peers.dqBinary, ["flush"], environment: env)
-        _ = try await eventually { try await server.values("Observation", system: resources.system).count >= 1 }
-        let second = try await dq(["flush"], env)
-        let firstResult = await first.wait()
-        #expect(firstResult.status == 0)
-        #expect(second.status == 75 || second.stdout.contains("0 delivered"))
+        // The test holds the flush lock (flock, as a running flush does), so the queue is busy for certain.
+        let lockFile = open(work.file(lockName), O_RDWR | O_CLOEXEC)
+        try #require(lockFile >= 0, "cannot open the flush lock \(lockName): \(String(cString: strerror(errno)))")
+        defer { _ = close(lockFile) }
+        try #require(flock(lockFile, LOCK_EX | LOCK_NB) == 0, "the flush lock is already held")
+        let busy = try await dq(["flush"], env)
+        _ = flock(lockFile, LOCK_UN)
+        #expect(busy.status == 75, "\(busy.stderr)")
+        #expect(busy.stderr.contains("another flush of this queue is running"), "\(busy.stderr)")
+        #expect(busy.stdout.contains(": 0 delivered") && busy.stdout.contains("80 pending"), "\(busy.stdout)")
+        #expect(try await server.values("Observation", system: resources.system).isEmpty, "a busy flush sends nothing")
+
+        let flushed = try await dq(["flush"], env)
+        #expect(flushed.status == 0, "\(flushed.stderr)")
+        #expect(flushed.stdout.contains("80 delivered"), "\(flushed.stdout)")
         #expect(try await server.values("Observation", system: resources.system) == (0..<80).map(String.init))
     }
 

@@ -15,6 +15,26 @@ public protocol AuthorizationProvider: Sendable {
     /// - Throws: ``DataQueueError`` with code ``DataQueueError/Code/authentication`` when credentials
     ///   are refused, or ``DataQueueError/Code/transport`` when the token endpoint is unreachable.
     func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String?
+
+    /// Returns a header to use after the server refused `refused`: a new one, unless the current header
+    /// is already another one (a concurrent sender renewed it), which is then returned as is.
+    ///
+    /// The default asks ``authorizationHeader(forceRefresh:logger:)`` with `forceRefresh: true`.
+    func authorizationHeader(replacing refused: String, logger: Logger) async throws -> String?
+
+    /// Releases what the provider holds (HTTP clients). ``DataQueue/shutdown()`` calls it. The default does
+    /// nothing.
+    func shutdown() async throws
+}
+
+extension AuthorizationProvider {
+    /// Asks for a fresh header (`forceRefresh: true`).
+    public func authorizationHeader(replacing refused: String, logger: Logger) async throws -> String? {
+        try await authorizationHeader(forceRefresh: true, logger: logger)
+    }
+
+    /// Nothing to release.
+    public func shutdown() async throws {}
 }
 
 /// A fixed bearer token, e.g. from the `DQ_TOKEN` environment variable.

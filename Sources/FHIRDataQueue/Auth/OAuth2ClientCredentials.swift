@@ -49,12 +49,27 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         if let id = configuration.clientID { credentials = (id, configuration.clientSecret) }
     }
 
-    /// Releases the HTTP client.
-    public func shutdown() async throws { try await http.shutdown() }
+    private var isShutDown = false
+
+    /// Releases the HTTP client. Calling it again does nothing.
+    public func shutdown() async throws {
+        guard !isShutDown else { return }
+        isShutDown = true
+        try await http.shutdown()
+    }
 
     /// `Bearer <token>`, from the cache or a new token request (see ``accessToken(forceRefresh:logger:)``).
     public nonisolated func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String? {
         "Bearer " + (try await accessToken(forceRefresh: forceRefresh, logger: logger))
+    }
+
+    /// After the server refused `refused`: a new token, unless the cached token is already another one (a
+    /// concurrent sender renewed it), so that many refusals of one token cost one token request.
+    public func authorizationHeader(replacing refused: String, logger: Logger) async throws -> String? {
+        if inflight == nil, let token, "Bearer " + token.value != refused, token.renewAt > Date() {
+            return "Bearer " + token.value
+        }
+        return "Bearer " + (try await accessToken(forceRefresh: true, logger: logger))
     }
 
     /// A valid access token, from the cache or a new token request.
@@ -235,11 +250,12 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
             endpoints = (tokenURL, configuration.registrationURI)
             return endpoints!
         }
-        let base = DataQueue.queueName(for: configuration.fhirBaseURL)
-        let smart = try? await getJSON(base + "/.well-known/smart-configuration")
+        let base = try DataQueue.queueName(for: configuration.fhirBaseURL)
+        // No answer (network down) is a temporary failure, not a missing endpoint: it is thrown as is.
+        let smart = try await getJSON(base + "/.well-known/smart-configuration")
         var capability: [String: Any]?
         if Self.endpoints(smartConfiguration: smart, capabilityStatement: nil).token == nil {
-            capability = try? await getJSON(base + "/metadata")
+            capability = try await getJSON(base + "/metadata")
         }
         let found = Self.endpoints(smartConfiguration: smart, capabilityStatement: capability)
         guard let token = found.token else {
@@ -277,8 +293,11 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         var request = HTTPClientRequest(url: url)
         request.headers.add(name: "Accept", value: "application/json, application/fhir+json")
         let (status, data) = try await execute(request)
+        if status >= 500 || status == 408 || status == 429 {
+            throw DataQueueError(.transport, "\(FHIRTransport.redacted(url)) answered \(status) during endpoint discovery")
+        }
         guard status == 200 else { return nil }
-        return try JSONSerialization.jsonObject(with: data) as? [String: Any]
+        return (try? JSONSerialization.jsonObject(with: data)) as? [String: Any]
     }
 
     private func post(_ url: URL, form: [(String, String)], headers: HTTPHeaders) async throws -> (Int, Data) {

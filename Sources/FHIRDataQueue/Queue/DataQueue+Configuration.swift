@@ -36,6 +36,9 @@ extension DataQueue {
         /// A PEM file of CA certificates to trust instead of the system's (private PKI). TLS
         /// verification is always on. The default is `nil` (the system trust store).
         public var caBundlePath: String?
+        /// Opens an existing queue for reading only (status, listings, the journal): no file or directory
+        /// is created and nothing is written; a missing database is an error. The default is `false`.
+        public var readOnly: Bool
 
         /// Creates a configuration. Every parameter has the default stated on its property.
         public init(
@@ -48,7 +51,8 @@ extension DataQueue {
             retryPolicy: RetryPolicy = RetryPolicy(),
             lockWait: TimeInterval = 30,
             settleDelay: TimeInterval = 1,
-            caBundlePath: String? = nil
+            caBundlePath: String? = nil,
+            readOnly: Bool = false
         ) {
             self.databasePath = databasePath
             self.durability = durability
@@ -60,6 +64,60 @@ extension DataQueue {
             self.lockWait = lockWait
             self.settleDelay = settleDelay
             self.caBundlePath = caBundlePath
+            self.readOnly = readOnly
+        }
+
+        /// The largest number of seconds a duration setting takes (one day).
+        public static let maximumSeconds: TimeInterval = 86_400
+        /// The largest resource size a queue can be set to accept (1 GiB).
+        public static let maximumResourceSizeLimit = 1 << 30
+
+        /// Checks every setting: durations finite and between their bounds, sizes in range, a database path
+        /// that is a file path.
+        ///
+        /// ``DataQueue/init(baseURL:configuration:authorization:httpClient:logger:)`` calls it, so a bad value
+        /// is refused before anything is opened.
+        /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the setting.
+        public func validate() throws {
+            try Self.checkSeconds(requestTimeout, name: "requestTimeout", allowZero: false)
+            try Self.checkSeconds(connectTimeout, name: "connectTimeout", allowZero: false)
+            try Self.checkSeconds(lockWait, name: "lockWait", allowZero: true)
+            try Self.checkSeconds(settleDelay, name: "settleDelay", allowZero: true)
+            try Self.checkSeconds(retryPolicy.initialDelay, name: "retryPolicy.initialDelay", allowZero: true)
+            try Self.checkSeconds(retryPolicy.maximumDelay, name: "retryPolicy.maximumDelay", allowZero: true)
+            guard retryPolicy.jitter.isFinite, (0...1).contains(retryPolicy.jitter) else {
+                throw DataQueueError(.invalidConfiguration, "retryPolicy.jitter must be between 0 and 1")
+            }
+            guard (64...Self.maximumResourceSizeLimit).contains(maximumResourceSize) else {
+                throw DataQueueError(
+                    .invalidConfiguration, "maximumResourceSize must be between 64 and \(Self.maximumResourceSizeLimit) bytes")
+            }
+            try Self.checkDatabasePath(databasePath, name: "databasePath")
+        }
+
+        /// Refuses a duration that is not finite, negative (or zero when `allowZero` is false), or over a day:
+        /// the one check of every duration, whether it comes from code, a config file, the environment or a flag.
+        ///
+        /// - Parameter name: the setting as the user wrote it (`timeout_seconds`, `--timeout`), for the message.
+        /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the setting.
+        public static func checkSeconds(_ value: Double, name: String, allowZero: Bool) throws {
+            let low = allowZero ? "0" : "more than 0"
+            guard value.isFinite, allowZero ? value >= 0 : value > 0, value <= maximumSeconds else {
+                throw DataQueueError(
+                    .invalidConfiguration, "\(name) must be a number of seconds from \(low) to \(Int(maximumSeconds))")
+            }
+        }
+
+        /// Refuses a database setting that is empty or in URL form (`postgres://…`): this store is a SQLite file.
+        ///
+        /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the setting.
+        public static func checkDatabasePath(_ path: String, name: String) throws {
+            guard !path.isEmpty else { throw DataQueueError(.invalidConfiguration, "\(name) is empty") }
+            if let scheme = path.range(of: "://").map({ path[..<$0.lowerBound] }), !scheme.contains("/") {
+                throw DataQueueError(
+                    .invalidConfiguration,
+                    "\(name) \"\(scheme)://…\" is a URL; this dq stores its queue in a SQLite file: give a file path")
+            }
         }
     }
 
@@ -72,13 +130,37 @@ extension DataQueue {
         return home + "/.local/share/dq/queue.sqlite"
     }
 
-    /// The queue name of a base URL: scheme, host, port and path, without a trailing slash.
+    /// The queue name of a base URL: its normal form, which names its queue in the database.
     ///
-    /// Two servers on one host have different queues.
-    public static func queueName(for baseURL: URL) -> String {
-        var text = baseURL.absoluteString
-        while text.hasSuffix("/") { text.removeLast() }
-        return text
+    /// Scheme and host in lowercase, the port only when it is not the scheme's default, the path as written
+    /// without a trailing slash: `HTTPS://FHIR.example.org:443/r4/` and `https://fhir.example.org/r4` are one
+    /// server and one queue; two paths on one host are two.
+    ///
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` for a URL that is not http(s) with a host, or
+    ///   that has a query, a fragment, or a user or password (credentials belong in `auth`, never in a URL
+    ///   that dq prints and stores).
+    public static func queueName(for baseURL: URL) throws -> String {
+        try queueName(for: baseURL, setting: "server")
+    }
+
+    static func queueName(for baseURL: URL, setting: String) throws -> String {
+        func invalid(_ why: String) -> DataQueueError {
+            DataQueueError(.invalidConfiguration, "\(setting): the URL \(why)")
+        }
+        guard let components = URLComponents(url: baseURL, resolvingAgainstBaseURL: false),
+            let scheme = components.scheme?.lowercased(), scheme == "http" || scheme == "https"
+        else { throw invalid("must be an http or https URL") }
+        guard let host = components.host, !host.isEmpty else { throw invalid("must have a host") }
+        if components.user != nil || components.password != nil {
+            throw invalid("must not hold a user or password (put credentials in \"auth\" or the environment)")
+        }
+        if components.query != nil { throw invalid("must not have a query (\"?...\")") }
+        if components.fragment != nil { throw invalid("must not have a fragment (\"#...\")") }
+        var name = scheme + "://" + (host.contains(":") && !host.hasPrefix("[") ? "[\(host)]" : host).lowercased()
+        if let port = components.port, port != (scheme == "https" ? 443 : 80) { name += ":\(port)" }
+        var path = components.percentEncodedPath
+        while path.hasSuffix("/") { path.removeLast() }
+        return name + path
     }
 }
 

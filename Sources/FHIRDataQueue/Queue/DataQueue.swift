@@ -1,35 +1,37 @@
+import AsyncHTTPClient
+import Crypto
 import Foundation
 import Logging
 
-/// A request as it will be queued and sent: what ``DataQueue/prepareRequest(for:method:itemID:)`` makes
-/// of a resource.
+/// A request as it will be queued: what ``DataQueue/prepareRequest(for:method:itemID:)`` makes of a resource.
+///
+/// It holds a path, never a URL: the URL is built when the item is sent, from the configured endpoint, so
+/// a queued item can never send a resource (or the credentials with it) to a host of its own.
 public struct PreparedRequest: Sendable {
     /// The HTTP method.
     public var method: FHIRMethod
-    /// The full request URL.
-    public var url: String
+    /// The request path relative to the endpoint: `Patient`, `Patient/123`, or empty for the base itself.
+    public var path: String
     /// The `Content-Type` of the body.
     public var contentType: String
-    /// The `If-None-Exist` header for conditional create, if any.
-    public var ifNoneExist: String?
     /// The body bytes (the resource, or an encrypted envelope).
     public var body: Data
     /// The resource type, for listings and the journal.
     public var resourceType: String
     /// The resource id, for updates.
     public var resourceID: String?
-    /// Whether the body is an encrypted envelope (changes how a 2xx answer is read).
+    /// Whether the body is an encrypted envelope for the encrypted endpoint (changes where it goes and how a
+    /// 2xx answer is read).
     public var encrypted: Bool
 
     /// Creates a prepared request.
     public init(
-        method: FHIRMethod, url: String, contentType: String, ifNoneExist: String? = nil, body: Data,
-        resourceType: String, resourceID: String? = nil, encrypted: Bool = false
+        method: FHIRMethod, path: String, contentType: String, body: Data, resourceType: String,
+        resourceID: String? = nil, encrypted: Bool = false
     ) {
         self.method = method
-        self.url = url
+        self.path = path
         self.contentType = contentType
-        self.ifNoneExist = ifNoneExist
         self.body = body
         self.resourceType = resourceType
         self.resourceID = resourceID
@@ -54,112 +56,161 @@ public struct PreparedRequest: Sendable {
 /// }
 /// ```
 ///
-/// Only one flush of a queue runs at a time across all processes (an `flock` on
-/// `<database>.flush.lock`); several producers may enqueue at once.
+/// Only one flush of a queue runs at a time across all processes (an `flock` on the queue's own lock file
+/// beside the database, see ``flushLockPath``); several producers may enqueue at once, and the queues of
+/// different servers in one database flush independently.
 ///
 /// > Important: call ``shutdown()`` before the queue is released.
 open class DataQueue: @unchecked Sendable {
     /// The FHIR base URL.
     public let baseURL: URL
-    /// The name of this server's queue in the database: the full base URL (see ``queueName(for:)``).
+    /// The name of this server's queue in the database: the base URL in its normal form (see ``queueName(for:)``).
     public let queueName: String
     /// The configuration this queue was made with.
     public let configuration: Configuration
     /// How requests are authorized, if at all.
     public let authorization: (any AuthorizationProvider)?
+    /// The file whose `flock` makes one flusher of this queue at a time: `<database>.flush-<hash>.lock`, one
+    /// per queue, so that two servers in one database never wait for each other.
+    public let flushLockPath: String
     let store: QueueStore
     let transport: FHIRTransport
     let logger: Logger
+    /// Test seams (see ``TestHooks``).
+    let hooks = TestHooks()
 
     /// Opens the queue for `baseURL`, creating the database if needed.
     ///
     /// - Parameters:
-    ///   - baseURL: the FHIR base URL, e.g. `https://fhir.example.org/r4`.
-    ///   - configuration: storage, sending and retry settings. The default is ``Configuration/init(databasePath:durability:idempotent:maximumResourceSize:requestTimeout:connectTimeout:retryPolicy:lockWait:caBundlePath:)``.
-    ///   - authorization: supplies the `Authorization` header. The default is none.
+    ///   - baseURL: the FHIR base URL, e.g. `https://fhir.example.org/r4`: http or https, with a host, and
+    ///     without a query, a fragment or credentials.
+    ///   - configuration: storage, sending and retry settings. The default is ``Configuration/init(databasePath:durability:idempotent:maximumResourceSize:requestTimeout:connectTimeout:retryPolicy:lockWait:settleDelay:caBundlePath:readOnly:)``.
+    ///   - authorization: supplies the `Authorization` header. The default is none. ``shutdown()`` shuts it
+    ///     down too.
+    ///   - httpClient: an HTTP client of the caller's to send with. The default is nil: the queue makes its
+    ///     own, on one event loop of NIO's shared group, and runs its flushes on that loop. A client passed
+    ///     here is not shut down by the queue, and flushes run wherever the caller runs them.
     ///   - logger: where dq logs (never bodies or secrets). The default discards everything.
-    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` for a base URL that is not http(s), or
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` for a bad base URL or setting, or
     ///   `.storage` when the database cannot be opened.
     public init(
         baseURL: URL, configuration: Configuration = Configuration(),
-        authorization: (any AuthorizationProvider)? = nil,
+        authorization: (any AuthorizationProvider)? = nil, httpClient: HTTPClient? = nil,
         logger: Logger = Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
     ) throws {
-        guard let scheme = baseURL.scheme?.lowercased(), scheme == "http" || scheme == "https", baseURL.host != nil else {
-            throw DataQueueError(.invalidConfiguration, "server: the base URL must be an http or https URL with a host")
-        }
+        try configuration.validate()
         self.baseURL = baseURL
-        self.queueName = Self.queueName(for: baseURL)
+        self.queueName = try Self.queueName(for: baseURL, setting: "server")
         self.configuration = configuration
         self.authorization = authorization
         self.logger = logger
-        self.store = try QueueStore(path: configuration.databasePath, durability: configuration.durability)
+        self.flushLockPath = Self.flushLockPath(database: configuration.databasePath, queue: queueName)
+        self.store = try QueueStore(
+            path: configuration.databasePath, durability: configuration.durability, readOnly: configuration.readOnly)
         self.transport = try FHIRTransport(
             timeout: configuration.requestTimeout, connectTimeout: configuration.connectTimeout,
-            caBundlePath: configuration.caBundlePath)
+            caBundlePath: configuration.caBundlePath, client: httpClient)
     }
 
-    /// Releases the HTTP client. Call once, when done with the queue.
+    /// Releases what the queue owns: its enqueue writer, its HTTP client (unless the caller passed one) and
+    /// the authorization provider's resources. Call once, when done with the queue.
     public func shutdown() async throws {
         store.stopWriters()
         try await transport.shutdown()
+        try await authorization?.shutdown()
+    }
+
+    /// The lock file of one queue's flushes.
+    static func flushLockPath(database: String, queue: String) -> String {
+        let digest = SHA256.hash(data: Data(queue.utf8)).prefix(8).map { String(format: "%02x", $0) }.joined()
+        return database + ".flush-" + digest + ".lock"
     }
 
     // MARK: - Turning resources into requests
+
+    /// The method `--method auto` picks for a resource: `PUT` (update) for a resource with an `id`, `POST`
+    /// otherwise and for transaction and batch Bundles, as C3-PRO did. ``EncryptedDataQueue`` always picks
+    /// `POST` for what it encrypts.
+    open func defaultMethod(for resource: FHIRResource) -> FHIRMethod {
+        resource.id != nil && !resource.isTransactionOrBatch ? .put : .post
+    }
 
     /// Makes the request that sends `resource`: the routing decision of the queue.
     ///
     /// `DataQueue` sends `POST [base]/[type]` for a create, `PUT [base]/[type]/[id]` for an update, and
     /// `POST [base]` for a transaction or batch Bundle. Subclasses (``EncryptedDataQueue``) override it to
-    /// encrypt and route elsewhere; the result is what is stored on disk.
+    /// encrypt and route elsewhere; the result is what is stored on disk. Idempotent mode's condition is not
+    /// part of it: it is added when the item is sent.
     ///
-    /// - Throws: ``DataQueueError`` with `.invalidResource` when an update has no `id`.
+    /// - Throws: ``DataQueueError`` with `.invalidResource` when an update has no `id`, or when idempotent
+    ///   mode could not make the create conditional (an `identifier` that is not a list).
     open func prepareRequest(for resource: FHIRResource, method: FHIRMethod, itemID: UUID) throws -> PreparedRequest {
-        var resource = resource
-        let base = queueName
         switch method {
         case .put:
             guard let id = resource.id else {
                 throw DataQueueError(.invalidResource, "a PUT (update) needs the resource's \"id\"")
             }
             return PreparedRequest(
-                method: .put, url: "\(base)/\(resource.resourceType)/\(id)", contentType: "application/fhir+json",
+                method: .put, path: "\(resource.resourceType)/\(id)", contentType: "application/fhir+json",
                 body: resource.data, resourceType: resource.resourceType, resourceID: id)
         case .post:
+            if configuration.idempotent {
+                // Checked now so that bad input is named at enqueue; the condition itself is made at send time.
+                _ = try ConditionalCreate.prepare(resource.data, itemID: itemID, isBundle: resource.isTransactionOrBatch)
+            }
             if resource.isTransactionOrBatch {
                 return PreparedRequest(
-                    method: .post, url: base, contentType: "application/fhir+json", body: resource.data,
+                    method: .post, path: "", contentType: "application/fhir+json", body: resource.data,
                     resourceType: "Bundle")
             }
-            var ifNoneExist: String?
-            if configuration.idempotent {
-                if resource.identifier == nil && !resource.hasIdentifierElement {
-                    resource = try resource.addingIdentifier(
-                        system: "urn:ietf:rfc:3986", value: "urn:uuid:\(itemID.lowercasedString)")
-                }
-                if let identifier = resource.identifier {
-                    ifNoneExist = "identifier=" + Self.searchEscape(identifier.system) + "|" + Self.searchEscape(identifier.value)
-                }
-            }
             return PreparedRequest(
-                method: .post, url: "\(base)/\(resource.resourceType)", contentType: "application/fhir+json",
-                ifNoneExist: ifNoneExist, body: resource.data, resourceType: resource.resourceType)
+                method: .post, path: resource.resourceType, contentType: "application/fhir+json", body: resource.data,
+                resourceType: resource.resourceType)
         }
     }
 
-    static func searchEscape(_ text: String) -> String {
-        var allowed = CharacterSet.urlQueryAllowed
-        allowed.remove(charactersIn: "&=+,|$#?\\ ")
-        return text.addingPercentEncoding(withAllowedCharacters: allowed) ?? text
+    /// The endpoint an item goes to: the base URL, or for an encrypted item the encrypted endpoint.
+    open func endpoint(encrypted: Bool) throws -> String {
+        guard !encrypted else {
+            throw DataQueueError(.storage, "an encrypted item is queued, but this queue has no encrypted endpoint configured")
+        }
+        return queueName
+    }
+
+    /// The full URL of a queued item, built from the configured endpoint and the item's stored path.
+    ///
+    /// - Throws: ``DataQueueError`` with `.storage` when the stored path is not one dq writes (an edited or
+    ///   damaged row): such an item is never sent.
+    public func requestURL(for item: QueuedItem) throws -> String {
+        guard Self.isValidPath(item.url, method: item.method, encrypted: item.encrypted) else {
+            throw DataQueueError(
+                .storage,
+                "item row \(item.sequence) of the queue database is damaged (its request path is not one dq writes); "
+                    + "it is not sent: inspect it with sqlite3, then fix or drop it")
+        }
+        let base = try endpoint(encrypted: item.encrypted)
+        return item.url.isEmpty ? base : base + "/" + item.url
+    }
+
+    /// The paths dq stores: `Type` (create), `Type/id` (update), empty (a Bundle to the base).
+    static func isValidPath(_ path: String, method: FHIRMethod, encrypted: Bool) -> Bool {
+        if path.isEmpty { return method == .post && !encrypted }
+        let parts = path.split(separator: "/", omittingEmptySubsequences: false).map(String.init)
+        guard FHIRResource.isValidTypeName(parts[0]) else { return false }
+        switch (method, parts.count) {
+        case (.post, 1): return true
+        case (.put, 2): return !encrypted && FHIRResource.isValidID(parts[1])
+        default: return false
+        }
     }
 
     private func newItem(for resource: FHIRResource, method: FHIRMethod) throws -> NewItem {
         let id = UUID.timeOrdered()
         let request = try prepareRequest(for: resource, method: method, itemID: id)
         return NewItem(
-            id: id, queue: queueName, method: request.method, url: request.url, resourceType: request.resourceType,
+            id: id, queue: queueName, method: request.method, url: request.path, resourceType: request.resourceType,
             resourceID: request.resourceID, encrypted: request.encrypted, contentType: request.contentType,
-            ifNoneExist: request.ifNoneExist, body: request.body)
+            body: request.body)
     }
 
     // MARK: - Filling the queue
@@ -253,23 +304,27 @@ open class DataQueue: @unchecked Sendable {
 
     /// Sends queued items of this server in order until the queue is empty or a transient failure stops it.
     ///
+    /// Cancelling the task stops the flush before its next item: what was delivered is journaled first, the
+    /// rest stays queued, and the flush throws `CancellationError`.
+    ///
     /// - Parameters:
     ///   - limit: the largest number of items to handle. The default is no limit.
     ///   - force: try even while the server is backing off after failures. The default is `false`.
-    ///   - lockWait: how long to wait for another flusher, in seconds. The default is 0 (report `.busy`).
+    ///   - lockWait: how long to wait for another flusher of this queue, in seconds. The default is 0
+    ///     (report `.busy`).
     ///   - progress: called after each item.
     /// - Returns: counts and why the flush stopped.
-    /// - Throws: ``DataQueueError`` for storage failures (transport failures are reported, not thrown).
+    /// - Throws: ``DataQueueError`` for storage failures and damaged rows (transport failures are reported,
+    ///   not thrown), `CancellationError` when the task was cancelled.
     public func flush(
         limit: Int? = nil, force: Bool = false, lockWait: TimeInterval = 0,
         progress: (@Sendable (FlushProgress) -> Void)? = nil
     ) async throws -> FlushReport {
+        // With dq's own HTTP client, the flush runs on the client's event loop (no thread hop per answer).
         try await withTaskExecutorPreference(transport.taskExecutor) {
             try await flush(limit: limit, force: force, through: nil, tracking: nil, lockWait: lockWait, progress: progress).0
         }
     }
-
-    private var flushLockPath: String { configuration.databasePath + ".flush.lock" }
 
     private func flush(
         limit: Int?, force: Bool, through: Int64?, tracking: Int64?, lockWait: TimeInterval,
@@ -302,7 +357,7 @@ open class DataQueue: @unchecked Sendable {
             if wait > 0 {
                 logger.warning(
                     "a previous flush stopped while sending; letting the server settle its request first",
-                    metadata: ["item": "\(orphan.sequence)", "seconds": "\(wait)"])
+                    metadata: ["item": "\(orphan.sequence)", "seconds": "\(String(format: "%.1f", wait))"])
                 try await Task.sleep(for: .milliseconds(Int64(min(wait, configuration.settleDelay) * 1000)))
             }
             lock.clearInFlight()
@@ -312,9 +367,10 @@ open class DataQueue: @unchecked Sendable {
         var prefetched: ArraySlice<StoredItem> = []
         // Journal commits run while the next items are on the wire, several deliveries per commit; a
         // failed commit stops the flush at the next delivery, and the flush returns only once all are committed.
-        let recorder = DeliveryRecorder(store: store)
+        let recorder = DeliveryRecorder(store: store, beforeCommit: hooks.beforeJournalCommit)
         do {
             loop: while true {
+                try Task.checkCancellation()
                 if let limit, report.delivered + report.parked >= limit {
                     report.stop = .limit
                     break
@@ -327,35 +383,47 @@ open class DataQueue: @unchecked Sendable {
                 if let through, stored.info.sequence > through { break }
                 last = stored.info.sequence
                 let item = stored.info
+                // A row whose path dq did not write is refused here, before anything is sent.
+                let url = try requestURL(for: item)
                 lock.markInFlight(sequence: item.sequence)
-                let result = await deliver(stored)
+                let result = await deliver(stored, url: url)
                 // Without an answer (connection lost, timeout) the request may still be at the server: the
-                // marker stays, so that the next flush lets it settle first.
-                if case .transient(nil, _, _) = result {} else { lock.clearInFlight() }
+                // marker stays, so that the next flush lets it settle first. A request that never left
+                // (connection refused) leaves nothing to settle.
+                if case .transient(nil, _, _, mayHaveArrived: true) = result {} else { lock.clearInFlight() }
                 switch result {
-                case .delivered(let response):
+                case .delivered(let response, let conditional):
                     let (serverID, versionID) = Self.parseLocation(response.location)
+                    // A conditional create answered 200 found the resource already there (an earlier attempt
+                    // whose answer was lost, or the same data sent before).
+                    let event: DeliveryRecord.Event = conditional && response.status == 200 ? .alreadyPresent : .delivered
                     try recorder.record(
                         QueueStore.Delivery(
-                            item: item, status: response.status, location: response.location, serverID: serverID,
-                            versionID: versionID))
+                            item: item, event: event, url: url, status: response.status, location: response.location,
+                            serverID: serverID, versionID: versionID))
                     if recorder.backlog >= 32 { try await recorder.finish() }
                     report.delivered += 1
-                    logger.debug("delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(response.status)"])
+                    logger.debug(
+                        "delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(response.status)"])
                     if item.sequence == tracking {
                         tracked = .delivered(
                             DeliveryRecord(
-                                sequence: 0, id: item.id, event: .delivered, queue: item.queue, method: item.method,
-                                url: item.url, resourceType: item.resourceType, status: response.status,
+                                sequence: 0, id: item.id, event: event, queue: item.queue, method: item.method,
+                                url: url, resourceType: item.resourceType, status: response.status,
                                 location: response.location, serverID: serverID, versionID: versionID,
                                 attempts: item.attempts + 1, enqueuedAt: item.enqueuedAt, at: Date()))
                     }
                 case .rejected(let status, let message, let outcome):
+                    // Earlier deliveries reach the journal before this item's state changes.
+                    try await recorder.finish()
                     try await store.park(item, status: status, error: message, outcome: outcome)
                     report.parked += 1
                     logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
                     if item.sequence == tracking { tracked = .parked(item, reason: message) }
-                case .transient(let status, let message, let retryAfter):
+                case .transient(let status, let message, let retryAfter, _):
+                    // The journal commit clears the backoff: it must land before the failure is recorded, or a
+                    // late commit would erase the backoff this failure starts.
+                    try await recorder.finish()
                     let failures = (try await store.serverState(queue: queueName).failures) + 1
                     let retryAt = Date().addingTimeInterval(
                         configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
@@ -365,6 +433,7 @@ open class DataQueue: @unchecked Sendable {
                     logger.notice("flush stopped", metadata: ["reason": "\(message)"])
                     break loop
                 case .authentication(let status, let message):
+                    try await recorder.finish()
                     try await store.recordFailure(queue: queueName, item: item, status: status, error: message, nextAttemptAt: nil)
                     report.stop = .authentication(message)
                     logger.error("authentication failed", metadata: ["reason": "\(message)"])
@@ -389,47 +458,75 @@ open class DataQueue: @unchecked Sendable {
     }
 
     enum DeliveryResult {
-        case delivered(TransportResponse)
+        /// Accepted; `conditional` when it was sent as a conditional create.
+        case delivered(TransportResponse, conditional: Bool)
         case rejected(status: Int?, message: String, outcome: String?)
-        case transient(status: Int?, message: String, retryAfter: TimeInterval?)
+        /// `mayHaveArrived` is false only when the request certainly never reached the server.
+        case transient(status: Int?, message: String, retryAfter: TimeInterval?, mayHaveArrived: Bool)
         case authentication(status: Int?, message: String)
     }
 
+    /// The request that sends a stored item now: idempotent mode's condition is added here, so the setting
+    /// of this flush (and the item's own override) applies.
+    func outgoingRequest(for item: StoredItem, url: String) throws -> OutgoingRequest {
+        var body = item.body
+        var ifNoneExist: String?
+        if configuration.idempotent && item.conditionalCreate && item.info.method == .post && !item.info.encrypted {
+            (body, ifNoneExist) = try ConditionalCreate.prepare(body, itemID: item.info.id, isBundle: item.info.url.isEmpty)
+        }
+        return OutgoingRequest(
+            method: item.info.method, url: url, contentType: item.contentType, ifNoneExist: ifNoneExist, body: body)
+    }
+
     /// Sends one item, with one fresh credential and one retry after a 401/403.
-    private func deliver(_ item: StoredItem) async -> DeliveryResult {
-        let request = OutgoingRequest(
-            method: item.info.method, url: item.info.url, contentType: item.contentType,
-            ifNoneExist: item.ifNoneExist, body: item.body)
-        var refreshed = false
+    private func deliver(_ item: StoredItem, url: String) async -> DeliveryResult {
+        let request: OutgoingRequest
+        do {
+            request = try outgoingRequest(for: item, url: url)
+        } catch {
+            let message = (error as? DataQueueError)?.message ?? "cannot prepare the request"
+            return .rejected(status: nil, message: message, outcome: nil)
+        }
+        var refused: String?
         while true {
             let header: String?
             do {
-                header = try await authorization?.authorizationHeader(forceRefresh: refreshed, logger: logger)
+                if let refused {
+                    header = try await authorization?.authorizationHeader(replacing: refused, logger: logger)
+                } else {
+                    header = try await authorization?.authorizationHeader(forceRefresh: false, logger: logger)
+                }
             } catch let error as DataQueueError where error.code == .authentication {
                 return .authentication(status: nil, message: error.message)
+            } catch let error as DataQueueError {
+                return .transient(status: nil, message: error.message, retryAfter: nil, mayHaveArrived: false)
             } catch {
-                return .transient(status: nil, message: "cannot obtain a token: \(error)", retryAfter: nil)
+                return .transient(status: nil, message: "cannot obtain a token", retryAfter: nil, mayHaveArrived: false)
             }
             let response: TransportResponse
             do {
                 response = try await transport.send(request, authorization: header, logger: logger)
+            } catch let failure as TransportFailure {
+                return .transient(
+                    status: nil, message: failure.message, retryAfter: nil, mayHaveArrived: failure.mayHaveArrived)
             } catch {
-                return .transient(status: nil, message: "\(error)", retryAfter: nil)
+                return .transient(status: nil, message: "\(error)", retryAfter: nil, mayHaveArrived: true)
             }
             switch ResponseClassification.classify(
                 status: response.status, body: response.body, retryAfter: response.retryAfter,
                 envelope: item.info.encrypted)
             {
             case .success:
-                return .delivered(response)
+                return .delivered(response, conditional: request.ifNoneExist != nil)
             case .permanent(let message):
                 let outcome = response.body.isEmpty ? nil : String(decoding: response.body, as: UTF8.self)
                 return .rejected(status: response.status, message: message, outcome: outcome)
             case .transient(let message, let retryAfter):
-                return .transient(status: response.status, message: message, retryAfter: retryAfter)
+                return .transient(status: response.status, message: message, retryAfter: retryAfter, mayHaveArrived: true)
             case .authentication(let message):
-                if authorization != nil && !refreshed {
-                    refreshed = true
+                // One retry with a fresh credential; the provider renews only if this header is still current.
+                if let header, refused == nil {
+                    refused = header
                     continue
                 }
                 return .authentication(status: response.status, message: message)
@@ -475,10 +572,16 @@ open class DataQueue: @unchecked Sendable {
     }
 
     /// Puts a parked item back in line (it keeps its place in the order).
+    ///
+    /// - Parameters:
+    ///   - reference: the item's UUID, a unique prefix or suffix of it, or its sequence number.
+    ///   - conditionalCreate: `false` sends the item as a plain create from now on, even in idempotent mode
+    ///     (for a server that refuses its `If-None-Exist`); `true` lets idempotent mode apply to it again. The
+    ///     default, nil, keeps the item's setting.
     /// - Throws: `.notFound` when no parked item matches.
-    public func retry(_ reference: String) async throws -> QueuedItem {
+    public func retry(_ reference: String, conditionalCreate: Bool? = nil) async throws -> QueuedItem {
         let stored = try await store.item(reference)
-        guard try await store.retry(sequence: stored.info.sequence) else {
+        guard try await store.retry(sequence: stored.info.sequence, conditionalCreate: conditionalCreate) else {
             throw DataQueueError(.notFound, "item \(stored.info.id.lowercasedString) is not parked")
         }
         return stored.info
@@ -501,7 +604,7 @@ open class DataQueue: @unchecked Sendable {
         }
         defer { lock.unlock() }
         let stored = try await store.item(reference)
-        try await store.drop(stored.info)
+        try await store.drop(stored.info, url: (try? requestURL(for: stored.info)) ?? stored.info.url)
         return stored.info
     }
 

@@ -1,3 +1,4 @@
+import AsyncHTTPClient
 import Foundation
 import Logging
 
@@ -24,6 +25,8 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {
     public let encryptedBaseURL: URL
     /// Seals resources for the receiver.
     public let sealer: EnvelopeSealer
+    /// The encrypted endpoint in its normal form.
+    private let encryptedEndpoint: String
     private let shouldEncrypt: @Sendable (FHIRResource) -> Bool
 
     /// Opens the queue.
@@ -33,23 +36,21 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {
     ///   - encryptedBaseURL: the encrypted endpoint.
     ///   - sealer: the receiver's key and the envelope settings.
     ///   - shouldEncrypt: whether a resource is encrypted. The default encrypts every resource.
-    ///   - configuration, authorization, logger: as for ``DataQueue``.
+    ///   - configuration, authorization, httpClient, logger: as for ``DataQueue``.
     /// - Throws: ``DataQueueError`` with `.invalidConfiguration` for a bad URL.
     public init(
         baseURL: URL, encryptedBaseURL: URL, sealer: EnvelopeSealer,
         shouldEncrypt: @escaping @Sendable (FHIRResource) -> Bool = { _ in true },
         configuration: Configuration = Configuration(), authorization: (any AuthorizationProvider)? = nil,
-        logger: Logger = Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
+        httpClient: HTTPClient? = nil, logger: Logger = Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
     ) throws {
-        guard let scheme = encryptedBaseURL.scheme?.lowercased(), scheme == "http" || scheme == "https",
-            encryptedBaseURL.host != nil
-        else {
-            throw DataQueueError(.invalidConfiguration, "encryption.endpoint: must be an http or https URL with a host")
-        }
+        self.encryptedEndpoint = try DataQueue.queueName(for: encryptedBaseURL, setting: "encryption.endpoint")
         self.encryptedBaseURL = encryptedBaseURL
         self.sealer = sealer
         self.shouldEncrypt = shouldEncrypt
-        try super.init(baseURL: baseURL, configuration: configuration, authorization: authorization, logger: logger)
+        try super.init(
+            baseURL: baseURL, configuration: configuration, authorization: authorization, httpClient: httpClient,
+            logger: logger)
         if sealer.recipient.isExpired {
             logger.warning(
                 "the encryption certificate has expired; encrypting anyway",
@@ -57,17 +58,37 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {
         }
     }
 
+    /// `POST` for what this queue encrypts (envelopes are always created), else as ``DataQueue``.
+    public override func defaultMethod(for resource: FHIRResource) -> FHIRMethod {
+        shouldEncrypt(resource) ? .post : super.defaultMethod(for: resource)
+    }
+
     /// Encrypts resources the policy selects and routes them to the encrypted endpoint.
+    ///
+    /// An encrypted resource is always posted: the receiver takes envelopes, not updates. ``update(_:)`` of a
+    /// resource the policy encrypts therefore throws rather than silently sending a create.
+    ///
+    /// - Throws: ``DataQueueError`` with `.invalidResource` for a `PUT` of a resource to encrypt, and as
+    ///   ``DataQueue/prepareRequest(for:method:itemID:)`` otherwise.
     public override func prepareRequest(for resource: FHIRResource, method: FHIRMethod, itemID: UUID) throws
         -> PreparedRequest
     {
         guard shouldEncrypt(resource) else {
             return try super.prepareRequest(for: resource, method: method, itemID: itemID)
         }
+        guard method == .post else {
+            throw DataQueueError(
+                .invalidResource,
+                "an encrypted resource cannot be sent as an update (PUT): the encrypted endpoint only takes new envelopes (POST); use create")
+        }
         let envelope = try sealer.seal(resource.data)
         return PreparedRequest(
-            method: .post, url: Self.queueName(for: encryptedBaseURL) + "/" + resource.resourceType,
-            contentType: "application/json", body: envelope, resourceType: resource.resourceType,
-            resourceID: resource.id, encrypted: true)
+            method: .post, path: resource.resourceType, contentType: "application/json", body: envelope,
+            resourceType: resource.resourceType, resourceID: resource.id, encrypted: true)
+    }
+
+    /// The encrypted endpoint for envelopes, the base URL otherwise.
+    public override func endpoint(encrypted: Bool) throws -> String {
+        encrypted ? encryptedEndpoint : try super.endpoint(encrypted: false)
     }
 }

@@ -26,7 +26,9 @@ public struct QueuedItem: Sendable, Encodable, Hashable {
     public let queue: String
     /// The HTTP method.
     public let method: FHIRMethod
-    /// The full URL the request goes to.
+    /// The request path relative to its endpoint (the server's base URL, or the encrypted endpoint for an
+    /// encrypted item): `Patient`, `Patient/123`, or empty for a Bundle posted to the base.
+    /// ``DataQueue/requestURL(for:)`` gives the full URL.
     public let url: String
     /// The resource type (the envelope's resource type for encrypted items).
     public let resourceType: String
@@ -56,8 +58,11 @@ public struct QueuedItem: Sendable, Encodable, Hashable {
 public struct DeliveryRecord: Sendable, Encodable, Hashable {
     /// What happened to the item.
     public enum Event: String, Sendable, Codable {
-        /// The server accepted the item.
+        /// The server accepted the item (and created or updated the resource).
         case delivered
+        /// A conditional create (idempotent mode) found the resource already on the server, answered 200 with
+        /// its location, and created nothing: an earlier attempt whose answer was lost had stored it.
+        case alreadyPresent = "already-present"
         /// An operator removed the item from the queue without sending it.
         case dropped
     }

@@ -57,6 +57,10 @@ public struct FHIRResource: Sendable, Hashable {
         if json.isEmpty || json.allSatisfy({ $0 == 0x20 || $0 == 0x0A || $0 == 0x0D || $0 == 0x09 }) {
             throw invalid("input is empty")
         }
+        if json.starts(with: [0xEF, 0xBB, 0xBF]) {
+            // RFC 8259 forbids a BOM in JSON sent over a network; dq refuses it rather than change the bytes.
+            throw invalid("input starts with a UTF-8 byte order mark (BOM); save it as UTF-8 without a BOM")
+        }
         if String(validating: json, as: UTF8.self) == nil {
             throw invalid("input is not valid UTF-8")
         }
@@ -67,6 +71,8 @@ public struct FHIRResource: Sendable, Hashable {
             }
         } catch JSONScanner.Failure.tooDeep {
             throw invalid("JSON is nested deeper than \(JSONScanner.maximumDepth) levels")
+        } catch JSONScanner.Failure.duplicateKey(let key) {
+            throw invalid("the member \"\(FHIRResource.printable(key))\" appears twice (receivers differ on which one counts)")
         } catch JSONScanner.Failure.numberOutOfRange {
             throw invalid(
                 "a number is out of range (longer than \(JSONScanner.maximumNumberLength) characters or beyond a double)")
@@ -79,14 +85,7 @@ public struct FHIRResource: Sendable, Hashable {
         /// Decodes one small member value (the scanner has validated the whole document).
         func member(_ key: String) -> Any? {
             guard let range = document.members[key] else { return nil }
-            let start = json.startIndex + range.lowerBound
-            let end = json.startIndex + range.upperBound
-            // A plain string without escapes needs no JSON decoder.
-            if range.count >= 2, json[start] == UInt8(ascii: "\""), json[end - 1] == UInt8(ascii: "\""),
-                !json[start..<end].contains(UInt8(ascii: "\\"))
-            {
-                return String(decoding: json[(start + 1)..<(end - 1)], as: UTF8.self)
-            }
+            if let text = JSONScanner.string(in: json, range) { return text }
             return try? JSONSerialization.jsonObject(
                 with: json[(json.startIndex + range.lowerBound)..<(json.startIndex + range.upperBound)], options: [.fragmentsAllowed])
         }
@@ -130,6 +129,12 @@ public struct FHIRResource: Sendable, Hashable {
         bytes.append(contentsOf: Array(snippet.utf8))
         bytes.append(data[data.index(after: brace)...])
         return try FHIRResource(json: bytes, maximumSize: Int.max)
+    }
+
+    /// A key for an error message: at most 40 characters, control characters as `?` (keys are not PHI, but
+    /// an error line must stay one line).
+    static func printable(_ key: String) -> String {
+        String(String.UnicodeScalarView(key.unicodeScalars.prefix(40).map { $0.value < 0x20 ? "?" : $0 }))
     }
 
     static func isValidTypeName(_ name: String) -> Bool {

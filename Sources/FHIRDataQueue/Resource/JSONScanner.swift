@@ -18,14 +18,18 @@ struct JSONScanner {
         case tooDeep
         /// A number longer than ``maximumNumberLength`` or outside the range of a double (such as `1e999`).
         case numberOutOfRange
+        /// The top-level object names a member twice (receivers differ on which one counts).
+        case duplicateKey(String)
     }
 
     /// The result of a scan.
     struct Document {
         /// Whether the top-level value is an object.
         var isObject: Bool
-        /// Byte ranges of the top-level members' values, by key (the last one wins for a repeated key).
+        /// Byte ranges of the top-level members' values, by key (escapes in keys decoded).
         var members: [String: Range<Int>]
+        /// Byte ranges of the elements when the top-level value is an array.
+        var elements: [Range<Int>] = []
     }
 
     /// Scans `bytes`, recording the value ranges of the top-level members named in `keys`.
@@ -34,12 +38,48 @@ struct JSONScanner {
         return try scanner.run()
     }
 
+    /// Decodes the contents of a JSON string (between its quotes) that the scanner has validated.
+    static func unescape(_ raw: UnsafeBufferPointer<UInt8>) -> String? {
+        var quoted = [UInt8]()
+        quoted.reserveCapacity(raw.count + 2)
+        quoted.append(UInt8(ascii: "\""))
+        quoted.append(contentsOf: raw)
+        quoted.append(UInt8(ascii: "\""))
+        return (try? JSONSerialization.jsonObject(with: Data(quoted), options: [.fragmentsAllowed])) as? String
+    }
+
+    /// Decodes the JSON string value at `range` of `data`, or nil when it is not a string.
+    static func string(in data: Data, _ range: Range<Int>) -> String? {
+        let start = data.startIndex + range.lowerBound
+        let end = data.startIndex + range.upperBound
+        guard range.count >= 2, data[start] == UInt8(ascii: "\""), data[end - 1] == UInt8(ascii: "\"") else { return nil }
+        let inner = data[(start + 1)..<(end - 1)]
+        if !inner.contains(UInt8(ascii: "\\")) { return String(decoding: inner, as: UTF8.self) }
+        return inner.withUnsafeBytes { unescape($0.bindMemory(to: UInt8.self)) }
+    }
+
+    /// Scans the part of `data` at `range` (a value inside a validated document) as a document of its own.
+    static func scan(_ data: Data, _ range: Range<Int>, keys: Set<String>) throws(Failure) -> Document {
+        let slice = data[(data.startIndex + range.lowerBound)..<(data.startIndex + range.upperBound)]
+        let result: Result<Document, Failure> = slice.withUnsafeBytes { raw in
+            Result { () throws(Failure) -> Document in try scan(raw.bindMemory(to: UInt8.self), keys: keys) }
+        }
+        var document = try result.get()
+        // Ranges relative to `data`, not to the slice.
+        document.members = document.members.mapValues { ($0.lowerBound + range.lowerBound)..<($0.upperBound + range.lowerBound) }
+        document.elements = document.elements.map { ($0.lowerBound + range.lowerBound)..<($0.upperBound + range.lowerBound) }
+        return document
+    }
+
     private struct Scanner {
         let bytes: UnsafeBufferPointer<UInt8>
         let keys: Set<String>
         var index = 0
         var stack: [UInt8] = []  // "{" or "["
         var members: [String: Range<Int>] = [:]
+        var elements: [Range<Int>] = []
+        /// Every top-level key seen, to refuse a repeated one.
+        var seenKeys: Set<String> = []
         var currentKey: String?
         var valueStart = 0
 
@@ -64,7 +104,7 @@ struct JSONScanner {
             try value()
             skipWhitespace()
             guard index == bytes.count, stack.isEmpty else { throw .invalid }
-            return Document(isObject: isObject, members: members)
+            return Document(isObject: isObject, members: members, elements: elements)
         }
 
         /// Parses the value that starts here, with every value nested in it, without recursion.
@@ -74,7 +114,7 @@ struct JSONScanner {
                 skipWhitespace()
                 guard index < bytes.count else { throw .invalid }
                 if expectValue {
-                    if stack.count == 1 && stack[0] == UInt8(ascii: "{") { valueStart = index }
+                    if stack.count == 1 { valueStart = index }
                     let c = bytes[index]
                     switch c {
                     case UInt8(ascii: "{"), UInt8(ascii: "["):
@@ -133,11 +173,16 @@ struct JSONScanner {
             } while expectValue || !stack.isEmpty
         }
 
-        /// Records the range of a top-level member's value that just ended.
+        /// Records the range of a top-level member's value (or array element) that just ended.
         mutating func finishedValue() {
-            if stack.count == 1 && stack[0] == UInt8(ascii: "{"), let key = currentKey {
-                members[key] = valueStart..<index
-                currentKey = nil
+            guard stack.count == 1 else { return }
+            if stack[0] == UInt8(ascii: "{") {
+                if let key = currentKey {
+                    members[key] = valueStart..<index
+                    currentKey = nil
+                }
+            } else {
+                elements.append(valueStart..<index)
             }
         }
 
@@ -148,8 +193,13 @@ struct JSONScanner {
             let start = index + 1
             let escaped = try string()
             if stack.count == 1 {
-                let raw = String(decoding: UnsafeBufferPointer(rebasing: bytes[start..<(index - 1)]), as: UTF8.self)
-                currentKey = escaped ? nil : (keys.contains(raw) ? raw : nil)
+                let raw = UnsafeBufferPointer(rebasing: bytes[start..<(index - 1)])
+                // A key written with escapes (`"resource\u0054ype"`) is the same key to every receiver.
+                guard let name = escaped ? JSONScanner.unescape(raw) : String(decoding: raw, as: UTF8.self) else {
+                    throw .invalid
+                }
+                guard seenKeys.insert(name).inserted else { throw .duplicateKey(name) }
+                currentKey = keys.contains(name) ? name : nil
             }
             skipWhitespace()
             guard index < bytes.count, bytes[index] == UInt8(ascii: ":") else { throw .invalid }

@@ -15,9 +15,15 @@ final class FileLock: @unchecked Sendable {
     let path: String
 
     /// Opens (creating with mode 0600) the lock file at `path`.
+    ///
+    /// A symbolic link at `path` is refused (`O_NOFOLLOW`): dq writes to its lock files, and a link planted
+    /// there must not make it write to the link's target.
     init(path: String) throws {
-        let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+        let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600)
         guard fd >= 0 else {
+            if errno == ELOOP {
+                throw DataQueueError(.storage, "lock file \(path) is a symbolic link; refusing to follow it")
+            }
             throw DataQueueError(.storage, "cannot open lock file \(path): \(String(cString: strerror(errno)))")
         }
         self.descriptor = fd

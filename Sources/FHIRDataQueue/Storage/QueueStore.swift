@@ -20,7 +20,6 @@ struct NewItem: Sendable {
     var resourceID: String?
     var encrypted: Bool
     var contentType: String
-    var ifNoneExist: String?
     var body: Data
 }
 
@@ -28,7 +27,8 @@ struct NewItem: Sendable {
 struct StoredItem: Sendable {
     var info: QueuedItem
     var contentType: String
-    var ifNoneExist: String?
+    /// Whether idempotent mode may send it as a conditional create (an operator can turn it off per item).
+    var conditionalCreate: Bool = true
     var body: Data
 }
 
@@ -42,58 +42,126 @@ final class QueueStore: Sendable {
 
     /// Opens or creates the database at `path` (mode 0600, directory 0700), migrating the schema under
     /// an exclusive file lock so that several processes may open a new file at once.
-    init(path: String, durability: Durability, busyTimeout: TimeInterval = 30) throws {
+    ///
+    /// A new database is made under a temporary name and renamed into place once its schema is complete,
+    /// so a file at `path` is always a whole dq queue: an existing file that is empty or not a dq queue is
+    /// refused, never initialised over.
+    ///
+    /// - Parameter readOnly: open an existing queue for reading only: no directory or file is created,
+    ///   nothing is written, and a missing file is an error.
+    init(path: String, durability: Durability, readOnly: Bool = false, busyTimeout: TimeInterval = 30) throws {
         self.path = path
-        let directory = (path as NSString).deletingLastPathComponent
-        if !directory.isEmpty {
-            do {
-                try FileManager.default.createDirectory(
-                    atPath: directory, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
-            } catch {
-                throw DataQueueError(.storage, "cannot create the database directory \(directory): \(error.localizedDescription)")
-            }
-        }
-        let migrationLock = try FileLock(path: path + ".lock")
-        try migrationLock.lock()
-        defer { migrationLock.unlock() }
-
-        if !FileManager.default.fileExists(atPath: path) {
-            let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
-            if fd < 0 {
-                throw DataQueueError(.storage, "cannot create database \(path): \(String(cString: strerror(errno)))")
-            }
-            close(fd)
-        }
         var configuration = Configuration()
         // WAL is set here rather than with GRDB's `.wal`, which writes a table into the WAL file on every open
         // (for DatabasePool readers): two fsyncs for each `dq status`. The mode is persistent in the file.
         configuration.journalMode = .default
         configuration.busyMode = .timeout(busyTimeout)
         configuration.label = "dq"
+        configuration.readonly = readOnly
         let synchronous = durability == .full ? "FULL" : "NORMAL"
-        configuration.prepareDatabase { db in
-            if try String.fetchOne(db, sql: "PRAGMA journal_mode") != "wal" {
-                guard try String.fetchOne(db, sql: "PRAGMA journal_mode = WAL") == "wal" else {
-                    throw DataQueueError(.storage, "cannot switch the queue database to WAL mode")
+        if !readOnly {
+            configuration.prepareDatabase { db in
+                if try String.fetchOne(db, sql: "PRAGMA journal_mode") != "wal" {
+                    guard try String.fetchOne(db, sql: "PRAGMA journal_mode = WAL") == "wal" else {
+                        throw DataQueueError(.storage, "cannot switch the queue database to WAL mode")
+                    }
+                }
+                try db.execute(sql: "PRAGMA synchronous = \(synchronous)")
+            }
+        }
+        if readOnly {
+            guard FileManager.default.fileExists(atPath: path) else {
+                throw DataQueueError(
+                    .storage, "no queue database at \(path) (nothing was queued there; check --database or \"database\")")
+            }
+            database = try Self.openExisting(path, configuration: configuration, readOnly: true)
+        } else {
+            let directory = (path as NSString).deletingLastPathComponent
+            if !directory.isEmpty {
+                do {
+                    try FileManager.default.createDirectory(
+                        atPath: directory, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
+                } catch {
+                    throw DataQueueError(
+                        .storage, "cannot create the database directory \(directory): \(error.localizedDescription)")
                 }
             }
-            try db.execute(sql: "PRAGMA synchronous = \(synchronous)")
-        }
-        do {
-            database = try DatabaseQueue(path: path, configuration: configuration)
-            let migrator = Self.migrator
-            // Only a new or older file needs the write transaction a migration takes.
-            if try !database.read({ db in try migrator.hasCompletedMigrations(db) }) {
-                try migrator.migrate(database)
+            let migrationLock = try FileLock(path: path + ".lock")
+            try migrationLock.lock()
+            defer { migrationLock.unlock() }
+            if !FileManager.default.fileExists(atPath: path) {
+                try Self.create(path, configuration: configuration)
             }
-        } catch let error as DataQueueError {
-            throw error
-        } catch {
-            throw QueueStore.mapError(error, doing: "open the queue database \(path)")
+            database = try Self.openExisting(path, configuration: configuration, readOnly: false)
         }
         batcher = EnqueueBatcher { [database] items in
             QueueStore.immediateNow(database, "enqueue") { db in try QueueStore.insert(items, db: db) }
         }
+    }
+
+    /// Makes a new queue database at `path`: created 0600 under a temporary name, migrated, then renamed
+    /// into place, so a crash leaves either no file or a whole queue.
+    private static func create(_ path: String, configuration: Configuration) throws {
+        let temporary = path + ".new"
+        unlink(temporary)
+        unlink(temporary + "-wal")
+        unlink(temporary + "-shm")
+        let fd = open(temporary, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+        if fd < 0 {
+            throw DataQueueError(.storage, "cannot create database \(path): \(String(cString: strerror(errno)))")
+        }
+        close(fd)
+        do {
+            // Closed at the end of the scope: SQLite checkpoints and removes the new file's WAL.
+            let database = try DatabaseQueue(path: temporary, configuration: configuration)
+            try migrator.migrate(database)
+            try database.close()
+        } catch {
+            unlink(temporary)
+            throw QueueStore.mapError(error, doing: "create the queue database \(path)")
+        }
+        guard rename(temporary, path) == 0 else {
+            let reason = String(cString: strerror(errno))
+            unlink(temporary)
+            throw DataQueueError(.storage, "cannot create database \(path): \(reason)")
+        }
+    }
+
+    /// Opens a file that must already be a dq queue, migrating an older schema when writing is allowed.
+    private static func openExisting(_ path: String, configuration: Configuration, readOnly: Bool) throws -> DatabaseQueue {
+        let size = (try? FileManager.default.attributesOfItem(atPath: path)[.size] as? Int) ?? 0
+        guard size > 0 else {
+            throw DataQueueError(
+                .storage,
+                "\(path) is empty (0 bytes), not a dq queue: it was truncated or made by something else; restore it from a backup or move it away"
+            )
+        }
+        let database: DatabaseQueue
+        do {
+            database = try DatabaseQueue(path: path, configuration: configuration)
+            let migrator = Self.migrator
+            let (isQueue, complete) = try database.read { db -> (Bool, Bool) in
+                (try db.tableExists("item") && db.tableExists("grdb_migrations"), try migrator.hasCompletedMigrations(db))
+            }
+            guard isQueue else {
+                throw DataQueueError(.storage, "\(path) is a SQLite database but not a dq queue; refusing to change it")
+            }
+            if !complete {
+                if readOnly {
+                    throw DataQueueError(
+                        .storage, "the queue database \(path) has an older schema: run a writing command (dq flush) once to upgrade it")
+                }
+                // Only a file from an older dq needs the write transaction a migration takes.
+                try migrator.migrate(database)
+            }
+        } catch let error as DataQueueError {
+            throw error
+        } catch let error as DatabaseError where error.resultCode == .SQLITE_NOTADB {
+            throw DataQueueError(.storage, "\(path) is not a SQLite database (not a dq queue); refusing to change it")
+        } catch {
+            throw QueueStore.mapError(error, doing: "open the queue database \(path)")
+        }
+        return database
     }
 
     static var migrator: DatabaseMigrator {
@@ -148,6 +216,39 @@ final class QueueStore: Sendable {
                     );
                     """)
         }
+        migrator.registerMigration("v2") { db in
+            // `conditional_create`: NULL follows the queue's idempotent setting when the item is sent; 0 sends a
+            // plain create (an operator's choice for a server that refuses conditional create).
+            try db.execute(sql: "ALTER TABLE item ADD COLUMN conditional_create INTEGER")
+            // Item URLs become paths relative to the configured endpoint, so that a row can never send a
+            // resource (or credentials) to a host of its own; queue names take their normal form.
+            let rows = try Row.fetchAll(db, sql: "SELECT seq, queue, url, resource_type, encrypted FROM item")
+            for row in rows {
+                let queue: String = row["queue"]
+                let url: String = row["url"]
+                let type: String = row["resource_type"]
+                let encrypted: Bool = row["encrypted"]
+                var path: String?
+                if encrypted {
+                    if url.hasSuffix("/" + type) { path = type }
+                } else if url == queue {
+                    path = ""
+                } else if url.hasPrefix(queue + "/") {
+                    path = String(url.dropFirst(queue.count + 1))
+                }
+                // A URL that does not fit stays absolute, and is refused (never sent) when its turn comes.
+                if let path {
+                    try db.execute(sql: "UPDATE item SET url = ? WHERE seq = ?", arguments: [path, row["seq"] as Int64])
+                }
+            }
+            for table in ["item", "delivery", "server_state"] {
+                for name in try String.fetchAll(db, sql: "SELECT DISTINCT queue FROM \(table)") {
+                    guard let url = URL(string: name), let normal = try? DataQueue.queueName(for: url), normal != name
+                    else { continue }
+                    try db.execute(sql: "UPDATE OR REPLACE \(table) SET queue = ? WHERE queue = ?", arguments: [normal, name])
+                }
+            }
+        }
         return migrator
     }
 
@@ -155,6 +256,8 @@ final class QueueStore: Sendable {
         if let error = error as? DataQueueError { return error }
         if let dbError = error as? DatabaseError {
             switch dbError.resultCode {
+            case .SQLITE_READONLY:
+                return DataQueueError(.storage, "cannot \(what): the queue database was opened for reading only")
             case .SQLITE_FULL:
                 return DataQueueError(.storageFull, "cannot \(what): the disk or the file-size limit is full; nothing was written")
             case .SQLITE_IOERR where dbError.extendedResultCode == .SQLITE_IOERR_WRITE:
@@ -177,6 +280,9 @@ final class QueueStore: Sendable {
     private func immediate<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
         do {
             return try await database.writeWithoutTransaction { db in try Self.inImmediateTransaction(db, body) }
+        } catch let error as CancellationError {
+            // A cancelled task is not a storage failure: the caller sees the cancellation itself.
+            throw error
         } catch {
             throw QueueStore.mapError(error, doing: what)
         }
@@ -202,6 +308,8 @@ final class QueueStore: Sendable {
     private func read<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
         do {
             return try await database.read(body)
+        } catch let error as CancellationError {
+            throw error
         } catch {
             throw QueueStore.mapError(error, doing: what)
         }
@@ -229,15 +337,15 @@ final class QueueStore: Sendable {
         let statement = try db.cachedStatement(
             sql: """
                 INSERT INTO item (uuid, queue, method, url, resource_type, resource_id, encrypted, content_type,
-                                  if_none_exist, body, enqueued_at)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                  body, enqueued_at)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                 """)
         var sequences: [Int64] = []
         sequences.reserveCapacity(items.count)
         for item in items {
             try statement.execute(arguments: [
                 item.id.lowercasedString, item.queue, item.method.rawValue, item.url, item.resourceType,
-                item.resourceID, item.encrypted, item.contentType, item.ifNoneExist, item.body, now,
+                item.resourceID, item.encrypted, item.contentType, item.body, now,
             ])
             sequences.append(db.lastInsertedRowID)
         }
@@ -252,7 +360,7 @@ final class QueueStore: Sendable {
             try Row.fetchOne(
                 db, sql: "SELECT * FROM item WHERE queue = ? AND state = 'pending' AND seq > ? ORDER BY seq LIMIT 1",
                 arguments: [queue, after]
-            ).map(Self.storedItem)
+            ).map { try Self.storedItem($0) }
         }
     }
 
@@ -266,7 +374,7 @@ final class QueueStore: Sendable {
             var items: [StoredItem] = []
             var bytes = 0
             while let row = try cursor.next() {
-                let item = Self.storedItem(row)
+                let item = try Self.storedItem(row)
                 items.append(item)
                 bytes += item.body.count
                 if bytes >= maxBytes { break }
@@ -278,6 +386,10 @@ final class QueueStore: Sendable {
     /// A delivery to record in the journal.
     struct Delivery: Sendable {
         var item: QueuedItem
+        /// `.delivered`, or `.alreadyPresent` when a conditional create found the resource on the server.
+        var event: DeliveryRecord.Event = .delivered
+        /// The URL it was sent to.
+        var url: String
         var status: Int
         var location: String?
         var serverID: String?
@@ -298,14 +410,14 @@ final class QueueStore: Sendable {
             sql: """
                 INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
                                       server_id, version_id, attempts, enqueued_at, at)
-                VALUES (?, ?, 'delivered', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                 """)
         for delivery in deliveries {
             let item = delivery.item
             try delete.execute(arguments: [item.sequence])
             guard db.changesCount == 1 else { continue }
             try insert.execute(arguments: [
-                item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, item.url,
+                item.sequence, item.id.lowercasedString, delivery.event.rawValue, item.queue, item.method.rawValue, delivery.url,
                 item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
                 item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now,
             ])
@@ -371,7 +483,15 @@ final class QueueStore: Sendable {
                 try Int.fetchOne(db, sql: "SELECT count(*) FROM item WHERE queue = ? AND state = 'parked'", arguments: [queue]) ?? 0
             let delivered =
                 try Int.fetchOne(
-                    db, sql: "SELECT count(*) FROM delivery WHERE queue = ? AND event = 'delivered'", arguments: [queue]) ?? 0
+                    db, sql: "SELECT count(*) FROM delivery WHERE queue = ? AND event IN ('delivered', 'already-present')",
+                    arguments: [queue]) ?? 0
+            // A row in no known state would be neither counted nor sent: name it instead.
+            if let row = try Row.fetchOne(
+                db, sql: "SELECT seq, state FROM item WHERE queue = ? AND state NOT IN ('pending', 'parked') LIMIT 1",
+                arguments: [queue])
+            {
+                throw Self.damaged("item", row, "unknown state")
+            }
             let oldest = try Double.fetchOne(
                 db, sql: "SELECT enqueued_at FROM item WHERE queue = ? AND state = 'pending' ORDER BY seq LIMIT 1",
                 arguments: [queue])
@@ -425,7 +545,7 @@ final class QueueStore: Sendable {
                     ).map(Self.storedItem)
                 }
             }
-            return rows.map(Self.storedItem)
+            return try rows.map(Self.storedItem)
         }
         guard found.count == 1 else {
             if found.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
@@ -435,12 +555,21 @@ final class QueueStore: Sendable {
     }
 
     /// Puts a parked item back in the pending queue (keeping its place in the order).
-    func retry(sequence: Int64) async throws -> Bool {
+    ///
+    /// - Parameter conditionalCreate: `false` sends the item as a plain create even in idempotent mode;
+    ///   `true` lets idempotent mode apply again; nil keeps the item's setting.
+    func retry(sequence: Int64, conditionalCreate: Bool? = nil) async throws -> Bool {
         try await immediate("retry an item") { db in
             try db.execute(
                 sql: "UPDATE item SET state = 'pending', outcome = NULL WHERE seq = ? AND state = 'parked'",
                 arguments: [sequence])
-            return db.changesCount == 1
+            guard db.changesCount == 1 else { return false }
+            if let conditionalCreate {
+                try db.execute(
+                    sql: "UPDATE item SET conditional_create = ? WHERE seq = ?",
+                    arguments: [conditionalCreate ? nil : 0, sequence])
+            }
+            return true
         }
     }
 
@@ -455,7 +584,7 @@ final class QueueStore: Sendable {
     }
 
     /// Removes an item without sending it, recording the drop in the journal.
-    func drop(_ item: QueuedItem) async throws {
+    func drop(_ item: QueuedItem, url: String) async throws {
         try await immediate("drop an item") { db in
             try db.execute(sql: "DELETE FROM item WHERE seq = ?", arguments: [item.sequence])
             guard db.changesCount == 1 else { return }
@@ -466,7 +595,7 @@ final class QueueStore: Sendable {
                     VALUES (?, ?, 'dropped', ?, ?, ?, ?, NULL, NULL, NULL, NULL, ?, ?, ?)
                     """,
                 arguments: [
-                    item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, item.url,
+                    item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, url,
                     item.resourceType, item.attempts, item.enqueuedAt.timeIntervalSince1970, Date().timeIntervalSince1970,
                 ])
         }
@@ -480,42 +609,64 @@ final class QueueStore: Sendable {
             if let queue { sql += " WHERE queue = ?"; arguments += [queue] }
             sql += " ORDER BY seq DESC LIMIT ?"
             arguments += [limit]
-            return try Row.fetchAll(db, sql: sql, arguments: arguments).reversed().map { row in
-                let uuid: String = row["uuid"]
-                let method: String = row["method"]
-                let event: String = row["event"]
-                return DeliveryRecord(
-                    sequence: row["seq"], id: UUID(uuidString: uuid) ?? UUID(),
-                    event: DeliveryRecord.Event(rawValue: event) ?? .delivered, queue: row["queue"],
-                    method: FHIRMethod(rawValue: method) ?? .post, url: row["url"], resourceType: row["resource_type"],
-                    status: row["status"], location: row["location"], serverID: row["server_id"],
-                    versionID: row["version_id"], attempts: row["attempts"],
-                    enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]), at: Date(timeIntervalSince1970: row["at"]))
-            }
+            return try Row.fetchAll(db, sql: sql, arguments: arguments).reversed().map(Self.deliveryRecord)
         }
     }
 
     // MARK: - Row mapping
 
-    private static func queuedItem(_ row: Row) -> QueuedItem {
-        let uuid: String = row["uuid"]
-        let method: String = row["method"]
-        let state: String = row["state"]
+    /// A row dq cannot read is named and refused, never guessed at (and never sent).
+    static func damaged(_ table: String, _ row: Row, _ what: String) -> DataQueueError {
+        let seq: Int64? = row["seq"]
+        return DataQueueError(
+            .storage,
+            "\(table) row \(seq.map(String.init) ?? "?") of the queue database is damaged (\(what)); "
+                + "inspect it with sqlite3, then fix or delete that row")
+    }
+
+    private static func queuedItem(_ row: Row) throws -> QueuedItem {
+        let uuidText: String? = row["uuid"]
+        guard let uuidText, let uuid = UUID(uuidString: uuidText) else { throw damaged("item", row, "bad uuid") }
+        let methodText: String? = row["method"]
+        guard let methodText, let method = FHIRMethod(rawValue: methodText) else {
+            throw damaged("item", row, "unknown method")
+        }
+        let stateText: String? = row["state"]
+        guard let stateText, let state = ItemState(rawValue: stateText) else { throw damaged("item", row, "unknown state") }
         let lastAttempt: Double? = row["last_attempt_at"]
         let size: Int? = row["size"]
         let body: Data? = size == nil ? row["body"] : nil
         return QueuedItem(
-            sequence: row["seq"], id: UUID(uuidString: uuid) ?? UUID(), queue: row["queue"],
-            method: FHIRMethod(rawValue: method) ?? .post, url: row["url"], resourceType: row["resource_type"],
-            resourceID: row["resource_id"], encrypted: row["encrypted"], state: ItemState(rawValue: state) ?? .pending,
+            sequence: row["seq"], id: uuid, queue: row["queue"], method: method, url: row["url"],
+            resourceType: row["resource_type"], resourceID: row["resource_id"], encrypted: row["encrypted"], state: state,
             attempts: row["attempts"], enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]),
             lastAttemptAt: lastAttempt.map(Date.init(timeIntervalSince1970:)), lastStatus: row["last_status"],
             lastError: row["last_error"], outcome: row["outcome"], size: size ?? body?.count ?? 0)
     }
 
-    private static func storedItem(_ row: Row) -> StoredItem {
-        StoredItem(
-            info: queuedItem(row), contentType: row["content_type"], ifNoneExist: row["if_none_exist"], body: row["body"])
+    private static func storedItem(_ row: Row) throws -> StoredItem {
+        let conditional: Int? = row["conditional_create"]
+        return StoredItem(
+            info: try queuedItem(row), contentType: row["content_type"], conditionalCreate: conditional != 0,
+            body: row["body"])
+    }
+
+    private static func deliveryRecord(_ row: Row) throws -> DeliveryRecord {
+        let uuidText: String? = row["uuid"]
+        guard let uuidText, let uuid = UUID(uuidString: uuidText) else { throw damaged("delivery", row, "bad uuid") }
+        let methodText: String? = row["method"]
+        guard let methodText, let method = FHIRMethod(rawValue: methodText) else {
+            throw damaged("delivery", row, "unknown method")
+        }
+        let eventText: String? = row["event"]
+        guard let eventText, let event = DeliveryRecord.Event(rawValue: eventText) else {
+            throw damaged("delivery", row, "unknown event")
+        }
+        return DeliveryRecord(
+            sequence: row["seq"], id: uuid, event: event, queue: row["queue"], method: method, url: row["url"],
+            resourceType: row["resource_type"], status: row["status"], location: row["location"],
+            serverID: row["server_id"], versionID: row["version_id"], attempts: row["attempts"],
+            enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]), at: Date(timeIntervalSince1970: row["at"]))
     }
 }
 
@@ -608,8 +759,13 @@ final class DeliveryRecorder: @unchecked Sendable {
     private var running = false
     private var failure: DataQueueError?
     private var idle: [CheckedContinuation<Void, Never>] = []
+    private let beforeCommit: (@Sendable () -> Void)?
 
-    init(store: QueueStore) { self.store = store }
+    /// - Parameter beforeCommit: a test seam run on the writer thread before each commit.
+    init(store: QueueStore, beforeCommit: (@Sendable () -> Void)? = nil) {
+        self.store = store
+        self.beforeCommit = beforeCommit
+    }
 
     /// How many deliveries wait for their commit.
     var backlog: Int {
@@ -651,6 +807,7 @@ final class DeliveryRecorder: @unchecked Sendable {
             waiting.removeAll()
             committing = true
             condition.unlock()
+            beforeCommit?()
             let result = store.markDelivered(batch)
             condition.lock()
             committing = false

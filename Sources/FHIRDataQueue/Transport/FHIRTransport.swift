@@ -25,21 +25,33 @@ struct TransportResponse: Sendable {
     var body: Data
 }
 
+/// A request that got no answer: why, and whether it may have reached the server.
+struct TransportFailure: Error, Sendable {
+    /// A PHI-free description.
+    var message: String
+    /// False only when the request certainly never left (connection refused, name not resolved, connect
+    /// timeout, TLS handshake refused): then no orphaned request can be at the server.
+    var mayHaveArrived: Bool
+}
+
 /// The HTTP side of dq: sends requests with a deadline and reports the answer; knows nothing of SQLite.
 final class FHIRTransport: Sendable {
     /// Made on first use, so commands that only read the queue start no event loop.
     private let box = NIOLockedValueBox<HTTPClient?>(nil)
     private let configuration: HTTPClient.Configuration
+    /// A client the caller owns (never shut down here), or nil for dq's own.
+    private let external: HTTPClient?
     let timeout: TimeAmount
     /// The largest response body read; the rest is discarded (responses are only summarized).
     let maximumResponseBytes = 1 << 20
-    /// The event loop the client runs on.
+    /// The event loop dq's own client runs on.
     let eventLoop: any EventLoop = MultiThreadedEventLoopGroup.singleton.next()
-    /// Runs a flush's code on ``eventLoop`` too (see ``EventLoopTaskExecutor``).
-    let taskExecutor: EventLoopTaskExecutor
+    /// Runs a flush's code on ``eventLoop`` too (see ``EventLoopTaskExecutor``); nil with a caller's client.
+    let taskExecutor: EventLoopTaskExecutor?
 
-    init(timeout: TimeInterval, connectTimeout: TimeInterval, caBundlePath: String?) throws {
-        taskExecutor = EventLoopTaskExecutor(eventLoop)
+    init(timeout: TimeInterval, connectTimeout: TimeInterval, caBundlePath: String?, client: HTTPClient? = nil) throws {
+        external = client
+        taskExecutor = client == nil ? EventLoopTaskExecutor(eventLoop) : nil
         var configuration = HTTPClient.Configuration()
         configuration.timeout = .init(
             connect: .milliseconds(Int64(connectTimeout * 1000)), read: .milliseconds(Int64(timeout * 1000)))
@@ -57,7 +69,8 @@ final class FHIRTransport: Sendable {
     }
 
     private var client: HTTPClient {
-        box.withLockedValue { client in
+        if let external { return external }
+        return box.withLockedValue { client in
             if let client { return client }
             // One event loop of the shared group, not the group: a flush sends one request at a time, and
             // with the whole group each request hopped between loop threads (a wake-up per hop).
@@ -75,7 +88,7 @@ final class FHIRTransport: Sendable {
         try await client?.shutdown()
     }
 
-    /// Sends `request`; throws ``DataQueueError`` with code `.transport` when no answer came.
+    /// Sends `request`; throws ``TransportFailure`` when no answer came.
     ///
     /// It uses the client's event-loop API with a delegate that keeps the head and the first
     /// ``maximumResponseBytes`` of the body on the event loop: one hand-over to the caller per request,
@@ -101,8 +114,27 @@ final class FHIRTransport: Sendable {
                 retryAfter: ResponseClassification.parseRetryAfter(head.headers.first(name: "Retry-After")),
                 body: Data(buffer: body))
         } catch {
-            throw DataQueueError(.transport, "no answer from \(Self.redacted(request.url)): \(Self.describe(error))")
+            throw TransportFailure(
+                message: "no answer from \(Self.redacted(request.url)): \(Self.describe(error))",
+                mayHaveArrived: !Self.neverSent(error))
         }
+    }
+
+    /// Whether `error` means the request never left this machine: no connection was made.
+    static func neverSent(_ error: any Error) -> Bool {
+        if let error = error as? HTTPClientError {
+            return error == .connectTimeout || error == .invalidURL || error == .emptyHost
+        }
+        if error is NIOConnectionError { return true }
+        // A refused handshake: no request bytes were written (a TLS error later in the exchange may be after).
+        if let error = error as? NIOSSLError, case .handshakeFailed = error { return true }
+        if let error = error as? IOError {
+            return [ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EADDRNOTAVAIL].contains(error.errnoCode)
+        }
+        if let error = error as? ChannelError, case .connectTimeout = error { return true }
+        let text = String(describing: error)
+        return text.contains("connectionRefused") || text.contains("Connection refused")
+            || text.contains("NIOConnectionError")
     }
 
     /// The URL without query or user info, safe to log.
