@@ -136,7 +136,12 @@ struct QueueDeliveryTests {
         first.kill()
         _ = await first.wait()
         try #require(forwarded, "within 30 seconds the flush did not get its first item through the proxy")
-        let marker = try String(contentsOfFile: work.file("queue.sqlite.flush.lock"), encoding: .utf8)
+        // One lock file per queue, named after a hash of the queue: the only one in this directory.
+        let lockFile = try #require(
+            try FileManager.default.contentsOfDirectory(atPath: work.path).first {
+                $0.hasPrefix("queue.sqlite.flush-") && $0.hasSuffix(".lock")
+            })
+        let marker = try String(contentsOfFile: work.file(lockFile), encoding: .utf8)
         #expect(marker.split(separator: " ").first == "1", "the marker names item 1 (sequence): \(marker)")
 
         // A settle time far above how long this test takes to start the next flush (robust on a busy machine).
@@ -145,7 +150,7 @@ struct QueueDeliveryTests {
         #expect(second.status == 0, "\(second.stderr)")
         #expect(second.stderr.contains("letting the server settle"), "\(second.stderr)")
         #expect(try await server.values("Observation", system: resources.system) == ["0", "1"])
-        let after = try String(contentsOfFile: work.file("queue.sqlite.flush.lock"), encoding: .utf8)
+        let after = try String(contentsOfFile: work.file(lockFile), encoding: .utf8)
         #expect(after.isEmpty, "an orderly flush leaves no marker")
     }
 

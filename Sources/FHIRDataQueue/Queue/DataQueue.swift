@@ -350,6 +350,9 @@ open class DataQueue: @unchecked Sendable {
             }
         }
 
+        // A damaged row stops the flush before anything is sent, so nothing overtakes it.
+        try await store.checkStates(queue: queueName)
+
         // A flusher that died with a request on the wire left a marker: let the server finish that request
         // before sending it (or anything) again, or a non-atomic conditional create could run twice.
         if let orphan = lock.inFlight() {

@@ -475,6 +475,22 @@ final class QueueStore: Sendable {
 
     // MARK: - Operator views
 
+    /// Throws for a row of `queue` in no known state: it would be neither counted nor sent, and sending the
+    /// items after it could overtake it.
+    private static func checkStates(queue: String, db: Database) throws {
+        if let row = try Row.fetchOne(
+            db, sql: "SELECT seq, state FROM item WHERE queue = ? AND state NOT IN ('pending', 'parked') LIMIT 1",
+            arguments: [queue])
+        {
+            throw damaged("item", row, "unknown state")
+        }
+    }
+
+    /// Checks that every row of `queue` is in a known state (see ``checkStates(queue:db:)``).
+    func checkStates(queue: String) async throws {
+        try await read("read the queue") { db in try Self.checkStates(queue: queue, db: db) }
+    }
+
     func status(queue: String) async throws -> QueueStatus {
         try await read("read the queue status") { db in
             let pending =
@@ -485,13 +501,7 @@ final class QueueStore: Sendable {
                 try Int.fetchOne(
                     db, sql: "SELECT count(*) FROM delivery WHERE queue = ? AND event IN ('delivered', 'already-present')",
                     arguments: [queue]) ?? 0
-            // A row in no known state would be neither counted nor sent: name it instead.
-            if let row = try Row.fetchOne(
-                db, sql: "SELECT seq, state FROM item WHERE queue = ? AND state NOT IN ('pending', 'parked') LIMIT 1",
-                arguments: [queue])
-            {
-                throw Self.damaged("item", row, "unknown state")
-            }
+            try Self.checkStates(queue: queue, db: db)
             let oldest = try Double.fetchOne(
                 db, sql: "SELECT enqueued_at FROM item WHERE queue = ? AND state = 'pending' ORDER BY seq LIMIT 1",
                 arguments: [queue])
