@@ -43,7 +43,7 @@ struct QueueOptions: ParsableArguments {
     @Flag(help: "Make retried creates safe with conditional create (If-None-Exist).")
     var idempotent = false
 
-    @Option(help: "Request deadline in seconds (default 30).")
+    @Option(parsing: .unconditional, help: "Request deadline in seconds (default 30).")
     var timeout: Double?
 
     @Flag(name: [.short, .long], help: "Log more (to standard error).")

@@ -27,7 +27,7 @@ extension DQ {
 
         @Option(parsing: .unconditional, help: "Handle at most this many items.") var limit: Int?
         @Flag(help: "Try now even if the server is backing off after failures.") var now = false
-        @Option(help: "Seconds to wait for another flusher of this queue (default 0).") var wait: Double = 0
+        @Option(parsing: .unconditional, help: "Seconds to wait for another flusher of this queue.") var wait: Double = 0
         @Flag(help: "Print the summary as JSON.") var json = false
 
         func validate() throws {

@@ -33,7 +33,7 @@ extension DQ {
         @OptionGroup var queueOptions: QueueOptions
         @Flag(help: "Only parked items (rejected by the server).") var parked = false
         @Flag(help: "Only pending items.") var pending = false
-        @Option(help: "At most this many items (default 1000).") var limit = 1000
+        @Option(parsing: .unconditional, help: "At most this many items.") var limit = 1000
         @Flag(help: "Print as JSON.") var json = false
 
         func validate() throws {
@@ -136,8 +136,12 @@ extension DQ {
             commandName: "log",
             abstract: "Show the delivery journal: when, where, status and the server's id of each item.")
         @OptionGroup var queueOptions: QueueOptions
-        @Option(help: "The newest this many lines (default 100).") var limit = 100
+        @Option(parsing: .unconditional, help: "The newest this many lines.") var limit = 100
         @Flag(help: "Print as JSON.") var json = false
+
+        func validate() throws {
+            if limit < 1 { throw ValidationError("--limit must be at least 1") }
+        }
 
         func run() async throws {
             try await withQueue(queueOptions, readOnly: true) { queue in

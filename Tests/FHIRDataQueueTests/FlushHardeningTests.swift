@@ -361,6 +361,32 @@ struct FlushHardeningTests {
 
     // MARK: - Library surface
 
+    @Test("EncryptedDataQueue.update of a resource it encrypts is an error, not a silent POST; auto picks POST")
+    func encryptedUpdateIsExplicit() async throws {
+        let server = try await ScriptedServer { _ in .respond(.init(status: 200)) }
+        let (recipient, _) = try EnvelopeTests.keyPair()
+        let queue = try EncryptedDataQueue(
+            baseURL: URL(string: server.baseURL + "/fhir")!, encryptedBaseURL: URL(string: server.baseURL + "/enc")!,
+            sealer: EnvelopeSealer(recipient: recipient, keyID: "k1"), shouldEncrypt: { $0.resourceType == "Patient" },
+            configuration: .init(databasePath: databasePath))
+        let patient = try FHIRResource(json: Data(#"{"resourceType":"Patient","id":"p1"}"#.utf8))
+        let error = try await #require(throws: DataQueueError.self) { try await queue.update(patient) }
+        #expect(error.code == .invalidResource)
+        #expect(error.message.contains("update"))
+        #expect(server.requests.isEmpty)
+        #expect(try await queue.status().pending == 0, "nothing was queued")
+        #expect(queue.defaultMethod(for: patient) == .post)
+        let observation = try FHIRResource(json: Data(#"{"resourceType":"Observation","id":"o1"}"#.utf8))
+        #expect(queue.defaultMethod(for: observation) == .put, "what is not encrypted routes as DataQueue does")
+        guard case .delivered = try await queue.create(patient) else {
+            Issue.record("the create of an encrypted resource was not delivered")
+            return
+        }
+        #expect(server.requests.map(\.uri) == ["/enc/Patient"])
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
     @Test("A caller's HTTP client is used and left running; shutdown() also shuts down the auth provider")
     func callersClient() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }

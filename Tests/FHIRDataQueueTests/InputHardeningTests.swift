@@ -1,0 +1,241 @@
+import Foundation
+import GRDB
+import Testing
+
+@testable import FHIRDataQueue
+
+/// Routing ambiguities in resources, bad numbers in settings, and files dq must not trust.
+@Suite("Input, settings and file hardening")
+struct InputHardeningTests {
+    let directory: URL
+
+    init() throws {
+        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-input-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+    }
+
+    func path(_ name: String) -> String { directory.appendingPathComponent(name).path }
+
+    // MARK: - Resources
+
+    @Test("Keys written with escapes are the keys every receiver reads")
+    func escapedKeys() throws {
+        let resource = try FHIRResource(json: Data(#"{"resource\u0054ype":"Patient","i\u0064":"p-1"}"#.utf8))
+        #expect(resource.resourceType == "Patient")
+        #expect(resource.id == "p-1")
+    }
+
+    @Test(
+        "A top-level key given twice is refused, escaped or not, naming the key",
+        arguments: [
+            (#"{"resourceType":"Observation","resource\u0054ype":"Patient"}"#, "resourceType"),
+            (#"{"resourceType":"Patient","id":"a","id":"b"}"#, "id"),
+            (#"{"resourceType":"Patient","gender":"male","gender":"female"}"#, "gender"),
+        ])
+    func duplicateKeys(json: String, key: String) throws {
+        let error = try #require(throws: DataQueueError.self) { try FHIRResource(json: Data(json.utf8)) }
+        #expect(error.code == .invalidResource)
+        #expect(error.message.contains("\"\(key)\" appears twice"), "\(error.message)")
+    }
+
+    @Test("A repeated key inside a nested object is not a top-level duplicate")
+    func nestedRepeatsAreLeftAlone() throws {
+        // Only the top level routes a resource; deeper members are the server's to judge.
+        _ = try FHIRResource(json: Data(#"{"resourceType":"Patient","a":{"x":1},"b":{"x":2}}"#.utf8))
+    }
+
+    @Test("A UTF-8 byte order mark is refused with its own message")
+    func byteOrderMark() throws {
+        let error = try #require(throws: DataQueueError.self) {
+            try FHIRResource(json: Data([0xEF, 0xBB, 0xBF] + Array(#"{"resourceType":"Patient"}"#.utf8)))
+        }
+        #expect(error.code == .invalidResource)
+        #expect(error.message.contains("byte order mark"))
+    }
+
+    @Test("Idempotent preparation keeps every byte of the resource and adds exactly one identifier")
+    func conditionalCreateInsertion() throws {
+        let id = UUID()
+        let cases: [(String, String)] = [
+            (#" {"resourceType":"Patient","value":1.50}"#, #" {"identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"}],"resourceType":"Patient","value":1.50}"#),
+            (#"{"resourceType":"Patient","identifier":[]}"#, #"{"resourceType":"Patient","identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"}]}"#),
+            (#"{"resourceType":"Patient","identifier":[{"value":"v"}]}"#, #"{"resourceType":"Patient","identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"},{"value":"v"}]}"#),
+        ]
+        for (input, expected) in cases {
+            let (body, condition) = try ConditionalCreate.prepare(Data(input.utf8), itemID: id, isBundle: false)
+            let wanted = expected.replacingOccurrences(of: "urn:uuid:X", with: "urn:uuid:\(id.lowercasedString)")
+            #expect(String(decoding: body, as: UTF8.self) == wanted)
+            #expect(condition == "identifier=urn:ietf:rfc:3986|urn:uuid:\(id.lowercasedString)")
+            _ = try FHIRResource(json: body)
+        }
+        let kept = try ConditionalCreate.prepare(
+            Data(#"{"resourceType":"Patient","identifier":[{"system":"s&x","value":"a|b"}]}"#.utf8), itemID: id, isBundle: false)
+        #expect(kept.ifNoneExist == "identifier=s%26x|a%7Cb")
+        let error = try #require(throws: DataQueueError.self) {
+            try ConditionalCreate.prepare(
+                Data(#"{"resourceType":"Patient","identifier":{"value":"v"}}"#.utf8), itemID: id, isBundle: false)
+        }
+        #expect(error.message.contains("list"))
+    }
+
+    // MARK: - Settings
+
+    @Test(
+        "Durations that are not finite, out of range or zero where zero makes no sense are refused, naming the setting",
+        arguments: [Double.nan, .infinity, -.infinity, 1e300, 0, -1, 86_401])
+    func badTimeouts(value: Double) throws {
+        var configuration = DataQueue.Configuration(databasePath: path("q.sqlite"))
+        configuration.requestTimeout = value
+        let error = try #require(throws: DataQueueError.self) { try configuration.validate() }
+        #expect(error.code == .invalidConfiguration)
+        #expect(error.message.contains("requestTimeout"))
+        #expect(throws: DataQueueError.self) {
+            try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
+        }
+        #expect(!FileManager.default.fileExists(atPath: path("q.sqlite")), "nothing opened for a bad setting")
+    }
+
+    @Test("Each duration and size is checked", arguments: ["connectTimeout", "lockWait", "settleDelay", "initialDelay", "jitter", "size"])
+    func everySettingChecked(name: String) throws {
+        var configuration = DataQueue.Configuration(databasePath: path("q.sqlite"))
+        switch name {
+        case "connectTimeout": configuration.connectTimeout = .nan
+        case "lockWait": configuration.lockWait = -1
+        case "settleDelay": configuration.settleDelay = .infinity
+        case "initialDelay": configuration.retryPolicy.initialDelay = 1e300
+        case "jitter": configuration.retryPolicy.jitter = .nan
+        default: configuration.maximumResourceSize = 1 << 40
+        }
+        let error = try #require(throws: DataQueueError.self) { try configuration.validate() }
+        #expect(error.message.contains(name == "size" ? "maximumResourceSize" : name))
+        configuration = DataQueue.Configuration(databasePath: path("q.sqlite"))
+        try configuration.validate()
+    }
+
+    @Test("A database setting in URL form is refused without creating anything", arguments: ["postgres://u:pw@host/db", "sqlite://x"])
+    func databaseURLRefused(url: String) throws {
+        let error = try #require(throws: DataQueueError.self) {
+            try DataQueue.Configuration.checkDatabasePath(url, name: "database")
+        }
+        #expect(error.code == .invalidConfiguration)
+        #expect(!error.message.contains("pw"))
+        #expect(throws: DataQueueError.self) {
+            try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: .init(databasePath: url))
+        }
+        #expect(!FileManager.default.fileExists(atPath: url.components(separatedBy: "/")[0]))
+    }
+
+    // MARK: - Files
+
+    @Test("A symbolic link at a lock file is refused and its target left untouched")
+    func lockFileSymlink() throws {
+        let target = path("precious.txt")
+        try Data("keep me".utf8).write(to: URL(fileURLWithPath: target))
+        let lockPath = path("q.sqlite.lock")
+        try FileManager.default.createSymbolicLink(atPath: lockPath, withDestinationPath: target)
+        let error = try #require(throws: DataQueueError.self) { try QueueStore(path: path("q.sqlite"), durability: .full) }
+        #expect(error.message.contains("symbolic link"))
+        #expect(try String(contentsOfFile: target, encoding: .utf8) == "keep me")
+    }
+
+    @Test("The flush lock refuses a symbolic link too: a flush cannot be made to write through it")
+    func flushLockSymlink() async throws {
+        let target = path("precious.txt")
+        try Data("keep me".utf8).write(to: URL(fileURLWithPath: target))
+        let queue = try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: .init(databasePath: path("q.sqlite")))
+        try FileManager.default.createSymbolicLink(atPath: queue.flushLockPath, withDestinationPath: target)
+        try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
+        await #expect(throws: DataQueueError.self) { try await queue.flush() }
+        #expect(try String(contentsOfFile: target, encoding: .utf8) == "keep me")
+        try await queue.shutdown()
+    }
+
+    @Test("Opening for reading creates nothing and fails when there is no queue")
+    func readOnlyMissing() throws {
+        let missing = path("no/such/dir/q.sqlite")
+        let error = try #require(throws: DataQueueError.self) {
+            try QueueStore(path: missing, durability: .full, readOnly: true)
+        }
+        #expect(error.code == .storage && error.message.contains("no queue database"))
+        #expect(!FileManager.default.fileExists(atPath: path("no")))
+    }
+
+    @Test("A read-only store reads a queue and refuses writes")
+    func readOnlyReads() async throws {
+        do {
+            let store = try QueueStore(path: path("q.sqlite"), durability: .full)
+            _ = try await store.insert([
+                NewItem(
+                    id: UUID(), queue: "http://h/fhir", method: .post, url: "Patient", resourceType: "Patient",
+                    resourceID: nil, encrypted: false, contentType: "application/fhir+json",
+                    body: Data(#"{"resourceType":"Patient"}"#.utf8))
+            ])
+            store.stopWriters()
+        }
+        let reader = try QueueStore(path: path("q.sqlite"), durability: .full, readOnly: true)
+        #expect(try await reader.status(queue: "http://h/fhir").pending == 1)
+        await #expect(throws: DataQueueError.self) { try await reader.retryAllParked(queue: "http://h/fhir") }
+    }
+
+    @Test("An empty file or a file that is not a dq queue is refused and left as it was")
+    func foreignFiles() throws {
+        let empty = path("empty.sqlite")
+        _ = FileManager.default.createFile(atPath: empty, contents: Data())
+        let emptyError = try #require(throws: DataQueueError.self) { try QueueStore(path: empty, durability: .full) }
+        #expect(emptyError.message.contains("empty"))
+        #expect((try FileManager.default.attributesOfItem(atPath: empty)[.size] as? Int) == 0)
+
+        let text = path("notes.sqlite")
+        try Data(String(repeating: "not a database\n", count: 100).utf8).write(to: URL(fileURLWithPath: text))
+        let textError = try #require(throws: DataQueueError.self) { try QueueStore(path: text, durability: .full) }
+        #expect(textError.message.contains("not a SQLite database"))
+        #expect(try String(contentsOfFile: text, encoding: .utf8).hasPrefix("not a database"))
+
+        let other = path("other.sqlite")
+        try DatabaseQueue(path: other).write { db in try db.execute(sql: "CREATE TABLE notes (t TEXT)") }
+        let otherError = try #require(throws: DataQueueError.self) { try QueueStore(path: other, durability: .full) }
+        #expect(otherError.message.contains("not a dq queue"))
+        let tables = try DatabaseQueue(path: other).read { db in
+            try String.fetchAll(db, sql: "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+        }
+        #expect(tables == ["notes"])
+    }
+
+    @Test("A new database appears whole: no leftover temporary file, schema complete")
+    func creationIsAtomic() throws {
+        let store = try QueueStore(path: path("q.sqlite"), durability: .full)
+        store.stopWriters()
+        let files = try FileManager.default.contentsOfDirectory(atPath: directory.path)
+        #expect(!files.contains { $0.hasPrefix("q.sqlite.new") }, "\(files)")
+        let migrations = try store.database.read { db in
+            try String.fetchAll(db, sql: "SELECT identifier FROM grdb_migrations ORDER BY identifier")
+        }
+        #expect(migrations == ["v1", "v2"])
+    }
+
+    @Test("Migration v2 turns stored URLs into paths and queue names into their normal form")
+    func migrationV2() throws {
+        let file = path("old.sqlite")
+        let old = try DatabaseQueue(path: file)
+        // A database of the previous dq: the real migrator up to v1.
+        try QueueStore.migrator.migrate(old, upTo: "v1")
+        try old.write { db in
+            let columns = "(uuid, queue, method, url, resource_type, encrypted, content_type, body, enqueued_at)"
+            try db.execute(
+                sql: "INSERT INTO item \(columns) VALUES (?, ?, 'POST', ?, 'Patient', 0, 'application/fhir+json', x'7b7d', 0)",
+                arguments: [UUID().uuidString.lowercased(), "HTTP://H:80/fhir", "HTTP://H:80/fhir/Patient"])
+            try db.execute(
+                sql: "INSERT INTO item \(columns) VALUES (?, ?, 'POST', ?, 'Patient', 1, 'application/json', x'7b7d', 0)",
+                arguments: [UUID().uuidString.lowercased(), "HTTP://H:80/fhir", "https://enc/c3pro/Patient"])
+            try db.execute(
+                sql: "INSERT INTO item \(columns) VALUES (?, ?, 'PUT', ?, 'Patient', 0, 'application/fhir+json', x'7b7d', 0)",
+                arguments: [UUID().uuidString.lowercased(), "HTTP://H:80/fhir", "http://evil/Patient/x"])
+        }
+        try old.close()
+        let store = try QueueStore(path: file, durability: .full)
+        let rows = try store.database.read { db in
+            try Row.fetchAll(db, sql: "SELECT queue, url FROM item ORDER BY seq").map { [$0["queue"] as String, $0["url"] as String] }
+        }
+        #expect(rows == [["http://h/fhir", "Patient"], ["http://h/fhir", "Patient"], ["http://h/fhir", "http://evil/Patient/x"]])
+    }
+}
