@@ -71,11 +71,16 @@ struct InputHardeningTests {
         let kept = try ConditionalCreate.prepare(
             Data(#"{"resourceType":"Patient","identifier":[{"system":"s&x","value":"a|b"}]}"#.utf8), itemID: id, isBundle: false)
         #expect(kept.ifNoneExist == "identifier=s%26x|a%7Cb")
+        // A single identifier (QuestionnaireResponse.identifier is 0..1) is used when it names the resource.
+        let single = try ConditionalCreate.prepare(
+            Data(#"{"resourceType":"QuestionnaireResponse","identifier":{"system":"s","value":"q"}}"#.utf8), itemID: id,
+            isBundle: false)
+        #expect(single.ifNoneExist == "identifier=s|q")
         let error = try #require(throws: DataQueueError.self) {
             try ConditionalCreate.prepare(
-                Data(#"{"resourceType":"Patient","identifier":{"value":"v"}}"#.utf8), itemID: id, isBundle: false)
+                Data(#"{"resourceType":"QuestionnaireResponse","identifier":{"value":"v"}}"#.utf8), itemID: id, isBundle: false)
         }
-        #expect(error.message.contains("list"))
+        #expect(error.message.contains("system and a value"))
     }
 
     // MARK: - Settings

@@ -121,6 +121,62 @@ struct QueueDeliveryTests {
         let log = try await dq(["log", "--json"], env)
         let journal = try #require(try JSONSerialization.jsonObject(with: Data(log.stdout.utf8)) as? [[String: Any]])
         #expect(journal.map { $0["status"] as? Int } == [201, 200, 201], "the retried create matched the existing one")
+        #expect(journal.map { $0["event"] as? String } == ["delivered", "already-present", "delivered"])
+    }
+
+    @Test(
+        "A queued transaction Bundle whose answer was lost is stored once in idempotent mode, twice without it",
+        arguments: [true, false])
+    func lostBundleAnswer(idempotent: Bool) async throws {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server)
+        let env = environment(proxy.base, idempotent: idempotent)
+        // Six Observations with identifiers of their own, and a Patient with none (idempotent mode generates one).
+        var entries = (0..<6).map { #"{"resource":\#(resources.observation($0)),"request":{"method":"POST","url":"Observation"}}"# }
+        entries.append(#"{"resource":{"resourceType":"Patient","gender":"other"},"request":{"method":"POST","url":"Patient"}}"#)
+        let bundle = #"{"resourceType":"Bundle","type":"transaction","entry":[\#(entries.joined(separator: ","))]}"#
+        let file = try work.write("bundle.json", bundle)
+        #expect(try await dq(["enqueue", file], env).status == 0)
+
+        try await proxy.inject(["drop-after"])  // the server applies the transaction; its answer is lost
+        let first = try await dq(["flush"], env)
+        #expect(first.status == 75, "\(first.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == (0..<6).map(String.init))
+
+        let second = try await dq(["flush", "--now"], env)
+        #expect(second.status == 0, "\(second.stderr)")
+        let observations = try await server.values("Observation", system: resources.system)
+        let patients = try await HTTP.json("\(server.base)/Patient/_history?_count=500")["entry"] as? [[String: Any]] ?? []
+        if idempotent {
+            #expect(observations == (0..<6).map(String.init), "every entry once")
+            #expect(patients.count == 1, "the Patient without an identifier was matched by its generated one")
+        } else {
+            // Without idempotent mode the retry stores the Bundle again: the test above can fail.
+            #expect(observations.count == 12)
+            #expect(patients.count == 2)
+        }
+    }
+
+    @Test("A resource the server refuses for its If-None-Exist is delivered after dq retry --no-conditional")
+    func retryWithoutCondition() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base, idempotent: true)
+        let fixture = Peers.packageRoot.appendingPathComponent("Fixtures/resources/questionnaire-response.json").path
+        #expect(try await dq(["enqueue", fixture], env).status == 0)
+        #expect(try await dq(["flush"], env).stdout.contains("0 delivered, 1 parked"))
+        let parked = try await dq(["list", "--parked", "--json"], env)
+        let items = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [[String: Any]])
+        let id = try #require(items.first?["id"] as? String)
+        #expect(items.first?["lastStatus"] as? Int == 400)
+        // A plain retry keeps the condition: refused again.
+        #expect(try await dq(["retry", id], env).status == 0)
+        #expect(try await dq(["flush"], env).stdout.contains("0 delivered, 1 parked"))
+        #expect(try await dq(["retry", id, "--no-conditional"], env).status == 0)
+        let delivered = try await dq(["flush"], env)
+        #expect(delivered.status == 0, "\(delivered.stderr)")
+        #expect(delivered.stdout.contains("1 delivered, 0 parked"))
+        let stored = try await HTTP.json("\(server.base)/QuestionnaireResponse/_history?_count=50")["entry"] as? [[String: Any]]
+        #expect(stored?.count == 1)
     }
 
     @Test("A flush killed with its request on the wire leaves a marker; the next one lets that request settle")

@@ -69,22 +69,35 @@ enum ConditionalCreate {
             return (condition, (brace - data.startIndex + 1, Array(#""identifier":[\#(generated)]\#(separator)"#.utf8)))
         }
         let list = try JSONScanner.scan(data, identifier, keys: [])
-        guard data[data.startIndex + identifier.lowerBound] == UInt8(ascii: "[") else {
+        let first = data[data.startIndex + identifier.lowerBound]
+        if first == UInt8(ascii: "{") {
+            // A type whose identifier is a single one (QuestionnaireResponse, Bundle): it must name the resource.
+            if let usable = usable(data, identifier) { return (usable, nil) }
             throw DataQueueError(
-                .invalidResource, "idempotent mode needs \"identifier\" to be a list (it adds one to make retries safe)")
+                .invalidResource,
+                "idempotent mode needs this resource's one \"identifier\" to have a system and a value (or turn idempotent off for it)")
+        }
+        guard first == UInt8(ascii: "[") else {
+            throw DataQueueError(.invalidResource, "idempotent mode needs \"identifier\" to be a list or an object")
         }
         for element in list.elements {
-            let entry = try JSONScanner.scan(data, element, keys: ["system", "value"])
-            if let system = entry.members["system"].flatMap({ JSONScanner.string(in: data, $0) }),
-                let value = entry.members["value"].flatMap({ JSONScanner.string(in: data, $0) }),
-                !system.isEmpty, !value.isEmpty
-            {
-                return (Self.condition(system: system, value: value), nil)
-            }
+            if let usable = usable(data, element) { return (usable, nil) }
         }
+
         // A list without a usable identifier (no system or no value): put the generated one first.
         let separator = list.elements.isEmpty ? "" : ","
         return (condition, (identifier.lowerBound + 1, Array((generated + separator).utf8)))
+    }
+
+    /// The condition of one Identifier object with both a system and a value, else nil.
+    private static func usable(_ data: Data, _ range: Range<Int>) -> String? {
+        guard data[data.startIndex + range.lowerBound] == UInt8(ascii: "{"),
+            let entry = try? JSONScanner.scan(data, range, keys: ["system", "value"]),
+            let system = entry.members["system"].flatMap({ JSONScanner.string(in: data, $0) }),
+            let value = entry.members["value"].flatMap({ JSONScanner.string(in: data, $0) }),
+            !system.isEmpty, !value.isEmpty
+        else { return nil }
+        return condition(system: system, value: value)
     }
 
     private static func planBundle(_ data: Data, itemID: UUID, into insertions: inout [(offset: Int, bytes: [UInt8])]) throws {
