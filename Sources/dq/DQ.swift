@@ -115,19 +115,7 @@ func withQueue<T>(_ options: QueueOptions, readOnly: Bool = false, _ body: (Data
     let logger = Logger(label: "dq")
     let queue: DataQueue
     do {
-        var settings = try DQSettings.load(options: options)
-        settings.configuration.readOnly = readOnly
-        if let encryption = settings.encryption {
-            let types = encryption.resourceTypes
-            queue = try EncryptedDataQueue(
-                baseURL: settings.server, encryptedBaseURL: encryption.endpoint, sealer: encryption.sealer,
-                shouldEncrypt: { resource in types?.contains(resource.resourceType) ?? true },
-                configuration: settings.configuration, authorization: settings.authorization, logger: logger)
-        } else {
-            queue = try DataQueue(
-                baseURL: settings.server, configuration: settings.configuration, authorization: settings.authorization,
-                logger: logger)
-        }
+        queue = try DataQueueSettings.load(options: options).makeQueue(readOnly: readOnly, logger: logger)
     } catch let error as DataQueueError {
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))
