@@ -4,7 +4,7 @@ APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv
 export DQ_BIN := $(CURDIR)/.build/debug/dq
 
 BENCH_APT := nginx-light apache2-utils
-.PHONY: all build release deps peers test unit demo bench torture lint clean
+.PHONY: all build release deps peers test unit demo bench torture lint man clean
 
 all: build
 
@@ -55,6 +55,11 @@ unit: build
 
 demo: build peers
 	scripts/demo.sh
+
+# The man page, generated from the command tree (swift-argument-parser's plugin), written to ./dq.1.
+man: build
+	$(SWIFT) package generate-manual --configuration debug
+	cp .build/plugins/GenerateManual/outputs/dq/dq.1 dq.1
 
 lint:
 	$(SWIFT) format lint --strict -r Sources Tests Benchmarks

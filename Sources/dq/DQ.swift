@@ -13,20 +13,37 @@ struct DQ: AsyncParsableCommand {
         commandName: "dq",
         abstract: "An offline-first, durable FHIR data queue.",
         discussion: """
-            Resources are committed to a SQLite queue before they are sent, delivered in order, and never
-            lost: a failed send stays queued, a rejected one is parked for an operator.
+            Resources are committed to a SQLite queue before they are sent, delivered in order, and never lost: \
+            a failed send stays queued, a rejected one is parked for an operator.
 
-            Exit codes (sysexits): 0 ok, 64 usage, 65 bad input, 69 unavailable, 74 I/O error,
-            75 temporary failure (retry later), 77 authentication refused, 78 configuration error.
+            Exit codes (sysexits): 0 ok, 64 usage, 65 bad input or items rejected by the server, 66 input file \
+            missing or unreadable, 74 I/O error, 75 temporary failure (retry later), 77 authentication refused, \
+            78 configuration error. When several apply, the first of 77, 75, 65 wins.
             """,
         version: DQVersion.current,
         subcommands: [
             Enqueue.self, Send.self, Flush.self, Status.self, List.self, Show.self, Retry.self, Drop.self, Log.self,
-            Decrypt.self, Keygen.self, Register.self,
+            Doctor.self, Decrypt.self, Keygen.self, Register.self, Version.self,
         ])
+
+    /// `dq` alone is a usage error (exit 64), with the help on standard error.
+    func run() async throws {
+        printError(DQ.helpMessage())
+        throw ExitCode(Exit.usage)
+    }
 }
 
-/// Options shared by every command that opens a queue.
+extension DQ {
+    struct Version: ParsableCommand {
+        static let configuration = CommandConfiguration(commandName: "version", abstract: "Print dq's version.")
+
+        func run() {
+            print("dq \(DQVersion.current)")
+        }
+    }
+}
+
+/// Options of every command that opens a queue: where it is and how much to say.
 struct QueueOptions: ParsableArguments {
     @Option(help: "The config file (JSON). Default: $DQ_CONFIG, else ./dq.json if present.")
     var config: String?
@@ -37,17 +54,20 @@ struct QueueOptions: ParsableArguments {
     @Option(help: "The queue database file. Overrides \"database\" and $DQ_DATABASE.")
     var database: String?
 
-    @Option(help: "full (survives power loss, default) or normal (faster). Overrides \"durability\".")
+    @Flag(name: [.short, .long], help: "Log more (debug level) to standard error.")
+    var verbose = false
+}
+
+/// Options of commands that write to the queue or send: durability, idempotent mode, the request deadline.
+struct SendingOptions: ParsableArguments {
+    @Option(help: "full (survives power loss; the default) or normal (faster). Overrides \"durability\".")
     var durability: String?
 
     @Flag(help: "Make retried creates safe with conditional create (If-None-Exist).")
     var idempotent = false
 
-    @Option(parsing: .unconditional, help: "Request deadline in seconds (default 30).")
+    @Option(parsing: .unconditional, help: "The deadline of one request, in seconds (the default is 30).")
     var timeout: Double?
-
-    @Flag(name: [.short, .long], help: "Log more (to standard error).")
-    var verbose = false
 
     func validate() throws {
         if let timeout { try checkFlagSeconds(timeout, name: "--timeout", allowZero: false) }
@@ -68,7 +88,7 @@ enum Exit {
     static let ok: Int32 = 0
     static let usage: Int32 = 64
     static let dataError: Int32 = 65
-    static let unavailable: Int32 = 69
+    static let noInput: Int32 = 66
     static let ioError: Int32 = 74
     static let temporaryFailure: Int32 = 75
     static let permissionDenied: Int32 = 77
@@ -84,6 +104,15 @@ enum Exit {
         default: return 1
         }
     }
+
+    /// The code of a run that may have several outcomes at once: authentication refused (77) first, then
+    /// items still queued (75), then items the server rejected in this run (65), else 0.
+    static func outcome(authenticationFailed: Bool, pending: Bool, rejected: Bool) -> Int32 {
+        if authenticationFailed { return permissionDenied }
+        if pending { return temporaryFailure }
+        if rejected { return dataError }
+        return ok
+    }
 }
 
 /// Prints to standard error.
@@ -93,47 +122,86 @@ func printError(_ text: String) {
 
 var standardErrorIsTerminal: Bool { isatty(2) == 1 }
 
+/// The log level: `-v` is debug; else `DQ_LOG_LEVEL` (trace, debug, info, notice, warning, error, critical);
+/// else warning.
+func logLevel(verbose: Bool) -> Logger.Level {
+    if verbose { return .debug }
+    if let text = ProcessInfo.processInfo.environment["DQ_LOG_LEVEL"], let level = Logger.Level(rawValue: text.lowercased()) {
+        return level
+    }
+    return .warning
+}
+
 /// Opens the queue, runs `body`, shuts down, and turns errors into messages and exit codes.
 ///
 /// `readOnly` opens an existing queue without creating or writing anything (for commands that only read).
-func withQueue<T>(_ options: QueueOptions, readOnly: Bool = false, _ body: (DataQueue) async throws -> T) async throws -> T {
+func withQueue<T>(
+    _ options: QueueOptions, sending: SendingOptions? = nil, readOnly: Bool = false, _ body: (DataQueue) async throws -> T
+) async throws -> T {
     // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
     signal(SIGXFSZ, SIG_IGN)
-    let level: Logger.Level
-    if options.verbose {
-        level = .debug
-    } else if let text = ProcessInfo.processInfo.environment["DQ_LOG_LEVEL"], let parsed = Logger.Level(rawValue: text) {
-        level = parsed
-    } else {
-        level = .warning
-    }
-    LoggingSystem.bootstrap { label in
-        var handler = StreamLogHandler.standardError(label: label)
-        handler.logLevel = level
-        return handler
-    }
+    let level = logLevel(verbose: options.verbose)
+    LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level) }
     let logger = Logger(label: "dq")
     let queue: DataQueue
     do {
-        queue = try DataQueueSettings.load(options: options).makeQueue(readOnly: readOnly, logger: logger)
+        let settings = try DataQueueSettings.load(options: options, sending: sending)
+        warnAboutExposure(settings)
+        queue = try settings.makeQueue(readOnly: readOnly, logger: logger)
     } catch let error as DataQueueError {
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))
-    }
-    func close() async {
-        try? await queue.shutdown()
     }
     do {
         let result = try await body(queue)
-        await close()
+        try? await queue.shutdown()
         return result
     } catch let error as DataQueueError {
-        await close()
+        try? await queue.shutdown()
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))
     } catch {
-        await close()
+        try? await queue.shutdown()
         throw error
+    }
+}
+
+/// Warns (never refuses) where a secret may leak: a config file holding one that others can read, and a
+/// token about to travel over plain http to a host other than this machine.
+func warnAboutExposure(_ settings: DataQueueSettings) {
+    if let path = settings.sourcePath, settings.fileHoldsSecret,
+        let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0
+    {
+        printError(
+            "dq: warning: \(path) holds a secret and is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(path)")
+    }
+    if settings.auth != nil, let text = settings.server, let url = URL(string: text), url.scheme?.lowercased() == "http",
+        let host = url.host?.lowercased(), !["localhost", "127.0.0.1", "::1", "[::1]"].contains(host), !host.hasPrefix("127.")
+    {
+        printError("dq: warning: credentials will be sent over plain http to \(host); use https")
+    }
+}
+
+/// One readable line per event on standard error: `dq: warning: parked (item=…, reason=…)`.
+struct DQLogHandler: LogHandler {
+    let label: String
+    var logLevel: Logger.Level
+    var metadata: Logger.Metadata = [:]
+
+    init(label: String, level: Logger.Level) {
+        self.label = label
+        self.logLevel = level
+    }
+
+    subscript(metadataKey key: String) -> Logger.Metadata.Value? {
+        get { metadata[key] }
+        set { metadata[key] = newValue }
+    }
+
+    func log(event: LogEvent) {
+        let merged = metadata.merging(event.metadata ?? [:]) { $1 }
+        let details = merged.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ", ")
+        printError("dq: \(event.level): \(event.message)" + (details.isEmpty ? "" : " (\(details))"))
     }
 }
 

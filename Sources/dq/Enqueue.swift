@@ -13,7 +13,7 @@ struct InputOptions: ParsableArguments {
     @Option(help: "POST (create), PUT (update, needs id) or auto (PUT when the resource has an id).")
     var method: MethodChoice = .auto
 
-    @Option(help: "The largest resource in bytes (default: \"max_resource_bytes\", else 64 MiB).")
+    @Option(parsing: .unconditional, help: "The largest resource in bytes (\"max_resource_bytes\", else 64 MiB).")
     var maxBytes: Int?
 
     func validate() throws {
@@ -21,10 +21,11 @@ struct InputOptions: ParsableArguments {
         if let maxBytes, maxBytes < 2 { throw ValidationError("--max-bytes must be at least 2") }
     }
 
-    /// Reads every input; on any problem prints each and exits 65 without queueing anything.
+    /// Reads every input; on any problem prints each and exits without queueing anything: 66 when an input
+    /// file is missing or unreadable, else 65.
     func resources(limit: Int, queue: DataQueue) throws -> [(FHIRResource, FHIRMethod)] {
         let reader = InputReader(maximumSize: maxBytes ?? limit, ndjson: ndjson)
-        let (inputs, problems) = reader.read(files)
+        let (inputs, problems, unreadable) = reader.read(files)
         var invalid = problems
         var resources: [(FHIRResource, FHIRMethod)] = []
         for input in inputs {
@@ -38,7 +39,7 @@ struct InputOptions: ParsableArguments {
         if !invalid.isEmpty {
             for problem in invalid { printError("dq: \(problem)") }
             printError("dq: \(invalid.count) bad input(s); nothing was queued")
-            throw ExitCode(Exit.dataError)
+            throw ExitCode(unreadable ? Exit.noInput : Exit.dataError)
         }
         if resources.isEmpty {
             printError("dq: the input holds no resources; nothing was queued")
@@ -55,11 +56,12 @@ extension DQ {
             abstract: "Queue resources without sending them (all inputs, or none when one is bad).")
 
         @OptionGroup var queueOptions: QueueOptions
+        @OptionGroup var sending: SendingOptions
         @OptionGroup var input: InputOptions
         @Flag(help: "Print the queued items as JSON.") var json = false
 
         func run() async throws {
-            try await withQueue(queueOptions) { queue in
+            try await withQueue(queueOptions, sending: sending) { queue in
                 let resources = try input.resources(limit: queue.configuration.maximumResourceSize, queue: queue)
                 let items = try await queue.enqueue(contentsOf: resources)
                 if json {
@@ -75,16 +77,18 @@ extension DQ {
         static let configuration = CommandConfiguration(
             commandName: "send",
             abstract: "Queue resources, then flush the queue up to them (older items go first).",
-            discussion:
-                "Exit 0 when all were delivered, 75 when some stay queued, 65 when the server rejected some (parked), 77 on an authentication failure."
+            discussion: """
+                Exit 0 when all were delivered, 75 when some stay queued, 65 when the server rejected some (parked),                 77 on an authentication failure; the first of 77, 75, 65 wins.
+                """
         )
 
         @OptionGroup var queueOptions: QueueOptions
+        @OptionGroup var sending: SendingOptions
         @OptionGroup var input: InputOptions
         @Flag(help: "Print the outcome as JSON.") var json = false
 
         func run() async throws {
-            let code: Int32 = try await withQueue(queueOptions) { queue in
+            let code: Int32 = try await withQueue(queueOptions, sending: sending) { queue in
                 let resources = try input.resources(limit: queue.configuration.maximumResourceSize, queue: queue)
                 let items = try await queue.enqueue(contentsOf: resources)
                 let report = try await queue.flush(force: false, lockWait: queue.configuration.lockWait)
@@ -101,16 +105,22 @@ extension DQ {
                     }
                     outcomes.append(["id": item.id.uuidString.lowercased(), "resourceType": item.resourceType, "state": state])
                 }
+                var authenticationFailed = false
+                if case .authentication = report.stop { authenticationFailed = true }
+                let code = Exit.outcome(authenticationFailed: authenticationFailed, pending: queued > 0, rejected: parked > 0)
                 if json {
-                    try printJSON(["items": outcomes])
+                    struct Summary: Encodable {
+                        var items: [[String: String]]
+                        var delivered, queued, parked: Int
+                        var exitCode: Int32
+                    }
+                    try printJSON(
+                        Summary(items: outcomes, delivered: delivered, queued: queued, parked: parked, exitCode: code))
                 } else {
                     print("sent \(items.count) resource(s): \(delivered) delivered, \(queued) queued, \(parked) parked")
                     if let stop = report.stop { printError("dq: \(FlushCommandSupport.describe(stop))") }
                 }
-                if case .authentication = report.stop { return Exit.permissionDenied }
-                if queued > 0 { return Exit.temporaryFailure }
-                if parked > 0 { return Exit.dataError }
-                return Exit.ok
+                return code
             }
             if code != 0 { throw ExitCode(code) }
         }

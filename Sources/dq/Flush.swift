@@ -12,6 +12,39 @@ enum FlushCommandSupport {
         case .limit: return "stopped at the --limit"
         }
     }
+
+    /// Progress on a terminal: counts, the total, the rate and the time left, on one rewritten line.
+    final class Progress: @unchecked Sendable {
+        private let total: Int
+        private let start = Date()
+        private let lock = NSLock()
+        private var lastDraw = Date.distantPast
+
+        init(total: Int) { self.total = total }
+
+        func update(_ progress: FlushProgress) {
+            lock.lock()
+            defer { lock.unlock() }
+            let now = Date()
+            let done = progress.delivered + progress.parked
+            guard now.timeIntervalSince(lastDraw) >= 0.1 || done == total else { return }
+            lastDraw = now
+            let elapsed = max(now.timeIntervalSince(start), 0.001)
+            let rate = Double(done) / elapsed
+            let left = rate > 0 ? Double(max(total - done, 0)) / rate : 0
+            let line = String(
+                format: "\r%d/%d: %d delivered, %d parked, %.0f/s, %@ left   ", done, total, progress.delivered, progress.parked,
+                rate, duration(left))
+            FileHandle.standardError.write(Data(line.utf8))
+        }
+
+        func duration(_ seconds: Double) -> String {
+            let whole = Int(seconds.rounded())
+            if whole >= 3600 { return "\(whole / 3600)h\(String(format: "%02d", whole % 3600 / 60))m" }
+            if whole >= 60 { return "\(whole / 60)m\(String(format: "%02d", whole % 60))s" }
+            return "\(whole)s"
+        }
+    }
 }
 
 extension DQ {
@@ -19,54 +52,82 @@ extension DQ {
         static let configuration = CommandConfiguration(
             commandName: "flush",
             abstract: "Send queued items in order (for cron).",
-            discussion:
-                "Exit 0 when nothing pending remains, 75 when items stay queued (transient failure, backoff, another flusher, --limit), 77 on an authentication failure."
+            discussion: """
+                Exit 0 when nothing pending remains, 75 when items stay queued (a transient failure, backoff, \
+                another flusher, --limit), 65 when the server rejected items in this run (now parked), 77 on an \
+                authentication failure; the first of 77, 75, 65 wins. A run with nothing to do prints nothing.
+                """
         )
 
         @OptionGroup var queueOptions: QueueOptions
+        @OptionGroup var sending: SendingOptions
 
         @Option(parsing: .unconditional, help: "Handle at most this many items.") var limit: Int?
         @Flag(help: "Try now even if the server is backing off after failures.") var now = false
         @Option(parsing: .unconditional, help: "Seconds to wait for another flusher of this queue.") var wait: Double = 0
+        @Flag(name: [.short, .long], help: "Print errors only.") var quiet = false
         @Flag(help: "Print the summary as JSON.") var json = false
 
         func validate() throws {
             if let limit, limit < 1 { throw ValidationError("--limit must be at least 1") }
             try checkFlagSeconds(wait, name: "--wait", allowZero: true)
+            if quiet && queueOptions.verbose { throw ValidationError("--quiet and --verbose exclude each other") }
         }
 
         func run() async throws {
-            let code: Int32 = try await withQueue(queueOptions) { queue in
-                let terminal = standardErrorIsTerminal && !json
+            let code: Int32 = try await withQueue(queueOptions, sending: sending) { queue in
+                let terminal = standardErrorIsTerminal && !json && !quiet
+                let display = terminal ? FlushCommandSupport.Progress(total: try await queue.status().pending) : nil
                 let report = try await queue.flush(limit: limit, force: now, lockWait: wait) { progress in
-                    if terminal {
-                        FileHandle.standardError.write(
-                            Data("\rdelivered \(progress.delivered), parked \(progress.parked)".utf8))
-                    }
+                    display?.update(progress)
                 }
                 if terminal && report.delivered + report.parked > 0 { FileHandle.standardError.write(Data("\n".utf8)) }
                 let stopText = report.stop.map(FlushCommandSupport.describe)
+                var authenticationFailed = false
+                if case .authentication = report.stop { authenticationFailed = true }
+                let code = Exit.outcome(
+                    authenticationFailed: authenticationFailed, pending: report.remaining > 0, rejected: report.parked > 0)
+                let elsewhere = report.remaining == 0 ? try await otherQueuesPending(queue) : []
                 if json {
                     struct Summary: Encodable {
                         var queue: String
                         var delivered, parked, remaining, parkedTotal: Int
                         var stopped: String?
+                        var exitCode: Int32
+                        var otherQueuesPending: [String: Int]
                     }
                     try printJSON(
                         Summary(
                             queue: queue.queueName, delivered: report.delivered, parked: report.parked,
-                            remaining: report.remaining, parkedTotal: report.parkedTotal, stopped: stopText))
-                } else {
+                            remaining: report.remaining, parkedTotal: report.parkedTotal, stopped: stopText, exitCode: code,
+                            otherQueuesPending: Dictionary(uniqueKeysWithValues: elsewhere.map { ($0.queue, $0.pending) })))
+                    return code
+                }
+                let happened = report.delivered + report.parked + report.remaining > 0 || report.stop != nil
+                if !quiet && (happened || queueOptions.verbose) {
                     print(
                         "flushed \(queue.queueName): \(report.delivered) delivered, \(report.parked) parked, \(report.remaining) pending, \(report.parkedTotal) parked in total"
                     )
-                    if let stopText { printError("dq: \(stopText)") }
-                    if report.parkedTotal > 0 { printError("dq: parked items need an operator: dq list --parked") }
                 }
-                if case .authentication = report.stop { return Exit.permissionDenied }
-                return report.remaining > 0 ? Exit.temporaryFailure : Exit.ok
+                if let stopText { printError("dq: \(stopText)") }
+                if report.parked > 0 {
+                    printError("dq: the server rejected \(report.parked) item(s); see dq list --parked")
+                } else if report.parkedTotal > 0 && !quiet {
+                    printError("dq: \(report.parkedTotal) parked item(s) need an operator: dq list --parked")
+                }
+                for other in elsewhere {
+                    printError(
+                        "dq: nothing pending for \(queue.queueName), but \(other.pending) item(s) wait for \(other.queue) (dq status --all)"
+                    )
+                }
+                return code
             }
             if code != 0 { throw ExitCode(code) }
+        }
+
+        /// Queues of the same database, other than this one, that hold pending items.
+        func otherQueuesPending(_ queue: DataQueue) async throws -> [QueueStatus] {
+            try await queue.allQueueStatuses().filter { $0.queue != queue.queueName && $0.pending > 0 }
         }
     }
 }

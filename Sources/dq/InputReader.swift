@@ -15,19 +15,26 @@ struct InputReader {
         var resource: FHIRResource
     }
 
-    func read(_ paths: [String]) -> (inputs: [Input], problems: [String]) {
+    /// Every input's resources and every problem, and whether an input file could not be read at all.
+    func read(_ paths: [String]) -> (inputs: [Input], problems: [String], unreadable: Bool) {
         var inputs: [Input] = []
         var problems: [String] = []
+        var unreadable = false
         for path in paths {
             let label = path == "-" ? "<stdin>" : path
             let data: Data
             do {
                 data = try load(path)
+            } catch let error as Unreadable {
+                problems.append("\(label): \(error.reason)")
+                unreadable = true
+                continue
             } catch let error as DataQueueError {
                 problems.append("\(label): \(error.message)")
                 continue
             } catch {
-                problems.append("\(label): \(error)")
+                problems.append("\(label): cannot be read")
+                unreadable = true
                 continue
             }
             // A file is one document; an NDJSON file one per non-blank line, labelled with its line number.
@@ -40,7 +47,12 @@ struct InputReader {
                 }
             }
         }
-        return (inputs, problems)
+        return (inputs, problems, unreadable)
+    }
+
+    /// An input that could not be read (exit 66, EX_NOINPUT), as distinct from one that was read and is bad.
+    struct Unreadable: Error {
+        var reason: String
     }
 
     /// The non-blank lines of `data` with their 1-based numbers, without line ends (LF or CRLF).
@@ -94,30 +106,41 @@ struct InputReader {
 
     private func load(_ path: String) throws -> Data {
         let fileLimit = ndjson ? Int.max : maximumSize
-        if path == "-" {
-            var data = Data()
-            while let chunk = try FileHandle.standardInput.read(upToCount: 1 << 20), !chunk.isEmpty {
+        if path == "-" { return try readAll(FileHandle.standardInput, limit: fileLimit) }
+        var isDirectory: ObjCBool = false
+        guard FileManager.default.fileExists(atPath: path, isDirectory: &isDirectory) else {
+            throw Unreadable(reason: "no such file")
+        }
+        if isDirectory.boolValue { throw Unreadable(reason: "is a directory, not a file") }
+        guard FileManager.default.isReadableFile(atPath: path) else {
+            throw Unreadable(reason: "permission denied")
+        }
+        let attributes = try? FileManager.default.attributesOfItem(atPath: path)
+        if attributes?[.type] as? FileAttributeType == .typeRegular, let size = (attributes?[.size] as? NSNumber)?.intValue,
+            size > fileLimit
+        {
+            throw DataQueueError(.invalidResource, "file is \(size) bytes, over the limit of \(maximumSize) bytes")
+        }
+        // Read as a stream: a pipe or process substitution (`<(cat p.json)`, /dev/fd/63) has no size.
+        guard let handle = FileHandle(forReadingAtPath: path) else { throw Unreadable(reason: "cannot be read") }
+        defer { try? handle.close() }
+        return try readAll(handle, limit: fileLimit)
+    }
+
+    /// Reads to the end, refusing more than `limit` bytes.
+    private func readAll(_ handle: FileHandle, limit: Int) throws -> Data {
+        var data = Data()
+        do {
+            while let chunk = try handle.read(upToCount: 1 << 20), !chunk.isEmpty {
                 data.append(chunk)
-                if data.count > fileLimit {
+                if data.count > limit {
                     throw DataQueueError(.invalidResource, "input is over the limit of \(maximumSize) bytes")
                 }
             }
-            return data
-        }
-        var isDirectory: ObjCBool = false
-        guard FileManager.default.fileExists(atPath: path, isDirectory: &isDirectory) else {
-            throw DataQueueError(.invalidResource, "no such file")
-        }
-        if isDirectory.boolValue { throw DataQueueError(.invalidResource, "is a directory, not a file") }
-        guard FileManager.default.isReadableFile(atPath: path) else {
-            throw DataQueueError(.invalidResource, "permission denied")
-        }
-        let attributes = try? FileManager.default.attributesOfItem(atPath: path)
-        if let size = (attributes?[.size] as? NSNumber)?.intValue, size > fileLimit {
-            throw DataQueueError(.invalidResource, "file is \(size) bytes, over the limit of \(maximumSize) bytes")
-        }
-        guard let data = FileManager.default.contents(atPath: path) else {
-            throw DataQueueError(.invalidResource, "cannot be read")
+        } catch let error as DataQueueError {
+            throw error
+        } catch {
+            throw Unreadable(reason: "cannot be read")
         }
         return data
     }

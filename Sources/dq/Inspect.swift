@@ -5,25 +5,95 @@ import Foundation
 extension DQ {
     struct Status: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
-            commandName: "status", abstract: "Show counts of the queue and the server's backoff state.")
+            commandName: "status",
+            abstract: "Show counts of the queue and the server's backoff state.",
+            discussion: "With --all, or when no server is configured, every queue in the database is shown.")
         @OptionGroup var queueOptions: QueueOptions
+        @Flag(help: "Every queue in the database, whatever server is configured.") var all = false
         @Flag(help: "Print as JSON.") var json = false
 
         func run() async throws {
+            let settings: DataQueueSettings
+            do {
+                settings = try DataQueueSettings.load(options: queueOptions)
+            } catch let error as DataQueueError {
+                printError("dq: \(error.message)")
+                throw ExitCode(Exit.code(for: error))
+            }
+            if all || settings.server == nil {
+                let database = settings.database ?? DataQueue.defaultDatabasePath()
+                let statuses: [QueueStatus]
+                do {
+                    statuses = try await DataQueue.allQueueStatuses(databasePath: database)
+                } catch let error as DataQueueError {
+                    printError("dq: \(error.message)")
+                    throw ExitCode(Exit.code(for: error))
+                }
+                if json { try printJSON(statuses); return }
+                print("database: \(database)")
+                if statuses.isEmpty { print("no queues") }
+                for status in statuses {
+                    print("")
+                    Self.printStatus(status)
+                }
+                return
+            }
             try await withQueue(queueOptions, readOnly: true) { queue in
                 let status = try await queue.status()
                 if json { try printJSON(status); return }
-                print("queue:      \(status.queue)")
+                Self.printStatus(status)
                 print("database:   \(queue.configuration.databasePath)")
-                print("pending:    \(status.pending)")
-                print("parked:     \(status.parked)")
-                print("delivered:  \(status.delivered)")
-                print("oldest:     \(formatDate(status.oldestPendingAt))")
-                if status.consecutiveFailures > 0 {
-                    print("failures:   \(status.consecutiveFailures) in a row; next try after \(formatDate(status.nextAttemptAt))")
-                    print("last error: \(status.lastError ?? "-")")
+                let others = try await queue.allQueueStatuses().filter { $0.queue != status.queue && $0.pending + $0.parked > 0 }
+                for other in others {
+                    print("elsewhere:  \(other.queue): \(other.pending) pending, \(other.parked) parked (dq status --all)")
                 }
             }
+        }
+
+        static func printStatus(_ status: QueueStatus) {
+            print("queue:      \(status.queue)")
+            print("pending:    \(status.pending)")
+            print("parked:     \(status.parked)")
+            print("delivered:  \(status.delivered)")
+            print("oldest:     \(formatDate(status.oldestPendingAt))")
+            if status.consecutiveFailures > 0 {
+                print("failures:   \(status.consecutiveFailures) in a row; next try after \(formatDate(status.nextAttemptAt))")
+                print("last error: \(status.lastError ?? "-")")
+            }
+        }
+    }
+
+    struct Doctor: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            commandName: "doctor",
+            abstract: "Check the queue database's integrity (read-only) and say how to recover a damaged one.",
+            discussion: "Exit 0 when the database is sound, 74 when SQLite finds damage.")
+        @OptionGroup var queueOptions: QueueOptions
+
+        func run() async throws {
+            let settings = try? DataQueueSettings.load(options: queueOptions)
+            let database = settings?.database ?? DataQueue.defaultDatabasePath()
+            let problems: [String]
+            do {
+                problems = try await DataQueue.integrityCheck(databasePath: database)
+            } catch let error as DataQueueError {
+                printError("dq: \(error.message)")
+                throw ExitCode(Exit.code(for: error))
+            }
+            if problems == ["ok"] {
+                print("\(database): ok")
+                return
+            }
+            for problem in problems.prefix(20) { printError("dq: \(problem)") }
+            printError(
+                """
+                dq: \(database) is damaged. Stop every dq process and service using it, keep a copy, then recover                 what SQLite can read into a new file and put it in place:
+                  cp \(database) \(database).damaged
+                  sqlite3 \(database).damaged ".recover" | sqlite3 \(database).recovered
+                  mv \(database).recovered \(database)
+                then run dq status --all and dq list to see what was saved.
+                """)
+            throw ExitCode(Exit.ioError)
         }
     }
 
@@ -44,7 +114,14 @@ extension DQ {
         func run() async throws {
             try await withQueue(queueOptions, readOnly: true) { queue in
                 let state: ItemState? = parked ? .parked : pending ? .pending : nil
-                let items = try await queue.items(state: state, limit: limit)
+                var items = try await queue.items(state: state, limit: limit + 1)
+                let more = items.count > limit
+                if more {
+                    items.removeLast()
+                    let status = try await queue.status()
+                    let total = state == .parked ? status.parked : state == .pending ? status.pending : status.pending + status.parked
+                    printError("dq: showing the first \(limit) of \(total) items; use --limit to see more")
+                }
                 if json { try printJSON(items); return }
                 if items.isEmpty { print("no items"); return }
                 print("SEQ\tID\tSTATE\tMETHOD\tTYPE\tATTEMPTS\tENQUEUED\tLAST ERROR")
@@ -61,13 +138,32 @@ extension DQ {
         static let configuration = CommandConfiguration(
             commandName: "show", abstract: "Show one queued item and the server's last answer.")
         @OptionGroup var queueOptions: QueueOptions
-        @Argument(help: "The item's id (or a unique prefix of 4+ characters) or sequence number.") var id: String
+        @Argument(help: "The item's id, a unique prefix or suffix of it (4+ characters), or its sequence number.")
+        var id: String
         @Flag(help: "Also print the stored body (may contain PHI).") var body = false
         @Flag(help: "Print as JSON.") var json = false
 
         func run() async throws {
             try await withQueue(queueOptions, readOnly: true) { queue in
-                let (item, data) = try await queue.item(id)
+                let item: QueuedItem
+                let data: Data
+                do {
+                    (item, data) = try await queue.item(id)
+                } catch let error as DataQueueError where error.code == .notFound {
+                    // No longer queued: the journal says what became of it.
+                    guard let record = try await queue.journalRecord(id) else { throw error }
+                    if json { try printJSON(record); return }
+                    print("id:        \(record.id.uuidString.lowercased())")
+                    print("state:     \(record.event.rawValue) (from the journal; the item is no longer queued)")
+                    print("request:   \(record.method.rawValue) \(record.url)")
+                    print("type:      \(record.resourceType)")
+                    print("at:        \(formatDate(record.at))")
+                    print("status:    \(record.status.map(String.init) ?? "-")")
+                    print("location:  \(record.location ?? "-")")
+                    print("attempts:  \(record.attempts)")
+                    if let note = record.note { print("note:      \(note)") }
+                    return
+                }
                 if json {
                     struct Shown: Encodable { var item: QueuedItem; var body: String? }
                     try printJSON(Shown(item: item, body: body ? String(decoding: data, as: UTF8.self) : nil))
@@ -92,11 +188,12 @@ extension DQ {
         static let configuration = CommandConfiguration(
             commandName: "retry", abstract: "Put parked items back in line for the next flush.")
         @OptionGroup var queueOptions: QueueOptions
-        @Argument(help: "The item's id or sequence number.") var id: String?
+        @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number.") var id: String?
         @Flag(help: "Retry every parked item.") var allParked = false
         @Flag(
             inversion: .prefixedNo,
-            help: "--no-conditional: send the item as a plain create from now on, even in idempotent mode (for a server that refuses its If-None-Exist); --conditional: let idempotent mode apply again."
+            help:
+                "--no-conditional: send the item as a plain create from now on, even in idempotent mode (for a server that refuses its If-None-Exist); --conditional: let idempotent mode apply again."
         ) var conditional: Bool?
 
         func validate() throws {
@@ -121,7 +218,7 @@ extension DQ {
             commandName: "drop",
             abstract: "Remove an item without sending it (recorded in the journal).")
         @OptionGroup var queueOptions: QueueOptions
-        @Argument(help: "The item's id or sequence number.") var id: String
+        @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number.") var id: String
 
         func run() async throws {
             try await withQueue(queueOptions) { queue in
@@ -148,10 +245,10 @@ extension DQ {
                 let records = try await queue.deliveries(limit: limit)
                 if json { try printJSON(records); return }
                 if records.isEmpty { print("no deliveries"); return }
-                print("AT\tEVENT\tID\tMETHOD\tTYPE\tSTATUS\tLOCATION\tATTEMPTS")
+                print("AT\tEVENT\tID\tMETHOD\tTYPE\tSTATUS\tLOCATION\tATTEMPTS\tNOTE")
                 for record in records {
                     print(
-                        "\(formatDate(record.at))\t\(record.event.rawValue)\t\(record.id.uuidString.lowercased())\t\(record.method.rawValue)\t\(record.resourceType)\t\(record.status.map(String.init) ?? "-")\t\(record.location ?? "-")\t\(record.attempts)"
+                        "\(formatDate(record.at))\t\(record.event.rawValue)\t\(record.id.uuidString.lowercased())\t\(record.method.rawValue)\t\(record.resourceType)\t\(record.status.map(String.init) ?? "-")\t\(record.location ?? "-")\t\(record.attempts)\t\(record.note ?? "-")"
                     )
                 }
             }

@@ -57,9 +57,18 @@ struct InputHardeningTests {
     func conditionalCreateInsertion() throws {
         let id = UUID()
         let cases: [(String, String)] = [
-            (#" {"resourceType":"Patient","value":1.50}"#, #" {"identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"}],"resourceType":"Patient","value":1.50}"#),
-            (#"{"resourceType":"Patient","identifier":[]}"#, #"{"resourceType":"Patient","identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"}]}"#),
-            (#"{"resourceType":"Patient","identifier":[{"value":"v"}]}"#, #"{"resourceType":"Patient","identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"},{"value":"v"}]}"#),
+            (
+                #" {"resourceType":"Patient","value":1.50}"#,
+                #" {"identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"}],"resourceType":"Patient","value":1.50}"#
+            ),
+            (
+                #"{"resourceType":"Patient","identifier":[]}"#,
+                #"{"resourceType":"Patient","identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"}]}"#
+            ),
+            (
+                #"{"resourceType":"Patient","identifier":[{"value":"v"}]}"#,
+                #"{"resourceType":"Patient","identifier":[{"system":"urn:ietf:rfc:3986","value":"urn:uuid:X"},{"value":"v"}]}"#
+            ),
         ]
         for (input, expected) in cases {
             let (body, condition) = try ConditionalCreate.prepare(Data(input.utf8), itemID: id, isBundle: false)

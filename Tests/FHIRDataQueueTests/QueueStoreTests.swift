@@ -146,16 +146,17 @@ struct QueueStoreTests {
         let recorder = DeliveryRecorder(store: store)
         try recorder.record(
             QueueStore.Delivery(
-                item: first, url: "http://h/fhir/Patient", status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a", versionID: "1"))
+                item: first, url: "http://h/fhir/Patient", status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a",
+                versionID: "1"))
         try await recorder.finish()
         let second = try await store.item(String(sequences[1])).info
-        try await store.park(second, status: 400, error: "rejected", outcome: "{}")
+        try await store.park(second, url: "http://h/fhir/Patient", status: 400, error: "rejected", outcome: "{}")
         let third = try await store.item(String(sequences[2])).info
         try await store.drop(third, url: "http://h/fhir/Patient")
         let status = try await store.status(queue: "http://h/fhir")
         #expect(status.pending == 0 && status.parked == 1 && status.delivered == 1)
         let journal = try await store.deliveries(queue: nil, limit: 10)
-        #expect(journal.map(\.event) == [.delivered, .dropped])
+        #expect(journal.map(\.event) == [.delivered, .parked, .dropped])
         #expect(journal.first?.serverID == "a")
         #expect(try await store.retry(sequence: second.sequence))
         #expect(try await store.status(queue: "http://h/fhir").pending == 1)

@@ -107,4 +107,31 @@ struct TransportDecisionTests {
         #expect(error.message.contains(why))
         #expect(!error.message.contains("u:p"))
     }
+
+    @Test("A redirect parks the item naming the status, its reason and where it pointed (without the query)")
+    func redirectInWords() {
+        let result = ResponseClassification.classify(
+            status: 307, body: Data(), retryAfter: nil, envelope: false, location: "https://other.example/fhir/Patient?t=secret")
+        guard case .permanent(let message) = result else {
+            Issue.record("a redirect is permanent for the item: \(result)")
+            return
+        }
+        #expect(message.contains("307 Temporary Redirect"))
+        #expect(message.contains("https://other.example/fhir/Patient"))
+        #expect(!message.contains("secret"))
+    }
+
+    @Test(
+        "TLS failures are told in words",
+        arguments: [
+            (
+                "handshakeFailed(BoringSSLError.sslError([error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED]))",
+                "trusted issuer"
+            ),
+            ("NIOSSLExtraError.failedToValidateHostname: Couldn't find <none> in certificate", "does not name this host"),
+            ("sslError: certificate has expired", "has expired"),
+        ])
+    func tlsInWords(text: String, words: String) {
+        #expect(FHIRTransport.describeTLS(text)?.contains(words) == true)
+    }
 }

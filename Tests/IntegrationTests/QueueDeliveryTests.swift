@@ -78,7 +78,8 @@ struct QueueDeliveryTests {
         #expect(items.count == 1)
         let id = try #require(items.first?["id"] as? String)
         #expect(items.first?["lastStatus"] as? Int == 400)
-        #expect((items.first?["outcome"] as? String)?.contains("OperationOutcome") == true)
+        // The server's OperationOutcome is embedded as JSON, not as a string holding JSON.
+        #expect((items.first?["outcome"] as? [String: Any])?["resourceType"] as? String == "OperationOutcome")
 
         let show = try await dq(["show", id], env)
         #expect(show.status == 0)

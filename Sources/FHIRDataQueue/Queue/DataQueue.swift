@@ -419,7 +419,7 @@ open class DataQueue: @unchecked Sendable {
                 case .rejected(let status, let message, let outcome):
                     // Earlier deliveries reach the journal before this item's state changes.
                     try await recorder.finish()
-                    try await store.park(item, status: status, error: message, outcome: outcome)
+                    try await store.park(item, url: url, status: status, error: message, outcome: outcome)
                     report.parked += 1
                     logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
                     if item.sequence == tracking { tracked = .parked(item, reason: message) }
@@ -517,7 +517,7 @@ open class DataQueue: @unchecked Sendable {
             }
             switch ResponseClassification.classify(
                 status: response.status, body: response.body, retryAfter: response.retryAfter,
-                envelope: item.info.encrypted)
+                envelope: item.info.encrypted, location: response.location)
             {
             case .success:
                 return .delivered(response, conditional: request.ifNoneExist != nil)
@@ -609,6 +609,34 @@ open class DataQueue: @unchecked Sendable {
         let stored = try await store.item(reference)
         try await store.drop(stored.info, url: (try? requestURL(for: stored.info)) ?? stored.info.url)
         return stored.info
+    }
+
+    /// The newest journal line of an item that is no longer queued (delivered, already present or dropped),
+    /// or its parking: by UUID, a unique prefix or suffix, or sequence number. Nil when the journal has none.
+    public func journalRecord(_ reference: String) async throws -> DeliveryRecord? {
+        try await store.journalLine(reference)
+    }
+
+    /// Every queue in this queue's database with its counts (servers other than this one included), so that
+    /// an operator sees all that is pending whatever server they name.
+    public func allQueueStatuses() async throws -> [QueueStatus] {
+        try await store.allStatuses()
+    }
+
+    /// Every queue in the database at `databasePath` with its counts, read without naming a server: the
+    /// database is opened read-only and nothing is created.
+    /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there.
+    public static func allQueueStatuses(databasePath: String) async throws -> [QueueStatus] {
+        let store = try QueueStore(path: databasePath, durability: .full, readOnly: true)
+        return try await store.allStatuses()
+    }
+
+    /// Runs SQLite's `PRAGMA integrity_check` on the database at `databasePath`, opened read-only:
+    /// `["ok"]` when it is sound, else the problems SQLite names.
+    /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there or it cannot be read.
+    public static func integrityCheck(databasePath: String) async throws -> [String] {
+        let store = try QueueStore(path: databasePath, durability: .full, readOnly: true)
+        return try await store.integrityCheck()
     }
 
     /// The delivery journal of this queue, oldest first (the newest `limit` lines).

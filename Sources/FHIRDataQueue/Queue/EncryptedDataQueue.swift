@@ -79,7 +79,8 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {
         guard method == .post else {
             throw DataQueueError(
                 .invalidResource,
-                "an encrypted resource cannot be sent as an update (PUT): the encrypted endpoint only takes new envelopes (POST); use create")
+                "an encrypted resource cannot be sent as an update (PUT): the encrypted endpoint only takes new envelopes (POST); use create"
+            )
         }
         let envelope = try sealer.seal(resource.data)
         return PreparedRequest(

@@ -63,8 +63,10 @@ public struct DeliveryRecord: Sendable, Encodable, Hashable {
         /// A conditional create (idempotent mode) found the resource already on the server, answered 200 with
         /// its location, and created nothing: an earlier attempt whose answer was lost had stored it.
         case alreadyPresent = "already-present"
-        /// An operator removed the item from the queue without sending it.
+        /// An operator removed the item from the queue without sending it (the line keeps its last status).
         case dropped
+        /// The server rejected the item for good; it stays in the queue, parked, for an operator.
+        case parked
     }
     /// The journal's own sequence number.
     public let sequence: Int64
@@ -92,8 +94,10 @@ public struct DeliveryRecord: Sendable, Encodable, Hashable {
     public let attempts: Int
     /// When the item was enqueued.
     public let enqueuedAt: Date
-    /// When it was delivered or dropped.
+    /// When it was delivered, parked or dropped.
     public let at: Date
+    /// Why it was parked, or what it last failed with when dropped (PHI-free).
+    public var note: String? = nil
 }
 
 /// Counts of a queue, for `dq status`.
@@ -139,7 +143,14 @@ extension QueuedItem {
         try container.encodeIfPresent(lastAttemptAt, forKey: .lastAttemptAt)
         try container.encodeIfPresent(lastStatus, forKey: .lastStatus)
         try container.encodeIfPresent(lastError, forKey: .lastError)
-        try container.encodeIfPresent(outcome, forKey: .outcome)
+        // The server's answer is embedded as JSON when it is JSON (an OperationOutcome), else as text.
+        if let outcome {
+            if let value = JSONValue(parsing: outcome) {
+                try container.encode(value, forKey: .outcome)
+            } else {
+                try container.encode(outcome, forKey: .outcome)
+            }
+        }
         try container.encode(size, forKey: .size)
     }
 }
@@ -147,7 +158,7 @@ extension QueuedItem {
 extension DeliveryRecord {
     private enum CodingKeys: String, CodingKey {
         case sequence, id, event, queue, method, url, resourceType, status, location, serverID, versionID, attempts
-        case enqueuedAt, at
+        case enqueuedAt, at, note
     }
 
     /// Encodes the record with its id in lowercase, as dq prints ids everywhere.
@@ -167,5 +178,48 @@ extension DeliveryRecord {
         try container.encode(attempts, forKey: .attempts)
         try container.encode(enqueuedAt, forKey: .enqueuedAt)
         try container.encode(at, forKey: .at)
+        try container.encodeIfPresent(note, forKey: .note)
+    }
+}
+
+/// A JSON value parsed from text, to embed a server's answer in dq's own JSON output as JSON.
+enum JSONValue: Encodable {
+    case null, bool(Bool), number(NSNumber), string(String), array([JSONValue]), object([String: JSONValue])
+
+    /// Parses `text`, or nil when it is not a JSON object or array.
+    init?(parsing text: String) {
+        let trimmed = text.drop { $0 == " " || $0 == "\n" || $0 == "\r" || $0 == "\t" }
+        guard trimmed.first == "{" || trimmed.first == "[",
+            let object = try? JSONSerialization.jsonObject(with: Data(text.utf8))
+        else { return nil }
+        self.init(object)
+    }
+
+    init(_ object: Any) {
+        switch object {
+        case let dictionary as [String: Any]: self = .object(dictionary.mapValues(JSONValue.init))
+        case let array as [Any]: self = .array(array.map(JSONValue.init))
+        case let text as String: self = .string(text)
+        case let number as NSNumber:
+            self = String(cString: number.objCType) == "c" || type(of: object) == Bool.self ? .bool(number.boolValue) : .number(number)
+        default: self = .null
+        }
+    }
+
+    func encode(to encoder: any Encoder) throws {
+        var container = encoder.singleValueContainer()
+        switch self {
+        case .null: try container.encodeNil()
+        case .bool(let flag): try container.encode(flag)
+        case .number(let number):
+            if let exact = Int64(exactly: number.doubleValue), number.stringValue == String(exact) {
+                try container.encode(exact)
+            } else {
+                try container.encode(number.doubleValue)
+            }
+        case .string(let text): try container.encode(text)
+        case .array(let values): try container.encode(values)
+        case .object(let members): try container.encode(members)
+        }
     }
 }

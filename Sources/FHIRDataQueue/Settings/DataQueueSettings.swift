@@ -43,6 +43,10 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// The directory that relative paths in the file (keys, certificates, credentials) are relative to: the
     /// file's own directory when loaded with ``load(contentsOf:)``. Not read from the file.
     public var baseDirectory: String?
+    /// The file the settings were loaded from, if any. Not read from the file.
+    public var sourcePath: String?
+    /// Whether the file itself (not the environment) holds a secret: a bearer token or a client secret.
+    public var fileHoldsSecret = false
 
     /// The `retry` object.
     public struct Retry: Sendable, Decodable {
@@ -139,6 +143,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
         var settings = try decode(data, source: path)
         settings.baseDirectory = (path as NSString).deletingLastPathComponent
+        settings.sourcePath = path
+        settings.fileHoldsSecret = settings.auth?.bearerToken != nil || settings.auth?.clientSecret != nil
         return settings
     }
 
@@ -150,8 +156,31 @@ public struct DataQueueSettings: Sendable, Decodable {
             throw error
         } catch DecodingError.typeMismatch(_, let context) where !context.codingPath.isEmpty {
             throw configError("\(SettingsKeys.name(context.codingPath)) has the wrong type")
+        } catch DecodingError.dataCorrupted {
+            // Where the JSON breaks (never the text around it): Foundation's parser names a character offset.
+            if let at = errorOffset(in: data) {
+                let before = data.prefix(at)
+                let line = before.reduce(1) { $1 == UInt8(ascii: "\n") ? $0 + 1 : $0 }
+                let column = at - (before.lastIndex(of: UInt8(ascii: "\n")).map { $0 - data.startIndex + 1 } ?? 0) + 1
+                throw configError("\(source) is not a JSON object: invalid JSON at line \(line), column \(column)")
+            }
+            throw configError("\(source) is not a JSON object")
         } catch {
             throw configError("\(source) is not a JSON object")
+        }
+    }
+
+    /// The byte offset where `data` stops being JSON, as Foundation's parser reports it.
+    private static func errorOffset(in data: Data) -> Int? {
+        do {
+            _ = try JSONSerialization.jsonObject(with: data)
+            return nil
+        } catch {
+            let text = (error as NSError).userInfo[NSDebugDescriptionErrorKey] as? String ?? ""
+            guard let range = text.range(of: #"character \d+"#, options: String.CompareOptions.regularExpression),
+                let offset = Int(text[range].dropFirst("character ".count))
+            else { return nil }
+            return min(offset, data.count)
         }
     }
 

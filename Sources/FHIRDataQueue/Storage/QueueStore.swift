@@ -220,6 +220,8 @@ final class QueueStore: Sendable {
             // `conditional_create`: NULL follows the queue's idempotent setting when the item is sent; 0 sends a
             // plain create (an operator's choice for a server that refuses conditional create).
             try db.execute(sql: "ALTER TABLE item ADD COLUMN conditional_create INTEGER")
+            // `note`: why an item was parked or what it last failed with when dropped (PHI-free).
+            try db.execute(sql: "ALTER TABLE delivery ADD COLUMN note TEXT")
             // Item URLs become paths relative to the configured endpoint, so that a row can never send a
             // resource (or credentials) to a host of its own; queue names take their normal form.
             let rows = try Row.fetchAll(db, sql: "SELECT seq, queue, url, resource_type, encrypted FROM item")
@@ -428,15 +430,37 @@ final class QueueStore: Sendable {
     }
 
     /// Parks an item the server rejected permanently, keeping the server's answer.
-    func park(_ item: QueuedItem, status: Int?, error: String, outcome: String?) async throws {
+    /// The journal records the parking as an event (with the reason, never the body): `dq log` shows it.
+    func park(_ item: QueuedItem, url: String, status: Int?, error: String, outcome: String?) async throws {
         try await immediate("park an item") { db in
+            let now = Date().timeIntervalSince1970
             try db.execute(
                 sql: """
                     UPDATE item SET state = 'parked', attempts = attempts + 1, last_attempt_at = ?, last_status = ?,
                                     last_error = ?, outcome = ? WHERE seq = ?
                     """,
-                arguments: [Date().timeIntervalSince1970, status, error, outcome, item.sequence])
+                arguments: [now, status, error, outcome, item.sequence])
+            guard db.changesCount == 1 else { return }
+            try Self.journalEvent(
+                .parked, item: item, url: url, status: status, note: error, attempts: item.attempts + 1, at: now, db: db)
         }
+    }
+
+    /// A journal line for an event other than a delivery.
+    private static func journalEvent(
+        _ event: DeliveryRecord.Event, item: QueuedItem, url: String, status: Int?, note: String?, attempts: Int,
+        at: Double, db: Database
+    ) throws {
+        try db.execute(
+            sql: """
+                INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
+                                      server_id, version_id, attempts, enqueued_at, at, note)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?, ?, ?)
+                """,
+            arguments: [
+                item.sequence, item.id.lowercasedString, event.rawValue, item.queue, item.method.rawValue, url,
+                item.resourceType, status, attempts, item.enqueuedAt.timeIntervalSince1970, at, note,
+            ])
     }
 
     /// Records a transient failure of `item` (if any) and the server's next allowed attempt.
@@ -519,7 +543,8 @@ final class QueueStore: Sendable {
     /// All queue names that hold items or deliveries.
     func queues() async throws -> [String] {
         try await read("list queues") { db in
-            try String.fetchAll(db, sql: "SELECT queue FROM item UNION SELECT queue FROM delivery ORDER BY 1")
+            try String.fetchAll(
+                db, sql: "SELECT queue FROM item UNION SELECT queue FROM delivery UNION SELECT queue FROM server_state ORDER BY 1")
         }
     }
 
@@ -596,18 +621,60 @@ final class QueueStore: Sendable {
     /// Removes an item without sending it, recording the drop in the journal.
     func drop(_ item: QueuedItem, url: String) async throws {
         try await immediate("drop an item") { db in
+            // The row as it is now: its last status and error stay in the journal line.
+            let row = try Row.fetchOne(db, sql: "SELECT last_status, last_error FROM item WHERE seq = ?", arguments: [item.sequence])
             try db.execute(sql: "DELETE FROM item WHERE seq = ?", arguments: [item.sequence])
             guard db.changesCount == 1 else { return }
-            try db.execute(
-                sql: """
-                    INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
-                                          server_id, version_id, attempts, enqueued_at, at)
-                    VALUES (?, ?, 'dropped', ?, ?, ?, ?, NULL, NULL, NULL, NULL, ?, ?, ?)
-                    """,
-                arguments: [
-                    item.sequence, item.id.lowercasedString, item.queue, item.method.rawValue, url,
-                    item.resourceType, item.attempts, item.enqueuedAt.timeIntervalSince1970, Date().timeIntervalSince1970,
-                ])
+            try Self.journalEvent(
+                .dropped, item: item, url: url, status: row?["last_status"], note: row?["last_error"], attempts: item.attempts,
+                at: Date().timeIntervalSince1970, db: db)
+        }
+    }
+
+    /// The newest journal line of the item `reference` names (UUID, unique prefix or suffix, or sequence
+    /// number), or nil when the journal has none.
+    func journalLine(_ reference: String) async throws -> DeliveryRecord? {
+        try await read("read the delivery journal") { db in
+            let rows: [Row]
+            if let sequence = Int64(reference) {
+                rows = try Row.fetchAll(
+                    db, sql: "SELECT * FROM delivery WHERE item_seq = ? ORDER BY seq DESC LIMIT 1", arguments: [sequence])
+            } else {
+                let part = reference.lowercased()
+                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return nil }
+                let uuids = try String.fetchAll(
+                    db,
+                    sql: "SELECT DISTINCT uuid FROM delivery WHERE uuid LIKE ? OR uuid LIKE ? LIMIT 2",
+                    arguments: [part + "%", "%" + part])
+                guard uuids.count == 1 else {
+                    if uuids.count > 1 {
+                        throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id")
+                    }
+                    return nil
+                }
+                rows = try Row.fetchAll(
+                    db, sql: "SELECT * FROM delivery WHERE uuid = ? ORDER BY seq DESC LIMIT 1", arguments: [uuids[0]])
+            }
+            return try rows.first.map(Self.deliveryRecord)
+        }
+    }
+
+    /// Every queue of the database with its counts, in name order.
+    func allStatuses() async throws -> [QueueStatus] {
+        var statuses: [QueueStatus] = []
+        for queue in try await queues() { statuses.append(try await status(queue: queue)) }
+        return statuses
+    }
+
+    /// The result of SQLite's `PRAGMA integrity_check`: `["ok"]` for a sound file, else the problems found.
+    func integrityCheck() async throws -> [String] {
+        do {
+            return try await database.read { db in try String.fetchAll(db, sql: "PRAGMA integrity_check") }
+        } catch let error as DatabaseError where error.resultCode == .SQLITE_CORRUPT || error.resultCode == .SQLITE_NOTADB {
+            // Damage bad enough that the check itself cannot run is a finding, not a failure to check.
+            return ["SQLite: \(error.message ?? "database disk image is malformed")"]
+        } catch {
+            throw QueueStore.mapError(error, doing: "check the database")
         }
     }
 
@@ -676,7 +743,8 @@ final class QueueStore: Sendable {
             sequence: row["seq"], id: uuid, event: event, queue: row["queue"], method: method, url: row["url"],
             resourceType: row["resource_type"], status: row["status"], location: row["location"],
             serverID: row["server_id"], versionID: row["version_id"], attempts: row["attempts"],
-            enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]), at: Date(timeIntervalSince1970: row["at"]))
+            enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]), at: Date(timeIntervalSince1970: row["at"]),
+            note: row["note"])
     }
 }
 

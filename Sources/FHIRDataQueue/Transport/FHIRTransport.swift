@@ -106,7 +106,8 @@ final class FHIRTransport: Sendable {
                 body: .byteBuffer(ByteBuffer(data: request.body)))
             let delegate = ResponseSummary(limit: maximumResponseBytes)
             let (head, body) = try await client.execute(
-                request: http, delegate: delegate, deadline: .now() + timeout, logger: logger
+                request: http, delegate: delegate, deadline: .now() + timeout,
+                logger: logger.logLevel <= .trace ? logger : Self.silent
             ).futureResult.get()
             return TransportResponse(
                 status: Int(head.status.code),
@@ -137,6 +138,9 @@ final class FHIRTransport: Sendable {
             || text.contains("NIOConnectionError")
     }
 
+    /// The HTTP client's own request logs are internals: shown only at trace level.
+    static let silent = Logger(label: "dq.http", factory: { _ in SwiftLogNoOpLogHandler() })
+
     /// The URL without query or user info, safe to log.
     static func redacted(_ url: String) -> String {
         guard var components = URLComponents(string: url) else { return "the server" }
@@ -153,12 +157,45 @@ final class FHIRTransport: Sendable {
             case .connectTimeout: return "connect timed out"
             case .remoteConnectionClosed: return "connection closed by the server"
             case .readTimeout: return "read timed out"
-            default: return "\(error)"
+            default: break
             }
         }
-        let text = "\(error)"
+        let text = String(reflecting: error)
+        if let tls = describeTLS(text) { return tls }
         if text.contains("connectionRefused") || text.contains("Connection refused") { return "connection refused" }
-        return text.count > 200 ? String(text.prefix(200)) : text
+        if text.contains("getaddrinfo") || text.contains("NXDOMAIN") || text.contains("unknownHost") {
+            return "the server's host name could not be resolved"
+        }
+        let plain = "\(error)"
+        return plain.count > 200 ? String(plain.prefix(200)) + "…" : plain
+    }
+
+    /// A certificate or TLS failure in words: what is wrong and what to do.
+    ///
+    /// dq treats these as temporary (the item stays queued and the server backs off): an expired or wrong
+    /// certificate is fixed at the server, without any change on dq's side. The words tell the operator.
+    static func describeTLS(_ text: String) -> String? {
+        let lowered = text.lowercased()
+        if lowered.contains("failedtovalidatehostname") || lowered.contains("hostname mismatch")
+            || (lowered.contains("couldn't find") && lowered.contains("in certificate"))
+        {
+            return "TLS: the server's certificate does not name this host (name mismatch)"
+        }
+        if lowered.contains("certificate has expired") || lowered.contains("certificate_expired") {
+            return "TLS: the server's certificate has expired"
+        }
+        if lowered.contains("not yet valid") {
+            return "TLS: the server's certificate is not valid yet (check the clocks)"
+        }
+        if lowered.contains("self signed") || lowered.contains("self-signed") || lowered.contains("unable to get local issuer")
+            || lowered.contains("certificate_verify_failed") || lowered.contains("unknown ca")
+        {
+            return "TLS: the server's certificate is not from a trusted issuer (for a private CA set \"ca_bundle\")"
+        }
+        if lowered.contains("nisslerror") || lowered.contains("handshakefailed") || lowered.contains("boringssl") {
+            return "TLS: the handshake with the server failed"
+        }
+        return nil
     }
 }
 

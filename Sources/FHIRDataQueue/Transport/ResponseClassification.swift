@@ -18,7 +18,9 @@ enum ResponseClassification: Equatable, Sendable {
     /// - 401 and 403 are authentication failures.
     /// - 408, 429 and 5xx are transient (with `Retry-After` when given).
     /// - Every other status (other 4xx, 3xx, 1xx) is permanent for that request.
-    static func classify(status: Int, body: Data, retryAfter: TimeInterval?, envelope: Bool) -> ResponseClassification {
+    static func classify(
+        status: Int, body: Data, retryAfter: TimeInterval?, envelope: Bool, location: String? = nil
+    ) -> ResponseClassification {
         switch status {
         case 200..<300:
             if envelope, let message = envelopeErrorBody(body) {
@@ -28,9 +30,16 @@ enum ResponseClassification: Equatable, Sendable {
         case 401, 403:
             return .authentication("server answered \(status) \(reason(status))")
         case 408, 429, 500..<600:
-            return .transient("server answered \(status) \(reason(status))", retryAfter: retryAfter)
+            let name = reason(status)
+            return .transient("server answered \(status)\(name.isEmpty ? "" : " " + name)", retryAfter: retryAfter)
+        case 300..<400:
+            // dq never follows a redirect: it would resend the resource (and credentials) to another address.
+            let target = location.map { " to \(FHIRTransport.redacted($0))" } ?? ""
+            return .permanent(
+                "server redirected the request (\(status) \(reason(status)))\(target); dq does not follow redirects: check the base URL")
         default:
-            return .permanent("server rejected the request with \(status) \(reason(status))")
+            let name = reason(status)
+            return .permanent("server rejected the request with \(status)\(name.isEmpty ? "" : " " + name)")
         }
     }
 
@@ -59,6 +68,11 @@ enum ResponseClassification: Equatable, Sendable {
 
     static func reason(_ status: Int) -> String {
         switch status {
+        case 301: return "Moved Permanently"
+        case 302: return "Found"
+        case 303: return "See Other"
+        case 307: return "Temporary Redirect"
+        case 308: return "Permanent Redirect"
         case 400: return "Bad Request"
         case 401: return "Unauthorized"
         case 403: return "Forbidden"

@@ -112,17 +112,27 @@ final class FaultProxy: @unchecked Sendable {
         try await self.init(upstreamPort: upstream.port, random: random, seed: seed, stall: stall)
     }
 
-    init(upstreamPort: Int, random: Double = 0, seed: Int = 0, stall: Double = 3) async throws {
+    /// `tls` serves HTTPS with the given certificate and key (PEM files) instead of plain HTTP.
+    init(
+        upstreamPort: Int, random: Double = 0, seed: Int = 0, stall: Double = 3, tls: (cert: String, key: String)? = nil
+    ) async throws {
         port = Peers.freePort()
         let script = Peers.packageRoot.appendingPathComponent("scripts/faultproxy.py").path
-        child = try ChildProcess(
-            "/usr/bin/env",
-            [
-                "python3", script, "--listen", String(port), "--upstream", "http://127.0.0.1:\(upstreamPort)",
-                "--random", String(random), "--seed", String(seed), "--stall", String(stall),
-            ])
-        let url = "http://127.0.0.1:\(port)/__proxy/stats"
-        let ready = try await eventually(timeout: .seconds(20)) { (try? await HTTP.get(url))?.0 == 200 }
+        var arguments = [
+            "python3", script, "--listen", String(port), "--upstream", "http://127.0.0.1:\(upstreamPort)",
+            "--random", String(random), "--seed", String(seed), "--stall", String(stall),
+        ]
+        if let tls { arguments += ["--tls-cert", tls.cert, "--tls-key", tls.key] }
+        child = try ChildProcess("/usr/bin/env", arguments)
+        let ready: Bool
+        if tls != nil {
+            // An HTTPS proxy with a certificate the test client does not trust: wait for its port to accept.
+            let listening = port
+            ready = try await eventually(timeout: .seconds(20)) { Peers.isListening(port: listening) }
+        } else {
+            let url = "http://127.0.0.1:\(port)/__proxy/stats"
+            ready = try await eventually(timeout: .seconds(20)) { (try? await HTTP.get(url))?.0 == 200 }
+        }
         if !ready { throw TestFailure("faultproxy did not start") }
     }
 

@@ -1,0 +1,214 @@
+import Foundation
+import GRDB
+import Testing
+
+/// What an operator with cron, a terminal and monitoring relies on: exit codes, quiet runs, one view of every
+/// queue, the journal's whole story, and messages in words.
+@Suite("Operator experience", .serialized, .enabled(if: Peers.enabled))
+struct OperatorTests {
+    let work: TemporaryDirectory
+    let resources = Resources()
+
+    init() throws { work = try TemporaryDirectory() }
+
+    func environment(_ server: String) -> [String: String] {
+        ["DQ_SERVER": server, "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
+    }
+
+    func json(_ text: String) throws -> [String: Any] {
+        try #require(try JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any])
+    }
+
+    @Test("A flush that parked items exits 65; one with nothing to do prints nothing; -q prints errors only")
+    func flushExitCodesAndQuiet() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base)
+        let empty = try await dq(["flush"], env)
+        #expect(empty.status == 0 && empty.stdout.isEmpty && empty.stderr.isEmpty, "\(empty.stdout)\(empty.stderr)")
+
+        let lines = [resources.observation(0), resources.invalid(1), resources.observation(2)]
+        let file = try work.write("mixed.ndjson", lines.joined(separator: "\n"))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        let parked = try await dq(["flush", "--json"], env)
+        #expect(parked.status == 65, "\(parked.stderr)")
+        let summary = try json(parked.stdout)
+        #expect(summary["parked"] as? Int == 1 && summary["delivered"] as? Int == 2 && summary["exitCode"] as? Int == 65)
+
+        // The next run parks nothing new: 0, and a reminder on stderr (not with -q).
+        let again = try await dq(["flush"], env)
+        #expect(again.status == 0)
+        #expect(again.stdout.isEmpty, "nothing happened: \(again.stdout)")
+        #expect(again.stderr.contains("1 parked item(s) need an operator"))
+        let quiet = try await dq(["flush", "-q"], env)
+        #expect(quiet.status == 0 && quiet.stdout.isEmpty && quiet.stderr.isEmpty)
+
+        let more = try work.write("more.ndjson", resources.ndjson(3..<5))
+        #expect(try await dq(["enqueue", "--ndjson", more], env).status == 0)
+        let quietDelivery = try await dq(["flush", "--quiet"], env)
+        #expect(quietDelivery.status == 0 && quietDelivery.stdout.isEmpty, "\(quietDelivery.stdout)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "2", "3", "4"])
+    }
+
+    @Test("status --all shows every queue; a flush for a server with nothing says where items wait")
+    func everyQueue() async throws {
+        let server = try await FHIRServer.start()
+        let down = "http://127.0.0.1:\(Peers.freePort())/fhir"
+        let file = try work.write("two.ndjson", resources.ndjson(0..<2))
+        #expect(try await dq(["enqueue", "--ndjson", file], environment(down)).status == 0)
+        #expect(try await dq(["enqueue", "--ndjson", file], environment(server.base)).status == 0)
+        #expect(try await dq(["flush"], environment(server.base)).status == 0)
+
+        let flush = try await dq(["flush"], environment(server.base))
+        #expect(flush.status == 0)
+        #expect(flush.stderr.contains("2 item(s) wait for \(down)"), "\(flush.stderr)")
+
+        let all = try await dq(["status", "--all", "--json"], environment(server.base))
+        let statuses = try #require(try JSONSerialization.jsonObject(with: Data(all.stdout.utf8)) as? [[String: Any]])
+        #expect(statuses.count == 2)
+        let byQueue = Dictionary(uniqueKeysWithValues: statuses.map { ($0["queue"] as? String ?? "", $0) })
+        #expect(byQueue[down]?["pending"] as? Int == 2)
+        #expect(byQueue[server.base]?["delivered"] as? Int == 2)
+        // No server configured at all: every queue, too.
+        let noServer = try await dq(["status"], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
+        #expect(noServer.status == 0, "\(noServer.stderr)")
+        #expect(noServer.stdout.contains(down) && noServer.stdout.contains(server.base))
+    }
+
+    @Test("show reads a delivered item from the journal; log shows parked and dropped events with their status")
+    func journalStory() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base)
+        let file = try work.write("two.ndjson", [resources.observation(0), resources.invalid(1)].joined(separator: "\n"))
+        let queued = try await dq(["enqueue", "--ndjson", "--json", file], env)
+        let items = try #require(try JSONSerialization.jsonObject(with: Data(queued.stdout.utf8)) as? [[String: Any]])
+        let delivered = try #require(items.first?["id"] as? String)
+        let rejected = try #require(items.last?["id"] as? String)
+        #expect(try await dq(["flush"], env).status == 65)
+
+        let show = try await dq(["show", delivered], env)
+        #expect(show.status == 0, "\(show.stderr)")
+        #expect(show.stdout.contains("delivered (from the journal"))
+        #expect(show.stdout.contains(server.base + "/Observation/"))
+
+        #expect(try await dq(["drop", rejected], env).status == 0)
+        let log = try await dq(["log", "--json"], env)
+        let journal = try #require(try JSONSerialization.jsonObject(with: Data(log.stdout.utf8)) as? [[String: Any]])
+        #expect(journal.map { $0["event"] as? String } == ["delivered", "parked", "dropped"])
+        #expect(journal[1]["status"] as? Int == 400 && (journal[1]["note"] as? String)?.contains("400") == true)
+        #expect(journal[2]["status"] as? Int == 400, "a dropped item keeps its last status")
+        let dropped = try await dq(["show", rejected], env)
+        #expect(dropped.status == 0 && dropped.stdout.contains("dropped"))
+    }
+
+    @Test("list says when it shows only part of the queue")
+    func listNotice() async throws {
+        let env = environment("http://127.0.0.1:9/fhir")
+        let file = try work.write("three.ndjson", resources.ndjson(0..<3))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        let list = try await dq(["list", "--limit", "2", "--json"], env)
+        #expect(list.status == 0)
+        let items = try #require(try JSONSerialization.jsonObject(with: Data(list.stdout.utf8)) as? [[String: Any]])
+        #expect(items.count == 2)
+        #expect(list.stderr.contains("showing the first 2 of 3 items"), "\(list.stderr)")
+        let all = try await dq(["list"], env)
+        #expect(all.stderr.isEmpty)
+    }
+
+    @Test("A missing input file exits 66; a pipe given as a path (process substitution) is read")
+    func inputFiles() async throws {
+        let env = environment("http://127.0.0.1:9/fhir")
+        let missing = try await dq(["enqueue", work.file("nope.json")], env)
+        #expect(missing.status == 66, "\(missing.stderr)")
+        #expect(missing.stderr.contains("nope.json: no such file"))
+        let piped = try await dq(["enqueue", "/dev/stdin"], env, stdin: Data(#"{"resourceType":"Patient"}"#.utf8))
+        #expect(piped.status == 0, "\(piped.stderr)")
+    }
+
+    @Test("Malformed JSON in the config file names the line and column")
+    func configLineColumn() async throws {
+        let config = try work.write("dq.json", "{\n  \"server\": \"http://127.0.0.1:9/fhir\",\n  oops\n}")
+        let result = try await dq(["status", "--config", config], environment("http://127.0.0.1:9/fhir"))
+        #expect(result.status == 78)
+        #expect(result.stderr.contains("line 3"), "\(result.stderr)")
+    }
+
+    @Test("Help and usage: dq alone is a usage error, read commands offer no sending options, version prints")
+    func helpAndUsage() async throws {
+        let bare = try await dq([], [:])
+        #expect(bare.status == 64)
+        #expect(bare.stderr.contains("SUBCOMMANDS"))
+        let statusHelp = try await dq(["status", "--help"], [:])
+        #expect(statusHelp.status == 0)
+        #expect(!statusHelp.stdout.contains("--idempotent") && !statusHelp.stdout.contains("--durability"))
+        #expect(!statusHelp.stdout.contains("(default: "), "no doubled defaults")
+        let showHelp = try await dq(["show", "--help"], [:])
+        #expect(showHelp.stdout.contains("suffix"))
+        let flushHelp = try await dq(["flush", "--help"], [:])
+        #expect(flushHelp.stdout.contains("--quiet") && flushHelp.stdout.contains("--idempotent"))
+        let version = try await dq(["version"], [:])
+        #expect(version.status == 0 && version.stdout.hasPrefix("dq "))
+        let completion = try await dq(["--generate-completion-script", "bash"], [:])
+        #expect(completion.status == 0 && completion.stdout.contains("_dq"))
+    }
+
+    @Test("Warnings: a config file with a secret readable by others, a token over plain http to another host")
+    func exposureWarnings() async throws {
+        let config = try work.write(
+            "dq.json", #"{"server":"http://fhir.example.invalid/fhir","auth":{"bearer_token":"s3cr3t-value"}}"#)
+        chmod(config, 0o644)
+        let result = try await dq(
+            ["enqueue", "--config", config, "-"], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path],
+            stdin: Data(#"{"resourceType":"Patient"}"#.utf8))
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(result.stderr.contains("readable by others") && result.stderr.contains("chmod 600"))
+        #expect(result.stderr.contains("plain http to fhir.example.invalid"))
+        #expect(!result.stderr.contains("s3cr3t-value"))
+        chmod(config, 0o600)
+        let quiet = try await dq(["status", "--config", config], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
+        #expect(!quiet.stderr.contains("readable by others"))
+    }
+
+    @Test("doctor: a sound database is ok (0); a damaged one exits 74 with the recovery steps")
+    func doctor() async throws {
+        let env = environment("http://127.0.0.1:9/fhir")
+        let file = try work.write("many.ndjson", resources.ndjson(0..<400))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        let sound = try await dq(["doctor"], env)
+        #expect(sound.status == 0 && sound.stdout.contains(": ok"), "\(sound.stderr)")
+        // Overwrite pages in the middle of the file (the item table's b-tree), as a failing disk would.
+        let handle = try FileHandle(forWritingTo: URL(fileURLWithPath: work.file("queue.sqlite")))
+        try handle.seek(toOffset: 4096 * 4)
+        try handle.write(contentsOf: Data(repeating: 0xA5, count: 4096 * 3))
+        try handle.close()
+        let damaged = try await dq(["doctor"], env)
+        #expect(damaged.status == 74, "\(damaged.stdout)\(damaged.stderr)")
+        #expect(damaged.stderr.contains(".recover"), "\(damaged.stderr)")
+    }
+
+    @Test("TLS failures are named in words: an untrusted issuer, a name mismatch")
+    func tlsInWords() async throws {
+        let server = try await FHIRServer.start()
+        let cert = work.file("tls.crt")
+        let key = work.file("tls.key")
+        let made = try await ChildProcess(
+            "/usr/bin/openssl",
+            [
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj",
+                "/CN=elsewhere.example", "-addext", "subjectAltName=DNS:elsewhere.example",
+            ]
+        ).wait()
+        #expect(made.status == 0, "\(made.stderr)")
+        let proxy = try await FaultProxy(upstreamPort: server.port, tls: (cert, key))
+        let env = environment("https://127.0.0.1:\(proxy.port)/fhir")
+        let sample = try work.write("p.json", resources.observation(0))
+        let untrusted = try await dq(["send", sample], env)
+        #expect(untrusted.status == 75)
+        #expect(untrusted.stderr.contains("not from a trusted issuer"), "\(untrusted.stderr)")
+        #expect(!untrusted.stderr.contains("CNIOBoring") && !untrusted.stderr.contains("swift-nio-ssl"))
+        var trusted = env
+        trusted["DQ_CA_BUNDLE"] = cert
+        let mismatch = try await dq(["flush", "--now"], trusted)
+        #expect(mismatch.status == 75)
+        #expect(mismatch.stderr.contains("does not name this host"), "\(mismatch.stderr)")
+    }
+}
