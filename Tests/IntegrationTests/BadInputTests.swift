@@ -69,7 +69,7 @@ struct BadInputTests {
         #expect(result.stderr.contains(reason), "\(result.stderr)")
     }
 
-    @Test("A file over the size limit, a directory and a missing file are rejected with exit 65")
+    @Test("A file over the size limit is rejected with exit 65; a directory and a missing file with 66 (EX_NOINPUT)")
     func filesystemProblems() async throws {
         let good = try work.write("good.json", #"{"resourceType":"Patient"}"#)
         #expect(try await dq(["enqueue", good], env).status == 0)
@@ -79,10 +79,10 @@ struct BadInputTests {
         #expect(over.status == 65)
         #expect(over.stderr.contains("over the limit of 1000 bytes"))
         let directory = try await dq(["enqueue", work.path], env)
-        #expect(directory.status == 65)
+        #expect(directory.status == 66)
         #expect(directory.stderr.contains("is a directory"))
         let missing = try await dq(["enqueue", work.file("nope.json")], env)
-        #expect(missing.status == 65)
+        #expect(missing.status == 66)
         #expect(missing.stderr.contains("no such file"))
         #expect(try snapshot() == before)
     }
@@ -128,7 +128,8 @@ struct BadInputTests {
 
     @Test("A missing server setting exits 78 naming \"server\"; ./dq.json is read when present")
     func missingServer() async throws {
-        let result = try await dq(["status"], ["HOME": work.path], directory: work.path)
+        // (dq status needs no server: without one it shows every queue; flush needs one.)
+        let result = try await dq(["flush"], ["HOME": work.path], directory: work.path)
         #expect(result.status == 78)
         #expect(result.stderr.contains("\"server\" is missing"))
         _ = try work.write("dq.json", #"{"server":"http://127.0.0.1:9/fhir","database":"\#(work.file("cfg.sqlite"))"}"#)
