@@ -391,12 +391,16 @@ struct FlushHardeningTests {
     func callersClient() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
         let client = HTTPClient(eventLoopGroupProvider: .singleton)
+        let auth = RecordingAuthorization()
         let queue = try DataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!, configuration: .init(databasePath: databasePath),
-            httpClient: client)
+            authorization: auth, httpClient: client)
         try await queue.enqueue(Self.patient(1))
         #expect(try await queue.flush().delivered == 1)
+        #expect(server.requests.first?.header("Authorization") == "Bearer recorded")
+        #expect(!auth.isShutDown)
         try await queue.shutdown()
+        #expect(auth.isShutDown, "the queue's shutdown shut down its authorization provider")
         // Still usable by its owner after the queue is gone.
         let again = try DataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!, configuration: .init(databasePath: databasePath),
@@ -407,4 +411,14 @@ struct FlushHardeningTests {
         try await client.shutdown()
         try await server.shutdown()
     }
+}
+
+/// An authorization provider that records whether it was shut down.
+final class RecordingAuthorization: AuthorizationProvider {
+    private let state = Mutex(false)
+    var isShutDown: Bool { state.withLock { $0 } }
+
+    func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String? { "Bearer recorded" }
+
+    func shutdown() async throws { state.withLock { $0 = true } }
 }
