@@ -14,6 +14,10 @@ from a script that tests fill through the control endpoint, or drawn at random w
   stall:SECONDS   forward, then hold the answer SECONDS before sending it (beyond a client timeout)
   pad:BYTES       forward, then add BYTES of trailing whitespace to the answer's body (a huge answer)
 
+Server behaviours (flags): --max-entries N answers 413 to a transaction Bundle of more than N entries;
+--no-transactions answers 405 to every transaction Bundle; --latency MS delays every request by MS
+milliseconds each way (a slow link). Stats count the transaction Bundles forwarded and their entries.
+
 Control (never forwarded):
   POST /__proxy/faults   JSON list of faults to append to the script
   GET  /__proxy/stats    JSON counts: requests, forwarded, and each fault injected
@@ -32,7 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
 SCRIPT = []
-STATS = {"requests": 0, "forwarded": 0, "faults": {}, "tokens": [], "registrations": []}
+STATS = {"requests": 0, "forwarded": 0, "faults": {}, "tokens": [], "registrations": [], "bundles": 0, "entries": 0,
+         "refused_bundles": 0}
 ARGS = None
 RNG = random.Random(0)
 RANDOM_FAULTS = ["503:1", "drop-before", "drop-after", "delay:50", "stall:STALL"]
@@ -95,6 +100,18 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def _transaction_entries(self, body):
+        """The number of entries when the request is a transaction Bundle posted to the base, else None."""
+        if self.command != "POST" or not body.startswith(b"{") or b'"transaction"' not in body[:200]:
+            return None
+        try:
+            bundle = json.loads(body)
+        except ValueError:
+            return None
+        if bundle.get("resourceType") != "Bundle" or bundle.get("type") != "transaction":
+            return None
+        return len(bundle.get("entry", []))
+
     def _forward(self, body):
         upstream = urllib.parse.urlsplit(ARGS.upstream)
         connection = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=60)
@@ -121,6 +138,22 @@ class Handler(BaseHTTPRequestHandler):
         if "register" in self.path and self.command == "POST":
             with LOCK:  # lets tests check what a registration request carried
                 STATS["registrations"].append({"headers": dict(self.headers.items()), "body": body.decode("utf-8", "replace")})
+        if ARGS.latency > 0:
+            time.sleep(ARGS.latency / 1000.0)
+        entries = self._transaction_entries(body)
+        if entries is not None:
+            too_many = ARGS.max_entries > 0 and entries > ARGS.max_entries
+            if ARGS.no_transactions or too_many:
+                with LOCK:
+                    STATS["requests"] += 1
+                    STATS["refused_bundles"] += 1
+                if too_many:
+                    return self._reply(413, b'{"resourceType":"OperationOutcome","issue":[{"severity":"error",'
+                                       b'"code":"too-costly","diagnostics":"too many entries"}]}',
+                                       {"Content-Type": "application/fhir+json"})
+                return self._reply(405, b'{"resourceType":"OperationOutcome","issue":[{"severity":"error",'
+                                   b'"code":"not-supported","diagnostics":"transaction is not supported"}]}',
+                                   {"Content-Type": "application/fhir+json"})
         fault = next_fault()
         name = fault.split(":")[0]
         if name != "pass":
@@ -134,6 +167,12 @@ class Handler(BaseHTTPRequestHandler):
         if name == "delay":
             time.sleep(int(fault.split(":")[1]) / 1000.0)
         status, data, headers = self._forward(body)
+        if entries is not None:
+            with LOCK:
+                STATS["bundles"] += 1
+                STATS["entries"] += entries
+        if ARGS.latency > 0:
+            time.sleep(ARGS.latency / 1000.0)
         if name == "drop-after":
             return self._drop()
         if name == "stall":
@@ -156,6 +195,9 @@ def main():
     parser.add_argument("--random", type=float, default=0.0, help="share of requests given a random fault")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stall", type=float, default=3.0, help="seconds a random stall lasts")
+    parser.add_argument("--max-entries", type=int, default=0, help="413 for transaction Bundles with more entries")
+    parser.add_argument("--no-transactions", action="store_true", help="405 for every transaction Bundle")
+    parser.add_argument("--latency", type=float, default=0.0, help="milliseconds added each way to every request")
     parser.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     ARGS = parser.parse_args()

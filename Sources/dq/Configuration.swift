@@ -19,6 +19,7 @@ extension DataQueueSettings {
             if let durability = sending.durability { settings.durability = durability }
             if sending.idempotent { settings.idempotent = true }
             if let timeout = sending.timeout { settings.timeoutSeconds = timeout }
+            if let batchSize = sending.batchSize { settings.batchSize = Double(batchSize) }
         }
         return settings
     }

@@ -69,8 +69,18 @@ struct SendingOptions: ParsableArguments {
     @Option(parsing: .unconditional, help: "The deadline of one request, in seconds (the default is 30).")
     var timeout: Double?
 
+    @Option(
+        parsing: .unconditional,
+        help:
+            "The most items per request (transaction Bundle entries); 1 sends one request per item. Overrides \"batch_size\"; the default is automatic."
+    )
+    var batchSize: Int?
+
     func validate() throws {
         if let timeout { try checkFlagSeconds(timeout, name: "--timeout", allowZero: false) }
+        if let batchSize, !(1...DataQueue.Configuration.maximumBatchSize).contains(batchSize) {
+            throw ValidationError("--batch-size must be from 1 to \(DataQueue.Configuration.maximumBatchSize)")
+        }
     }
 }
 

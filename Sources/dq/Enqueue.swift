@@ -23,18 +23,19 @@ struct InputOptions: ParsableArguments {
 
     /// Reads every input; on any problem prints each and exits without queueing anything: 66 when an input
     /// file is missing or unreadable, else 65.
-    func resources(limit: Int, queue: DataQueue) throws -> [(FHIRResource, FHIRMethod)] {
+    func resources(limit: Int, queue: DataQueue) throws -> [QueueEntry] {
         let reader = InputReader(maximumSize: maxBytes ?? limit, ndjson: ndjson)
         let (inputs, problems, unreadable) = reader.read(files)
         var invalid = problems
-        var resources: [(FHIRResource, FHIRMethod)] = []
+        var resources: [QueueEntry] = []
         for input in inputs {
-            let method = method.method(for: input.resource, queue: queue)
-            if method == .put && input.resource.id == nil {
+            var entry = input.entry
+            entry.method = method.method(for: entry, queue: queue)
+            if entry.method == .put && entry.resource.id == nil {
                 invalid.append("\(input.label): a PUT (update) needs the resource's \"id\"")
                 continue
             }
-            resources.append((input.resource, method))
+            resources.append(entry)
         }
         if !invalid.isEmpty {
             for problem in invalid { printError("dq: \(problem)") }
@@ -63,7 +64,7 @@ extension DQ {
         func run() async throws {
             try await withQueue(queueOptions, sending: sending) { queue in
                 let resources = try input.resources(limit: queue.configuration.maximumResourceSize, queue: queue)
-                let items = try await queue.enqueue(contentsOf: resources)
+                let items = try await queue.enqueue(resources)
                 if json {
                     try printJSON(items)
                 } else {
@@ -90,7 +91,7 @@ extension DQ {
         func run() async throws {
             let code: Int32 = try await withQueue(queueOptions, sending: sending) { queue in
                 let resources = try input.resources(limit: queue.configuration.maximumResourceSize, queue: queue)
-                let items = try await queue.enqueue(contentsOf: resources)
+                let items = try await queue.enqueue(resources)
                 let report = try await queue.flush(force: false, lockWait: queue.configuration.lockWait)
                 var delivered = 0
                 var parked = 0

@@ -95,18 +95,22 @@ extension DQ {
                         var stopped: String?
                         var exitCode: Int32
                         var otherQueuesPending: [String: Int]
+                        var requests: Int
+                        var bundleEntries: Int
                     }
                     try printJSON(
                         Summary(
                             queue: queue.queueName, delivered: report.delivered, parked: report.parked,
                             remaining: report.remaining, parkedTotal: report.parkedTotal, stopped: stopText, exitCode: code,
-                            otherQueuesPending: Dictionary(uniqueKeysWithValues: elsewhere.map { ($0.queue, $0.pending) })))
+                            otherQueuesPending: Dictionary(uniqueKeysWithValues: elsewhere.map { ($0.queue, $0.pending) }),
+                            requests: report.requests, bundleEntries: report.bundleEntries))
                     return code
                 }
                 let happened = report.delivered + report.parked + report.remaining > 0 || report.stop != nil
                 if !quiet && (happened || queueOptions.verbose) {
+                    let requests = report.bundleEntries > 0 ? " (\(report.requests) requests, with Bundles)" : ""
                     print(
-                        "flushed \(queue.queueName): \(report.delivered) delivered, \(report.parked) parked, \(report.remaining) pending, \(report.parkedTotal) parked in total"
+                        "flushed \(queue.queueName): \(report.delivered) delivered, \(report.parked) parked, \(report.remaining) pending, \(report.parkedTotal) parked in total\(requests)"
                     )
                 }
                 if let stopText { printError("dq: \(stopText)") }

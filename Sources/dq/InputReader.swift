@@ -12,7 +12,8 @@ struct InputReader {
 
     struct Input {
         var label: String
-        var resource: FHIRResource
+        var entry: QueueEntry
+        var resource: FHIRResource { entry.resource }
     }
 
     /// Every input's resources and every problem, and whether an input file could not be read at all.
@@ -42,7 +43,7 @@ struct InputReader {
             let results = Self.validateConcurrently(documents.map(\.1), maximumSize: maximumSize)
             for (index, result) in results.enumerated() {
                 switch result {
-                case .success(let resource): inputs.append(Input(label: documents[index].0, resource: resource))
+                case .success(let entry): inputs.append(Input(label: documents[index].0, entry: entry))
                 case .failure(let problem): problems.append("\(documents[index].0): \(problem.message)")
                 }
             }
@@ -86,14 +87,14 @@ struct InputReader {
 
     /// Validates `documents` on every core (validation is pure CPU work and the documents are independent);
     /// the results keep the input order.
-    static func validateConcurrently(_ documents: [Data], maximumSize: Int) -> [Result<FHIRResource, DataQueueError>] {
+    static func validateConcurrently(_ documents: [Data], maximumSize: Int) -> [Result<QueueEntry, DataQueueError>] {
         let results = ResultSlots(count: documents.count)
         defer { results.deallocate() }
         let chunk = 1024
         DispatchQueue.concurrentPerform(iterations: (documents.count + chunk - 1) / chunk) { part in
             for index in part * chunk..<min(documents.count, (part + 1) * chunk) {
                 do {
-                    results.set(index, .success(try FHIRResource(json: documents[index], maximumSize: maximumSize)))
+                    results.set(index, .success(try QueueEntry(json: documents[index], maximumSize: maximumSize)))
                 } catch let error as DataQueueError {
                     results.set(index, .failure(error))
                 } catch {
@@ -161,11 +162,11 @@ enum MethodChoice: String, ExpressibleByArgument, CaseIterable {
 
     /// `auto` asks the queue (``DataQueue/defaultMethod(for:)``): PUT for a resource with an id and POST
     /// otherwise (as C3-PRO did), POST for Bundles and for what an encrypted queue encrypts.
-    func method(for resource: FHIRResource, queue: DataQueue) -> FHIRMethod {
+    func method(for entry: QueueEntry, queue: DataQueue) -> FHIRMethod {
         switch self {
         case .post: return .post
         case .put: return .put
-        case .auto: return queue.defaultMethod(for: resource)
+        case .auto: return entry.declaredMethod ?? queue.defaultMethod(for: entry.resource)
         }
     }
 }
@@ -173,16 +174,16 @@ enum MethodChoice: String, ExpressibleByArgument, CaseIterable {
 /// One slot per input, written by exactly one concurrent worker each (disjoint indices), read after all
 /// workers finished: the reason the `@unchecked Sendable` is sound.
 private final class ResultSlots: @unchecked Sendable {
-    private let slots: UnsafeMutableBufferPointer<Result<FHIRResource, DataQueueError>?>
+    private let slots: UnsafeMutableBufferPointer<Result<QueueEntry, DataQueueError>?>
 
     init(count: Int) {
         slots = .allocate(capacity: count)
         slots.initialize(repeating: nil)
     }
 
-    func set(_ index: Int, _ value: Result<FHIRResource, DataQueueError>) { slots[index] = value }
+    func set(_ index: Int, _ value: Result<QueueEntry, DataQueueError>) { slots[index] = value }
 
-    func collect() -> [Result<FHIRResource, DataQueueError>] { slots.map { $0! } }
+    func collect() -> [Result<QueueEntry, DataQueueError>] { slots.map { $0! } }
 
     func deallocate() {
         slots.deinitialize()

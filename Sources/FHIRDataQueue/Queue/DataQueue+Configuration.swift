@@ -36,6 +36,17 @@ extension DataQueue {
         /// A PEM file of CA certificates to trust instead of the system's (private PKI). TLS
         /// verification is always on. The default is `nil` (the system trust store).
         public var caBundlePath: String?
+        /// The most items one request carries, as the entries of a transaction Bundle. `1` sends one request
+        /// per item. The default, nil, is automatic: dq reads the server's CapabilityStatement (at most once
+        /// per ``capabilityLifetime``, cached in the database) and sends Bundles of up to
+        /// ``defaultBatchSize`` entries when it declares the `transaction` interaction, single requests
+        /// otherwise. A server that refuses large Bundles (413) or transactions is remembered either way.
+        public var batchSize: Int?
+        /// The most body bytes one Bundle carries (at least one item always goes). The default is 8 MiB.
+        public var batchMaxBytes: Int
+        /// How long what a server's CapabilityStatement said is trusted before it is read again. The default
+        /// is one day.
+        public var capabilityLifetime: TimeInterval
         /// Opens an existing queue for reading only (status, listings, the journal): no file or directory
         /// is created and nothing is written; a missing database is an error. The default is `false`.
         public var readOnly: Bool
@@ -52,7 +63,10 @@ extension DataQueue {
             lockWait: TimeInterval = 30,
             settleDelay: TimeInterval = 1,
             caBundlePath: String? = nil,
-            readOnly: Bool = false
+            readOnly: Bool = false,
+            batchSize: Int? = nil,
+            batchMaxBytes: Int = 8 << 20,
+            capabilityLifetime: TimeInterval = 86_400
         ) {
             self.databasePath = databasePath
             self.durability = durability
@@ -65,7 +79,15 @@ extension DataQueue {
             self.settleDelay = settleDelay
             self.caBundlePath = caBundlePath
             self.readOnly = readOnly
+            self.batchSize = batchSize
+            self.batchMaxBytes = batchMaxBytes
+            self.capabilityLifetime = capabilityLifetime
         }
+
+        /// The Bundle size automatic batching uses with a server that takes transactions: 100 entries.
+        public static let defaultBatchSize = 100
+        /// The largest `batchSize` accepted.
+        public static let maximumBatchSize = 10_000
 
         /// The largest number of seconds a duration setting takes (one day).
         public static let maximumSeconds: TimeInterval = 86_400
@@ -93,6 +115,13 @@ extension DataQueue {
                     .invalidConfiguration, "maximumResourceSize must be between 64 and \(Self.maximumResourceSizeLimit) bytes")
             }
             try Self.checkDatabasePath(databasePath, name: "databasePath")
+            if let batchSize, !(1...Self.maximumBatchSize).contains(batchSize) {
+                throw DataQueueError(.invalidConfiguration, "batchSize must be from 1 to \(Self.maximumBatchSize)")
+            }
+            guard (1024...(256 << 20)).contains(batchMaxBytes) else {
+                throw DataQueueError(.invalidConfiguration, "batchMaxBytes must be from 1024 to \(256 << 20) bytes")
+            }
+            try Self.checkSeconds(capabilityLifetime, name: "capabilityLifetime", allowZero: true)
         }
 
         /// Refuses a duration that is not finite, negative (or zero when `allowZero` is false), or over a day:
@@ -200,6 +229,10 @@ public struct FlushReport: Sendable, Equatable {
     public var parkedTotal = 0
     /// Why the flush stopped early, or nil when it reached the end of the queue.
     public var stop: FlushStop?
+    /// HTTP requests this flush made to the server (a Bundle is one; the CapabilityStatement read too).
+    public var requests = 0
+    /// Items sent as entries of transaction Bundles (including Bundles split after a refusal).
+    public var bundleEntries = 0
 
     /// Creates an empty report.
     public init() {}

@@ -204,13 +204,55 @@ open class DataQueue: @unchecked Sendable {
         }
     }
 
-    private func newItem(for resource: FHIRResource, method: FHIRMethod) throws -> NewItem {
+    private func newItem(for resource: FHIRResource, method: FHIRMethod, fullURL: String? = nil) throws -> NewItem {
         let id = UUID.timeOrdered()
         let request = try prepareRequest(for: resource, method: method, itemID: id)
+        var declared: String?
+        if let fullURL {
+            guard TransactionBundle.isUUIDFullURL(fullURL) else {
+                throw DataQueueError(.invalidResource, "fullUrl must be urn:uuid: followed by a UUID")
+            }
+            guard !request.encrypted else {
+                throw DataQueueError(.invalidResource, "an encrypted resource cannot declare a fullUrl (envelopes are opaque)")
+            }
+            declared = fullURL.lowercased()
+        }
         return NewItem(
             id: id, queue: queueName, method: request.method, url: request.path, resourceType: request.resourceType,
             resourceID: request.resourceID, encrypted: request.encrypted, contentType: request.contentType,
-            body: request.body)
+            body: request.body, fullURL: declared)
+    }
+
+    /// Refuses references to `urn:uuid` fullUrls that no earlier entry of `items` and no queued or delivered
+    /// item declares, and fullUrls declared twice: such a reference could never be resolved on the server.
+    private func checkReferences(_ items: [NewItem]) async throws {
+        var declaredHere: Set<String> = []
+        var unknown: [(index: Int, fullURL: String)] = []
+        var declaredTwice: [(index: Int, fullURL: String)] = []
+        for (index, item) in items.enumerated() {
+            if let fullURL = item.fullURL, !declaredHere.insert(fullURL).inserted {
+                declaredTwice.append((index, fullURL))
+            }
+            guard !item.encrypted else { continue }
+            for reference in TransactionBundle.references(in: item.body) where !declaredHere.contains(reference.fullURL) {
+                unknown.append((index, reference.fullURL))
+            }
+        }
+        if let twice = declaredTwice.first {
+            throw DataQueueError(.invalidResource, "input \(twice.index + 1): fullUrl \(twice.fullURL) is declared twice")
+        }
+        let declaredBefore = Set(items.compactMap(\.fullURL))
+        let existing = try await store.knownFullURLs(declaredBefore.union(unknown.map(\.fullURL)))
+        if let reused = items.enumerated().first(where: { $0.element.fullURL.map(existing.contains) == true }) {
+            throw DataQueueError(
+                .invalidResource,
+                "input \(reused.offset + 1): fullUrl \(reused.element.fullURL!) is already used by a queued or delivered item")
+        }
+        if let missing = unknown.first(where: { !existing.contains($0.fullURL) }) {
+            throw DataQueueError(
+                .invalidResource,
+                "input \(missing.index + 1): references \(missing.fullURL), which no earlier item declares as its fullUrl")
+        }
     }
 
     // MARK: - Filling the queue
@@ -225,11 +267,42 @@ open class DataQueue: @unchecked Sendable {
     ///   - method: `.post` (create, the default) or `.put` (update; needs an `id`).
     /// - Returns: the queued item.
     /// - Throws: ``DataQueueError`` (`.invalidResource`, `.storage`, `.storageFull`).
+    ///   - fullURL: the `urn:uuid:…` by which later resources reference this one (as a Bundle entry's
+    ///     `fullUrl`). dq sends them in one Bundle where it can, and otherwise rewrites their references to
+    ///     where the server put this one. The default is none.
     @discardableResult
-    public func enqueue(_ resource: FHIRResource, method: FHIRMethod = .post) async throws -> QueuedItem {
-        let item = try newItem(for: resource, method: method)
+    public func enqueue(_ resource: FHIRResource, method: FHIRMethod = .post, fullURL: String? = nil) async throws
+        -> QueuedItem
+    {
+        let item = try newItem(for: resource, method: method, fullURL: fullURL)
+        if item.fullURL != nil || !TransactionBundle.references(in: item.body).isEmpty {
+            try await checkReferences([item])
+        }
         let sequence = try await store.insertGrouped(item)
         return queuedItem(item, sequence: sequence)
+    }
+
+    /// Durably queues several entries in one transaction: all of them or, on any error, none.
+    ///
+    /// An entry may declare a `fullUrl` (`urn:uuid:…`) and reference earlier ones (`"reference":
+    /// "urn:uuid:…"`), as the entries of a transaction Bundle do; a reference that no earlier entry, queued
+    /// or delivered item declares is refused.
+    ///
+    /// - Throws: ``DataQueueError``; on `.invalidResource` the message names the position of the bad input.
+    @discardableResult
+    public func enqueue(_ entries: [QueueEntry]) async throws -> [QueuedItem] {
+        var items: [NewItem] = []
+        items.reserveCapacity(entries.count)
+        for (index, entry) in entries.enumerated() {
+            do {
+                items.append(try newItem(for: entry.resource, method: entry.method, fullURL: entry.fullURL))
+            } catch let error as DataQueueError {
+                throw DataQueueError(error.code, "input \(index + 1): \(error.message)")
+            }
+        }
+        try await checkReferences(items)
+        let sequences = try await store.insert(items)
+        return zip(items, sequences).map { queuedItem($0, sequence: $1) }
     }
 
     /// Durably queues several resources in one transaction: all of them or, on any error, none.
@@ -237,17 +310,7 @@ open class DataQueue: @unchecked Sendable {
     /// - Throws: ``DataQueueError``; on `.invalidResource` the message names the position of the bad input.
     @discardableResult
     public func enqueue(contentsOf resources: [(FHIRResource, FHIRMethod)]) async throws -> [QueuedItem] {
-        var items: [NewItem] = []
-        items.reserveCapacity(resources.count)
-        for (index, entry) in resources.enumerated() {
-            do {
-                items.append(try newItem(for: entry.0, method: entry.1))
-            } catch let error as DataQueueError {
-                throw DataQueueError(error.code, "input \(index + 1): \(error.message)")
-            }
-        }
-        let sequences = try await store.insert(items)
-        return zip(items, sequences).map { queuedItem($0, sequence: $1) }
+        try await enqueue(resources.map { QueueEntry($0.0, method: $0.1) })
     }
 
     private func queuedItem(_ item: NewItem, sequence: Int64) -> QueuedItem {
@@ -331,7 +394,6 @@ open class DataQueue: @unchecked Sendable {
         progress: (@Sendable (FlushProgress) -> Void)?
     ) async throws -> (FlushReport, SendOutcome?) {
         var report = FlushReport()
-        var tracked: SendOutcome?
         // A new descriptor per flush: flock excludes other flushes in this process too.
         let lock = try FileLock(path: flushLockPath)
         guard try await lock.lock(until: .now + .milliseconds(Int64(lockWait * 1000))) else {
@@ -366,92 +428,12 @@ open class DataQueue: @unchecked Sendable {
             lock.clearInFlight()
         }
 
-        var last: Int64 = 0
-        var prefetched: ArraySlice<StoredItem> = []
-        // Journal commits run while the next items are on the wire, several deliveries per commit; a
-        // failed commit stops the flush at the next delivery, and the flush returns only once all are committed.
-        let recorder = DeliveryRecorder(store: store, beforeCommit: hooks.beforeJournalCommit)
-        do {
-            loop: while true {
-                try Task.checkCancellation()
-                if let limit, report.delivered + report.parked >= limit {
-                    report.stop = .limit
-                    break
-                }
-                if prefetched.isEmpty {
-                    prefetched = ArraySlice(
-                        try await store.pendingBatch(queue: queueName, after: last, maxCount: 16, maxBytes: 4 << 20))
-                }
-                guard let stored = prefetched.popFirst() else { break }
-                if let through, stored.info.sequence > through { break }
-                last = stored.info.sequence
-                let item = stored.info
-                // A row whose path dq did not write is refused here, before anything is sent.
-                let url = try requestURL(for: item)
-                lock.markInFlight(sequence: item.sequence)
-                let result = await deliver(stored, url: url)
-                // Without an answer (connection lost, timeout) the request may still be at the server: the
-                // marker stays, so that the next flush lets it settle first. A request that never left
-                // (connection refused) leaves nothing to settle.
-                if case .transient(nil, _, _, mayHaveArrived: true) = result {} else { lock.clearInFlight() }
-                switch result {
-                case .delivered(let response, let conditional):
-                    let (serverID, versionID) = Self.parseLocation(response.location)
-                    // A conditional create answered 200 found the resource already there (an earlier attempt
-                    // whose answer was lost, or the same data sent before).
-                    let event: DeliveryRecord.Event = conditional && response.status == 200 ? .alreadyPresent : .delivered
-                    try recorder.record(
-                        QueueStore.Delivery(
-                            item: item, event: event, url: url, status: response.status, location: response.location,
-                            serverID: serverID, versionID: versionID))
-                    if recorder.backlog >= 32 { try await recorder.finish() }
-                    report.delivered += 1
-                    logger.debug(
-                        "delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(response.status)"])
-                    if item.sequence == tracking {
-                        tracked = .delivered(
-                            DeliveryRecord(
-                                sequence: 0, id: item.id, event: event, queue: item.queue, method: item.method,
-                                url: url, resourceType: item.resourceType, status: response.status,
-                                location: response.location, serverID: serverID, versionID: versionID,
-                                attempts: item.attempts + 1, enqueuedAt: item.enqueuedAt, at: Date()))
-                    }
-                case .rejected(let status, let message, let outcome):
-                    // Earlier deliveries reach the journal before this item's state changes.
-                    try await recorder.finish()
-                    try await store.park(item, url: url, status: status, error: message, outcome: outcome)
-                    report.parked += 1
-                    logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
-                    if item.sequence == tracking { tracked = .parked(item, reason: message) }
-                case .transient(let status, let message, let retryAfter, _):
-                    // The journal commit clears the backoff: it must land before the failure is recorded, or a
-                    // late commit would erase the backoff this failure starts.
-                    try await recorder.finish()
-                    let failures = (try await store.serverState(queue: queueName).failures) + 1
-                    let retryAt = Date().addingTimeInterval(
-                        configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
-                    try await store.recordFailure(
-                        queue: queueName, item: item, status: status, error: message, nextAttemptAt: retryAt)
-                    report.stop = .transient(message, retryAt: retryAt)
-                    logger.notice("flush stopped", metadata: ["reason": "\(message)"])
-                    break loop
-                case .authentication(let status, let message):
-                    try await recorder.finish()
-                    try await store.recordFailure(queue: queueName, item: item, status: status, error: message, nextAttemptAt: nil)
-                    report.stop = .authentication(message)
-                    logger.error("authentication failed", metadata: ["reason": "\(message)"])
-                    break loop
-                }
-                progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
-            }
-        } catch {
-            // Whatever stopped the flush, deliveries already made reach the journal first.
-            try? await recorder.finish()
-            throw error
-        }
-        try await recorder.finish()
+        let flusher = Flusher(
+            queue: self, lock: lock, limit: limit, through: through, tracking: tracking, progress: progress)
+        try await flusher.run()
+        report = flusher.report
         try await fillCounts(&report)
-        return (report, tracked)
+        return (report, flusher.tracked)
     }
 
     private func fillCounts(_ report: inout FlushReport) async throws {
@@ -481,15 +463,8 @@ open class DataQueue: @unchecked Sendable {
             method: item.info.method, url: url, contentType: item.contentType, ifNoneExist: ifNoneExist, body: body)
     }
 
-    /// Sends one item, with one fresh credential and one retry after a 401/403.
-    private func deliver(_ item: StoredItem, url: String) async -> DeliveryResult {
-        let request: OutgoingRequest
-        do {
-            request = try outgoingRequest(for: item, url: url)
-        } catch {
-            let message = (error as? DataQueueError)?.message ?? "cannot prepare the request"
-            return .rejected(status: nil, message: message, outcome: nil)
-        }
+    /// Sends one request, with one fresh credential and one retry after a 401/403, and classifies the answer.
+    func deliver(_ request: OutgoingRequest, encrypted: Bool) async -> DeliveryResult {
         var refused: String?
         while true {
             let header: String?
@@ -517,7 +492,7 @@ open class DataQueue: @unchecked Sendable {
             }
             switch ResponseClassification.classify(
                 status: response.status, body: response.body, retryAfter: response.retryAfter,
-                envelope: item.info.encrypted, location: response.location)
+                envelope: encrypted, location: response.location)
             {
             case .success:
                 return .delivered(response, conditional: request.ifNoneExist != nil)

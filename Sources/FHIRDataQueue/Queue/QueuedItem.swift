@@ -98,6 +98,12 @@ public struct DeliveryRecord: Sendable, Encodable, Hashable {
     public let at: Date
     /// Why it was parked, or what it last failed with when dropped (PHI-free).
     public var note: String? = nil
+    /// The producer's `fullUrl` for the resource, if it gave one.
+    public var fullURL: String? = nil
+    /// The id of the transaction Bundle the item travelled in, when dq batched it with others.
+    public var bundle: String? = nil
+    /// For a Bundle queued as one item: the location of each of its entries, from the transaction-response.
+    public var entryLocations: [String?]? = nil
 }
 
 /// Counts of a queue, for `dq status`.
@@ -158,7 +164,7 @@ extension QueuedItem {
 extension DeliveryRecord {
     private enum CodingKeys: String, CodingKey {
         case sequence, id, event, queue, method, url, resourceType, status, location, serverID, versionID, attempts
-        case enqueuedAt, at, note
+        case enqueuedAt, at, note, fullURL, bundle, entryLocations
     }
 
     /// Encodes the record with its id in lowercase, as dq prints ids everywhere.
@@ -179,6 +185,9 @@ extension DeliveryRecord {
         try container.encode(enqueuedAt, forKey: .enqueuedAt)
         try container.encode(at, forKey: .at)
         try container.encodeIfPresent(note, forKey: .note)
+        try container.encodeIfPresent(fullURL, forKey: .fullURL)
+        try container.encodeIfPresent(bundle, forKey: .bundle)
+        try container.encodeIfPresent(entryLocations, forKey: .entryLocations)
     }
 }
 

@@ -32,6 +32,11 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var connectTimeoutSeconds: Double?
     /// `settle_seconds`: see ``DataQueue/Configuration/settleDelay``.
     public var settleSeconds: Double?
+    /// `batch_size`: the most items per request (transaction Bundle entries); `1` one request per item. Unset:
+    /// automatic (see ``DataQueue/Configuration/batchSize``).
+    public var batchSize: Double?
+    /// `batch_max_bytes`: the most body bytes per Bundle.
+    public var batchMaxBytes: Double?
     /// `retry`: the backoff after failures.
     public var retry: Retry?
     /// `ca_bundle`: PEM CAs to trust instead of the system's.
@@ -199,6 +204,10 @@ public struct DataQueueSettings: Sendable, Decodable {
             idempotent = flag
         }
         if let value = environment["DQ_CA_BUNDLE"] { caBundle = value }
+        if let text = environment["DQ_BATCH_SIZE"] {
+            guard let value = Double(text) else { throw Self.configError("DQ_BATCH_SIZE must be a whole number") }
+            batchSize = value
+        }
         if let value = environment["DQ_TOKEN"] {
             auth = auth ?? Auth()
             auth?.bearerToken = value
@@ -267,6 +276,19 @@ public struct DataQueueSettings: Sendable, Decodable {
                 throw Self.configError("\"max_resource_bytes\" must be a whole number of bytes from 64 to \(limit)")
             }
             configuration.maximumResourceSize = Int(value)
+        }
+        if let value = batchSize {
+            let limit = DataQueue.Configuration.maximumBatchSize
+            guard value.isFinite, value.rounded() == value, value >= 1, value <= Double(limit) else {
+                throw Self.configError("\"batch_size\" must be a whole number from 1 to \(limit)")
+            }
+            configuration.batchSize = Int(value)
+        }
+        if let value = batchMaxBytes {
+            guard value.isFinite, value.rounded() == value, value >= 1024, value <= Double(256 << 20) else {
+                throw Self.configError("\"batch_max_bytes\" must be a whole number of bytes from 1024 to \(256 << 20)")
+            }
+            configuration.batchMaxBytes = Int(value)
         }
         if let value = try Self.seconds(timeoutSeconds, "timeout_seconds", allowZero: false) {
             configuration.requestTimeout = value
@@ -466,6 +488,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         case connectTimeoutSeconds = "connect_timeout_seconds"
         case settleSeconds = "settle_seconds"
         case caBundle = "ca_bundle"
+        case batchSize = "batch_size"
+        case batchMaxBytes = "batch_max_bytes"
     }
 
     /// Decodes the file's object, refusing unknown keys and naming the key of a wrong type.
@@ -480,6 +504,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         timeoutSeconds = try SettingsKeys.value(container, .timeoutSeconds, "must be a number")
         connectTimeoutSeconds = try SettingsKeys.value(container, .connectTimeoutSeconds, "must be a number")
         settleSeconds = try SettingsKeys.value(container, .settleSeconds, "must be a number")
+        batchSize = try SettingsKeys.value(container, .batchSize, "must be a number")
+        batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
         retry = try SettingsKeys.value(container, .retry, "must be an object")
         caBundle = try SettingsKeys.value(container, .caBundle, "must be a string")
         auth = try SettingsKeys.value(container, .auth, "must be an object")

@@ -21,6 +21,8 @@ struct NewItem: Sendable {
     var encrypted: Bool
     var contentType: String
     var body: Data
+    /// The producer's `fullUrl` for the resource (`urn:uuid:…`), which later items may reference.
+    var fullURL: String? = nil
 }
 
 /// A stored item with what is needed to send it.
@@ -30,6 +32,8 @@ struct StoredItem: Sendable {
     /// Whether idempotent mode may send it as a conditional create (an operator can turn it off per item).
     var conditionalCreate: Bool = true
     var body: Data
+    /// The producer's `fullUrl`, if it gave one.
+    var fullURL: String? = nil
 }
 
 /// The durable SQLite queue: items, the delivery journal and per-server backoff state.
@@ -251,6 +255,22 @@ final class QueueStore: Sendable {
                 }
             }
         }
+        migrator.registerMigration("v3") { db in
+            // Bundles: an item's own fullUrl (given by its producer, `urn:uuid:…`), what each server's
+            // CapabilityStatement said about transactions (cached), and the Bundle size a server can take.
+            try db.execute(
+                sql: """
+                    ALTER TABLE item ADD COLUMN full_url TEXT;
+                    CREATE INDEX item_by_full_url ON item(full_url) WHERE full_url IS NOT NULL;
+                    ALTER TABLE delivery ADD COLUMN full_url TEXT;
+                    ALTER TABLE delivery ADD COLUMN bundle TEXT;
+                    ALTER TABLE delivery ADD COLUMN entries TEXT;
+                    CREATE INDEX delivery_by_full_url ON delivery(full_url) WHERE full_url IS NOT NULL;
+                    ALTER TABLE server_state ADD COLUMN transactions INTEGER;
+                    ALTER TABLE server_state ADD COLUMN capability_at REAL;
+                    ALTER TABLE server_state ADD COLUMN batch_limit INTEGER;
+                    """)
+        }
         return migrator
     }
 
@@ -339,15 +359,15 @@ final class QueueStore: Sendable {
         let statement = try db.cachedStatement(
             sql: """
                 INSERT INTO item (uuid, queue, method, url, resource_type, resource_id, encrypted, content_type,
-                                  body, enqueued_at)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                  body, enqueued_at, full_url)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                 """)
         var sequences: [Int64] = []
         sequences.reserveCapacity(items.count)
         for item in items {
             try statement.execute(arguments: [
                 item.id.lowercasedString, item.queue, item.method.rawValue, item.url, item.resourceType,
-                item.resourceID, item.encrypted, item.contentType, item.body, now,
+                item.resourceID, item.encrypted, item.contentType, item.body, now, item.fullURL,
             ])
             sequences.append(db.lastInsertedRowID)
         }
@@ -396,6 +416,12 @@ final class QueueStore: Sendable {
         var location: String?
         var serverID: String?
         var versionID: String?
+        /// The item's producer-given fullUrl (so later references to it can be rewritten).
+        var fullURL: String? = nil
+        /// The id of the Bundle request it travelled in, when it did.
+        var bundle: String? = nil
+        /// For a Bundle queued as one item: its entries' locations from the transaction-response (JSON array).
+        var entries: String? = nil
     }
 
     /// Moves delivered items to the journal in one transaction and clears the server's backoff, on the
@@ -411,8 +437,8 @@ final class QueueStore: Sendable {
         let insert = try db.cachedStatement(
             sql: """
                 INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
-                                      server_id, version_id, attempts, enqueued_at, at)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                      server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                 """)
         for delivery in deliveries {
             let item = delivery.item
@@ -421,7 +447,8 @@ final class QueueStore: Sendable {
             try insert.execute(arguments: [
                 item.sequence, item.id.lowercasedString, delivery.event.rawValue, item.queue, item.method.rawValue, delivery.url,
                 item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
-                item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now,
+                item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now, delivery.fullURL, delivery.bundle,
+                delivery.entries,
             ])
         }
         try db.cachedStatement(
@@ -484,6 +511,82 @@ final class QueueStore: Sendable {
                                                      last_error = excluded.last_error
                     """,
                 arguments: [queue, nextAttemptAt?.timeIntervalSince1970, error])
+        }
+    }
+
+    /// What is known of a server's Bundle support: whether its CapabilityStatement declares transactions
+    /// (and when it was read), and the largest Bundle it took after refusing a larger one.
+    struct BundleSupport: Sendable, Equatable {
+        var transactions: Bool?
+        var checkedAt: Date?
+        var batchLimit: Int?
+    }
+
+    func bundleSupport(queue: String) async throws -> BundleSupport {
+        try await read("read the server state") { db in
+            guard let row = try Row.fetchOne(db, sql: "SELECT * FROM server_state WHERE queue = ?", arguments: [queue])
+            else { return BundleSupport() }
+            let transactions: Int? = row["transactions"]
+            let checked: Double? = row["capability_at"]
+            return BundleSupport(
+                transactions: transactions.map { $0 != 0 }, checkedAt: checked.map(Date.init(timeIntervalSince1970:)),
+                batchLimit: row["batch_limit"])
+        }
+    }
+
+    /// Records what the CapabilityStatement said (`transactions`) and when, or a Bundle size limit learnt
+    /// from a refusal (`batchLimit`; 1 means the server takes no transactions).
+    func recordBundleSupport(queue: String, transactions: Bool? = nil, batchLimit: Int? = nil) async throws {
+        try await immediate("record what the server supports") { db in
+            try db.execute(
+                sql: "INSERT INTO server_state (queue, failures) VALUES (?, 0) ON CONFLICT(queue) DO NOTHING",
+                arguments: [queue])
+            if let transactions {
+                try db.execute(
+                    sql: "UPDATE server_state SET transactions = ?, capability_at = ? WHERE queue = ?",
+                    arguments: [transactions, Date().timeIntervalSince1970, queue])
+            }
+            if let batchLimit {
+                try db.execute(sql: "UPDATE server_state SET batch_limit = ? WHERE queue = ?", arguments: [batchLimit, queue])
+            }
+        }
+    }
+
+    /// Where items delivered earlier with these fullUrls now live on the server (`Type/id`), by fullUrl;
+    /// fullUrls not delivered are absent.
+    func deliveredLocations(fullURLs: [String]) async throws -> [String: String] {
+        guard !fullURLs.isEmpty else { return [:] }
+        return try await read("read the delivery journal") { db in
+            var found: [String: String] = [:]
+            for fullURL in fullURLs {
+                if let row = try Row.fetchOne(
+                    db,
+                    sql: """
+                        SELECT resource_type, server_id FROM delivery WHERE full_url = ? AND event IN ('delivered', 'already-present')
+                        ORDER BY seq DESC LIMIT 1
+                        """,
+                    arguments: [fullURL]),
+                    let id = row["server_id"] as String?
+                {
+                    found[fullURL] = (row["resource_type"] as String) + "/" + id
+                }
+            }
+            return found
+        }
+    }
+
+    /// Which of `fullURLs` some item declares: queued (any state) or in the journal.
+    func knownFullURLs(_ fullURLs: Set<String>) async throws -> Set<String> {
+        guard !fullURLs.isEmpty else { return [] }
+        return try await read("read the queue") { db in
+            var known: Set<String> = []
+            for fullURL in fullURLs {
+                let queued = try Bool.fetchOne(db, sql: "SELECT 1 FROM item WHERE full_url = ? LIMIT 1", arguments: [fullURL])
+                let journaled = try Bool.fetchOne(
+                    db, sql: "SELECT 1 FROM delivery WHERE full_url = ? LIMIT 1", arguments: [fullURL])
+                if queued != nil || journaled != nil { known.insert(fullURL) }
+            }
+            return known
         }
     }
 
@@ -725,7 +828,7 @@ final class QueueStore: Sendable {
         let conditional: Int? = row["conditional_create"]
         return StoredItem(
             info: try queuedItem(row), contentType: row["content_type"], conditionalCreate: conditional != 0,
-            body: row["body"])
+            body: row["body"], fullURL: row["full_url"])
     }
 
     private static func deliveryRecord(_ row: Row) throws -> DeliveryRecord {
@@ -744,7 +847,10 @@ final class QueueStore: Sendable {
             resourceType: row["resource_type"], status: row["status"], location: row["location"],
             serverID: row["server_id"], versionID: row["version_id"], attempts: row["attempts"],
             enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]), at: Date(timeIntervalSince1970: row["at"]),
-            note: row["note"])
+            note: row["note"], fullURL: row["full_url"], bundle: row["bundle"],
+            entryLocations: (row["entries"] as String?).flatMap {
+                try? JSONDecoder().decode([String?].self, from: Data($0.utf8))
+            })
     }
 }
 

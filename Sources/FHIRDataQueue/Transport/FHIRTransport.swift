@@ -15,6 +15,8 @@ struct OutgoingRequest: Sendable {
     var contentType: String
     var ifNoneExist: String?
     var body: Data
+    /// A transaction Bundle: asks for a minimal answer and reads more of it (one entry per item).
+    var isBundle = false
 }
 
 /// What came back from the server.
@@ -99,12 +101,29 @@ final class FHIRTransport: Sendable {
         headers.add(name: "Accept", value: "application/fhir+json, application/json;q=0.9, */*;q=0.1")
         headers.add(name: "User-Agent", value: "dq/\(DQVersion.current)")
         if let ifNoneExist = request.ifNoneExist { headers.add(name: "If-None-Exist", value: ifNoneExist) }
+        if request.isBundle { headers.add(name: "Prefer", value: "return=minimal") }
         if let authorization { headers.add(name: "Authorization", value: authorization) }
+        return try await execute(
+            url: request.url, method: request.method == .post ? .POST : .PUT, headers: headers,
+            body: request.body, limit: request.isBundle ? 16 * maximumResponseBytes : maximumResponseBytes, logger: logger)
+    }
+
+    /// `GET url` (the CapabilityStatement): the answer, or ``TransportFailure``.
+    func get(_ url: String, authorization: String?, logger: Logger) async throws -> TransportResponse {
+        var headers = HTTPHeaders()
+        headers.add(name: "Accept", value: "application/fhir+json, application/json;q=0.9")
+        headers.add(name: "User-Agent", value: "dq/\(DQVersion.current)")
+        if let authorization { headers.add(name: "Authorization", value: authorization) }
+        return try await execute(url: url, method: .GET, headers: headers, body: nil, limit: 4 * maximumResponseBytes, logger: logger)
+    }
+
+    private func execute(
+        url: String, method: HTTPMethod, headers: HTTPHeaders, body: Data?, limit: Int, logger: Logger
+    ) async throws -> TransportResponse {
         do {
             let http = try HTTPClient.Request(
-                url: request.url, method: request.method == .post ? .POST : .PUT, headers: headers,
-                body: .byteBuffer(ByteBuffer(data: request.body)))
-            let delegate = ResponseSummary(limit: maximumResponseBytes)
+                url: url, method: method, headers: headers, body: body.map { .byteBuffer(ByteBuffer(data: $0)) })
+            let delegate = ResponseSummary(limit: limit)
             let (head, body) = try await client.execute(
                 request: http, delegate: delegate, deadline: .now() + timeout,
                 logger: logger.logLevel <= .trace ? logger : Self.silent
@@ -116,7 +135,7 @@ final class FHIRTransport: Sendable {
                 body: Data(buffer: body))
         } catch {
             throw TransportFailure(
-                message: "no answer from \(Self.redacted(request.url)): \(Self.describe(error))",
+                message: "no answer from \(Self.redacted(url)): \(Self.describe(error))",
                 mayHaveArrived: !Self.neverSent(error))
         }
     }

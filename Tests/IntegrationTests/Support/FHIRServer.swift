@@ -113,8 +113,14 @@ final class FaultProxy: @unchecked Sendable {
     }
 
     /// `tls` serves HTTPS with the given certificate and key (PEM files) instead of plain HTTP.
+    convenience init(upstream: FHIRServer, options: [String]) async throws {
+        try await self.init(upstreamPort: upstream.port, options: options)
+    }
+
+    /// `options`: more faultproxy.py flags (`--max-entries N`, `--no-transactions`, `--latency MS`).
     init(
-        upstreamPort: Int, random: Double = 0, seed: Int = 0, stall: Double = 3, tls: (cert: String, key: String)? = nil
+        upstreamPort: Int, random: Double = 0, seed: Int = 0, stall: Double = 3, tls: (cert: String, key: String)? = nil,
+        options: [String] = []
     ) async throws {
         port = Peers.freePort()
         let script = Peers.packageRoot.appendingPathComponent("scripts/faultproxy.py").path
@@ -123,6 +129,7 @@ final class FaultProxy: @unchecked Sendable {
             "--random", String(random), "--seed", String(seed), "--stall", String(stall),
         ]
         if let tls { arguments += ["--tls-cert", tls.cert, "--tls-key", tls.key] }
+        arguments += options
         child = try ChildProcess("/usr/bin/env", arguments)
         let ready: Bool
         if tls != nil {

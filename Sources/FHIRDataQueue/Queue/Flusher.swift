@@ -1,0 +1,426 @@
+import Foundation
+import Logging
+
+/// One flush of one queue, once its lock is held: the loop that sends items in order, alone or as the entries
+/// of transaction Bundles, records what the server answered, and stops at the first transient failure.
+///
+/// A Bundle is a contiguous run of pending plain items. It closes before a second write to the same resource
+/// (two updates of one id, two creates with one condition, two items declaring one fullUrl), before an
+/// encrypted item or a Bundle queued as an item (both go alone), and at the size limits. A Bundle refused as
+/// a whole for one bad entry is split in halves until that entry is alone, and only it is parked. A 413 halves
+/// the size for the server, and a server that refuses transactions gets single requests; both are remembered.
+///
+/// Used by one task at a time (the flush's own), which is why its mutable state needs no lock.
+final class Flusher: @unchecked Sendable {
+    private let queue: DataQueue
+    private let lock: FileLock
+    private let recorder: DeliveryRecorder
+    private let limit: Int?
+    private let through: Int64?
+    private let tracking: Int64?
+    private let progress: (@Sendable (FlushProgress) -> Void)?
+
+    private(set) var report = FlushReport()
+    private(set) var tracked: SendOutcome?
+    /// Pending items after the last one handled, in order; fetched ahead.
+    private var prefetched: [StoredItem] = []
+    private var lastFetched: Int64 = 0
+    private var exhausted = false
+    /// How many items of the current run were delivered or parked (always a prefix of it).
+    private var handled = 0
+    private var batchSize = 1
+    /// Where this flush's deliveries with a fullUrl went (`Type/id`): their journal commits may still be on
+    /// the way when a later item references them.
+    private var deliveredHere: [String: String] = [:]
+
+    /// One item ready to send.
+    struct Prepared {
+        var stored: StoredItem
+        var url: String
+        var body: Data
+        var ifNoneExist: String?
+        /// Why it cannot be sent (it is parked with this reason), if so.
+        var failure: String?
+        var item: QueuedItem { stored.info }
+    }
+
+    /// What one step of the loop ended with.
+    private enum Step {
+        case next
+        case stop
+    }
+
+    init(
+        queue: DataQueue, lock: FileLock, limit: Int?, through: Int64?, tracking: Int64?,
+        progress: (@Sendable (FlushProgress) -> Void)?
+    ) {
+        self.queue = queue
+        self.lock = lock
+        self.limit = limit
+        self.through = through
+        self.tracking = tracking
+        self.progress = progress
+        // Journal commits run while the next items are on the wire, several deliveries per commit.
+        self.recorder = DeliveryRecorder(store: queue.store, beforeCommit: queue.hooks.beforeJournalCommit)
+    }
+
+    /// Sends until the queue (or the `through` item, or the limit) is reached or a failure stops it.
+    func run() async throws {
+        do {
+            try await loop()
+        } catch {
+            // Whatever stopped the flush, deliveries already made reach the journal first.
+            try? await recorder.finish()
+            throw error
+        }
+        try await recorder.finish()
+    }
+
+    private func loop() async throws {
+        var sizeKnown = false
+        while true {
+            try Task.checkCancellation()
+            let left = limit.map { $0 - report.delivered - report.parked } ?? Int.max
+            if left <= 0 {
+                report.stop = .limit
+                return
+            }
+            try await refill(to: max(batchSize, 1))
+            guard !prefetched.isEmpty else { return }
+            if !sizeKnown {
+                // Only now that something is pending: what the server takes (at most one read per flush).
+                batchSize = try await effectiveBatchSize()
+                sizeKnown = true
+                try await refill(to: batchSize)
+            }
+            let run = try await compose(maximum: min(batchSize, left))
+            handled = 0
+            let step = run.count == 1 ? try await sendSingle(run[0]) : try await sendBundle(run)
+            prefetched.removeFirst(handled)
+            if case .stop = step { return }
+        }
+    }
+
+    // MARK: - Fetching and composing
+
+    private func refill(to count: Int) async throws {
+        var bytes = prefetched.reduce(0) { $0 + $1.body.count }
+        while prefetched.count < count && !exhausted && (prefetched.isEmpty || bytes < queue.configuration.batchMaxBytes) {
+            let batch = try await queue.store.pendingBatch(
+                queue: queue.queueName, after: lastFetched, maxCount: max(16, count - prefetched.count),
+                maxBytes: max(4 << 20, queue.configuration.batchMaxBytes))
+            guard let last = batch.last else {
+                exhausted = true
+                return
+            }
+            lastFetched = last.info.sequence
+            for item in batch {
+                if let through, item.info.sequence > through {
+                    exhausted = true
+                    return
+                }
+                prefetched.append(item)
+                bytes += item.body.count
+            }
+        }
+    }
+
+    /// The items of the next request, from the head of the prefetched ones: one, or a run for a Bundle.
+    private func compose(maximum: Int) async throws -> [Prepared] {
+        var run: [Prepared] = []
+        var identities: Set<String> = []
+        var declared: Set<String> = []
+        var bytes = 0
+        for stored in prefetched {
+            if run.count >= maximum { break }
+            let batchable = maximum > 1 && !stored.info.encrypted && !stored.info.url.isEmpty
+            if !batchable && !run.isEmpty { break }
+            let prepared = try prepare(stored)
+            if prepared.failure != nil || !batchable {
+                if run.isEmpty { run.append(prepared) }
+                break
+            }
+            // A second write to one resource waits for the next Bundle: inside one, order is the server's.
+            let identity =
+                prepared.item.method == .put
+                ? "PUT " + prepared.item.url : prepared.ifNoneExist.map { "POST " + prepared.item.url + "?" + $0 }
+            if let identity, identities.contains(identity) { break }
+            if let fullURL = stored.fullURL, declared.contains(fullURL) { break }
+            let size = prepared.body.count + 120 + prepared.item.url.utf8.count + (prepared.ifNoneExist?.utf8.count ?? 0)
+            if !run.isEmpty && bytes + size > queue.configuration.batchMaxBytes { break }
+            run.append(prepared)
+            if let identity { identities.insert(identity) }
+            if let fullURL = stored.fullURL { declared.insert(fullURL) }
+            bytes += size
+        }
+        return try await resolveReferences(run)
+    }
+
+    /// The request of one item as it goes now: its URL from the configured endpoint, idempotent mode's
+    /// condition, and (later) its references.
+    private func prepare(_ stored: StoredItem) throws -> Prepared {
+        // A row whose path dq did not write is refused here, before anything is sent.
+        let url = try queue.requestURL(for: stored.info)
+        do {
+            let request = try queue.outgoingRequest(for: stored, url: url)
+            return Prepared(stored: stored, url: url, body: request.body, ifNoneExist: request.ifNoneExist)
+        } catch let error as DataQueueError where error.code == .invalidResource {
+            return Prepared(stored: stored, url: url, body: stored.body, failure: error.message)
+        }
+    }
+
+    /// References to `urn:uuid` fullUrls that the same request does not declare are rewritten to where the
+    /// server put those resources (from the journal). An item whose reference points to a resource that was
+    /// not delivered cannot go: alone, it is parked with the reason; in a run, the run ends before it.
+    private func resolveReferences(_ run: [Prepared]) async throws -> [Prepared] {
+        let declared = Set(run.count > 1 ? run.compactMap(\.stored.fullURL) : [])
+        var wanted: Set<String> = []
+        var referencesOf: [[String]] = []
+        for prepared in run {
+            let external = TransactionBundle.references(in: prepared.body).map(\.fullURL).filter { !declared.contains($0) }
+            referencesOf.append(external)
+            wanted.formUnion(external)
+        }
+        guard !wanted.isEmpty else { return run }
+        var locations = deliveredHere.filter { wanted.contains($0.key) }
+        let rest = wanted.subtracting(locations.keys)
+        if !rest.isEmpty {
+            locations.merge(try await queue.store.deliveredLocations(fullURLs: Array(rest).sorted())) { here, _ in here }
+        }
+        var resolved: [Prepared] = []
+        for (index, var prepared) in run.enumerated() {
+            if prepared.failure == nil, let missing = referencesOf[index].first(where: { locations[$0] == nil }) {
+                if !resolved.isEmpty { break }
+                prepared.failure =
+                    "it references \(missing), whose item was not delivered (parked or dropped); retry that item first, then this one"
+            } else if !referencesOf[index].isEmpty {
+                prepared.body = TransactionBundle.rewritingReferences(prepared.body, locations)
+            }
+            resolved.append(prepared)
+            if prepared.failure != nil { break }
+        }
+        return resolved
+    }
+
+    // MARK: - Bundle size
+
+    /// The Bundle size for this flush: the configured one, or from the server's CapabilityStatement (cached
+    /// for ``DataQueue/Configuration/capabilityLifetime``), never above what the server was seen to take.
+    private func effectiveBatchSize() async throws -> Int {
+        let support = try await queue.store.bundleSupport(queue: queue.queueName)
+        let learnt = support.batchLimit ?? Int.max
+        if let explicit = queue.configuration.batchSize { return max(1, min(explicit, learnt)) }
+        var transactions = support.transactions
+        let stale = support.checkedAt.map { Date().timeIntervalSince($0) > queue.configuration.capabilityLifetime } ?? true
+        if transactions == nil || stale {
+            transactions = await readCapability()
+            if let transactions {
+                try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: transactions)
+            }
+        }
+        return transactions == true ? max(1, min(DataQueue.Configuration.defaultBatchSize, learnt)) : 1
+    }
+
+    /// Whether `[base]/metadata` declares the `transaction` interaction; nil when no answer came.
+    private func readCapability() async -> Bool? {
+        let header = try? await queue.authorization?.authorizationHeader(forceRefresh: false, logger: queue.logger)
+        guard let response = try? await queue.transport.get(queue.queueName + "/metadata", authorization: header, logger: queue.logger)
+        else { return nil }
+        report.requests += 1
+        if response.status >= 500 || response.status == 429 || response.status == 408 { return nil }
+        guard response.status == 200,
+            let object = (try? JSONSerialization.jsonObject(with: response.body)) as? [String: Any],
+            let rest = object["rest"] as? [[String: Any]]
+        else { return false }
+        let transactions = rest.contains { part in
+            (part["interaction"] as? [[String: Any]] ?? []).contains { $0["code"] as? String == "transaction" }
+        }
+        queue.logger.debug("read the CapabilityStatement", metadata: ["transaction": "\(transactions)"])
+        return transactions
+    }
+
+    // MARK: - Sending
+
+    private func sendSingle(_ prepared: Prepared) async throws -> Step {
+        if let failure = prepared.failure {
+            try await park(prepared, status: nil, message: failure, outcome: nil)
+            return .next
+        }
+        let request = OutgoingRequest(
+            method: prepared.item.method, url: prepared.url, contentType: prepared.stored.contentType,
+            ifNoneExist: prepared.ifNoneExist, body: prepared.body, isBundle: prepared.item.url.isEmpty)
+        let result = await send(request, first: prepared.item, encrypted: prepared.item.encrypted)
+        switch result {
+        case .delivered(let response, let conditional):
+            // A Bundle queued as one item: its entries' locations, from the transaction-response.
+            var entries: String?
+            if prepared.item.url.isEmpty, let answers = TransactionBundle.parseResponse(response.body),
+                let json = try? JSONEncoder().encode(answers.map(\.location))
+            {
+                entries = String(decoding: json, as: UTF8.self)
+            }
+            try record(
+                prepared, status: response.status, location: response.location, etag: nil, conditional: conditional,
+                bundle: nil, entries: entries)
+            return .next
+        case .rejected(let status, let message, let outcome):
+            try await park(prepared, status: status, message: message, outcome: outcome)
+            return .next
+        case .transient(let status, let message, let retryAfter, _):
+            try await recordTransient(prepared.item, status: status, message: message, retryAfter: retryAfter)
+            return .stop
+        case .authentication(let status, let message):
+            try await recordAuthentication(prepared.item, status: status, message: message)
+            return .stop
+        }
+    }
+
+    /// Sends a run as transaction Bundles: the whole run, or (after a refusal for one bad entry) halves of it,
+    /// in order, until every item is delivered or parked or a failure stops the flush.
+    private func sendBundle(_ run: [Prepared]) async throws -> Step {
+        var parts: [ArraySlice<Prepared>] = [run[...]]
+        while let part = parts.popLast() {
+            if part.count == 1 {
+                if case .stop = try await sendSingle(part[part.startIndex]) { return .stop }
+                continue
+            }
+            let bundleID = UUID().lowercasedString
+            let entries = part.map { prepared in
+                TransactionBundle.Entry(
+                    method: prepared.item.method, path: prepared.item.url,
+                    fullURL: prepared.item.method == .put
+                        ? prepared.url : (prepared.stored.fullURL ?? "urn:uuid:\(prepared.item.id.lowercasedString)"),
+                    ifNoneExist: prepared.ifNoneExist, body: prepared.body)
+            }
+            let request = OutgoingRequest(
+                method: .post, url: queue.queueName, contentType: "application/fhir+json",
+                body: TransactionBundle.build(entries), isBundle: true)
+            let first = part[part.startIndex].item
+            let result = await send(request, first: first, encrypted: false)
+            report.bundleEntries += part.count
+            switch result {
+            case .delivered(let response, _):
+                let answers = TransactionBundle.parseResponse(response.body)
+                let matched = answers?.count == part.count ? answers : nil
+                if matched == nil {
+                    queue.logger.warning(
+                        "the transaction-response does not match the Bundle entry for entry; journaling without locations",
+                        metadata: ["entries": "\(part.count)", "answers": "\(answers?.count ?? 0)"])
+                }
+                for (index, prepared) in part.enumerated() {
+                    let answer = matched?[index]
+                    try record(
+                        prepared, status: answer?.status ?? response.status, location: answer?.location,
+                        etag: answer?.etag, conditional: prepared.ifNoneExist != nil && answer != nil, bundle: bundleID,
+                        entries: nil)
+                }
+                queue.logger.debug("delivered a Bundle", metadata: ["entries": "\(part.count)", "bundle": "\(bundleID)"])
+            case .rejected(let status, let message, let outcome):
+                let body = Data((outcome ?? "").utf8)
+                if status == 413 {
+                    // Too large for this server: half the size from now on, remembered.
+                    let smaller = max(1, part.count / 2)
+                    try await queue.store.recordBundleSupport(queue: queue.queueName, batchLimit: smaller)
+                    batchSize = min(batchSize, smaller)
+                    queue.logger.notice("the server refused a Bundle as too large", metadata: ["entries": "\(smaller)"])
+                    return .next
+                }
+                if let status, TransactionBundle.refusesTransactions(status: status, body: body) {
+                    try await queue.store.recordBundleSupport(queue: queue.queueName, batchLimit: 1)
+                    batchSize = 1
+                    queue.logger.notice("the server refuses transaction Bundles; sending one request per item")
+                    return .next
+                }
+                // One bad entry fails the transaction: split until it is alone (log2 of the size extra requests).
+                queue.logger.debug("a Bundle was refused; splitting it", metadata: ["entries": "\(part.count)", "reason": "\(message)"])
+                let middle = part.startIndex + part.count / 2
+                parts.append(part[middle...])
+                parts.append(part[..<middle])
+            case .transient(let status, let message, let retryAfter, _):
+                try await recordTransient(first, status: status, message: message, retryAfter: retryAfter)
+                return .stop
+            case .authentication(let status, let message):
+                try await recordAuthentication(first, status: status, message: message)
+                return .stop
+            }
+        }
+        return .next
+    }
+
+    /// Sends one request with the in-flight marker set, and counts it.
+    private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async -> DataQueue.DeliveryResult {
+        lock.markInFlight(sequence: first.sequence)
+        let result = await queue.deliver(request, encrypted: encrypted)
+        report.requests += 1
+        // Without an answer (connection lost, timeout) the request may still be at the server: the marker stays,
+        // so that the next flush lets it settle first. A request that never left leaves nothing to settle.
+        if case .transient(nil, _, _, mayHaveArrived: true) = result {} else { lock.clearInFlight() }
+        return result
+    }
+
+    // MARK: - Recording
+
+    private func record(
+        _ prepared: Prepared, status: Int, location: String?, etag: String?, conditional: Bool, bundle: String?,
+        entries: String?
+    ) throws {
+        let item = prepared.item
+        var (serverID, versionID) = DataQueue.parseLocation(location)
+        versionID = versionID ?? TransactionBundle.version(fromETag: etag)
+        if serverID == nil, item.method == .put, let id = item.resourceID { serverID = id }
+        // A conditional create answered 200 found the resource already there (an earlier attempt whose answer
+        // was lost, or the same data sent before).
+        let event: DeliveryRecord.Event = conditional && status == 200 ? .alreadyPresent : .delivered
+        try recorder.record(
+            QueueStore.Delivery(
+                item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,
+                versionID: versionID, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
+        handled += 1
+        report.delivered += 1
+        if let fullURL = prepared.stored.fullURL, let serverID {
+            deliveredHere[fullURL] = item.resourceType + "/" + serverID
+        }
+        queue.logger.debug("delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(status)"])
+        if item.sequence == tracking {
+            tracked = .delivered(
+                DeliveryRecord(
+                    sequence: 0, id: item.id, event: event, queue: item.queue, method: item.method, url: prepared.url,
+                    resourceType: item.resourceType, status: status, location: location, serverID: serverID,
+                    versionID: versionID, attempts: item.attempts + 1, enqueuedAt: item.enqueuedAt, at: Date(),
+                    fullURL: prepared.stored.fullURL, bundle: bundle))
+        }
+        progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
+    }
+
+    private func park(_ prepared: Prepared, status: Int?, message: String, outcome: String?) async throws {
+        // Earlier deliveries reach the journal before this item's state changes.
+        try await recorder.finish()
+        let item = prepared.item
+        try await queue.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome)
+        handled += 1
+        report.parked += 1
+        queue.logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
+        if item.sequence == tracking { tracked = .parked(item, reason: message) }
+        progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
+    }
+
+    private func recordTransient(_ item: QueuedItem, status: Int?, message: String, retryAfter: TimeInterval?) async throws {
+        // The journal commit clears the backoff: it must land before the failure is recorded, or a late commit
+        // would erase the backoff this failure starts.
+        try await recorder.finish()
+        let failures = (try await queue.store.serverState(queue: queue.queueName).failures) + 1
+        let retryAt = Date().addingTimeInterval(
+            queue.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
+        try await queue.store.recordFailure(
+            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt)
+        report.stop = .transient(message, retryAt: retryAt)
+        queue.logger.notice("flush stopped", metadata: ["reason": "\(message)"])
+    }
+
+    private func recordAuthentication(_ item: QueuedItem, status: Int?, message: String) async throws {
+        try await recorder.finish()
+        try await queue.store.recordFailure(queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: nil)
+        report.stop = .authentication(message)
+        queue.logger.error("authentication failed", metadata: ["reason": "\(message)"])
+    }
+}
