@@ -227,6 +227,7 @@ def case_flush_fhir(args, work):
 
         def dq_flush():
             env = dq_env(work, base, "fh-%f.sqlite" % time.time())
+            env["DQ_BATCH_SIZE"] = "1"  # one request per item, as the peers do (case 10 measures Bundles)
             run([args.dq, "enqueue", "--ndjson", lines], env=env)
             start = time.perf_counter()
             out = run([args.dq, "flush"], env=env).stdout
@@ -341,19 +342,104 @@ def case_peers(args, work):
         row("9 durable put, 1 item/commit (items/s)", dq_put, "items/s", "%s put, synchronous=FULL" % name, out, ">= 1.0")
 
 
+def start_sekmet(work, name):
+    venv = os.path.join(ROOT, ".peers", "venv")
+    port = free_port()
+    data = os.path.join(work, name)
+    os.makedirs(data, exist_ok=True)
+    with open(os.path.join(data, "settings.yaml"), "w") as f:
+        f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\nlog_inbound: false\n"
+                "simulator: {enabled: false}\nserver_auth:\n  types: [none]\n" % (port, port, data))
+    server = subprocess.Popen([os.path.join(venv, "bin", "sekmet"), "serve", "-c", os.path.join(data, "settings.yaml")],
+                              cwd=data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = "http://127.0.0.1:%d/fhir" % port
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(base + "/metadata", timeout=1)
+            break
+        except Exception:
+            time.sleep(0.1)
+    return server, port, base
+
+
+def case_drain_latency(args, work):
+    """10: a backlog drained through a link with 25 ms added each way: Bundles against one request per item."""
+    print("10. drain at latency (25 ms each way)", flush=True)
+    bench_venv = os.path.join(ROOT, ".peers", "bench")
+    server, port, direct = start_sekmet(work, "drain")
+    proxy_port = free_port()
+    proxy = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(proxy_port),
+                              "--upstream", "http://127.0.0.1:%d" % port, "--latency", "25"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    slow = "http://127.0.0.1:%d/fhir" % proxy_port
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % proxy_port, timeout=1)
+                break
+            except Exception:
+                time.sleep(0.1)
+        n = args.scale(10000)
+        single_n = args.scale(300)  # one by one is bounded: its rate, not its 10,000 items
+        lines = os.path.join(work, "drain.ndjson")
+        write_ndjson(lines, n, 512)
+        single_lines = os.path.join(work, "drain-single.ndjson")
+        write_ndjson(single_lines, single_n, 512)
+
+        def dq_drain(base, path, count, batch):
+            env = dq_env(work, base, "drain-%f.sqlite" % time.time())
+            env["DQ_BATCH_SIZE"] = str(batch)
+            run([args.dq, "enqueue", "--ndjson", path], env=env)
+            start = time.perf_counter()
+            out = run([args.dq, "flush"], env=env).stdout
+            assert "%d delivered" % count in out, out
+            return count / (time.perf_counter() - start)
+
+        bundles = os.path.join(ROOT, "Benchmarks", "peers_bundles.py")
+
+        def python_bundles(base):
+            out = run([os.path.join(bench_venv, "bin", "python"), bundles, base, lines, "100"]).stdout
+            return float(out.strip().splitlines()[-1])
+
+        peer = os.path.join(ROOT, "Benchmarks", "peers_fhir.py")
+
+        def fhirclient_single():
+            out = run([os.path.join(bench_venv, "bin", "python"), peer, "fhirclient", slow, single_lines]).stdout
+            return float(out.strip().splitlines()[-1])
+
+        dq_bundles = median_of(lambda: dq_drain(slow, lines, n, 100), args.repeat)
+        dq_single = median_of(lambda: dq_drain(slow, single_lines, single_n, 1), args.repeat)
+        py_bundles = median_of(lambda: python_bundles(slow), args.repeat)
+        fc_single = median_of(fhirclient_single, args.repeat)
+        ingest = median_of(lambda: python_bundles(direct), args.repeat)
+        dq_direct = median_of(lambda: dq_drain(direct, lines, n, 100), args.repeat)
+        case = "10 drain %d queued at +25 ms each way (items/s)" % n
+        row(case, dq_bundles, "items/s", "dq one by one (%d items)" % single_n, dq_single, ">= 10")
+        row(case, dq_bundles, "items/s", "Python loop posting the same Bundles", py_bundles, ">= 0.9")
+        row(case, dq_bundles, "items/s", "fhirclient one by one (%d items)" % single_n, fc_single, "-")
+        row(case, dq_bundles, "items/s", "server ingest: Python Bundles, no added latency", ingest, "(the limit)")
+        row("10 drain %d queued at 0 ms added (items/s)" % n, dq_direct, "items/s",
+            "server ingest: Python Bundles, no added latency", ingest, ">= 0.8")
+    finally:
+        proxy.terminate()
+        proxy.wait()
+        server.terminate()
+        server.wait()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dq", default=os.path.join(ROOT, ".build", "release", "dq"))
     parser.add_argument("--bench", default=os.path.join(ROOT, ".build", "release", "dq-bench"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
-    parser.add_argument("--cases", default="1,4,5,6,7,8,9")
+    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10")
     parser.add_argument("--out", default=os.path.join(ROOT, "Benchmarks", "results.md"))
     args = parser.parse_args()
     factor = 0.1 if args.quick else 1.0
     args.scale = lambda n: max(1, int(n * factor))
     cases = {"1": case_enqueue, "4": case_flush_sink, "5": case_flush_fhir, "6": case_seal, "7": case_memory,
-             "8": case_startup, "9": case_peers}
+             "8": case_startup, "9": case_peers, "10": case_drain_latency}
     work = tempfile.mkdtemp(prefix="dq-bench-")
     try:
         for key in args.cases.split(","):

@@ -112,12 +112,18 @@ def dq(args, env, timeout=120, **kw):
     return subprocess.run([DQ] + args, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def env_for(work, server, db="queue.sqlite", idempotent=True, timeout=None):
+def env_for(work, server, db="queue.sqlite", idempotent=True, timeout=None, batch=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DQ_")}
     env.update({"DQ_SERVER": server, "DQ_DATABASE": os.path.join(work, db), "HOME": work})
     if idempotent:
         env["DQ_IDEMPOTENT"] = "true"
+    if batch is not None:
+        env["DQ_BATCH_SIZE"] = str(batch)
     return env
+
+
+def batching(batch):
+    return "one by one" if batch == 1 else "Bundles of %d" % batch
 
 
 def flush_until_done(env, extra=(), attempts=200):
@@ -159,10 +165,11 @@ def integrity(path):
 
 # ---------------------------------------------------------------------------------------------------------
 
-def crash_loop(work, iterations, rng):
-    print("crash loop: %d iterations of enqueue and flush killed with SIGKILL" % iterations, flush=True)
+def crash_loop(work, iterations, rng, batch):
+    print("crash loop (%s): %d iterations of enqueue and flush killed with SIGKILL" % (batching(batch), iterations),
+          flush=True)
     fhir = FHIR(work)
-    env = env_for(work, fhir.base, "crash.sqlite")
+    env = env_for(work, fhir.base, "crash-%d.sqlite" % batch, batch=batch)
     system = "urn:torture:crash:%d" % rng.randrange(1 << 30)
     committed, uncertain, kills = [], [], 0
     chunk_file = os.path.join(work, "chunk.ndjson")
@@ -193,21 +200,21 @@ def crash_loop(work, iterations, rng):
             expected.extend(iteration_values)
         if hits not in (0, len(iteration_values)):
             atomic = False
-    good = ok and atomic and integrity(os.path.join(work, "crash.sqlite"))
-    check("crash loop (SIGKILL enqueue + flush)", iterations, kills, 0, expected, actual, good,
+    good = ok and atomic and integrity(os.path.join(work, "crash-%d.sqlite" % batch))
+    check("crash loop (SIGKILL enqueue + flush), %s" % batching(batch), iterations, kills, 0, expected, actual, good,
           "integrity_check ok" if good else "integrity/atomicity FAILED")
     fhir.kill()
 
 
-def network_faults(work, count, rng, seed):
-    print("network faults: %d resources through a fault-injecting proxy" % count, flush=True)
+def network_faults(work, count, rng, seed, batch):
+    print("network faults (%s): %d resources through a fault-injecting proxy" % (batching(batch), count), flush=True)
     fhir = FHIR(work)
     port = free_port()
     spawn([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(port),
            "--upstream", "http://127.0.0.1:%d" % fhir.port, "--random", "0.2", "--seed", str(seed), "--stall", "2.5"],
           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_http("http://127.0.0.1:%d/__proxy/stats" % port)
-    env = env_for(work, "http://127.0.0.1:%d/fhir" % port, "faults.sqlite")
+    env = env_for(work, "http://127.0.0.1:%d/fhir" % port, "faults-%d.sqlite" % batch, batch=batch)
     system = "urn:torture:faults:%d" % rng.randrange(1 << 30)
     values = ["%06d" % i for i in range(count)]
     path = os.path.join(work, "faults.ndjson")
@@ -218,7 +225,8 @@ def network_faults(work, count, rng, seed):
     with urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % port) as r:
         stats = json.load(r)
     faults = sum(stats["faults"].values())
-    check("network faults (503, drops, latency, stalls)", 1, 0, faults, values, fhir.values("Observation", system), ok,
+    check("network faults (503, drops, latency, stalls), %s" % batching(batch), 1, 0, faults, values,
+          fhir.values("Observation", system), ok,
           ", ".join("%s %d" % kv for kv in sorted(stats["faults"].items())))
     fhir.kill()
 
@@ -410,8 +418,11 @@ def main():
     started = time.time()
     print("torture: seed %d, %s" % (args.seed, "quick" if args.quick else "full"), flush=True)
     try:
-        crash_loop(work, 25 if args.quick else 200, rng)
-        network_faults(work, 150 if args.quick else 1000, rng, args.seed)
+        # Every promise holds with and without Bundles.
+        for batch in (1, 8):
+            crash_loop(work, 25 if args.quick else 200, rng, batch)
+        for batch in (1, 25):
+            network_faults(work, 150 if args.quick else 1000, rng, args.seed, batch)
         concurrency(work, 3, 40 if args.quick else 300, rng)
         exhaustion(work)
         bad_inputs(work, rng, 60 if args.quick else 600, 5 if args.quick else 60)

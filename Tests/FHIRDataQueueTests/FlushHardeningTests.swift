@@ -20,8 +20,10 @@ struct FlushHardeningTests {
 
     var databasePath: String { directory.appendingPathComponent("q.sqlite").path }
 
+    /// A queue that sends one request per item (these tests script each request's answer).
     func queue(_ server: ScriptedServer, path: String = "/fhir", idempotent: Bool = false) throws -> DataQueue {
         var configuration = DataQueue.Configuration(databasePath: databasePath, idempotent: idempotent)
+        configuration.batchSize = 1
         configuration.retryPolicy = RetryPolicy(initialDelay: 60, maximumDelay: 600, jitter: 0)
         configuration.requestTimeout = 10
         return try DataQueue(baseURL: URL(string: server.baseURL + path)!, configuration: configuration)
@@ -163,7 +165,7 @@ struct FlushHardeningTests {
         let elsewhere = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
         let queue = try DataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!,
-            configuration: .init(databasePath: databasePath), authorization: StaticBearerToken("secret-token"))
+            configuration: .init(databasePath: databasePath, batchSize: 1), authorization: StaticBearerToken("secret-token"))
         let item = try await queue.enqueue(Self.patient(1))
         try await queue.store.database.write { db in
             try db.execute(sql: "UPDATE item SET url = ? WHERE seq = ?", arguments: [elsewhere.baseURL + "/Patient", item.sequence])

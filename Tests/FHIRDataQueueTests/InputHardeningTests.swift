@@ -224,7 +224,8 @@ struct InputHardeningTests {
         let migrations = try store.database.read { db in
             try String.fetchAll(db, sql: "SELECT identifier FROM grdb_migrations ORDER BY identifier")
         }
-        #expect(migrations == ["v1", "v2"])
+        #expect(migrations == QueueStore.migrator.migrations)
+        #expect(migrations.count >= 3)
     }
 
     @Test("Migration v2 turns stored URLs into paths and queue names into their normal form")

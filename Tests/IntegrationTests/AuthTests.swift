@@ -71,7 +71,8 @@ struct AuthTests {
         let file = try work.write("many.ndjson", resources.ndjson(0..<count))
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
         let started = Date()
-        let flushed = try await dq(["flush"], env)
+        // One request per item, so that the flush outlasts the token (Bundles would deliver it all at once).
+        let flushed = try await dq(["flush", "--batch-size", "1"], env)
         let elapsed = Date().timeIntervalSince(started)
         #expect(flushed.status == 0, "\(flushed.stderr)")
         #expect(elapsed > 2, "the flush must outlast one token (took \(elapsed) s)")

@@ -14,6 +14,8 @@ struct LibraryTests {
     func queue(_ base: String, idempotent: Bool = false) throws -> DataQueue {
         var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
         configuration.idempotent = idempotent
+        // One request per item: these tests script the answer to each request (BundleTests cover Bundles).
+        configuration.batchSize = 1
         configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
         configuration.requestTimeout = 10
         return try DataQueue(baseURL: URL(string: base)!, configuration: configuration)

@@ -15,8 +15,9 @@ struct QueueDeliveryTests {
 
     init() throws { work = try TemporaryDirectory() }
 
+    /// One request per item: these tests script faults request by request (BundleTests cover Bundles).
     func environment(_ server: String, idempotent: Bool = false) -> [String: String] {
-        var env = ["DQ_SERVER": server, "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
+        var env = ["DQ_SERVER": server, "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path, "DQ_BATCH_SIZE": "1"]
         if idempotent { env["DQ_IDEMPOTENT"] = "true" }
         return env
     }

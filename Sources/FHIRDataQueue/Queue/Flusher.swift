@@ -86,9 +86,9 @@ final class Flusher: @unchecked Sendable {
                 return
             }
             try await refill(to: max(batchSize, 1))
-            guard !prefetched.isEmpty else { return }
-            if !sizeKnown {
-                // Only now that something is pending: what the server takes (at most one read per flush).
+            guard let head = prefetched.first else { return }
+            if !sizeKnown && !head.info.encrypted && !head.info.url.isEmpty {
+                // Only once an item that could share a Bundle is next: what the server takes (one read per flush).
                 batchSize = try await effectiveBatchSize()
                 sizeKnown = true
                 try await refill(to: batchSize)

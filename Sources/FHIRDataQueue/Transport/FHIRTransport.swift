@@ -82,6 +82,16 @@ final class FHIRTransport: Sendable {
         }
     }
 
+    /// A queue released without ``DataQueue/shutdown()``: its own client is shut down in the background rather
+    /// than left to crash the process in its own deinit.
+    deinit {
+        let client = box.withLockedValue { client in
+            defer { client = nil }
+            return client
+        }
+        client?.shutdown(queue: .global()) { _ in }
+    }
+
     func shutdown() async throws {
         let client = box.withLockedValue { client in
             defer { client = nil }
