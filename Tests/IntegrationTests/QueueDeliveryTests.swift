@@ -153,6 +153,11 @@ struct QueueDeliveryTests {
         if idempotent {
             #expect(observations == (0..<6).map(String.init), "every entry once")
             #expect(patients.count == 1, "the Patient without an identifier was matched by its generated one")
+            // The Bundle's entries keep their locations from the transaction-response in the journal.
+            let log = try await dq(["log", "--json"], env)
+            let journal = try #require(try JSONSerialization.jsonObject(with: Data(log.stdout.utf8)) as? [[String: Any]])
+            let locations = try #require(journal.last?["entryLocations"] as? [String])
+            #expect(locations.count == 7 && locations.allSatisfy { $0.contains("/Observation/") || $0.contains("/Patient/") })
         } else {
             // Without idempotent mode the retry stores the Bundle again: the test above can fail.
             #expect(observations.count == 12)

@@ -44,6 +44,11 @@ extension DataQueue {
         public var batchSize: Int?
         /// The most body bytes one Bundle carries (at least one item always goes). The default is 8 MiB.
         public var batchMaxBytes: Int
+        /// How many encrypted items are sent to the encrypted endpoint at once. The default is 1 (in queue
+        /// order, like everything else). More gives up order for that endpoint only (a C3-PRO receiver hands
+        /// envelopes to an unordered message queue anyway); the journal and parking stay exact, and plain items
+        /// keep their order.
+        public var encryptedInFlight: Int = 1
         /// How long what a server's CapabilityStatement said is trusted before it is read again. The default
         /// is one day.
         public var capabilityLifetime: TimeInterval
@@ -122,6 +127,9 @@ extension DataQueue {
                 throw DataQueueError(.invalidConfiguration, "batchMaxBytes must be from 1024 to \(256 << 20) bytes")
             }
             try Self.checkSeconds(capabilityLifetime, name: "capabilityLifetime", allowZero: true)
+            guard (1...64).contains(encryptedInFlight) else {
+                throw DataQueueError(.invalidConfiguration, "encryptedInFlight must be from 1 to 64")
+            }
         }
 
         /// Refuses a duration that is not finite, negative (or zero when `allowZero` is false), or over a day:

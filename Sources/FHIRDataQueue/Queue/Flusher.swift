@@ -26,8 +26,8 @@ final class Flusher: @unchecked Sendable {
     private var prefetched: [StoredItem] = []
     private var lastFetched: Int64 = 0
     private var exhausted = false
-    /// How many items of the current run were delivered or parked (always a prefix of it).
-    private var handled = 0
+    /// The items of the current step that were delivered or parked (they leave the prefetched ones).
+    private var handled: Set<Int64> = []
     private var batchSize = 1
     /// Where this flush's deliveries with a fullUrl went (`Type/id`): their journal commits may still be on
     /// the way when a later item references them.
@@ -93,10 +93,15 @@ final class Flusher: @unchecked Sendable {
                 sizeKnown = true
                 try await refill(to: batchSize)
             }
-            let run = try await compose(maximum: min(batchSize, left))
-            handled = 0
-            let step = run.count == 1 ? try await sendSingle(run[0]) : try await sendBundle(run)
-            prefetched.removeFirst(handled)
+            handled = []
+            let step: Step
+            if head.info.encrypted && queue.configuration.encryptedInFlight > 1 {
+                step = try await sendEnvelopes(maximum: min(queue.configuration.encryptedInFlight, left))
+            } else {
+                let run = try await compose(maximum: min(batchSize, left))
+                step = run.count == 1 ? try await sendSingle(run[0]) : try await sendBundle(run)
+            }
+            prefetched.removeAll { handled.contains($0.info.sequence) }
             if case .stop = step { return }
         }
     }
@@ -347,6 +352,57 @@ final class Flusher: @unchecked Sendable {
         return .next
     }
 
+    /// Sends the next encrypted items at once (`encryption.in_flight`), then records every answer in queue order:
+    /// order is given up for the encrypted endpoint only, never for what is recorded.
+    private func sendEnvelopes(maximum: Int) async throws -> Step {
+        var group: [Prepared] = []
+        for stored in prefetched {
+            guard group.count < maximum, stored.info.encrypted else { break }
+            group.append(try prepare(stored))
+        }
+        lock.markInFlight(sequence: group[0].item.sequence)
+        let results = await withTaskGroup(of: (Int, DataQueue.DeliveryResult).self) { tasks in
+            for (index, prepared) in group.enumerated() {
+                let request = OutgoingRequest(
+                    method: prepared.item.method, url: prepared.url, contentType: prepared.stored.contentType,
+                    body: prepared.body)
+                tasks.addTask { [queue] in (index, await queue.deliver(request, encrypted: true)) }
+            }
+            var results = [DataQueue.DeliveryResult?](repeating: nil, count: group.count)
+            for await (index, result) in tasks { results[index] = result }
+            return results.compactMap { $0 }
+        }
+        report.requests += group.count
+        var unsettled = false
+        var stop: (QueuedItem, Int?, String, TimeInterval?)?
+        var authentication: (QueuedItem, Int?, String)?
+        for (prepared, result) in zip(group, results) {
+            switch result {
+            case .delivered(let response, _):
+                try record(
+                    prepared, status: response.status, location: response.location, etag: nil, conditional: false,
+                    bundle: nil, entries: nil)
+            case .rejected(let status, let message, let outcome):
+                try await park(prepared, status: status, message: message, outcome: outcome)
+            case .transient(let status, let message, let retryAfter, let mayHaveArrived):
+                unsettled = unsettled || (status == nil && mayHaveArrived)
+                if stop == nil { stop = (prepared.item, status, message, retryAfter) }
+            case .authentication(let status, let message):
+                if authentication == nil { authentication = (prepared.item, status, message) }
+            }
+        }
+        if !unsettled { lock.clearInFlight() }
+        if let (item, status, message) = authentication {
+            try await recordAuthentication(item, status: status, message: message)
+            return .stop
+        }
+        if let (item, status, message, retryAfter) = stop {
+            try await recordTransient(item, status: status, message: message, retryAfter: retryAfter)
+            return .stop
+        }
+        return .next
+    }
+
     /// Sends one request with the in-flight marker set, and counts it.
     private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async -> DataQueue.DeliveryResult {
         lock.markInFlight(sequence: first.sequence)
@@ -375,7 +431,7 @@ final class Flusher: @unchecked Sendable {
             QueueStore.Delivery(
                 item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,
                 versionID: versionID, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
-        handled += 1
+        handled.insert(item.sequence)
         report.delivered += 1
         if let fullURL = prepared.stored.fullURL, let serverID {
             deliveredHere[fullURL] = item.resourceType + "/" + serverID
@@ -397,7 +453,7 @@ final class Flusher: @unchecked Sendable {
         try await recorder.finish()
         let item = prepared.item
         try await queue.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome)
-        handled += 1
+        handled.insert(item.sequence)
         report.parked += 1
         queue.logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
         if item.sequence == tracking { tracked = .parked(item, reason: message) }

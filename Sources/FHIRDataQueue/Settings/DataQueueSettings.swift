@@ -131,6 +131,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         public var resourceTypes: [String]?
         /// `mode`: `c3pro` (the default) or `authenticated`.
         public var mode: String?
+        /// `in_flight`: envelopes sent at once (default 1; more gives up order for the encrypted endpoint).
+        public var inFlight: Double?
     }
 
     /// Empty settings (every key unset).
@@ -327,6 +329,12 @@ public struct DataQueueSettings: Sendable, Decodable {
             } else if auth.authorizeType != nil || auth.clientID != nil || auth.registrationURI != nil {
                 authorization = try resolveOAuth2(auth, server: serverURL, caBundle: configuration.caBundlePath)
             }
+        }
+        if let value = encryption?.inFlight {
+            guard value.isFinite, value.rounded() == value, (1...64).contains(value) else {
+                throw Self.configError("\"encryption.in_flight\" must be a whole number from 1 to 64")
+            }
+            configuration.encryptedInFlight = Int(value)
         }
         return Resolved(
             server: serverURL, configuration: configuration, authorization: authorization,
@@ -575,6 +583,7 @@ extension DataQueueSettings.Auth {
 extension DataQueueSettings.Encryption {
     private enum CodingKeys: String, CodingKey, CaseIterable {
         case endpoint, certificate, mode
+        case inFlight = "in_flight"
         case keyID = "key_id"
         case fhirVersion = "fhir_version"
         case resourceTypes = "resource_types"
@@ -592,6 +601,7 @@ extension DataQueueSettings.Encryption {
         resourceTypes = try SettingsKeys.value(
             container, .resourceTypes, "must be a non-empty list of resource type names")
         mode = try SettingsKeys.value(container, .mode, "must be \"c3pro\" or \"authenticated\"")
+        inFlight = try SettingsKeys.value(container, .inFlight, "must be a number")
     }
 }
 
