@@ -1,6 +1,6 @@
 # dq: make test (all tests against real servers), make demo (the main job on loopback).
 SWIFT ?= swift
-APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv
+APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv systemd
 export DQ_BIN := $(CURDIR)/.build/debug/dq
 
 BENCH_APT := nginx-light apache2-utils

@@ -427,19 +427,96 @@ def case_drain_latency(args, work):
         server.wait()
 
 
+def case_service(args, work):
+    """11: dq run: the delay from the server coming back to the first delivery, and the CPU of an idle dq run."""
+    print("11. dq run: recovery delay and idle CPU", flush=True)
+    venv = os.path.join(ROOT, ".peers", "venv")
+    poll = 1.0
+    port = free_port()
+    data = os.path.join(work, "service")
+    os.makedirs(data, exist_ok=True)
+    with open(os.path.join(data, "settings.yaml"), "w") as f:
+        f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\nlog_inbound: false\n"
+                "simulator: {enabled: false}\nserver_auth:\n  types: [none]\n" % (port, port, data))
+    base = "http://127.0.0.1:%d/fhir" % port
+
+    def start():
+        server = subprocess.Popen([os.path.join(venv, "bin", "sekmet"), "serve", "-c", os.path.join(data, "settings.yaml")],
+                                  cwd=data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(base + "/metadata", timeout=1)
+                return server
+            except Exception:
+                time.sleep(0.02)
+        return server
+
+    def count():
+        with urllib.request.urlopen(base + "/Observation?_count=1", timeout=5) as r:
+            return json.load(r).get("total", 0)
+
+    def recovery():
+        env = dq_env(work, base, "svc-%f.sqlite" % time.time())
+        env["DQ_CONFIG"] = os.path.join(work, "svc.json")
+        with open(env["DQ_CONFIG"], "w") as f:
+            f.write('{"retry": {"initial_seconds": 0.2, "maximum_seconds": 0.2, "jitter": 0}}')
+        lines = os.path.join(work, "svc.ndjson")
+        write_ndjson(lines, 1, 256)
+        run([args.dq, "enqueue", "--ndjson", lines], env=env)
+        runner = subprocess.Popen([args.dq, "run", "--poll-interval", str(poll)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.5)  # it has tried and backs off: the server is down
+        server = start()
+        up = time.perf_counter()
+        before = count()
+        while count() == before:
+            time.sleep(0.01)
+        delay = time.perf_counter() - up
+        runner.terminate()
+        runner.wait()
+        server.terminate()
+        server.wait()
+        return delay * 1000
+
+    server = start()
+    try:
+        # Idle: an empty queue for 60 s (6 s with --quick); CPU from /proc.
+        env = dq_env(work, base, "idle.sqlite")
+        runner = subprocess.Popen([args.dq, "run"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1)
+        seconds = 6 if args.quick else 60
+        def ticks():
+            with open("/proc/%d/stat" % runner.pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+        first = ticks()
+        time.sleep(seconds)
+        used = (ticks() - first) / os.sysconf("SC_CLK_TCK")
+        runner.terminate()
+        runner.wait()
+    finally:
+        server.terminate()
+        server.wait()
+    row("11 dq run idle CPU (% of one core)", 100 * used / seconds, "%", "one core", 100.0, "< 1%")
+    delay = median_of(recovery, args.repeat)
+    row("11 dq run: server back to first delivery (ms)", delay, "ms", "poll interval", poll * 1000,
+        "<= 1 + one round trip")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dq", default=os.path.join(ROOT, ".build", "release", "dq"))
     parser.add_argument("--bench", default=os.path.join(ROOT, ".build", "release", "dq-bench"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
-    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10")
+    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10,11")
     parser.add_argument("--out", default=os.path.join(ROOT, "Benchmarks", "results.md"))
     args = parser.parse_args()
     factor = 0.1 if args.quick else 1.0
     args.scale = lambda n: max(1, int(n * factor))
     cases = {"1": case_enqueue, "4": case_flush_sink, "5": case_flush_fhir, "6": case_seal, "7": case_memory,
-             "8": case_startup, "9": case_peers, "10": case_drain_latency}
+             "8": case_startup, "9": case_peers, "10": case_drain_latency,
+             "11": case_service}
     work = tempfile.mkdtemp(prefix="dq-bench-")
     try:
         for key in args.cases.split(","):

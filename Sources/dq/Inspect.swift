@@ -245,10 +245,10 @@ extension DQ {
                 let records = try await queue.deliveries(limit: limit)
                 if json { try printJSON(records); return }
                 if records.isEmpty { print("no deliveries"); return }
-                print("AT\tEVENT\tID\tMETHOD\tTYPE\tSTATUS\tLOCATION\tATTEMPTS\tNOTE")
+                print("AT\tEVENT\tID\tMETHOD\tTYPE\tSTATUS\tLOCATION\tATTEMPTS\tBUNDLE\tNOTE")
                 for record in records {
                     print(
-                        "\(formatDate(record.at))\t\(record.event.rawValue)\t\(record.id.uuidString.lowercased())\t\(record.method.rawValue)\t\(record.resourceType)\t\(record.status.map(String.init) ?? "-")\t\(record.location ?? "-")\t\(record.attempts)\t\(record.note ?? "-")"
+                        "\(formatDate(record.at))\t\(record.event.rawValue)\t\(record.id.uuidString.lowercased())\t\(record.method.rawValue)\t\(record.resourceType)\t\(record.status.map(String.init) ?? "-")\t\(record.location ?? "-")\t\(record.attempts)\t\(record.bundle.map { String($0.prefix(8)) } ?? "-")\t\(record.note ?? "-")"
                     )
                 }
             }

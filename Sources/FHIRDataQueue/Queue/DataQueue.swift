@@ -78,6 +78,10 @@ open class DataQueue: @unchecked Sendable {
     let logger: Logger
     /// Test seams (see ``TestHooks``).
     let hooks = TestHooks()
+    /// Wakes a ``DataQueueService`` when this process enqueues.
+    let wakeUp = WakeUp()
+    /// The queue's metrics (swift-metrics; free when no backend is bootstrapped).
+    let metrics: QueueMetrics
 
     /// Opens the queue for `baseURL`, creating the database if needed.
     ///
@@ -105,6 +109,7 @@ open class DataQueue: @unchecked Sendable {
         self.authorization = authorization
         self.logger = logger
         self.flushLockPath = Self.flushLockPath(database: configuration.databasePath, queue: queueName)
+        self.metrics = QueueMetrics(destination: queueName)
         self.store = try QueueStore(
             path: configuration.databasePath, durability: configuration.durability, readOnly: configuration.readOnly)
         self.transport = try FHIRTransport(
@@ -279,6 +284,8 @@ open class DataQueue: @unchecked Sendable {
             try await checkReferences([item])
         }
         let sequence = try await store.insertGrouped(item)
+        metrics.enqueued.increment()
+        wakeUp.signal()
         return queuedItem(item, sequence: sequence)
     }
 
@@ -302,6 +309,8 @@ open class DataQueue: @unchecked Sendable {
         }
         try await checkReferences(items)
         let sequences = try await store.insert(items)
+        metrics.enqueued.increment(by: items.count)
+        wakeUp.signal()
         return zip(items, sequences).map { queuedItem($0, sequence: $1) }
     }
 
@@ -438,6 +447,7 @@ open class DataQueue: @unchecked Sendable {
 
     private func fillCounts(_ report: inout FlushReport) async throws {
         let status = try await store.status(queue: queueName)
+        metrics.update(from: status)
         report.remaining = status.pending
         report.parkedTotal = status.parked
     }

@@ -303,6 +303,7 @@ final class Flusher: @unchecked Sendable {
             let first = part[part.startIndex].item
             let result = await send(request, first: first, encrypted: false)
             report.bundleEntries += part.count
+            queue.metrics.bundleSize.record(part.count)
             switch result {
             case .delivered(let response, _):
                 let answers = TransactionBundle.parseResponse(response.body)
@@ -406,8 +407,15 @@ final class Flusher: @unchecked Sendable {
     /// Sends one request with the in-flight marker set, and counts it.
     private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async -> DataQueue.DeliveryResult {
         lock.markInFlight(sequence: first.sequence)
+        let started = ContinuousClock.now
         let result = await queue.deliver(request, encrypted: encrypted)
+        queue.metrics.requestDuration.record(duration: ContinuousClock.now - started)
         report.requests += 1
+        switch result {
+        case .transient(let status, _, _, _): queue.metrics.failure(status: status)
+        case .authentication(let status, _): queue.metrics.failure(status: status, authentication: true)
+        default: break
+        }
         // Without an answer (connection lost, timeout) the request may still be at the server: the marker stays,
         // so that the next flush lets it settle first. A request that never left leaves nothing to settle.
         if case .transient(nil, _, _, mayHaveArrived: true) = result {} else { lock.clearInFlight() }
@@ -433,6 +441,7 @@ final class Flusher: @unchecked Sendable {
                 versionID: versionID, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
         handled.insert(item.sequence)
         report.delivered += 1
+        queue.metrics.delivered.increment()
         if let fullURL = prepared.stored.fullURL, let serverID {
             deliveredHere[fullURL] = item.resourceType + "/" + serverID
         }
@@ -455,6 +464,7 @@ final class Flusher: @unchecked Sendable {
         try await queue.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome)
         handled.insert(item.sequence)
         report.parked += 1
+        queue.metrics.parked.increment()
         queue.logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
         if item.sequence == tracking { tracked = .parked(item, reason: message) }
         progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))

@@ -1,0 +1,53 @@
+import Foundation
+import Metrics
+
+/// The metrics of one queue, made once with fixed dimensions (`destination` = the queue's name, which never
+/// holds credentials: a base URL with a user or password is refused).
+///
+/// Names follow Prometheus conventions; with no metrics backend bootstrapped they cost nothing.
+struct QueueMetrics: Sendable {
+    let enqueued: Counter
+    let delivered: Counter
+    let parked: Counter
+    /// Failed requests by cause: `network` (no answer), `server` (5xx), `throttled` (429, 408),
+    /// `authentication` (401/403 after a fresh credential).
+    let failed: [String: Counter]
+    let depth: Gauge
+    let oldestPendingAge: Gauge
+    let requestDuration: Metrics.Timer
+    let bundleSize: Recorder
+
+    init(destination: String) {
+        let dimensions = [("destination", destination)]
+        enqueued = Counter(label: "dq_items_enqueued_total", dimensions: dimensions)
+        delivered = Counter(label: "dq_items_delivered_total", dimensions: dimensions)
+        parked = Counter(label: "dq_items_parked_total", dimensions: dimensions)
+        failed = Dictionary(
+            uniqueKeysWithValues: ["network", "server", "throttled", "authentication"].map { cause in
+                (cause, Counter(label: "dq_requests_failed_total", dimensions: dimensions + [("cause", cause)]))
+            })
+        depth = Gauge(label: "dq_queue_depth", dimensions: dimensions)
+        oldestPendingAge = Gauge(label: "dq_oldest_pending_age_seconds", dimensions: dimensions)
+        requestDuration = Metrics.Timer(label: "dq_request_duration_seconds", dimensions: dimensions)
+        bundleSize = Recorder(label: "dq_bundle_size", dimensions: dimensions)
+    }
+
+    /// Counts a failed request by its cause.
+    func failure(status: Int?, authentication: Bool = false) {
+        let cause: String
+        if authentication {
+            cause = "authentication"
+        } else if let status {
+            cause = status == 429 || status == 408 ? "throttled" : "server"
+        } else {
+            cause = "network"
+        }
+        failed[cause]?.increment()
+    }
+
+    /// The depth and the age of the oldest pending item, from the queue's counts.
+    func update(from status: QueueStatus) {
+        depth.record(status.pending)
+        oldestPendingAge.record(status.oldestPendingAt.map { max(0, Date().timeIntervalSince($0)) } ?? 0)
+    }
+}

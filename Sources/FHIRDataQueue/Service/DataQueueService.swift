@@ -1,0 +1,158 @@
+import Foundation
+import Logging
+import NIOConcurrencyHelpers
+import ServiceLifecycle
+
+/// Delivers in the background: a `ServiceLifecycle.Service` that flushes its queues whenever there is
+/// something to send, for as long as its service group runs.
+///
+/// It wakes at once when this process enqueues (``DataQueue/enqueue(_:method:fullURL:)``, `create`, …), polls
+/// for items other processes queued every ``Configuration/pollInterval``, and honours each server's backoff
+/// and `Retry-After` (a flush during a backoff returns at once without sending). Two services, or a service
+/// and a cron `dq flush`, on one database never send an item twice: the queue's flush lock decides who sends.
+///
+/// ```swift
+/// let queue = try DataQueue(baseURL: url, configuration: configuration)
+/// let group = ServiceGroup(
+///     services: [DataQueueService(queues: [queue]), httpServer],
+///     gracefulShutdownSignals: [.sigterm, .sigint], logger: logger)
+/// try await group.run()
+/// ```
+///
+/// On graceful shutdown it stops starting flushes, lets a flush that is sending finish its request (bounded
+/// by ``Configuration/drainTimeout``), commits the journal and returns. On cancellation it stops at once;
+/// nothing is lost either way (what was not answered stays queued, and the next flush settles it first).
+///
+/// The queues of other servers in the same database are flushed only when given: credentials are per
+/// server, and a queue never sends to a server it was not made for.
+public struct DataQueueService: Service {
+    /// How the service polls and drains.
+    public struct Configuration: Sendable {
+        /// How often to look for items queued by other processes. The default is 1 second.
+        public var pollInterval: Duration
+        /// How long graceful shutdown waits for a flush that is sending. The default is 10 seconds.
+        public var drainTimeout: Duration
+
+        /// Creates a configuration; every parameter has the default stated on its property.
+        public init(pollInterval: Duration = .seconds(1), drainTimeout: Duration = .seconds(10)) {
+            self.pollInterval = pollInterval
+            self.drainTimeout = drainTimeout
+        }
+    }
+
+    /// The queues this service flushes.
+    public let queues: [DataQueue]
+    /// How it polls and drains.
+    public let configuration: Configuration
+    private let logger: Logger
+
+    /// A service that flushes `queues`.
+    ///
+    /// - Parameters:
+    ///   - queues: the queues to deliver, one per server.
+    ///   - configuration: polling and draining. The default is ``Configuration/init(pollInterval:drainTimeout:)``.
+    ///   - logger: where the service logs state changes (server down → up), never per item. The default
+    ///     discards everything.
+    public init(
+        queues: [DataQueue], configuration: Configuration = Configuration(),
+        logger: Logger = Logger(label: "dq.service", factory: { _ in SwiftLogNoOpLogHandler() })
+    ) {
+        self.queues = queues
+        self.configuration = configuration
+        self.logger = logger
+    }
+
+    /// Delivers until graceful shutdown (returns) or cancellation (returns at once).
+    public func run() async throws {
+        await withTaskGroup(of: Void.self) { group in
+            for queue in queues {
+                group.addTask { await self.deliver(queue) }
+            }
+        }
+    }
+
+    /// The loop of one queue: flush, then wait for an enqueue, the poll interval or shutdown.
+    private func deliver(_ queue: DataQueue) async {
+        var healthy: Bool?
+        while !Task.isCancelled && !Task.isShuttingDownGracefully {
+            let report = await flushDraining(queue)
+            if let report {
+                let up: Bool
+                switch report.stop {
+                case .transient, .authentication: up = false
+                default: up = true
+                }
+                if healthy != up {
+                    // One line per state change, not one per item.
+                    if up {
+                        if healthy != nil { logger.notice("server is reachable again", metadata: ["queue": "\(queue.queueName)"]) }
+                    } else {
+                        logger.warning(
+                            "delivery stopped; items stay queued",
+                            metadata: ["queue": "\(queue.queueName)", "reason": "\(report.stop.map { "\($0)" } ?? "-")"])
+                    }
+                    healthy = up
+                }
+            }
+            guard !Task.isCancelled && !Task.isShuttingDownGracefully else { break }
+            await withGracefulShutdownHandler {
+                await queue.wakeUp.wait(timeout: configuration.pollInterval)
+            } onGracefulShutdown: {
+                queue.wakeUp.signal()
+            }
+        }
+    }
+
+    /// One flush. On graceful shutdown or cancellation the flush is cancelled: it stops before its next item,
+    /// once the request on the wire is answered. Graceful shutdown waits for that at most the drain timeout,
+    /// cancellation not at all; a request left behind stays queued, and the next flush lets it settle first.
+    private func flushDraining(_ queue: DataQueue) async -> FlushReport? {
+        let flush = Task { try? await queue.flush() }
+        let result = ResumeOnce<FlushReport?>()
+        let drainTimeout = configuration.drainTimeout
+        return await withTaskCancellationHandler {
+            await withCheckedContinuation { continuation in
+                result.set(continuation)
+                Task {
+                    result.resume(with: await flush.value)
+                }
+                Task {
+                    // Task-local graceful shutdown state is inherited: this returns when the group shuts down.
+                    let cancelled = (try? await gracefulShutdown()) == nil
+                    flush.cancel()
+                    if !cancelled { try? await Task.sleep(for: drainTimeout) }
+                    result.resume(with: nil)
+                }
+            }
+        } onCancel: {
+            flush.cancel()
+            result.resume(with: nil)
+        }
+    }
+}
+
+/// A continuation resumed by whichever of several tasks comes first; later resumes are ignored.
+private final class ResumeOnce<Value: Sendable>: Sendable {
+    private let state = NIOLockedValueBox<(continuation: CheckedContinuation<Value, Never>?, early: Value??)>((nil, nil))
+
+    func set(_ continuation: CheckedContinuation<Value, Never>) {
+        let early = state.withLockedValue { state -> Value?? in
+            if let early = state.early { return early }
+            state.continuation = continuation
+            return nil
+        }
+        if let early { continuation.resume(returning: early!) }
+    }
+
+    func resume(with value: Value) {
+        let continuation = state.withLockedValue { state -> CheckedContinuation<Value, Never>? in
+            if state.continuation == nil && state.early == nil {
+                state.early = .some(value)
+                return nil
+            }
+            defer { state.continuation = nil }
+            return state.continuation
+        }
+        continuation?.resume(returning: value)
+    }
+}

@@ -1,0 +1,93 @@
+import Foundation
+import NIOCore
+import NIOHTTP1
+import NIOPosix
+import Prometheus
+import ServiceLifecycle
+
+/// The `dq run --metrics-address` endpoint: `GET /metrics` (Prometheus text) and `GET /healthz`, on a small
+/// NIO HTTP/1.1 server that stops with the service group.
+final class MetricsServer: Service {
+    let port: Int
+    private let channel: any Channel
+
+    /// `HOST:PORT`, `[IPv6]:PORT` or a bare `PORT` (then loopback).
+    static func parse(_ text: String) -> (host: String, port: Int)? {
+        if let port = Int(text), (0...65535).contains(port) { return ("127.0.0.1", port) }
+        guard let colon = text.lastIndex(of: ":"), let port = Int(text[text.index(after: colon)...]),
+            (0...65535).contains(port)
+        else { return nil }
+        var host = String(text[..<colon])
+        if host.hasPrefix("[") && host.hasSuffix("]") { host = String(host.dropFirst().dropLast()) }
+        return host.isEmpty ? nil : (host, port)
+    }
+
+    private init(channel: any Channel, port: Int) {
+        self.channel = channel
+        self.port = port
+    }
+
+    static func start(host: String, port: Int, registry: PrometheusCollectorRegistry) async throws -> MetricsServer {
+        let bootstrap = ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton)
+            .serverChannelOption(.socketOption(.so_reuseaddr), value: 1)
+            .childChannelInitializer { channel in
+                channel.eventLoop.makeCompletedFuture {
+                    try channel.pipeline.syncOperations.configureHTTPServerPipeline()
+                    try channel.pipeline.syncOperations.addHandler(MetricsHandler(registry: registry))
+                }
+            }
+        let channel = try await bootstrap.bind(host: host, port: port).get()
+        return MetricsServer(channel: channel, port: channel.localAddress?.port ?? port)
+    }
+
+    /// Serves until graceful shutdown or cancellation, then closes the listening socket.
+    func run() async throws {
+        try? await gracefulShutdown()
+        try? await channel.close()
+    }
+}
+
+/// Answers one request per connection turn: the metrics text, the health check, or 404.
+private final class MetricsHandler: ChannelInboundHandler {
+    typealias InboundIn = HTTPServerRequestPart
+    typealias OutboundOut = HTTPServerResponsePart
+
+    private let registry: PrometheusCollectorRegistry
+    private var head: HTTPRequestHead?
+
+    init(registry: PrometheusCollectorRegistry) { self.registry = registry }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        switch unwrapInboundIn(data) {
+        case .head(let head): self.head = head
+        case .body: break
+        case .end:
+            guard let head else { return }
+            self.head = nil
+            let path = head.uri.split(separator: "?").first.map(String.init) ?? head.uri
+            let (status, contentType, body): (HTTPResponseStatus, String, [UInt8])
+            switch (head.method, path) {
+            case (.GET, "/metrics"):
+                (status, contentType, body) = (.ok, "text/plain; version=0.0.4; charset=utf-8", registry.emitToBuffer())
+            case (.GET, "/healthz"):
+                (status, contentType, body) = (.ok, "text/plain; charset=utf-8", Array("ok\n".utf8))
+            default:
+                (status, contentType, body) = (.notFound, "text/plain; charset=utf-8", Array("not found\n".utf8))
+            }
+            var headers = HTTPHeaders()
+            headers.add(name: "Content-Type", value: contentType)
+            headers.add(name: "Content-Length", value: String(body.count))
+            if !head.isKeepAlive { headers.add(name: "Connection", value: "close") }
+            context.write(wrapOutboundOut(.head(HTTPResponseHead(version: head.version, status: status, headers: headers))), promise: nil)
+            context.write(wrapOutboundOut(.body(.byteBuffer(context.channel.allocator.buffer(bytes: body)))), promise: nil)
+            let written = context.writeAndFlush(wrapOutboundOut(.end(nil)))
+            if !head.isKeepAlive {
+                written.assumeIsolated().whenComplete { _ in context.close(promise: nil) }
+            }
+        }
+    }
+
+    func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        context.close(promise: nil)
+    }
+}

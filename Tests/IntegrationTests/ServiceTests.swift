@@ -1,0 +1,197 @@
+import FHIRDataQueue
+import Foundation
+import Logging
+import ServiceLifecycle
+import Testing
+
+#if canImport(Glibc)
+    import Glibc
+#endif
+
+/// Background delivery: `DataQueueService` in a service group, and `dq run` under signals, against sekmet-fhir.
+@Suite("Background delivery against sekmet-fhir", .serialized, .enabled(if: Peers.enabled))
+struct ServiceTests {
+    let work: TemporaryDirectory
+    let resources = Resources()
+
+    init() throws { work = try TemporaryDirectory() }
+
+    func environment(_ server: String, idempotent: Bool = true, batch: Int? = nil) -> [String: String] {
+        var env = ["DQ_SERVER": server, "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
+        if idempotent { env["DQ_IDEMPOTENT"] = "true" }
+        if let batch { env["DQ_BATCH_SIZE"] = String(batch) }
+        return env
+    }
+
+    @Test("Items queued while the server is down arrive once it is up, with no call to flush (the service alone)")
+    func serviceDeliversByItself() async throws {
+        let server = try FHIRServer()  // not started yet
+        var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0.2, maximumDelay: 0.5, jitter: 0)
+        configuration.connectTimeout = 2
+        let queue = try DataQueue(baseURL: URL(string: server.base)!, configuration: configuration)
+        let group = ServiceGroup(
+            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(200)))],
+            logger: Logger(label: "test"))
+        let running = Task { try await group.run() }
+        for index in 0..<5 {
+            _ = try await queue.enqueue(try FHIRResource(json: Data(resources.observation(index).utf8)))
+        }
+        try await Task.sleep(for: .milliseconds(500))  // the service has tried and failed: the server is down
+        try await server.start()
+        let arrived = try await eventually(timeout: .seconds(30)) {
+            (try await server.values("Observation", system: resources.system)).count == 5
+        }
+        #expect(arrived, "the service delivered without any flush() call")
+        // An enqueue wakes it at once.
+        _ = try await queue.enqueue(try FHIRResource(json: Data(resources.observation(5).utf8)))
+        #expect(
+            try await eventually(timeout: .seconds(10)) {
+                (try await server.values("Observation", system: resources.system)).count == 6
+            })
+        await group.triggerGracefulShutdown()
+        try await running.value
+        #expect(try await server.values("Observation", system: resources.system) == (0..<6).map(String.init))
+        try await queue.shutdown()
+    }
+
+    @Test("dq run delivers what a separate dq enqueue queued, in order, and exits 0 on SIGTERM")
+    func runDeliversOtherProcesses() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base)
+        let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.2"], environment: env)
+        for chunk in 0..<3 {
+            let file = try work.write("c\(chunk).ndjson", resources.ndjson((chunk * 10)..<(chunk * 10 + 10)))
+            #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        }
+        #expect(
+            try await eventually(timeout: .seconds(30)) {
+                (try await server.values("Observation", system: resources.system)).count == 30
+            })
+        run.kill(SIGTERM)
+        let result = await run.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == (0..<30).map(String.init))
+    }
+
+    @Test("SIGTERM while a request is stalled: dq run exits 0 within the drain timeout; nothing lost or duplicated")
+    func sigtermMidFlush() async throws {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server)
+        let env = environment(proxy.base, batch: 1)
+        let file = try work.write("five.ndjson", resources.ndjson(0..<5))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        try await proxy.inject(["pass", "stall:2"])  // item 1 reaches the server; its answer is held 2 s
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.2", "--drain-timeout", "5"], environment: env)
+        #expect(try await eventually { (try await proxy.stats()["forwarded"] as? Int ?? 0) >= 2 })
+        let stopped = ContinuousClock.now
+        run.kill(SIGTERM)
+        let result = await run.wait(timeout: .seconds(30))
+        let took = ContinuousClock.now - stopped
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(took < .seconds(5) + .seconds(2), "stopped within the drain timeout (\(took))")
+        #expect(try await dq(["flush", "--now"], env).status == 0)
+        #expect(try await server.values("Observation", system: resources.system) == (0..<5).map(String.init))
+    }
+
+    @Test("Two dq run processes and a cron-style dq flush on one database deliver each item once")
+    func twoRunnersAndCron() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base, batch: 4)
+        let first = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env)
+        let second = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env)
+        for chunk in 0..<8 {
+            let file = try work.write("c\(chunk).ndjson", resources.ndjson((chunk * 10)..<(chunk * 10 + 10)))
+            #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+            _ = try await dq(["flush", "--wait", "5"], env)
+        }
+        #expect(
+            try await eventually(timeout: .seconds(60)) {
+                (try await server.values("Observation", system: resources.system)).count >= 80
+            })
+        first.kill(SIGTERM)
+        second.kill(SIGTERM)
+        #expect(await first.wait(timeout: .seconds(30)).status == 0)
+        #expect(await second.wait(timeout: .seconds(30)).status == 0)
+        #expect(try await server.values("Observation", system: resources.system) == (0..<80).map(String.init))
+    }
+
+    @Test("/metrics after known work: 3 delivered, 1 parked, depth 0; /healthz answers")
+    func metricsScrape() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base, idempotent: false, batch: 1)
+        let port = Peers.freePort()
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.2", "--metrics-address", "127.0.0.1:\(port)"], environment: env)
+        let lines = [resources.observation(0), resources.observation(1), resources.invalid(2), resources.observation(3)]
+        let file = try work.write("four.ndjson", lines.joined(separator: "\n"))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        let queue = server.base
+        let scraped = try await eventually(timeout: .seconds(30)) {
+            guard let (status, body) = try? await HTTP.get("http://127.0.0.1:\(port)/metrics"), status == 200 else {
+                return false
+            }
+            let text = String(decoding: body, as: UTF8.self)
+            return text.contains(#"dq_items_delivered_total{destination="\#(queue)"} 3"#)
+                && text.contains(#"dq_items_parked_total{destination="\#(queue)"} 1"#)
+                && text.contains(#"dq_queue_depth{destination="\#(queue)"} 0"#)
+        }
+        let (_, body) = try await HTTP.get("http://127.0.0.1:\(port)/metrics")
+        let text = String(decoding: body, as: UTF8.self)
+        #expect(scraped, "\(text)")
+        #expect(text.contains("dq_request_duration_seconds_bucket"))
+        let (health, ok) = try await HTTP.get("http://127.0.0.1:\(port)/healthz")
+        #expect(health == 200 && String(decoding: ok, as: UTF8.self) == "ok\n")
+        run.kill(SIGTERM)
+        #expect(await run.wait(timeout: .seconds(30)).status == 0)
+    }
+
+    @Test("With NOTIFY_SOCKET, dq run tells systemd READY=1 and STOPPING=1")
+    func systemdNotify() async throws {
+        let socketPath = work.file("notify.sock")
+        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue), 0)
+        defer { close(fd) }
+        var address = sockaddr_un()
+        address.sun_family = sa_family_t(AF_UNIX)
+        withUnsafeMutableBytes(of: &address.sun_path) { raw in
+            for (index, byte) in socketPath.utf8.enumerated() { raw[index] = byte }
+        }
+        let bound = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        }
+        #expect(bound == 0)
+        var timeout = timeval(tv_sec: 20, tv_usec: 0)
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, socklen_t(MemoryLayout<timeval>.size))
+        var env = environment("http://127.0.0.1:9/fhir")
+        env["NOTIFY_SOCKET"] = socketPath
+        let run = try ChildProcess(Peers.dqBinary, ["run"], environment: env)
+        func receive() -> String {
+            var buffer = [UInt8](repeating: 0, count: 512)
+            let count = recv(fd, &buffer, buffer.count, 0)
+            return count > 0 ? String(decoding: buffer[0..<count], as: UTF8.self) : ""
+        }
+        let ready = receive()
+        #expect(ready.contains("READY=1"), "\(ready)")
+        run.kill(SIGTERM)
+        let stopping = receive()
+        #expect(stopping.contains("STOPPING=1"), "\(stopping)")
+        #expect(await run.wait(timeout: .seconds(30)).status == 0)
+    }
+
+    @Test("systemd-analyze verify accepts the shipped unit")
+    func unitFileVerifies() async throws {
+        let analyze = "/usr/bin/systemd-analyze"
+        try #require(FileManager.default.isExecutableFile(atPath: analyze), "systemd-analyze is missing: make deps installs systemd")
+        let unit = try String(
+            contentsOf: Peers.packageRoot.appendingPathComponent("Examples/systemd/dq.service"), encoding: .utf8)
+        // The unit names the installed binary; verify it against the built one.
+        let local = try work.write("dq.service", unit.replacingOccurrences(of: "/usr/local/bin/dq", with: Peers.dqBinary))
+        let result = try await ChildProcess(analyze, ["verify", local]).wait(timeout: .seconds(60))
+        let complaints = result.stderr.split(separator: "\n").filter { line in
+            // Only the unit's own lines count; systemd also comments on units of the host it runs on.
+            line.contains("dq.service")
+        }
+        #expect(result.status == 0 && complaints.isEmpty, "\(result.stdout)\(result.stderr)")
+    }
+}
