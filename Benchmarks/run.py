@@ -203,50 +203,37 @@ def case_flush_sink(args, work):
 
 def case_flush_fhir(args, work):
     print("5. flush to sekmet-fhir", flush=True)
-    venv = os.path.join(ROOT, ".peers", "venv")
     bench_venv = os.path.join(ROOT, ".peers", "bench")
-    port = free_port()
-    data = os.path.join(work, "sekmet")
-    os.makedirs(data, exist_ok=True)
-    with open(os.path.join(data, "settings.yaml"), "w") as f:
-        f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\nlog_inbound: false\n"
-                "simulator: {enabled: false}\nserver_auth:\n  types: [none]\n" % (port, port, data))
-    server = subprocess.Popen([os.path.join(venv, "bin", "sekmet"), "serve", "-c", os.path.join(data, "settings.yaml")],
-                              cwd=data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = "http://127.0.0.1:%d/fhir" % port
+    server, _, base = start_sekmet(work, "sekmet")
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(base + "/metadata", timeout=1)
-                break
-            except Exception:
-                time.sleep(0.1)
         n = args.scale(300)
         lines = os.path.join(work, "fhir.ndjson")
         write_ndjson(lines, n, 512)
-
-        def dq_flush():
-            env = dq_env(work, base, "fh-%f.sqlite" % time.time())
-            env["DQ_BATCH_SIZE"] = "1"  # one request per item, as the peers do (case 10 measures Bundles)
-            run([args.dq, "enqueue", "--ndjson", lines], env=env)
-            start = time.perf_counter()
-            out = run([args.dq, "flush"], env=env).stdout
-            assert "%d delivered" % n in out, out
-            return n / (time.perf_counter() - start)
-
         peer = os.path.join(ROOT, "Benchmarks", "peers_fhir.py")
 
         def peer_rate(name):
             out = run([os.path.join(bench_venv, "bin", "python"), peer, name, base, lines]).stdout
             return float(out.strip().splitlines()[-1])
 
-        dq_value = median_of(dq_flush, args.repeat)
+        # One request per item, as the peers do (case 10 measures Bundles).
+        dq_value = median_of(lambda: timed_flush(args, work, base, lines, n, batch=1), args.repeat)
         for name in ("fhirclient", "fhirpy", "requests"):
             row("5 flush to sekmet-fhir (items/s)", dq_value, "items/s", "%s, sequential creates" % name,
                 median_of(lambda: peer_rate(name), args.repeat), ">= 1.0")
     finally:
         server.terminate()
         server.wait()
+
+
+def timed_flush(args, work, base, path, count, batch):
+    """Queues `path` in a new database, then times one dq flush of it: items/s."""
+    env = dq_env(work, base, "flush-%f.sqlite" % time.time())
+    env["DQ_BATCH_SIZE"] = str(batch)
+    run([args.dq, "enqueue", "--ndjson", path], env=env)
+    start = time.perf_counter()
+    out = run([args.dq, "flush"], env=env).stdout
+    assert "%d delivered" % count in out, out
+    return count / (time.perf_counter() - start)
 
 
 def case_seal(args, work):
@@ -342,9 +329,10 @@ def case_peers(args, work):
         row("9 durable put, 1 item/commit (items/s)", dq_put, "items/s", "%s put, synchronous=FULL" % name, out, ">= 1.0")
 
 
-def start_sekmet(work, name):
+def start_sekmet(work, name, port=None):
+    """A sekmet-fhir server in work/name on `port` (a free one by default), ready: (process, port, base URL)."""
     venv = os.path.join(ROOT, ".peers", "venv")
-    port = free_port()
+    port = port or free_port()
     data = os.path.join(work, name)
     os.makedirs(data, exist_ok=True)
     with open(os.path.join(data, "settings.yaml"), "w") as f:
@@ -353,12 +341,12 @@ def start_sekmet(work, name):
     server = subprocess.Popen([os.path.join(venv, "bin", "sekmet"), "serve", "-c", os.path.join(data, "settings.yaml")],
                               cwd=data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = "http://127.0.0.1:%d/fhir" % port
-    for _ in range(300):
+    for _ in range(1000):
         try:
             urllib.request.urlopen(base + "/metadata", timeout=1)
             break
         except Exception:
-            time.sleep(0.1)
+            time.sleep(0.02)
     return server, port, base
 
 
@@ -387,13 +375,7 @@ def case_drain_latency(args, work):
         write_ndjson(single_lines, single_n, 512)
 
         def dq_drain(base, path, count, batch):
-            env = dq_env(work, base, "drain-%f.sqlite" % time.time())
-            env["DQ_BATCH_SIZE"] = str(batch)
-            run([args.dq, "enqueue", "--ndjson", path], env=env)
-            start = time.perf_counter()
-            out = run([args.dq, "flush"], env=env).stdout
-            assert "%d delivered" % count in out, out
-            return count / (time.perf_counter() - start)
+            return timed_flush(args, work, base, path, count, batch)
 
         bundles = os.path.join(ROOT, "Benchmarks", "peers_bundles.py")
 
@@ -430,26 +412,13 @@ def case_drain_latency(args, work):
 def case_service(args, work):
     """11: dq run: the delay from the server coming back to the first delivery, and the CPU of an idle dq run."""
     print("11. dq run: recovery delay and idle CPU", flush=True)
-    venv = os.path.join(ROOT, ".peers", "venv")
     poll = 1.0
-    port = free_port()
-    data = os.path.join(work, "service")
-    os.makedirs(data, exist_ok=True)
-    with open(os.path.join(data, "settings.yaml"), "w") as f:
-        f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\nlog_inbound: false\n"
-                "simulator: {enabled: false}\nserver_auth:\n  types: [none]\n" % (port, port, data))
-    base = "http://127.0.0.1:%d/fhir" % port
+    server, port, base = start_sekmet(work, "service")
+    server.terminate()
+    server.wait()
 
     def start():
-        server = subprocess.Popen([os.path.join(venv, "bin", "sekmet"), "serve", "-c", os.path.join(data, "settings.yaml")],
-                                  cwd=data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(base + "/metadata", timeout=1)
-                return server
-            except Exception:
-                time.sleep(0.02)
-        return server
+        return start_sekmet(work, "service", port=port)[0]
 
     def count():
         with urllib.request.urlopen(base + "/Observation?_count=1", timeout=5) as r:

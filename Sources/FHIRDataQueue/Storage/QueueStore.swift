@@ -804,15 +804,17 @@ final class QueueStore: Sendable {
                 + "inspect it with sqlite3, then fix or delete that row")
     }
 
+    /// A text column read as what dq writes there, or the row named as damaged.
+    private static func column<T>(_ row: Row, _ name: String, of table: String, _ parse: (String) -> T?) throws -> T {
+        let text: String? = row[name]
+        guard let text, let value = parse(text) else { throw damaged(table, row, "unknown \(name)") }
+        return value
+    }
+
     private static func queuedItem(_ row: Row) throws -> QueuedItem {
-        let uuidText: String? = row["uuid"]
-        guard let uuidText, let uuid = UUID(uuidString: uuidText) else { throw damaged("item", row, "bad uuid") }
-        let methodText: String? = row["method"]
-        guard let methodText, let method = FHIRMethod(rawValue: methodText) else {
-            throw damaged("item", row, "unknown method")
-        }
-        let stateText: String? = row["state"]
-        guard let stateText, let state = ItemState(rawValue: stateText) else { throw damaged("item", row, "unknown state") }
+        let uuid = try column(row, "uuid", of: "item") { UUID(uuidString: $0) }
+        let method = try column(row, "method", of: "item") { FHIRMethod(rawValue: $0) }
+        let state = try column(row, "state", of: "item") { ItemState(rawValue: $0) }
         let lastAttempt: Double? = row["last_attempt_at"]
         let size: Int? = row["size"]
         let body: Data? = size == nil ? row["body"] : nil
@@ -832,16 +834,9 @@ final class QueueStore: Sendable {
     }
 
     private static func deliveryRecord(_ row: Row) throws -> DeliveryRecord {
-        let uuidText: String? = row["uuid"]
-        guard let uuidText, let uuid = UUID(uuidString: uuidText) else { throw damaged("delivery", row, "bad uuid") }
-        let methodText: String? = row["method"]
-        guard let methodText, let method = FHIRMethod(rawValue: methodText) else {
-            throw damaged("delivery", row, "unknown method")
-        }
-        let eventText: String? = row["event"]
-        guard let eventText, let event = DeliveryRecord.Event(rawValue: eventText) else {
-            throw damaged("delivery", row, "unknown event")
-        }
+        let uuid = try column(row, "uuid", of: "delivery") { UUID(uuidString: $0) }
+        let method = try column(row, "method", of: "delivery") { FHIRMethod(rawValue: $0) }
+        let event = try column(row, "event", of: "delivery") { DeliveryRecord.Event(rawValue: $0) }
         return DeliveryRecord(
             sequence: row["seq"], id: uuid, event: event, queue: row["queue"], method: method, url: row["url"],
             resourceType: row["resource_type"], status: row["status"], location: row["location"],
