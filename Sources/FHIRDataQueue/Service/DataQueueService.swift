@@ -110,19 +110,20 @@ public struct DataQueueService: Service {
         let flush = Task { try? await queue.flush() }
         let result = ResumeOnce<FlushReport?>()
         let drainTimeout = configuration.drainTimeout
+        // Task-local graceful shutdown state is inherited: this returns when the group shuts down, and is
+        // cancelled (so that no watcher outlives its flush) once the flush is over.
+        let watcher = Task {
+            let cancelled = (try? await gracefulShutdown()) == nil
+            guard !cancelled else { return }
+            flush.cancel()
+            try? await Task.sleep(for: drainTimeout)
+            result.resume(with: nil)
+        }
+        defer { watcher.cancel() }
         return await withTaskCancellationHandler {
             await withCheckedContinuation { continuation in
                 result.set(continuation)
-                Task {
-                    result.resume(with: await flush.value)
-                }
-                Task {
-                    // Task-local graceful shutdown state is inherited: this returns when the group shuts down.
-                    let cancelled = (try? await gracefulShutdown()) == nil
-                    flush.cancel()
-                    if !cancelled { try? await Task.sleep(for: drainTimeout) }
-                    result.resume(with: nil)
-                }
+                Task { result.resume(with: await flush.value) }
             }
         } onCancel: {
             flush.cancel()
