@@ -34,8 +34,6 @@ public struct FHIRResource: Sendable, Hashable {
     }
     /// The JSON of the `identifier` member, decoded only when asked for.
     private let identifierJSON: Data?
-    /// Whether the resource has an `identifier` element of any shape.
-    let hasIdentifierElement: Bool
 
     /// Resources are equal when their bytes are.
     public static func == (lhs: FHIRResource, rhs: FHIRResource) -> Bool { lhs.data == rhs.data }
@@ -109,26 +107,11 @@ public struct FHIRResource: Sendable, Hashable {
         self.identifierJSON = document.members["identifier"].map {
             Data(json[(json.startIndex + $0.lowerBound)..<(json.startIndex + $0.upperBound)])
         }
-        self.hasIdentifierElement = document.members["identifier"] != nil
     }
 
     /// A transaction or batch Bundle, which is sent as one request to the base URL.
     public var isTransactionOrBatch: Bool {
         bundleType == "transaction" || bundleType == "batch"
-    }
-
-    /// Returns a copy whose JSON carries one more identifier, inserted without re-serializing the rest.
-    ///
-    /// Used by idempotent mode for resources that have no identifier of their own.
-    func addingIdentifier(system: String, value: String) throws -> FHIRResource {
-        guard let brace = data.firstIndex(of: UInt8(ascii: "{")) else { return self }
-        let snippet = #""identifier":[{"system":"\#(system)","value":"\#(value)"}],"#
-        var bytes = Data()
-        bytes.reserveCapacity(data.count + snippet.utf8.count)
-        bytes.append(data[data.startIndex...brace])
-        bytes.append(contentsOf: Array(snippet.utf8))
-        bytes.append(data[data.index(after: brace)...])
-        return try FHIRResource(json: bytes, maximumSize: Int.max)
     }
 
     /// A key for an error message: at most 40 characters, control characters as `?` (keys are not PHI, but
