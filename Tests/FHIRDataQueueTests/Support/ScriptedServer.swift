@@ -100,15 +100,20 @@ final class ScriptedServer: Sendable {
 
     deinit {
         // Best effort for a test that forgot `shutdown()`: nothing may keep listening on the shared event loops.
-        let channels: [any Channel]? = state.withLock { shared in
+        let channels = markShutDown()
+        guard let channels else { return }
+        serverChannel.close(promise: nil)
+        for channel in channels { channel.close(promise: nil) }
+    }
+
+    /// Marks the server shut down and returns its open connections, or nil when it already was.
+    private func markShutDown() -> [any Channel]? {
+        state.withLock { shared in
             if shared.isShutDown { return nil }
             shared.isShutDown = true
             shared.stalled.removeAll()
             return Array(shared.open.values)
         }
-        guard let channels else { return }
-        serverChannel.close(promise: nil)
-        for channel in channels { channel.close(promise: nil) }
     }
 
     /// Every request received so far, in arrival order (recorded before the handler is called).
@@ -141,12 +146,7 @@ final class ScriptedServer: Sendable {
     /// Stops the server and closes all connections, stalled ones included; waits until they are closed. A second
     /// call does nothing.
     func shutdown() async throws {
-        let channels: [any Channel]? = state.withLock { shared in
-            if shared.isShutDown { return nil }
-            shared.isShutDown = true
-            shared.stalled.removeAll()
-            return Array(shared.open.values)
-        }
+        let channels = markShutDown()
         guard let channels else { return }
         var failure: (any Error)?
         do { try await serverChannel.close() } catch { failure = error }
