@@ -2,9 +2,10 @@
 SWIFT ?= swift
 APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv systemd
 export DQ_BIN := $(CURDIR)/.build/debug/dq
+export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 
 BENCH_APT := nginx-light apache2-utils
-.PHONY: all build release deps peers test unit demo bench torture lint man clean
+.PHONY: all build gateway release deps peers test unit demo bench torture lint man clean
 
 all: build
 
@@ -19,6 +20,11 @@ deps:
 build: deps
 	$(SWIFT) build --build-tests
 
+# Examples/Gateway, a Hummingbird service that embeds dq: its own package (so dq's users do not fetch
+# Hummingbird), built here because an integration test drives it.
+gateway: deps
+	$(SWIFT) build --package-path Examples/Gateway
+
 # A release dq that links the Swift runtime and Foundation statically: it runs on machines without a Swift
 # toolchain and starts about a third faster (no symbol lookups in a dozen shared libraries).
 RELEASE_FLAGS := -c release --static-swift-stdlib
@@ -30,7 +36,7 @@ peers:
 	scripts/peers.sh install
 
 # Every test: a short torture run, then unit and integration tests against real servers started here.
-test: build peers
+test: build gateway peers
 	.peers/venv/bin/python scripts/torture.py --quick
 	@scripts/peers.sh start
 	@set -a; . .peers/env; set +a; export DQ_REQUIRE_PEERS=1; \
@@ -62,7 +68,7 @@ man: build
 	cp .build/plugins/GenerateManual/outputs/dq/dq.1 dq.1
 
 lint:
-	$(SWIFT) format lint --strict -r Sources Tests Benchmarks
+	$(SWIFT) format lint --strict -r Sources Tests Benchmarks Examples/Gateway/Sources
 
 clean:
-	rm -rf .build .peers
+	rm -rf .build .peers Examples/Gateway/.build
