@@ -184,7 +184,6 @@ struct InputHardeningTests {
                     resourceID: nil, encrypted: false, contentType: "application/fhir+json",
                     body: Data(#"{"resourceType":"Patient"}"#.utf8))
             ])
-            store.stopWriters()
         }
         let reader = try QueueStore(path: path("q.sqlite"), durability: .full, readOnly: true)
         #expect(try await reader.status(queue: "http://h/fhir").pending == 1)
@@ -218,7 +217,6 @@ struct InputHardeningTests {
     @Test("A new database appears whole: no leftover temporary file, schema complete")
     func creationIsAtomic() throws {
         let store = try QueueStore(path: path("q.sqlite"), durability: .full)
-        store.stopWriters()
         let files = try FileManager.default.contentsOfDirectory(atPath: directory.path)
         #expect(!files.contains { $0.hasPrefix("q.sqlite.new") }, "\(files)")
         let migrations = try store.database.read { db in

@@ -1,5 +1,6 @@
 import Foundation
 import GRDB
+import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -82,8 +83,52 @@ struct QueueStoreTests {
             for index in 0..<500 { group.addTask { try await store.insertGrouped(item(index)) } }
             return try await group.reduce(into: [Int64]()) { $0.append($1) }
         }
-        #expect(Set(sequences).count == 500)
+        #expect(sequences.count == 500 && Set(sequences).count == 500)
         #expect(try await store.status(queue: "http://h/fhir").pending == 500)
+        #expect(store.groupedCommits >= 1 && store.groupedCommits <= 500, "\(store.groupedCommits) commits")
+    }
+
+    @Test("Leader/follower: an uncontended enqueue commits alone; those that arrive during a commit share the next")
+    func leaderFollower() async throws {
+        let gate = DispatchSemaphore(value: 0)
+        let batches = Mutex<[[String]]>([])
+        let batcher = EnqueueBatcher { items in
+            let first = batches.withLock { batches in
+                batches.append(items.map { String(decoding: $0.body, as: UTF8.self) })
+                return batches.count == 1
+            }
+            if first { gate.wait() }  // the first commit is slow: the others arrive while it runs
+            let base = Int64(batches.withLock { $0.flatMap { $0 }.count - items.count })
+            return .success(items.indices.map { base + Int64($0) + 1 })
+        }
+        let leader = Task { try await batcher.submit(item(0)) }
+        #expect(try await waitFor { batches.withLock { $0.count } == 1 }, "the leader is committing")
+        var followers: [Task<Int64, any Error>] = []
+        for index in 1...10 {
+            followers.append(Task { try await batcher.submit(item(index)) })
+            #expect(try await waitFor { batcher.waitingCount == index }, "enqueue \(index) waits for the commit")
+        }
+        gate.signal()
+        #expect(try await leader.value == 1)
+        var sequences: [Int64] = []
+        for follower in followers { sequences.append(try await follower.value) }
+        #expect(sequences == Array(2...11), "each follower got its own sequence, in arrival order")
+        let committed = batches.withLock { $0 }
+        #expect(committed.count == 2, "two commits for eleven enqueues: \(committed.map(\.count))")
+        #expect(committed.last?.count == 10)
+        #expect(batcher.commits == 2)
+        // Uncontended again: the next enqueue commits alone, at once.
+        #expect(try await batcher.submit(item(11)) == 12)
+        #expect(batches.withLock { $0.last?.count } == 1)
+    }
+
+    /// Polls `condition` (yielding) for up to 10 s.
+    func waitFor(_ condition: () -> Bool) async throws -> Bool {
+        for _ in 0..<10_000 {
+            if condition() { return true }
+            try await Task.sleep(for: .milliseconds(1))
+        }
+        return condition()
     }
 
     @Test("Items are read back in enqueue order, per queue")

@@ -117,10 +117,9 @@ open class DataQueue: @unchecked Sendable {
             caBundlePath: configuration.caBundlePath, client: httpClient)
     }
 
-    /// Releases what the queue owns: its enqueue writer, its HTTP client (unless the caller passed one) and
-    /// the authorization provider's resources. Call once, when done with the queue.
+    /// Releases what the queue owns: its HTTP client (unless the caller passed one) and the authorization
+    /// provider's resources. Call once, when done with the queue.
     public func shutdown() async throws {
-        store.stopWriters()
         try await transport.shutdown()
         try await authorization?.shutdown()
     }
@@ -275,9 +274,11 @@ open class DataQueue: @unchecked Sendable {
     ///   - fullURL: the `urn:uuid:…` by which later resources reference this one (as a Bundle entry's
     ///     `fullUrl`). dq sends them in one Bundle where it can, and otherwise rewrites their references to
     ///     where the server put this one. The default is none.
+    /// It runs on the caller's executor (`nonisolated(nonsending)`): an enqueue that finds no commit running
+    /// commits on the calling thread, with no hop to another thread and back.
     @discardableResult
-    public func enqueue(_ resource: FHIRResource, method: FHIRMethod = .post, fullURL: String? = nil) async throws
-        -> QueuedItem
+    nonisolated(nonsending) public func enqueue(_ resource: FHIRResource, method: FHIRMethod = .post, fullURL: String? = nil)
+        async throws -> QueuedItem
     {
         let item = try newItem(for: resource, method: method, fullURL: fullURL)
         if item.fullURL != nil || !TransactionBundle.references(in: item.body).isEmpty {

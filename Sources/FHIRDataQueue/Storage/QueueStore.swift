@@ -344,13 +344,11 @@ final class QueueStore: Sendable {
         try await immediate("enqueue") { db in try Self.insert(items, db: db) }
     }
 
-    /// Lets the enqueue writer thread end now rather than after its idle timeout (it holds the database open).
-    func stopWriters() {
-        batcher.stop()
-    }
+    /// Transactions the grouped enqueues have committed (for tests of the grouping).
+    var groupedCommits: Int { batcher.commits }
 
     /// Stores one item, sharing a commit with other enqueues that wait at the same moment.
-    func insertGrouped(_ item: NewItem) async throws -> Int64 {
+    nonisolated(nonsending) func insertGrouped(_ item: NewItem) async throws -> Int64 {
         try await batcher.submit(item)
     }
 
@@ -849,85 +847,110 @@ final class QueueStore: Sendable {
     }
 }
 
-/// Groups enqueues that wait at the same moment into one durable commit (group commit).
-///
-/// Each caller still returns only after the commit that holds its item reached the disk. The commits run
-/// on a dedicated writer thread, not on the cooperative pool: a commit blocks in `fsync`, and handing
-/// each item through an actor, a task and GRDB's dispatch queue cost more than the `fsync` itself. A
-/// single producer pays two thread wake-ups per item; 64 producers share one commit per batch. The
-/// thread exits after half a second without work and starts again on the next enqueue.
+/// Group commit for single enqueues, leader/follower style: an enqueue that finds no commit running commits
+/// its item at once on its own thread (no hand-off, no wake-up); enqueues that arrive while a commit runs wait,
+/// and when it ends the first of them is promoted to leader and commits all of them (up to
+/// ``maximumBatch``) in one transaction. One commit runs at a time, so a commit blocks one thread of Swift's
+/// cooperative pool for at most one transaction, and an uncontended enqueue costs one lock and one commit.
 final class EnqueueBatcher: @unchecked Sendable {
-    // Guarded by `condition`.
-    private var waiting: [(NewItem, CheckedContinuation<Int64, any Error>)] = []
-    private var running = false
-    private var stopping = false
-    private let condition = NSCondition()
+    private struct Waiter {
+        let item: NewItem
+        let continuation: CheckedContinuation<Turn, any Error>
+    }
+
+    /// What a waiting enqueue is woken with.
+    private enum Turn {
+        /// No commit was running: commit your own item.
+        case leadAlone
+        /// A leader committed your item.
+        case committed(Int64)
+        /// You are the next leader: commit your item, then these.
+        case lead(others: [Waiter])
+    }
+
+    private let lock = NSLock()
+    // Guarded by `lock`.
+    private var committing = false
+    private var waiting: [Waiter] = []
+    private var commitCount = 0
     private let commit: @Sendable ([NewItem]) -> Result<[Int64], DataQueueError>
     /// The largest number of items one commit carries.
     let maximumBatch = 512
-    /// How long the writer thread waits for more work before it exits.
-    let idleTimeout: TimeInterval = 0.5
 
     /// - Parameter commit: stores a batch in one transaction, synchronously.
     init(commit: @escaping @Sendable ([NewItem]) -> Result<[Int64], DataQueueError>) {
         self.commit = commit
     }
 
-    func submit(_ item: NewItem) async throws -> Int64 {
-        try await withCheckedThrowingContinuation { continuation in
-            condition.lock()
-            waiting.append((item, continuation))
-            stopping = false
-            if running {
-                condition.signal()
+    /// Enqueues waiting for a commit (for tests of the grouping).
+    var waitingCount: Int {
+        lock.lock()
+        defer { lock.unlock() }
+        return waiting.count
+    }
+
+    /// Transactions committed so far (for tests of the grouping).
+    var commits: Int {
+        lock.lock()
+        defer { lock.unlock() }
+        return commitCount
+    }
+
+    nonisolated(nonsending) func submit(_ item: NewItem) async throws -> Int64 {
+        let turn = try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Turn, any Error>) in
+            lock.lock()
+            if committing {
+                waiting.append(Waiter(item: item, continuation: continuation))
+                lock.unlock()
             } else {
-                running = true
-                let thread = Thread { [self] in self.writerLoop() }
-                thread.name = "dq-enqueue"
-                thread.start()
+                committing = true
+                lock.unlock()
+                continuation.resume(returning: .leadAlone)  // resumed before it suspends: no hop
             }
-            condition.unlock()
         }
-    }
-
-    /// Ends the writer thread once no enqueue waits (a later enqueue starts it again).
-    func stop() {
-        condition.lock()
-        stopping = true
-        condition.signal()
-        condition.unlock()
-    }
-
-    private func writerLoop() {
-        condition.lock()
-        while true {
-            if waiting.isEmpty {
-                let signalled = !stopping && condition.wait(until: Date(timeIntervalSinceNow: idleTimeout))
-                if !signalled && waiting.isEmpty {
-                    running = false
-                    condition.unlock()
-                    return
-                }
-                continue
-            }
-            let batch = Array(waiting.prefix(maximumBatch))
-            waiting.removeFirst(batch.count)
-            condition.unlock()
-            switch commit(batch.map(\.0)) {
+        switch turn {
+        case .committed(let sequence):
+            return sequence
+        case .leadAlone:
+            let result = commit([item])
+            handOff()
+            return try result.get()[0]
+        case .lead(let others):
+            let result = commit([item] + others.map(\.item))
+            handOff()
+            switch result {
             case .success(let sequences):
-                for (index, entry) in batch.enumerated() { entry.1.resume(returning: sequences[index]) }
+                for (index, waiter) in others.enumerated() {
+                    waiter.continuation.resume(returning: .committed(sequences[index + 1]))
+                }
+                return sequences[0]
             case .failure(let error):
-                for entry in batch { entry.1.resume(throwing: error) }
+                for waiter in others { waiter.continuation.resume(throwing: error) }
+                throw error
             }
-            condition.lock()
         }
+    }
+
+    /// After a commit: promotes the first waiting enqueue to leader of the next group, or marks the way free.
+    private func handOff() {
+        lock.lock()
+        commitCount += 1
+        guard !waiting.isEmpty else {
+            committing = false
+            lock.unlock()
+            return
+        }
+        let group = waiting.prefix(maximumBatch)
+        waiting.removeFirst(group.count)
+        lock.unlock()
+        group.first!.continuation.resume(returning: .lead(others: Array(group.dropFirst())))
     }
 }
 
 /// Records deliveries in the journal in the background while the flush sends the next items, grouping the
 /// deliveries that wait into one commit (group commit), so the flush is not held to one fsync per item.
 ///
-/// Commits run on a writer thread of their own (as in ``EnqueueBatcher``); ``record(_:)`` only appends
+/// Commits run on a writer thread of their own; ``record(_:)`` only appends
 /// under a lock, so the flush loop does not hop threads to journal a delivery.
 final class DeliveryRecorder: @unchecked Sendable {
     private let store: QueueStore
