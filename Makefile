@@ -27,7 +27,7 @@ gateway: deps
 
 # A release dq that links the Swift runtime and Foundation statically: it runs on machines without a Swift
 # toolchain and starts about a third faster (no symbol lookups in a dozen shared libraries).
-RELEASE_FLAGS := -c release --static-swift-stdlib
+RELEASE_FLAGS := -c release --static-swift-stdlib -Xlinker -s
 
 release: deps
 	$(SWIFT) build $(RELEASE_FLAGS) --product dq

@@ -88,7 +88,7 @@ struct QueueStoreTests {
         #expect(store.groupedCommits >= 1 && store.groupedCommits <= 500, "\(store.groupedCommits) commits")
     }
 
-    @Test("Leader/follower: an uncontended enqueue commits alone; those that arrive during a commit share the next")
+    @Test("Group commit: an uncontended enqueue commits alone, at once; those that arrive during a commit share the next")
     func leaderFollower() async throws {
         let gate = DispatchSemaphore(value: 0)
         let batches = Mutex<[[String]]>([])

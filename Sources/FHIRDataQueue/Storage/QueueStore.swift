@@ -847,35 +847,31 @@ final class QueueStore: Sendable {
     }
 }
 
-/// Group commit for single enqueues, leader/follower style: an enqueue that finds no commit running commits
-/// its item at once on its own thread (no hand-off, no wake-up); enqueues that arrive while a commit runs wait,
-/// and when it ends the first of them is promoted to leader and commits all of them (up to
-/// ``maximumBatch``) in one transaction. One commit runs at a time, so a commit blocks one thread of Swift's
-/// cooperative pool for at most one transaction, and an uncontended enqueue costs one lock and one commit.
+/// Group commit for single enqueues: an enqueue that finds no commit running commits its item at once on its
+/// own thread (no hand-off, no wake-up: the path of a single producer); enqueues that arrive while a commit
+/// runs wait, and the commits that carry them (up to ``maximumBatch`` items each) run on a writer thread for as
+/// long as enqueues keep arriving, so that under concurrency no thread of Swift's cooperative pool waits in
+/// `fsync` while the producers have work for it. One commit runs at a time; each caller returns only after the
+/// commit that holds its item.
 final class EnqueueBatcher: @unchecked Sendable {
     private struct Waiter {
         let item: NewItem
-        let continuation: CheckedContinuation<Turn, any Error>
+        let continuation: CheckedContinuation<Int64?, any Error>
     }
 
-    /// What a waiting enqueue is woken with.
-    private enum Turn {
-        /// No commit was running: commit your own item.
-        case leadAlone
-        /// A leader committed your item.
-        case committed(Int64)
-        /// You are the next leader: commit your item, then these.
-        case lead(others: [Waiter])
-    }
-
-    private let lock = NSLock()
-    // Guarded by `lock`.
+    private let condition = NSCondition()
+    // Guarded by `condition`.
     private var committing = false
+    /// The writer thread owns the commits (waiting enqueues are its work); cleared when it runs out of work.
+    private var writerTurn = false
+    private var threadRunning = false
     private var waiting: [Waiter] = []
     private var commitCount = 0
     private let commit: @Sendable ([NewItem]) -> Result<[Int64], DataQueueError>
     /// The largest number of items one commit carries.
     let maximumBatch = 512
+    /// How long the writer thread waits for more work before it exits.
+    let idleTimeout: TimeInterval = 0.5
 
     /// - Parameter commit: stores a batch in one transaction, synchronously.
     init(commit: @escaping @Sendable ([NewItem]) -> Result<[Int64], DataQueueError>) {
@@ -884,73 +880,99 @@ final class EnqueueBatcher: @unchecked Sendable {
 
     /// Enqueues waiting for a commit (for tests of the grouping).
     var waitingCount: Int {
-        lock.lock()
-        defer { lock.unlock() }
+        condition.lock()
+        defer { condition.unlock() }
         return waiting.count
     }
 
     /// Transactions committed so far (for tests of the grouping).
     var commits: Int {
-        lock.lock()
-        defer { lock.unlock() }
+        condition.lock()
+        defer { condition.unlock() }
         return commitCount
     }
 
     nonisolated(nonsending) func submit(_ item: NewItem) async throws -> Int64 {
-        let turn = try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Turn, any Error>) in
-            lock.lock()
+        let committed = try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Int64?, any Error>) in
+            condition.lock()
             if committing {
                 waiting.append(Waiter(item: item, continuation: continuation))
-                lock.unlock()
+                condition.unlock()
             } else {
                 committing = true
-                lock.unlock()
-                continuation.resume(returning: .leadAlone)  // resumed before it suspends: no hop
+                condition.unlock()
+                continuation.resume(returning: nil)  // resumed before it suspends: no hop
             }
         }
-        switch turn {
-        case .committed(let sequence):
-            return sequence
-        case .leadAlone:
-            let result = commit([item])
-            handOff()
-            return try result.get()[0]
-        case .lead(let others):
-            let result = commit([item] + others.map(\.item))
-            handOff()
-            switch result {
-            case .success(let sequences):
-                for (index, waiter) in others.enumerated() {
-                    waiter.continuation.resume(returning: .committed(sequences[index + 1]))
-                }
-                return sequences[0]
-            case .failure(let error):
-                for waiter in others { waiter.continuation.resume(throwing: error) }
-                throw error
-            }
+        if let committed { return committed }
+        // No commit was running: this enqueue commits its own item, here.
+        let result = commit([item])
+        finishOwnCommit()
+        return try result.get()[0]
+    }
+
+    /// After an enqueue committed its own item: the way is free again, or, when others arrived meanwhile, the
+    /// writer thread commits them (and whoever follows).
+    private func finishOwnCommit() {
+        condition.lock()
+        defer { condition.unlock() }
+        commitCount += 1
+        if waiting.isEmpty {
+            committing = false
+        } else {
+            writerTurn = true
+            wakeWriter()
         }
     }
 
-    /// After a commit: promotes the first waiting enqueue to leader of the next group, or marks the way free.
-    private func handOff() {
-        lock.lock()
-        commitCount += 1
-        guard !waiting.isEmpty else {
-            committing = false
-            lock.unlock()
-            return
+    /// Starts the writer thread or wakes it. Called with `condition` locked.
+    private func wakeWriter() {
+        if threadRunning {
+            condition.signal()
+        } else {
+            threadRunning = true
+            let thread = Thread { [self] in self.writerLoop() }
+            thread.name = "dq-enqueue"
+            thread.start()
         }
-        let group = waiting.prefix(maximumBatch)
-        waiting.removeFirst(group.count)
-        lock.unlock()
-        group.first!.continuation.resume(returning: .lead(others: Array(group.dropFirst())))
+    }
+
+    private func writerLoop() {
+        condition.lock()
+        while true {
+            if writerTurn, !waiting.isEmpty {
+                let group = Array(waiting.prefix(maximumBatch))
+                waiting.removeFirst(group.count)
+                condition.unlock()
+                let result = commit(group.map(\.item))
+                for (index, waiter) in group.enumerated() {
+                    switch result {
+                    case .success(let sequences): waiter.continuation.resume(returning: sequences[index])
+                    case .failure(let error): waiter.continuation.resume(throwing: error)
+                    }
+                }
+                condition.lock()
+                commitCount += 1
+                continue
+            }
+            if writerTurn {
+                // Out of work: the next enqueue commits on its own thread again.
+                writerTurn = false
+                committing = false
+            }
+            if !condition.wait(until: Date(timeIntervalSinceNow: idleTimeout)) && !writerTurn {
+                threadRunning = false
+                condition.unlock()
+                return
+            }
+        }
     }
 }
 
 /// Records deliveries in the journal in the background while the flush sends the next items, grouping the
 /// deliveries that wait into one commit (group commit), so the flush is not held to one fsync per item.
 ///
-/// Commits run on a writer thread of their own; ``record(_:)`` only appends
+/// Commits run on a writer thread of their own (as the grouped ones of ``EnqueueBatcher``); ``record(_:)`` only appends
 /// under a lock, so the flush loop does not hop threads to journal a delivery.
 final class DeliveryRecorder: @unchecked Sendable {
     private let store: QueueStore
