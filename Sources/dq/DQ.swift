@@ -225,8 +225,14 @@ func printJSON<T: Encodable>(_ value: T) throws {
     FileHandle.standardOutput.write(Data("\n".utf8))
 }
 
+/// `2026-11-23T12:41:13Z`: UTC to the second, by `gmtime_r` (an ISO8601DateFormatter loads the time-zone
+/// database, a few milliseconds of every `dq status`).
 func formatDate(_ date: Date?) -> String {
     guard let date else { return "-" }
-    let formatter = ISO8601DateFormatter()
-    return formatter.string(from: date)
+    var seconds = time_t(date.timeIntervalSince1970.rounded(.down))
+    var parts = tm()
+    guard gmtime_r(&seconds, &parts) != nil else { return "-" }
+    func two(_ value: Int32) -> String { value < 10 ? "0\(value)" : "\(value)" }
+    return "\(parts.tm_year + 1900)-\(two(parts.tm_mon + 1))-\(two(parts.tm_mday))T"
+        + "\(two(parts.tm_hour)):\(two(parts.tm_min)):\(two(parts.tm_sec))Z"
 }

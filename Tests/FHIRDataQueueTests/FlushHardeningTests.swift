@@ -125,6 +125,25 @@ struct FlushHardeningTests {
         try await server.shutdown()
     }
 
+    @Test("The in-flight marker is overwritten in place: marked, cleared, marked again; an older marker still reads")
+    func markerInPlace() throws {
+        let path = databasePath + ".marker.lock"
+        let lock = try FileLock(path: path)
+        #expect(lock.inFlight() == nil, "a new lock file has no marker")
+        lock.markInFlight(sequence: 123_456_789_012, at: Date(timeIntervalSince1970: 1_700_000_000.25))
+        #expect(lock.inFlight()?.sequence == 123_456_789_012)
+        #expect(lock.inFlight()?.sentAt == Date(timeIntervalSince1970: 1_700_000_000.25))
+        lock.clearInFlight()
+        #expect(lock.inFlight() == nil)
+        lock.markInFlight(sequence: 7)
+        #expect(lock.inFlight()?.sequence == 7, "a shorter record replaces a longer one whole")
+        let size = try FileManager.default.attributesOfItem(atPath: path)[.size] as? Int
+        #expect(size == FileLock.markerWidth, "one fixed-width record, never truncated")
+        // The marker of an older dq (the bare text, then truncated) is still understood.
+        try Data("42 1700000000.5\n".utf8).write(to: URL(fileURLWithPath: path))
+        #expect(try FileLock(path: path).inFlight()?.sequence == 42)
+    }
+
     @Test("Cancelling a flush stops it before its next item; what was delivered is journaled")
     func cancelledFlushStops() async throws {
         let server = try await ScriptedServer { request in

@@ -64,18 +64,28 @@ final class FileLock: @unchecked Sendable {
 
     /// Notes in the lock file that the item `sequence` is being sent now (for a later flusher to see if
     /// this one dies before the answer). A small write to the page cache: no fsync, no SQLite.
+    ///
+    /// The marker is one fixed-width record at the start of the file, overwritten in place by one `pwrite`
+    /// (a truncation per item cost more than the write: it is a metadata change in the file system's journal).
     func markInFlight(sequence: Int64, at date: Date = Date()) {
-        let text = Array("\(sequence) \(date.timeIntervalSince1970)\n".utf8)
-        _ = ftruncate(descriptor, 0)
-        _ = text.withUnsafeBytes { pwrite(descriptor, $0.baseAddress, $0.count, 0) }
+        writeMarker("\(sequence) \(date.timeIntervalSince1970)")
     }
 
     /// Clears the marker: the answer came (or the request was given up) while this flusher was alive.
-    func clearInFlight() { _ = ftruncate(descriptor, 0) }
+    func clearInFlight() { writeMarker("") }
+
+    /// The width of the marker record (the text, padded with spaces, and a newline).
+    static let markerWidth = 64
+
+    private func writeMarker(_ text: String) {
+        var record = Array(text.utf8.prefix(Self.markerWidth - 1))
+        record += [UInt8](repeating: UInt8(ascii: " "), count: Self.markerWidth - 1 - record.count) + [UInt8(ascii: "\n")]
+        _ = record.withUnsafeBytes { pwrite(descriptor, $0.baseAddress, $0.count, 0) }
+    }
 
     /// The marker a flusher left behind: the item it was sending and when.
     func inFlight() -> (sequence: Int64, sentAt: Date)? {
-        var buffer = [UInt8](repeating: 0, count: 64)
+        var buffer = [UInt8](repeating: 0, count: Self.markerWidth)
         let count = buffer.withUnsafeMutableBytes { pread(descriptor, $0.baseAddress, $0.count, 0) }
         guard count > 0 else { return nil }
         let fields = String(decoding: buffer[0..<count], as: UTF8.self).split(whereSeparator: \.isWhitespace)

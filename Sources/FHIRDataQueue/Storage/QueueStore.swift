@@ -1,6 +1,10 @@
 import Foundation
 import GRDB
 
+#if canImport(Glibc)
+    import Glibc
+#endif
+
 /// How hard an enqueue works to survive a power loss.
 public enum Durability: String, Sendable, Codable, CaseIterable {
     /// `synchronous=FULL`: an enqueue returns after the commit reached the disk (survives power loss).
@@ -133,7 +137,9 @@ final class QueueStore: Sendable {
 
     /// Opens a file that must already be a dq queue, migrating an older schema when writing is allowed.
     private static func openExisting(_ path: String, configuration: Configuration, readOnly: Bool) throws -> DatabaseQueue {
-        let size = (try? FileManager.default.attributesOfItem(atPath: path)[.size] as? Int) ?? 0
+        // stat(2), not FileManager's attributes, which also look up the owner's and group's names.
+        var info = stat()
+        let size = stat(path, &info) == 0 ? Int(info.st_size) : 0
         guard size > 0 else {
             throw DataQueueError(
                 .storage,

@@ -46,14 +46,28 @@ final class FHIRTransport: Sendable {
     let timeout: TimeAmount
     /// The largest response body read; the rest is discarded (responses are only summarized).
     let maximumResponseBytes = 1 << 20
+    /// dq's own event loop and the task executor on it, chosen on first use: taking one from the shared group
+    /// starts the group's threads, which commands that only read the queue never need.
+    private let loop = NIOLockedValueBox<(any EventLoop, EventLoopTaskExecutor)?>(nil)
+
     /// The event loop dq's own client runs on.
-    let eventLoop: any EventLoop = MultiThreadedEventLoopGroup.singleton.next()
+    var eventLoop: any EventLoop { ownLoop.0 }
+
     /// Runs a flush's code on ``eventLoop`` too (see ``EventLoopTaskExecutor``); nil with a caller's client.
-    let taskExecutor: EventLoopTaskExecutor?
+    var taskExecutor: EventLoopTaskExecutor? { external == nil ? ownLoop.1 : nil }
+
+    private var ownLoop: (any EventLoop, EventLoopTaskExecutor) {
+        loop.withLockedValue { chosen in
+            if let chosen { return chosen }
+            let next = MultiThreadedEventLoopGroup.singleton.next()
+            let made = (next, EventLoopTaskExecutor(next))
+            chosen = made
+            return made
+        }
+    }
 
     init(timeout: TimeInterval, connectTimeout: TimeInterval, caBundlePath: String?, client: HTTPClient? = nil) throws {
         external = client
-        taskExecutor = client == nil ? EventLoopTaskExecutor(eventLoop) : nil
         var configuration = HTTPClient.Configuration()
         configuration.timeout = .init(
             connect: .milliseconds(Int64(connectTimeout * 1000)), read: .milliseconds(Int64(timeout * 1000)))
