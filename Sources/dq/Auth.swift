@@ -13,13 +13,13 @@ extension DQ {
             abstract: "Make a key pair for SMART Backend Services (private_key_jwt) and print the public JWKS.",
             discussion: "The private key is written mode 0600 and never printed; register the printed JWKS with the server.")
 
-        @Option(help: "RS384 (RSA 2048) or ES384 (P-384).") var alg: String = "ES384"
+        @Option(help: "ES384 (P-384), ES256 (P-256), RS384 or RS256 (RSA 2048).") var alg: String = "ES384"
         @Option(help: "Where to write the private key (PEM). Refuses to overwrite.") var out: String
         @Option(help: "The key id (default: the key's RFC 7638 thumbprint).") var kid: String?
 
         func run() async throws {
             guard let algorithm = ClientAssertionKey.Algorithm(rawValue: alg.uppercased()) else {
-                throw ValidationError("--alg must be RS384 or ES384")
+                throw ValidationError("--alg must be ES384, ES256, RS384 or RS256")
             }
             let (key, pem) = try ClientAssertionKey.generate(algorithm, keyID: kid)
             let fd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
@@ -36,6 +36,10 @@ extension DQ {
                 throw ExitCode(Exit.ioError)
             }
             print(key.publicJWKS)
+            if algorithm == .rs256 {
+                // A PEM file does not say which hash an RSA key signs with; RS384 is the default.
+                printError("dq: an RSA key signs RS384 unless the auth object says \"key_alg\": \"RS256\"")
+            }
         }
     }
 

@@ -1,5 +1,7 @@
+import Crypto
 import Foundation
 import Testing
+import _CryptoExtras
 
 @testable import FHIRDataQueue
 
@@ -109,6 +111,41 @@ struct AuthDecisionTests {
         #expect(exp > Int(now.timeIntervalSince1970) && exp <= Int(now.timeIntervalSince1970) + 300)
         #expect(try part(second, 1)["jti"] as? String != claims["jti"] as? String)
         let signature = first.split(separator: ".")[2]
-        #expect(signature.count == (algorithm == .es384 ? 128 : 342), "raw r||s for ES384, 256 bytes for RS384")
+        let lengths: [ClientAssertionKey.Algorithm: Int] = [.es256: 86, .es384: 128, .rs256: 342, .rs384: 342]
+        #expect(signature.count == lengths[algorithm], "raw r||s for ES256/ES384, 256 bytes for RSA")
+        #expect(key.algorithm == algorithm && key.publicJWK["alg"] == algorithm.rawValue)
+    }
+
+    @Test("An RSA key signs RS384 unless RS256 is asked for; an EC key's curve decides, and a mismatch is named")
+    func assertionAlgorithms() throws {
+        let (_, rsaPEM) = try ClientAssertionKey.generate(.rs256)
+        #expect(try ClientAssertionKey(pem: rsaPEM).algorithm == .rs384)
+        #expect(try ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).algorithm == .rs256)
+        let (_, p256PEM) = try ClientAssertionKey.generate(.es256)
+        #expect(try ClientAssertionKey(pem: p256PEM).algorithm == .es256)
+        #expect(try ClientAssertionKey(pem: p256PEM).publicJWK["crv"] == "P-256")
+        let mismatch = try #require(throws: DataQueueError.self) {
+            try ClientAssertionKey(pem: p256PEM, algorithm: .es384, source: "k.pem")
+        }
+        #expect(mismatch.message.contains("ES384") && mismatch.message.contains("k.pem is a key for ES256"))
+        #expect(throws: DataQueueError.self) { try ClientAssertionKey(pem: rsaPEM, algorithm: .es256) }
+
+        // The hash is the one the header names: an RS256 signature verifies over SHA-256, not SHA-384.
+        let rsa = try _RSA.Signing.PrivateKey(pemRepresentation: rsaPEM)
+        let jwt = try ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).assertion(clientID: "c", tokenURL: "http://t")
+        let parts = jwt.split(separator: ".")
+        let input = Data((parts[0] + "." + parts[1]).utf8)
+        var text = String(parts[2]).replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
+        while text.count % 4 != 0 { text += "=" }
+        let signature = _RSA.Signing.RSASignature(rawRepresentation: try #require(Data(base64Encoded: text)))
+        #expect(rsa.publicKey.isValidSignature(signature, for: SHA256.hash(data: input), padding: .insecurePKCS1v1_5))
+        #expect(!rsa.publicKey.isValidSignature(signature, for: SHA384.hash(data: input), padding: .insecurePKCS1v1_5))
+        // ES256 over P-256 with SHA-256 (swift-crypto hashes inside).
+        let p256 = try P256.Signing.PrivateKey(pemRepresentation: p256PEM)
+        let es = try ClientAssertionKey(pem: p256PEM).assertion(clientID: "c", tokenURL: "http://t").split(separator: ".")
+        var esText = String(es[2]).replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
+        while esText.count % 4 != 0 { esText += "=" }
+        let esSignature = try P256.Signing.ECDSASignature(rawRepresentation: try #require(Data(base64Encoded: esText)))
+        #expect(p256.publicKey.isValidSignature(esSignature, for: Data((es[0] + "." + es[1]).utf8)))
     }
 }

@@ -12,13 +12,17 @@ struct AuthTests {
 
     init() throws { work = try TemporaryDirectory() }
 
-    /// A server with smart auth: c1 has a secret, c2 an RS384 key, c3 an ES384 key.
+    /// A server with smart auth: c1 has a secret, c2 an RS384 key, c3 an ES384 key, c4 an ES256 key, c5 an RS256 key.
     func server(lifetime: Int = 300) async throws -> (FHIRServer, rsa: String, ec: String) {
         let rsa = work.file("rsa.pem")
         let ec = work.file("ec.pem")
         let rsaJWKS = try await dq(["keygen", "--alg", "RS384", "--out", rsa], [:])
         let ecJWKS = try await dq(["keygen", "--alg", "ES384", "--out", ec, "--kid", "ec-1"], [:])
-        #expect(rsaJWKS.status == 0 && ecJWKS.status == 0)
+        let es256JWKS = try await dq(["keygen", "--alg", "ES256", "--out", work.file("es256.pem")], [:])
+        let rs256JWKS = try await dq(["keygen", "--alg", "rs256", "--out", work.file("rs256.pem")], [:])
+        #expect(rsaJWKS.status == 0 && ecJWKS.status == 0 && es256JWKS.status == 0 && rs256JWKS.status == 0)
+        #expect(es256JWKS.stdout.contains("\"ES256\"") && es256JWKS.stdout.contains("\"P-256\""))
+        #expect(rs256JWKS.stdout.contains("\"RS256\"") && rs256JWKS.stderr.contains("key_alg"))
         #expect(!rsaJWKS.stdout.contains("PRIVATE") && rsaJWKS.stdout.contains("\"RS384\""))
         let mode = try FileManager.default.attributesOfItem(atPath: rsa)[.posixPermissions] as? Int
         #expect(mode == 0o600)
@@ -32,6 +36,8 @@ struct AuthTests {
                 - {client_id: c1, client_secret: "\(secret)", scopes: 'system/*.cruds'}
                 - {client_id: c2, jwks: \(flat(rsaJWKS.stdout)), scopes: 'system/*.cruds'}
                 - {client_id: c3, jwks: \(flat(ecJWKS.stdout)), scopes: 'system/*.cruds'}
+                - {client_id: c4, jwks: \(flat(es256JWKS.stdout)), scopes: 'system/*.cruds'}
+                - {client_id: c5, jwks: \(flat(rs256JWKS.stdout)), scopes: 'system/*.cruds'}
             """
         let server = try FHIRServer(tokens: nil, auth: auth, readerToken: readerToken)
         try await server.start()
@@ -45,7 +51,8 @@ struct AuthTests {
         return ["DQ_CONFIG": path, "HOME": work.path]
     }
 
-    @Test("A flush delivers with client_secret_basic, client_secret_post, an RS384 and an ES384 assertion")
+    @Test(
+        "A flush delivers with client_secret_basic, client_secret_post, and RS384, ES384, ES256 and RS256 assertions")
     func eachAuthMode() async throws {
         let (server, rsa, ec) = try await server()
         let modes: [[String: String]] = [
@@ -53,6 +60,8 @@ struct AuthTests {
             ["client_id": "c1", "client_secret": secret, "token_endpoint_auth_method": "client_secret_post"],
             ["client_id": "c2", "private_key": rsa],
             ["client_id": "c3", "private_key": ec, "key_id": "ec-1"],
+            ["client_id": "c4", "private_key": work.file("es256.pem")],
+            ["client_id": "c5", "private_key": work.file("rs256.pem"), "key_alg": "RS256"],
         ]
         for (index, auth) in modes.enumerated() {
             let env = try config(server.base, auth: auth)
@@ -60,7 +69,7 @@ struct AuthTests {
             let sent = try await dq(["send", file], env)
             #expect(sent.status == 0, "\(auth["token_endpoint_auth_method"] ?? auth["client_id"]!): \(sent.stderr)")
         }
-        #expect(try await server.values("Observation", system: resources.system) == ["0", "1", "2", "3"])
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "1", "2", "3", "4", "5"])
     }
 
     @Test("A flush longer than the token lifetime delivers everything (tokens are renewed)")

@@ -10,53 +10,67 @@ import _CryptoExtras
 public struct ClientAssertionKey: Sendable {
     /// The JWS algorithm.
     public enum Algorithm: String, Sendable, CaseIterable {
+        /// RSASSA-PKCS1-v1_5 with SHA-256.
+        case rs256 = "RS256"
         /// RSASSA-PKCS1-v1_5 with SHA-384.
         case rs384 = "RS384"
+        /// ECDSA on P-256 with SHA-256.
+        case es256 = "ES256"
         /// ECDSA on P-384 with SHA-384.
         case es384 = "ES384"
     }
 
     private enum Backing: Sendable {
         case rsa(_RSA.Signing.PrivateKey)
+        case p256(P256.Signing.PrivateKey)
         case p384(P384.Signing.PrivateKey)
     }
 
     private let backing: Backing
     /// The `kid` put in every assertion header and in the JWK.
     public let keyID: String
-    /// The algorithm, from the key type.
-    public var algorithm: Algorithm {
-        if case .rsa = backing { return .rs384 }
-        return .es384
-    }
+    /// The algorithm: from the curve of an EC key; RS384 or RS256 (as chosen) for an RSA key.
+    public let algorithm: Algorithm
 
-    /// Reads an RSA (2048 bits or more) or P-384 private key from a PEM file.
+    /// Reads an RSA (2048 bits or more), P-256 or P-384 private key from a PEM file.
+    /// - Parameter algorithm: for an RSA key, RS384 (the default) or RS256; for an EC key it must match the
+    ///   curve (ES256 for P-256, ES384 for P-384) or be nil.
     /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the file.
-    public init(pemFile path: String, keyID: String? = nil) throws {
+    public init(pemFile path: String, keyID: String? = nil, algorithm: Algorithm? = nil) throws {
         guard let data = FileManager.default.contents(atPath: path) else {
             throw DataQueueError(.invalidConfiguration, "configuration: \"auth.private_key\": cannot read \(path)")
         }
-        try self.init(pem: String(decoding: data, as: UTF8.self), keyID: keyID, source: path)
+        try self.init(pem: String(decoding: data, as: UTF8.self), keyID: keyID, algorithm: algorithm, source: path)
     }
 
-    /// Reads an RSA or P-384 private key from PEM text.
-    public init(pem: String, keyID: String? = nil, source: String = "private key") throws {
+    /// Reads an RSA, P-256 or P-384 private key from PEM text (see ``init(pemFile:keyID:algorithm:)``).
+    public init(pem: String, keyID: String? = nil, algorithm: Algorithm? = nil, source: String = "private key") throws {
         let backing: Backing
+        let chosen: Algorithm
         if let key = try? P384.Signing.PrivateKey(pemRepresentation: pem) {
-            backing = .p384(key)
+            (backing, chosen) = (.p384(key), .es384)
+        } else if let key = try? P256.Signing.PrivateKey(pemRepresentation: pem) {
+            (backing, chosen) = (.p256(key), .es256)
         } else if let key = try? _RSA.Signing.PrivateKey(pemRepresentation: pem) {
-            backing = .rsa(key)
+            (backing, chosen) = (.rsa(key), algorithm == .rs256 ? .rs256 : .rs384)
         } else {
             throw DataQueueError(
                 .invalidConfiguration,
-                "configuration: \"auth.private_key\": \(source) is not an RSA (2048+ bits) or P-384 private key in PEM")
+                "configuration: \"auth.private_key\": \(source) is not an RSA (2048+ bits), P-256 or P-384 private key in PEM")
+        }
+        if let algorithm, algorithm != chosen {
+            throw DataQueueError(
+                .invalidConfiguration,
+                "configuration: \"auth.key_alg\" is \(algorithm.rawValue), but \(source) is a key for \(chosen.rawValue)")
         }
         // The default kid is the RFC 7638 thumbprint of the public key: stable across runs.
-        self.init(backing: backing, keyID: keyID ?? ClientAssertionKey(backing: backing, keyID: "").thumbprint)
+        let thumbprint = ClientAssertionKey(backing: backing, algorithm: chosen, keyID: "").thumbprint
+        self.init(backing: backing, algorithm: chosen, keyID: keyID ?? thumbprint)
     }
 
-    private init(backing: Backing, keyID: String) {
+    private init(backing: Backing, algorithm: Algorithm, keyID: String) {
         self.backing = backing
+        self.algorithm = algorithm
         self.keyID = keyID
     }
 
@@ -64,10 +78,11 @@ public struct ClientAssertionKey: Sendable {
     public static func generate(_ algorithm: Algorithm, keyID: String? = nil) throws -> (ClientAssertionKey, pem: String) {
         let pem: String
         switch algorithm {
-        case .rs384: pem = try _RSA.Signing.PrivateKey(keySize: .bits2048).pemRepresentation
+        case .rs256, .rs384: pem = try _RSA.Signing.PrivateKey(keySize: .bits2048).pemRepresentation
+        case .es256: pem = P256.Signing.PrivateKey().pemRepresentation
         case .es384: pem = P384.Signing.PrivateKey().pemRepresentation
         }
-        return (try ClientAssertionKey(pem: pem, keyID: keyID), pem)
+        return (try ClientAssertionKey(pem: pem, keyID: keyID, algorithm: algorithm), pem)
     }
 
     /// The public key as a JWK (`kty`, `kid`, `alg`, `use: sig`, and `n`/`e` or `crv`/`x`/`y`).
@@ -91,6 +106,9 @@ public struct ClientAssertionKey: Sendable {
         case .rsa(let key):
             let (n, e) = Self.rsaComponents(pkcs1: key.publicKey.pkcs1DERRepresentation)
             return ["kty": "RSA", "n": n.base64URL, "e": e.base64URL]
+        case .p256(let key):
+            let point = key.publicKey.x963Representation.dropFirst()
+            return ["kty": "EC", "crv": "P-256", "x": Data(point.prefix(32)).base64URL, "y": Data(point.suffix(32)).base64URL]
         case .p384(let key):
             let point = key.publicKey.x963Representation.dropFirst()
             return ["kty": "EC", "crv": "P-384", "x": Data(point.prefix(48)).base64URL, "y": Data(point.suffix(48)).base64URL]
@@ -120,9 +138,14 @@ public struct ClientAssertionKey: Sendable {
             + JSONSerialization.data(withJSONObject: claims, options: options).base64URL
         let signature: Data
         switch backing {
+        case .rsa(let key) where algorithm == .rs256:
+            signature = try key.signature(for: SHA256.hash(data: Data(signingInput.utf8)), padding: .insecurePKCS1v1_5)
+                .rawRepresentation
         case .rsa(let key):
             signature = try key.signature(for: SHA384.hash(data: Data(signingInput.utf8)), padding: .insecurePKCS1v1_5)
                 .rawRepresentation
+        case .p256(let key):
+            signature = try key.signature(for: Data(signingInput.utf8)).rawRepresentation
         case .p384(let key):
             signature = try key.signature(for: Data(signingInput.utf8)).rawRepresentation
         }

@@ -89,6 +89,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         public var privateKey: String?
         /// `key_id` of the private key.
         public var keyID: String?
+        /// `key_alg`: the JWS algorithm of an RSA private key, `RS384` (the default) or `RS256`; an EC key's
+        /// curve decides its own (`ES256`, `ES384`).
+        public var keyAlgorithm: String?
         /// `registration_fields`: extra members of the registration request (strings or booleans).
         public var registrationFields: [String: FieldValue]?
         /// `registration_headers`: extra headers of the registration request.
@@ -400,8 +403,17 @@ public struct DataQueueSettings: Sendable, Decodable {
             }
             oauth.authMethod = parsed
         }
+        var keyAlgorithm: ClientAssertionKey.Algorithm?
+        if let name = auth.keyAlgorithm {
+            guard let parsed = ClientAssertionKey.Algorithm(rawValue: name.uppercased()) else {
+                throw Self.configError("\"auth.key_alg\" must be RS256, RS384, ES256 or ES384")
+            }
+            keyAlgorithm = parsed
+        }
         if let path = auth.privateKey {
-            oauth.assertionKey = try ClientAssertionKey(pemFile: relative(path), keyID: auth.keyID)
+            oauth.assertionKey = try ClientAssertionKey(pemFile: relative(path), keyID: auth.keyID, algorithm: keyAlgorithm)
+        } else if keyAlgorithm != nil {
+            throw Self.configError("\"auth.key_alg\" is set but \"auth.private_key\" is not")
         }
         if oauth.effectiveAuthMethod == .privateKeyJWT && oauth.assertionKey == nil {
             throw Self.configError("\"auth.private_key\" is missing (needed for private_key_jwt)")
@@ -552,6 +564,7 @@ extension DataQueueSettings.Auth {
         case tokenEndpointAuthMethod = "token_endpoint_auth_method"
         case privateKey = "private_key"
         case keyID = "key_id"
+        case keyAlgorithm = "key_alg"
         case registrationFields = "registration_fields"
         case registrationHeaders = "registration_headers"
         case credentialsDirectory = "credentials_dir"
@@ -574,6 +587,7 @@ extension DataQueueSettings.Auth {
         tokenEndpointAuthMethod = try SettingsKeys.value(container, .tokenEndpointAuthMethod, string)
         privateKey = try SettingsKeys.value(container, .privateKey, string)
         keyID = try SettingsKeys.value(container, .keyID, string)
+        keyAlgorithm = try SettingsKeys.value(container, .keyAlgorithm, string)
         registrationFields = try SettingsKeys.value(container, .registrationFields, "must be an object")
         registrationHeaders = try SettingsKeys.value(container, .registrationHeaders, "must be an object of strings")
         credentialsDirectory = try SettingsKeys.value(container, .credentialsDirectory, string)
