@@ -266,16 +266,17 @@ open class DataQueue: @unchecked Sendable {
     /// Returns after the item is committed to SQLite (with ``Durability/full``, on disk). Enqueues from
     /// many tasks at once share commits.
     ///
+    /// It runs on the caller's executor (`nonisolated(nonsending)`): an enqueue that finds no commit running
+    /// commits on the calling thread, with no hop to another thread and back.
+    ///
     /// - Parameters:
     ///   - resource: the resource.
     ///   - method: `.post` (create, the default) or `.put` (update; needs an `id`).
-    /// - Returns: the queued item.
-    /// - Throws: ``DataQueueError`` (`.invalidResource`, `.storage`, `.storageFull`).
     ///   - fullURL: the `urn:uuid:…` by which later resources reference this one (as a Bundle entry's
     ///     `fullUrl`). dq sends them in one Bundle where it can, and otherwise rewrites their references to
     ///     where the server put this one. The default is none.
-    /// It runs on the caller's executor (`nonisolated(nonsending)`): an enqueue that finds no commit running
-    /// commits on the calling thread, with no hop to another thread and back.
+    /// - Returns: the queued item.
+    /// - Throws: ``DataQueueError`` (`.invalidResource`, `.storage`, `.storageFull`).
     @discardableResult
     nonisolated(nonsending) public func enqueue(_ resource: FHIRResource, method: FHIRMethod = .post, fullURL: String? = nil)
         async throws -> QueuedItem
