@@ -37,6 +37,14 @@ struct SettingsTests {
             (#"{"retry": {"jitter": "x"}}"#, #""retry.jitter" must be a number"#),
             (#"{"auth": {"registration_fields": {"a": 1}}}"#, #""auth.registration_fields.a" must be a string or a boolean"#),
             (#"{"encryption": []}"#, #""encryption" must be an object"#),
+            (
+                #"{"server": "http://h/fhir", "auth": {"client_id": "c", "client_secret": "s", "key_alg": "HS256"}}"#,
+                #""auth.key_alg" must be RS256, RS384, ES256 or ES384"#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"client_id": "c", "client_secret": "s", "key_alg": "RS256"}}"#,
+                #""auth.key_alg" is set but "auth.private_key" is not"#
+            ),
             (#"[1]"#, "is not a JSON object"),
             ("not json", "is not a JSON object"),
         ])
