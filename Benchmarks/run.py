@@ -59,36 +59,8 @@ def bench_json(args, *cmd):
     return json.loads(out)
 
 
-def raw_sqlite_serial(path, count, size, synchronous="FULL"):
-    db = sqlite3.connect(path, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=%s" % synchronous)
-    db.execute("CREATE TABLE IF NOT EXISTS item (seq INTEGER PRIMARY KEY AUTOINCREMENT, uuid TEXT, body BLOB)")
-    bodies = [resource(i, size).encode() for i in range(count)]
-    start = time.perf_counter()
-    for i, body in enumerate(bodies):
-        db.execute("BEGIN IMMEDIATE")
-        db.execute("INSERT INTO item (uuid, body) VALUES (?, ?)", (str(i), body))
-        db.execute("COMMIT")
-    elapsed = time.perf_counter() - start
-    db.close()
-    return count / elapsed
-
-
-def raw_sqlite_bulk(path, lines):
-    db = sqlite3.connect(path, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
-    db.execute("CREATE TABLE item (seq INTEGER PRIMARY KEY AUTOINCREMENT, uuid TEXT, body BLOB)")
-    start = time.perf_counter()
-    with open(lines, "rb") as f:
-        rows = [(str(i), line.rstrip(b"\n")) for i, line in enumerate(f)]
-    db.execute("BEGIN IMMEDIATE")
-    db.executemany("INSERT INTO item (uuid, body) VALUES (?, ?)", rows)
-    db.execute("COMMIT")
-    elapsed = time.perf_counter() - start
-    db.close()
-    return len(rows) / elapsed
+RAW_DDL = ["CREATE TABLE item (seq INTEGER PRIMARY KEY AUTOINCREMENT, uuid TEXT, body BLOB)"]
+RAW_INSERT = "INSERT INTO item (uuid, body) VALUES (?, ?)"
 
 
 def dq_schema(dq_database):
@@ -104,37 +76,43 @@ DQ_INSERT = ("INSERT INTO item (uuid, queue, method, url, resource_type, resourc
              "'application/fhir+json', ?, ?, NULL)")
 
 
-def schema_sqlite_serial(path, ddl, count, size):
-    """The raw loop, but into dq's own table (13 columns, AUTOINCREMENT, the uuid and queue indexes): what
-    SQLite itself costs for dq's schema, with no dq code in the way."""
+def dq_row(index, body):
+    """The values DQ_INSERT takes: a time-ordered 32-hex id (as dq's UUIDv7 ids grow), the queue, the body."""
+    return ("0190%028x" % index, "http://127.0.0.1:9/fhir", body, time.time())
+
+
+def open_sqlite(path, ddl):
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
     for statement in ddl:
         db.execute(statement)
+    return db
+
+
+def sqlite_serial(path, count, size, ddl=RAW_DDL, insert=RAW_INSERT, values=lambda i, body: (str(i), body)):
+    """One row per committed transaction, WAL and synchronous=FULL: by default the raw loop (3 columns, no
+    index); with dq's DDL and insert, what SQLite itself costs for dq's schema, with no dq code in the way."""
+    db = open_sqlite(path, ddl)
     bodies = [resource(i, size).encode() for i in range(count)]
     start = time.perf_counter()
     for i, body in enumerate(bodies):
         db.execute("BEGIN IMMEDIATE")
-        db.execute(DQ_INSERT, ("0190%028x" % i, "http://127.0.0.1:9/fhir", body, time.time()))
+        db.execute(insert, values(i, body))
         db.execute("COMMIT")
     elapsed = time.perf_counter() - start
     db.close()
     return count / elapsed
 
 
-def schema_sqlite_bulk(path, ddl, lines):
-    db = sqlite3.connect(path, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
-    for statement in ddl:
-        db.execute(statement)
+def sqlite_bulk(path, lines, ddl=RAW_DDL, insert=RAW_INSERT, values=lambda i, body: (str(i), body)):
+    """Every line of an NDJSON file in one transaction (`executemany`), reading the file inside the timing."""
+    db = open_sqlite(path, ddl)
     start = time.perf_counter()
     with open(lines, "rb") as f:
-        now = time.time()
-        rows = [("0190%028x" % i, "http://127.0.0.1:9/fhir", line.rstrip(b"\n"), now) for i, line in enumerate(f)]
+        rows = [values(i, line.rstrip(b"\n")) for i, line in enumerate(f)]
     db.execute("BEGIN IMMEDIATE")
-    db.executemany(DQ_INSERT, rows)
+    db.executemany(insert, rows)
     db.execute("COMMIT")
     elapsed = time.perf_counter() - start
     db.close()
@@ -162,7 +140,7 @@ def case_enqueue(args, work):
         return bench_json(args, "enqueue-serial", path, n, 1024, "full")["per_second"]
 
     def raw_serial():
-        return raw_sqlite_serial(os.path.join(work, "raw-%f.sqlite" % time.time()), n, 1024)
+        return sqlite_serial(os.path.join(work, "raw-%f.sqlite" % time.time()), n, 1024)
 
     dq_value = median_of(dq_serial, args.repeat)
     raw_value = median_of(raw_serial, args.repeat)
@@ -172,7 +150,7 @@ def case_enqueue(args, work):
     ddl = dq_schema(ddl_source)
 
     def schema_serial():
-        return schema_sqlite_serial(os.path.join(work, "sch-%f.sqlite" % time.time()), ddl, n, 1024)
+        return sqlite_serial(os.path.join(work, "sch-%f.sqlite" % time.time()), n, 1024, ddl, DQ_INSERT, dq_row)
 
     row("1 durable enqueue, 1 item/commit (items/s)", dq_value, "items/s", "the same loop into dq's table",
         median_of(schema_serial, args.repeat), "-", "(what dq's code costs beyond its schema)")
@@ -198,14 +176,14 @@ def case_enqueue(args, work):
         return k / (time.perf_counter() - start)
 
     def raw_bulk():
-        return raw_sqlite_bulk(os.path.join(work, "rb-%f.sqlite" % time.time()), lines)
+        return sqlite_bulk(os.path.join(work, "rb-%f.sqlite" % time.time()), lines)
 
     bulk_value = median_of(dq_bulk, args.repeat)
     row("3 dq enqueue --ndjson %d (items/s)" % k, bulk_value, "items/s",
         "raw SQLite batched insert", median_of(raw_bulk, args.repeat), ">= 0.5")
 
     def schema_bulk():
-        return schema_sqlite_bulk(os.path.join(work, "sb-%f.sqlite" % time.time()), ddl, lines)
+        return sqlite_bulk(os.path.join(work, "sb-%f.sqlite" % time.time()), lines, ddl, DQ_INSERT, dq_row)
 
     row("3 dq enqueue --ndjson %d (items/s)" % k, bulk_value, "items/s", "the same insert into dq's table",
         median_of(schema_bulk, args.repeat), "-", "(dq also reads, validates and names each item)")
