@@ -951,6 +951,9 @@ final class EnqueueBatcher: @unchecked Sendable {
                 waiting.removeFirst(group.count)
                 condition.unlock()
                 let result = commit(group.map(\.item))
+                condition.lock()
+                commitCount += 1  // counted before the callers return, so that they see their commit counted
+                condition.unlock()
                 for (index, waiter) in group.enumerated() {
                     switch result {
                     case .success(let sequences): waiter.continuation.resume(returning: sequences[index])
@@ -958,7 +961,6 @@ final class EnqueueBatcher: @unchecked Sendable {
                     }
                 }
                 condition.lock()
-                commitCount += 1
                 continue
             }
             if writerTurn {
