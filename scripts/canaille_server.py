@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
 """Canaille (an OAuth2/OIDC server with RFC 7591 registration) on 127.0.0.1 for dq's tests.
 
-Usage: canaille_server.py --port PORT
+Usage: canaille_server.py --port PORT [--user NAME:PASSWORD] [--client ID[:SECRET]] [--token-lifetime S]
 
 In-memory database, open dynamic client registration, client_credentials, introspection. Configured as
-pytest-iam 0.3.0 configures it for its own fixtures.
+pytest-iam 0.3.0 configures it for its own fixtures. For the authorization code flow (`dq login`):
+--user creates a person who can sign in; --client creates a trusted client (public without a secret,
+client_secret_basic/post with one) for authorization_code and refresh_token whose redirect URI is
+http://127.0.0.1/callback on any port (RFC 8252 7.3); tokens are signed RS256; access and refresh tokens
+of the code flow live --token-lifetime seconds. Refresh tokens stay valid until revoked (Canaille would
+otherwise expire them with their access token), and revocation accepts public clients (RFC 7009 2.1).
 """
 import argparse
+import datetime
 import os
+import urllib.parse
 import sys
 import uuid
 import wsgiref.simple_server
@@ -28,11 +35,55 @@ class QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
         pass
 
 
+def loopback_redirect(client, redirect_uri):
+    """RFC 8252 7.3: a loopback redirect URI matches whatever port the native app listens on."""
+    parsed = urllib.parse.urlsplit(redirect_uri)
+    if parsed.scheme == "http" and parsed.hostname == "127.0.0.1":
+        redirect_uri = urllib.parse.urlunsplit(("http", "127.0.0.1", parsed.path, parsed.query, ""))
+    return redirect_uri in client.redirect_uris
+
+
+def add_people_and_clients(app, users, clients):
+    from canaille.app import models
+    from canaille.backends import Backend
+    from canaille.oidc import provider
+
+    models.Client.check_redirect_uri = loopback_redirect
+    models.Token.is_refresh_token_active = lambda token: not token.revokation_date
+    provider.RevocationEndpoint.CLIENT_AUTH_METHODS = ["client_secret_basic", "client_secret_post", "none"]
+    with app.app_context():
+        for entry in users:
+            name, password = entry.split(":", 1)
+            Backend.instance.save(
+                models.User(user_name=name, family_name=name, emails=[name + "@example.org"], password=password))
+        for entry in clients:
+            client_id, _, secret = entry.partition(":")
+            client = models.Client(
+                client_id=client_id,
+                client_secret=secret or None,
+                client_name=client_id,
+                client_uri="http://127.0.0.1/",
+                redirect_uris=["http://127.0.0.1/callback"],
+                grant_types=["authorization_code", "refresh_token"],
+                response_types=["code"],
+                token_endpoint_auth_method="client_secret_basic" if secret else "none",
+                scope=["openid", "profile", "email", "offline_access", "fhirUser", "launch/patient",
+                       "patient/*.cruds", "patient/Observation.cruds"],
+                client_id_issued_at=datetime.datetime.now(datetime.timezone.utc),
+            )
+            Backend.instance.save(client)
+            client.audience = [client]
+            Backend.instance.save(client)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--user", action="append", default=[])
+    parser.add_argument("--client", action="append", default=[])
+    parser.add_argument("--token-lifetime", type=int, default=3600)
     args = parser.parse_args()
-    jwk = JWKRegistry.generate_key("RSA", 2048)
+    jwk = JWKRegistry.generate_key("RSA", 2048, parameters={"alg": "RS256", "use": "sig"})
     jwk.ensure_kid()
     config = {
         "TESTING": True,
@@ -57,8 +108,14 @@ def main():
             "DYNAMIC_CLIENT_REGISTRATION_OPEN": True,
             "ACTIVE_JWKS": [jwk.as_dict(private=True)],
         },
+        "OAUTH2_TOKEN_EXPIRES_IN": {
+            "authorization_code": args.token_lifetime,
+            "refresh_token": args.token_lifetime,
+        },
     }
     app = create_app(config=config, env_file=None, env_prefix="DQ_TEST_CANAILLE_")
+    if args.user or args.client:
+        add_people_and_clients(app, args.user, args.client)
     httpd = wsgiref.simple_server.make_server(
         "127.0.0.1", args.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
     print("canaille on http://127.0.0.1:%d" % args.port, flush=True)

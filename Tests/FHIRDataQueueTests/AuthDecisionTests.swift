@@ -57,7 +57,7 @@ struct AuthDecisionTests {
 
     @Test("Basic credentials are form-urlencoded first (RFC 6749 §2.3.1)")
     func basicEncoding() {
-        let header = OAuth2ClientCredentials.basic("id 1", "a+b/c=", encoded: true)
+        let header = OAuth2HTTP.basic("id 1", "a+b/c=", encoded: true)
         let decoded = String(decoding: Data(base64Encoded: String(header.dropFirst(6)))!, as: UTF8.self)
         #expect(decoded == "id+1:a%2Bb%2Fc%3D")
     }
@@ -65,7 +65,7 @@ struct AuthDecisionTests {
     @Test("A registration answer with a trailing comma is read (the C3-PRO server sends one)")
     func lenientRegistration() throws {
         let body = Data("{\"client_id\": \"abc\", \"client_secret\": \"x\",\n \"grant_types\": [\"client_credentials\",],\n}".utf8)
-        let object = try JSONSerialization.jsonObject(with: OAuth2ClientCredentials.lenientJSON(body)) as? [String: Any]
+        let object = try JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(body)) as? [String: Any]
         #expect(object?["client_id"] as? String == "abc")
     }
 

@@ -66,26 +66,10 @@ public struct CredentialStore: Sendable {
 
     /// Stores (or replaces) credentials atomically with mode 0600.
     public func save(_ credentials: StoredCredentials) throws {
-        do {
-            try FileManager.default.createDirectory(
-                atPath: directory, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
-        } catch {
-            throw DataQueueError(.storage, "cannot create the credential directory \(directory)")
-        }
         let encoder = JSONEncoder()
         encoder.outputFormatting = [.sortedKeys, .prettyPrinted, .withoutEscapingSlashes]
         encoder.dateEncodingStrategy = .iso8601
         let data = try encoder.encode(credentials)
-        let file = path(for: credentials.registrationURI)
-        let temporary = file + ".tmp-\(getpid())-\(UUID().uuidString.prefix(8))"
-        let fd = open(temporary, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
-        guard fd >= 0 else { throw DataQueueError(.storage, "cannot write the credential file \(file)") }
-        let written = data.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
-        let synced = fsync(fd)
-        close(fd)
-        guard written == data.count, synced == 0, rename(temporary, file) == 0 else {
-            unlink(temporary)
-            throw DataQueueError(.storage, "cannot write the credential file \(file)")
-        }
+        try SecretFile.write(data, to: path(for: credentials.registrationURI), directory: directory, what: "credential file")
     }
 }

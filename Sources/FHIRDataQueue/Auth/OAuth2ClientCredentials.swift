@@ -24,7 +24,7 @@ import NIOSSL
 public actor OAuth2ClientCredentials: AuthorizationProvider {
     /// The settings.
     public nonisolated let configuration: OAuth2Configuration
-    private let http: HTTPClient
+    private let http: OAuth2HTTP
     private var token: (value: String, renewAt: Date)?
     private var inflight: Task<String, any Error>?
     private var endpoints: (token: URL, registration: URL?)?
@@ -36,16 +36,11 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
 
     /// Creates the client. No request is made until a token is needed.
     public init(configuration: OAuth2Configuration) throws {
-        self.configuration = configuration
-        var http = HTTPClient.Configuration()
-        http.redirectConfiguration = .disallow
-        http.connectionPool.retryConnectionEstablishment = false
-        if let ca = configuration.caBundlePath {
-            var tls = TLSConfiguration.makeClientConfiguration()
-            tls.trustRoots = .file(ca)
-            http.tlsConfiguration = tls
+        guard configuration.effectiveAuthMethod != .none else {
+            throw DataQueueError(.invalidConfiguration, "configuration: client_credentials needs a client secret or key, not \"none\"")
         }
-        self.http = HTTPClient(eventLoopGroupProvider: .singleton, configuration: http)
+        self.configuration = configuration
+        self.http = OAuth2HTTP(caBundlePath: configuration.caBundlePath, timeout: configuration.timeout)
         if let id = configuration.clientID { credentials = (id, configuration.clientSecret) }
     }
 
@@ -100,29 +95,19 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         if let scope = configuration.scope { form.append(("scope", scope)) }
         var headers = HTTPHeaders()
         let method = configuration.effectiveAuthMethod
-        switch method {
-        case .privateKeyJWT:
-            guard let key = configuration.assertionKey else {
-                throw DataQueueError(.invalidConfiguration, "configuration: private_key_jwt needs \"auth.private_key\"")
-            }
-            form.append(("client_assertion_type", "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"))
-            form.append(("client_assertion", try key.assertion(clientID: clientID, tokenURL: tokenURL.absoluteString)))
-        case .clientSecretPost:
-            form.append(("client_id", clientID))
-            form.append(("client_secret", secret ?? ""))
-        case .clientSecretBasic:
-            headers.add(name: "Authorization", value: Self.basic(clientID, secret ?? "", encoded: !rawBasicCredentials))
-        }
+        try OAuth2HTTP.authenticate(
+            method, clientID: clientID, secret: secret, key: configuration.assertionKey, audience: tokenURL, form: &form,
+            headers: &headers, rawBasic: rawBasicCredentials)
         logger.debug("requesting a token", metadata: ["endpoint": "\(tokenURL.absoluteString)", "method": "\(method.rawValue)"])
         tokenRequests += 1
-        var (status, body) = try await post(tokenURL, form: form, headers: headers)
+        var (status, body) = try await http.post(tokenURL, form: form, headers: headers)
         if method == .clientSecretBasic, status == 401, !rawBasicCredentials,
-            Self.formEncode(clientID) != clientID || Self.formEncode(secret ?? "") != (secret ?? "")
+            OAuth2HTTP.formEncode(clientID) != clientID || OAuth2HTTP.formEncode(secret ?? "") != (secret ?? "")
         {
             // Some servers do not form-urldecode Basic credentials (RFC 6749 §2.3.1); try them raw once.
-            headers.replaceOrAdd(name: "Authorization", value: Self.basic(clientID, secret ?? "", encoded: false))
+            headers.replaceOrAdd(name: "Authorization", value: OAuth2HTTP.basic(clientID, secret ?? "", encoded: false))
             tokenRequests += 1
-            (status, body) = try await post(tokenURL, form: form, headers: headers)
+            (status, body) = try await http.post(tokenURL, form: form, headers: headers)
             if (200..<300).contains(status) { rawBasicCredentials = true }
         }
         let parsed = try Self.parseTokenResponse(status: status, body: body)
@@ -135,7 +120,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
 
     /// Reads a token response: 200 or 202, `access_token`, `expires_in` as a number or a string.
     static func parseTokenResponse(status: Int, body: Data) throws -> (token: String, expiresIn: TimeInterval) {
-        let object = (try? JSONSerialization.jsonObject(with: lenientJSON(body))) as? [String: Any]
+        let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(body))) as? [String: Any]
         guard (200..<300).contains(status) else {
             let error = (object?["error"] as? String).map { " (\($0))" } ?? ""
             if (400..<500).contains(status) && status != 408 && status != 429 {
@@ -153,17 +138,6 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
             expiresIn = value
         }
         return (token, max(expiresIn, 1))
-    }
-
-    static func formEncode(_ text: String) -> String {
-        var allowed = CharacterSet.alphanumerics
-        allowed.insert(charactersIn: "-._*")
-        return (text.addingPercentEncoding(withAllowedCharacters: allowed) ?? text).replacingOccurrences(of: "%20", with: "+")
-    }
-
-    static func basic(_ id: String, _ secret: String, encoded: Bool) -> String {
-        let pair = encoded ? formEncode(id) + ":" + formEncode(secret) : id + ":" + secret
-        return "Basic " + Data(pair.utf8).base64EncodedString()
     }
 
     // MARK: - Credentials and registration
@@ -211,16 +185,16 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         for (name, value) in configuration.registrationHeaders { request.headers.add(name: name, value: value) }
         request.body = .bytes(ByteBuffer(data: try JSONSerialization.data(withJSONObject: body, options: [.withoutEscapingSlashes])))
         logger.info("registering the client", metadata: ["endpoint": "\(url.absoluteString)"])
-        let (status, data) = try await execute(request)
+        let (status, data) = try await http.execute(request)
         guard (200..<300).contains(status) else {
-            let object = (try? JSONSerialization.jsonObject(with: Self.lenientJSON(data))) as? [String: Any]
+            let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(data))) as? [String: Any]
             let error = (object?["error"] as? String).map { " (\($0))" } ?? ""
             if (400..<500).contains(status) {
                 throw DataQueueError(.authentication, "the registration endpoint refused the registration: \(status)\(error)")
             }
             throw DataQueueError(.transport, "the registration endpoint answered \(status)\(error)")
         }
-        guard let object = (try? JSONSerialization.jsonObject(with: Self.lenientJSON(data))) as? [String: Any],
+        guard let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(data))) as? [String: Any],
             let clientID = object["client_id"] as? String, !clientID.isEmpty
         else {
             throw DataQueueError(.authentication, "the registration answer has no client_id")
@@ -235,13 +209,6 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         return stored
     }
 
-    /// JSON with trailing commas removed (the C3-PRO registration server sends one).
-    static func lenientJSON(_ data: Data) -> Data {
-        let text = String(decoding: data, as: UTF8.self)
-        let cleaned = text.replacingOccurrences(of: #",\s*([}\]])"#, with: "$1", options: .regularExpression)
-        return Data(cleaned.utf8)
-    }
-
     // MARK: - Discovery
 
     private func resolveEndpoints() async throws -> (token: URL, registration: URL?) {
@@ -252,10 +219,10 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         }
         let base = try DataQueue.queueName(for: configuration.fhirBaseURL)
         // No answer (network down) is a temporary failure, not a missing endpoint: it is thrown as is.
-        let smart = try await getJSON(base + "/.well-known/smart-configuration")
+        let smart = try await http.getJSON(base + "/.well-known/smart-configuration")
         var capability: [String: Any]?
         if Self.endpoints(smartConfiguration: smart, capabilityStatement: nil).token == nil {
-            capability = try await getJSON(base + "/metadata")
+            capability = try await http.getJSON(base + "/metadata")
         }
         let found = Self.endpoints(smartConfiguration: smart, capabilityStatement: capability)
         guard let token = found.token else {
@@ -274,50 +241,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         if let smart = smartConfiguration, let token = (smart["token_endpoint"] as? String).flatMap(URL.init(string:)) {
             return (token, (smart["registration_endpoint"] as? String).flatMap(URL.init(string:)))
         }
-        guard let rest = (capabilityStatement?["rest"] as? [[String: Any]])?.first,
-            let extensions = (rest["security"] as? [String: Any])?["extension"] as? [[String: Any]],
-            let oauth = extensions.first(where: {
-                $0["url"] as? String == "http://fhir-registry.smarthealthit.org/StructureDefinition/oauth-uris"
-            }),
-            let inner = oauth["extension"] as? [[String: Any]]
-        else { return (nil, nil) }
-        func uri(_ name: String) -> URL? {
-            (inner.first(where: { $0["url"] as? String == name })?["valueUri"] as? String).flatMap(URL.init(string:))
-        }
-        return (uri("token"), uri("register"))
-    }
-
-    // MARK: - HTTP
-
-    private func getJSON(_ url: String) async throws -> [String: Any]? {
-        var request = HTTPClientRequest(url: url)
-        request.headers.add(name: "Accept", value: "application/json, application/fhir+json")
-        let (status, data) = try await execute(request)
-        if status >= 500 || status == 408 || status == 429 {
-            throw DataQueueError(.transport, "\(FHIRTransport.redacted(url)) answered \(status) during endpoint discovery")
-        }
-        guard status == 200 else { return nil }
-        return (try? JSONSerialization.jsonObject(with: data)) as? [String: Any]
-    }
-
-    private func post(_ url: URL, form: [(String, String)], headers: HTTPHeaders) async throws -> (Int, Data) {
-        var request = HTTPClientRequest(url: url.absoluteString)
-        request.method = .POST
-        request.headers = headers
-        request.headers.add(name: "Content-Type", value: "application/x-www-form-urlencoded")
-        request.headers.add(name: "Accept", value: "application/json")
-        let body = form.map { Self.formEncode($0.0) + "=" + Self.formEncode($0.1) }.joined(separator: "&")
-        request.body = .bytes(ByteBuffer(string: body))
-        return try await execute(request)
-    }
-
-    private func execute(_ request: HTTPClientRequest) async throws -> (Int, Data) {
-        do {
-            let response = try await http.execute(request, timeout: .seconds(Int64(configuration.timeout)))
-            let body = try await response.body.collect(upTo: 1 << 20)
-            return (Int(response.status.code), Data(buffer: body))
-        } catch {
-            throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(FHIRTransport.describe(error))")
-        }
+        let uris = OAuth2HTTP.oauthURIs(capabilityStatement)
+        return (uris["token"], uris["register"])
     }
 }

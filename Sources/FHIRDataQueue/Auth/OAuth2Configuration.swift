@@ -8,6 +8,9 @@ public enum TokenEndpointAuthMethod: String, Sendable, CaseIterable {
     case clientSecretPost = "client_secret_post"
     /// A signed JWT client assertion (RFC 7523, SMART Backend Services).
     case privateKeyJWT = "private_key_jwt"
+    /// No client authentication: a public client sends only its `client_id` (authorization code flow
+    /// with PKCE; not allowed for client_credentials).
+    case none = "none"
 }
 
 /// The settings of an OAuth2 client_credentials client (and of its dynamic registration).

@@ -71,12 +71,19 @@ public struct DataQueueSettings: Sendable, Decodable {
         public var clientID: String?
         /// `client_secret` (or `DQ_CLIENT_SECRET`).
         public var clientSecret: String?
-        /// `authorize_uri` (C3-PRO's name for the token endpoint).
+        /// `authorize_uri`: with `client_credentials` C3-PRO's name for the token endpoint; with
+        /// `authorization_code` the authorization endpoint.
         public var authorizeURI: String?
         /// `token_uri`.
         public var tokenURI: String?
-        /// `authorize_type`: only `client_credentials`.
+        /// `authorize_type`: `client_credentials` (unattended, the default) or `authorization_code` (a
+        /// person signs in once with `dq login`; SMART standalone launch with PKCE).
         public var authorizeType: String?
+        /// `issuer`: the OpenID issuer whose ID tokens are accepted (authorization_code); the default is
+        /// the SMART configuration's.
+        public var issuer: String?
+        /// `revocation_uri`: the RFC 7009 revocation endpoint (authorization_code); the default is discovered.
+        public var revocationURI: String?
         /// `registration_uri`: RFC 7591 dynamic registration.
         public var registrationURI: String?
         /// `client_name` for registration.
@@ -329,6 +336,8 @@ public struct DataQueueSettings: Sendable, Decodable {
             if let token = auth.bearerToken {
                 guard !token.isEmpty else { throw Self.configError("\"auth.bearer_token\" is empty") }
                 authorization = StaticBearerToken(token)
+            } else if auth.authorizeType == "authorization_code" {
+                authorization = try resolveAuthorizationCode(auth, server: serverURL, caBundle: configuration.caBundlePath)
             } else if auth.authorizeType != nil || auth.clientID != nil || auth.registrationURI != nil {
                 authorization = try resolveOAuth2(auth, server: serverURL, caBundle: configuration.caBundlePath)
             }
@@ -376,32 +385,24 @@ public struct DataQueueSettings: Sendable, Decodable {
         return (baseDirectory as NSString).appendingPathComponent(path)
     }
 
-    private func resolveOAuth2(_ auth: Auth, server: URL, caBundle: String?) throws -> OAuth2ClientCredentials {
-        if let type = auth.authorizeType, type != "client_credentials" {
-            throw Self.configError(
-                "\"auth.authorize_type\" \"\(type)\" is not supported: dq runs unattended and uses \"client_credentials\"")
-        }
-        func url(_ text: String?, _ key: String) throws -> URL? {
-            guard let text else { return nil }
-            guard let url = URL(string: text), let scheme = url.scheme?.lowercased(), scheme == "http" || scheme == "https",
-                url.host != nil
-            else { throw Self.configError("\"auth.\(key)\" must be an http(s) URL") }
-            return url
-        }
-        var oauth = OAuth2Configuration(fhirBaseURL: server)
-        oauth.clientID = auth.clientID
-        oauth.clientSecret = auth.clientSecret
-        oauth.tokenURL = try url(auth.tokenURI, "token_uri") ?? url(auth.authorizeURI, "authorize_uri")
-        oauth.registrationURI = try url(auth.registrationURI, "registration_uri")
-        if let name = auth.clientName { oauth.clientName = name }
-        oauth.scope = auth.scope
-        oauth.caBundlePath = caBundle
-        if let method = auth.tokenEndpointAuthMethod {
-            guard let parsed = TokenEndpointAuthMethod(rawValue: method) else {
+    /// An `auth` URL key's value: nil when absent, else an http(s) URL with a host.
+    private static func authURL(_ text: String?, _ key: String) throws -> URL? {
+        guard let text else { return nil }
+        guard let url = URL(string: text), let scheme = url.scheme?.lowercased(), scheme == "http" || scheme == "https",
+            url.host != nil
+        else { throw configError("\"auth.\(key)\" must be an http(s) URL") }
+        return url
+    }
+
+    /// `token_endpoint_auth_method`, `private_key`, `key_id` and `key_alg`, checked.
+    private func clientAuthentication(_ auth: Auth, allowNone: Bool) throws -> (TokenEndpointAuthMethod?, ClientAssertionKey?) {
+        var method: TokenEndpointAuthMethod?
+        if let text = auth.tokenEndpointAuthMethod {
+            guard let parsed = TokenEndpointAuthMethod(rawValue: text), allowNone || parsed != .none else {
                 throw Self.configError(
-                    "\"auth.token_endpoint_auth_method\" must be client_secret_basic, client_secret_post or private_key_jwt")
+                    "\"auth.token_endpoint_auth_method\" must be client_secret_basic, client_secret_post\(allowNone ? ", none" : "") or private_key_jwt")
             }
-            oauth.authMethod = parsed
+            method = parsed
         }
         var keyAlgorithm: ClientAssertionKey.Algorithm?
         if let name = auth.keyAlgorithm {
@@ -410,11 +411,69 @@ public struct DataQueueSettings: Sendable, Decodable {
             }
             keyAlgorithm = parsed
         }
+        var key: ClientAssertionKey?
         if let path = auth.privateKey {
-            oauth.assertionKey = try ClientAssertionKey(pemFile: relative(path), keyID: auth.keyID, algorithm: keyAlgorithm)
+            key = try ClientAssertionKey(pemFile: relative(path), keyID: auth.keyID, algorithm: keyAlgorithm)
         } else if keyAlgorithm != nil {
             throw Self.configError("\"auth.key_alg\" is set but \"auth.private_key\" is not")
         }
+        return (method, key)
+    }
+
+    private func resolveAuthorizationCode(_ auth: Auth, server: URL, caBundle: String?) throws -> AuthorizationCodeClient {
+        for (key, set) in [("registration_uri", auth.registrationURI != nil), ("registration_fields", auth.registrationFields != nil)]
+        where set {
+            throw Self.configError("\"auth.\(key)\" is for client_credentials; with authorization_code give \"auth.client_id\"")
+        }
+        guard let clientID = auth.clientID, !clientID.isEmpty else {
+            throw Self.configError("\"auth.client_id\" is missing (authorization_code needs the client id the server registered)")
+        }
+        var configuration = AuthorizationCodeConfiguration(fhirBaseURL: server, clientID: clientID)
+        configuration.clientSecret = auth.clientSecret
+        (configuration.authMethod, configuration.assertionKey) = try clientAuthentication(auth, allowNone: true)
+        switch configuration.effectiveAuthMethod {
+        case .privateKeyJWT where configuration.assertionKey == nil:
+            throw Self.configError("\"auth.private_key\" is missing (needed for private_key_jwt)")
+        case .clientSecretBasic, .clientSecretPost:
+            if configuration.clientSecret == nil {
+                throw Self.configError("\"auth.client_secret\" is missing (or set DQ_CLIENT_SECRET) for \(configuration.effectiveAuthMethod.rawValue)")
+            }
+        default: break
+        }
+        if let scope = auth.scope {
+            guard !scope.trimmingCharacters(in: .whitespaces).isEmpty else { throw Self.configError("\"auth.scope\" is empty") }
+            configuration.scope = scope
+        }
+        configuration.authorizationURL = try Self.authURL(auth.authorizeURI, "authorize_uri")
+        configuration.tokenURL = try Self.authURL(auth.tokenURI, "token_uri")
+        configuration.revocationURL = try Self.authURL(auth.revocationURI, "revocation_uri")
+        if let issuer = auth.issuer {
+            _ = try Self.authURL(issuer, "issuer")
+            configuration.issuer = issuer
+        }
+        if let directory = auth.credentialsDirectory { configuration.credentialsDirectory = relative(directory) }
+        configuration.caBundlePath = caBundle
+        return AuthorizationCodeClient(configuration: configuration)
+    }
+
+    private func resolveOAuth2(_ auth: Auth, server: URL, caBundle: String?) throws -> OAuth2ClientCredentials {
+        if auth.issuer != nil || auth.revocationURI != nil {
+            throw Self.configError("\"auth.issuer\" and \"auth.revocation_uri\" belong to \"authorize_type\": \"authorization_code\"")
+        }
+        if let type = auth.authorizeType, type != "client_credentials" {
+            throw Self.configError(
+                "\"auth.authorize_type\" must be \"client_credentials\" or \"authorization_code\", not \"\(type)\"")
+        }
+        let url = Self.authURL
+        var oauth = OAuth2Configuration(fhirBaseURL: server)
+        oauth.clientID = auth.clientID
+        oauth.clientSecret = auth.clientSecret
+        oauth.tokenURL = try url(auth.tokenURI, "token_uri") ?? url(auth.authorizeURI, "authorize_uri")
+        oauth.registrationURI = try url(auth.registrationURI, "registration_uri")
+        if let name = auth.clientName { oauth.clientName = name }
+        oauth.scope = auth.scope
+        oauth.caBundlePath = caBundle
+        (oauth.authMethod, oauth.assertionKey) = try clientAuthentication(auth, allowNone: false)
         if oauth.effectiveAuthMethod == .privateKeyJWT && oauth.assertionKey == nil {
             throw Self.configError("\"auth.private_key\" is missing (needed for private_key_jwt)")
         }
@@ -559,6 +618,8 @@ extension DataQueueSettings.Auth {
         case authorizeURI = "authorize_uri"
         case tokenURI = "token_uri"
         case authorizeType = "authorize_type"
+        case issuer
+        case revocationURI = "revocation_uri"
         case registrationURI = "registration_uri"
         case clientName = "client_name"
         case tokenEndpointAuthMethod = "token_endpoint_auth_method"
@@ -581,6 +642,8 @@ extension DataQueueSettings.Auth {
         authorizeURI = try SettingsKeys.value(container, .authorizeURI, string)
         tokenURI = try SettingsKeys.value(container, .tokenURI, string)
         authorizeType = try SettingsKeys.value(container, .authorizeType, string)
+        issuer = try SettingsKeys.value(container, .issuer, string)
+        revocationURI = try SettingsKeys.value(container, .revocationURI, string)
         registrationURI = try SettingsKeys.value(container, .registrationURI, string)
         clientName = try SettingsKeys.value(container, .clientName, string)
         scope = try SettingsKeys.value(container, .scope, string)

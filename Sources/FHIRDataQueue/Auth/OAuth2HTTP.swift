@@ -1,0 +1,131 @@
+import AsyncHTTPClient
+import Foundation
+import NIOCore
+import NIOFoundationCompat
+import NIOHTTP1
+import NIOSSL
+
+/// The HTTP side of dq's OAuth2 clients: discovery documents, form posts to token, revocation and
+/// registration endpoints, and client authentication. Redirects are not followed; answers are capped at
+/// 1 MiB; a request that gets no answer becomes a ``DataQueueError/Code/transport`` error naming the URL
+/// without its query.
+struct OAuth2HTTP: Sendable {
+    let client: HTTPClient
+    let timeout: TimeInterval
+
+    init(caBundlePath: String?, timeout: TimeInterval) {
+        var http = HTTPClient.Configuration()
+        http.redirectConfiguration = .disallow
+        http.connectionPool.retryConnectionEstablishment = false
+        if let ca = caBundlePath {
+            var tls = TLSConfiguration.makeClientConfiguration()
+            tls.trustRoots = .file(ca)
+            http.tlsConfiguration = tls
+        }
+        self.client = HTTPClient(eventLoopGroupProvider: .singleton, configuration: http)
+        self.timeout = timeout
+    }
+
+    func shutdown() async throws { try await client.shutdown() }
+
+    /// A JSON document by GET: nil for any status but 200 or for a body that is not a JSON object; a 5xx,
+    /// 408 or 429 throws a temporary error (discovery must not mistake a sick server for a missing document).
+    func getJSON(_ url: String) async throws -> [String: Any]? {
+        var request = HTTPClientRequest(url: url)
+        request.headers.add(name: "Accept", value: "application/json, application/fhir+json")
+        let (status, data) = try await execute(request)
+        if status >= 500 || status == 408 || status == 429 {
+            throw DataQueueError(.transport, "\(FHIRTransport.redacted(url)) answered \(status) during endpoint discovery")
+        }
+        guard status == 200 else { return nil }
+        return (try? JSONSerialization.jsonObject(with: data)) as? [String: Any]
+    }
+
+    /// Posts `form` form-urlencoded.
+    func post(_ url: URL, form: [(String, String)], headers: HTTPHeaders = [:]) async throws -> (Int, Data) {
+        var request = HTTPClientRequest(url: url.absoluteString)
+        request.method = .POST
+        request.headers = headers
+        request.headers.add(name: "Content-Type", value: "application/x-www-form-urlencoded")
+        request.headers.add(name: "Accept", value: "application/json")
+        let body = form.map { Self.formEncode($0.0) + "=" + Self.formEncode($0.1) }.joined(separator: "&")
+        request.body = .bytes(ByteBuffer(string: body))
+        return try await execute(request)
+    }
+
+    func execute(_ request: HTTPClientRequest) async throws -> (Int, Data) {
+        do {
+            let response = try await client.execute(request, timeout: .seconds(Int64(timeout)))
+            let body = try await response.body.collect(upTo: 1 << 20)
+            return (Int(response.status.code), Data(buffer: body))
+        } catch {
+            throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(FHIRTransport.describe(error))")
+        }
+    }
+
+    /// Adds the client's authentication to a token, refresh or revocation request: HTTP Basic, the secret in
+    /// the form, a signed assertion (RFC 7523), or for a public client (`.none`) only its `client_id`.
+    static func authenticate(
+        _ method: TokenEndpointAuthMethod, clientID: String, secret: String?, key: ClientAssertionKey?, audience: URL,
+        form: inout [(String, String)], headers: inout HTTPHeaders, rawBasic: Bool = false
+    ) throws {
+        switch method {
+        case .privateKeyJWT:
+            guard let key else {
+                throw DataQueueError(.invalidConfiguration, "configuration: private_key_jwt needs \"auth.private_key\"")
+            }
+            form.append(("client_assertion_type", "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"))
+            form.append(("client_assertion", try key.assertion(clientID: clientID, tokenURL: audience.absoluteString)))
+        case .clientSecretPost:
+            form.append(("client_id", clientID))
+            form.append(("client_secret", secret ?? ""))
+        case .clientSecretBasic:
+            headers.replaceOrAdd(name: "Authorization", value: basic(clientID, secret ?? "", encoded: !rawBasic))
+        case .none:
+            form.append(("client_id", clientID))
+        }
+    }
+
+    /// The SMART `oauth-uris` extension of a CapabilityStatement's first `rest` entry, by name
+    /// (`authorize`, `token`, `register`, `revoke`, ...).
+    static func oauthURIs(_ capability: [String: Any]?) -> [String: URL] {
+        guard let rest = (capability?["rest"] as? [[String: Any]])?.first,
+            let extensions = (rest["security"] as? [String: Any])?["extension"] as? [[String: Any]],
+            let oauth = extensions.first(where: {
+                $0["url"] as? String == "http://fhir-registry.smarthealthit.org/StructureDefinition/oauth-uris"
+            }),
+            let inner = oauth["extension"] as? [[String: Any]]
+        else { return [:] }
+        var uris: [String: URL] = [:]
+        for entry in inner {
+            if let name = entry["url"] as? String, let value = (entry["valueUri"] as? String).flatMap(URL.init(string:)) {
+                uris[name] = value
+            }
+        }
+        return uris
+    }
+
+    /// The OAuth2 error code of a refusal (`" (invalid_grant)"`), or an empty string.
+    static func errorSuffix(_ body: Data) -> String {
+        let object = (try? JSONSerialization.jsonObject(with: lenientJSON(body))) as? [String: Any]
+        return (object?["error"] as? String).map { " (\($0.prefix(64)))" } ?? ""
+    }
+
+    static func formEncode(_ text: String) -> String {
+        var allowed = CharacterSet.alphanumerics
+        allowed.insert(charactersIn: "-._*")
+        return (text.addingPercentEncoding(withAllowedCharacters: allowed) ?? text).replacingOccurrences(of: "%20", with: "+")
+    }
+
+    static func basic(_ id: String, _ secret: String, encoded: Bool) -> String {
+        let pair = encoded ? formEncode(id) + ":" + formEncode(secret) : id + ":" + secret
+        return "Basic " + Data(pair.utf8).base64EncodedString()
+    }
+
+    /// JSON with trailing commas removed (the C3-PRO registration server sends one).
+    static func lenientJSON(_ data: Data) -> Data {
+        let text = String(decoding: data, as: UTF8.self)
+        let cleaned = text.replacingOccurrences(of: #",\s*([}\]])"#, with: "$1", options: .regularExpression)
+        return Data(cleaned.utf8)
+    }
+}
