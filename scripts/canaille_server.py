@@ -10,6 +10,8 @@ client_secret_basic/post with one) for authorization_code and refresh_token whos
 http://127.0.0.1/callback on any port (RFC 8252 7.3); tokens are signed RS256; access and refresh tokens
 of the code flow live --token-lifetime seconds. Refresh tokens stay valid until revoked (Canaille would
 otherwise expire them with their access token), and revocation accepts public clients (RFC 7009 2.1).
+Authorization codes are looked up by code alone (Canaille 0.3.6's memory backend ORs query filters, so a
+lookup by code and client could return another unused code of the same client).
 """
 import argparse
 import datetime
@@ -48,6 +50,15 @@ def add_people_and_clients(app, users, clients):
     from canaille.backends import Backend
     from canaille.oidc import provider
 
+    def query_authorization_code(grant, code, client):
+        # The memory backend ORs the filters of a query (code=..., client=...): any code of the client could
+        # come back. Look the code up alone and check its client here.
+        for item in Backend.instance.query(models.AuthorizationCode, code=code):
+            if item.code == code and item.client and item.client.client_id == client.client_id and not item.is_expired():
+                return item
+        return None
+
+    provider.AuthorizationCodeGrant.query_authorization_code = query_authorization_code
     models.Client.check_redirect_uri = loopback_redirect
     models.Token.is_refresh_token_active = lambda token: not token.revokation_date
     provider.RevocationEndpoint.CLIENT_AUTH_METHODS = ["client_secret_basic", "client_secret_post", "none"]

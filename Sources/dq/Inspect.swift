@@ -40,9 +40,13 @@ extension DQ {
             }
             try await withQueue(queueOptions, readOnly: true) { queue in
                 let status = try await queue.status()
-                if json { try printJSON(status); return }
+                let signIn = try (queue.authorization as? AuthorizationCodeClient).map { client in
+                    try client.storedSignIn().map(SignInSummary.init) ?? SignInSummary(signedIn: false)
+                }
+                if json { try printJSON(StatusOutput(status: status, signIn: signIn)); return }
                 Self.printStatus(status)
                 print("database:   \(queue.configuration.databasePath)")
+                if let signIn { signIn.printLines() }
                 let others = try await queue.allQueueStatuses().filter { $0.queue != status.queue && $0.pending + $0.parked > 0 }
                 for other in others {
                     print("elsewhere:  \(other.queue): \(other.pending) pending, \(other.parked) parked (dq status --all)")
@@ -60,6 +64,70 @@ extension DQ {
                 print("failures:   \(status.consecutiveFailures) in a row; next try after \(formatDate(status.nextAttemptAt))")
                 print("last error: \(status.lastError ?? "-")")
             }
+        }
+    }
+
+    /// `dq status --json`: the queue's status and, with authorization_code, the sign-in (never its tokens).
+    struct StatusOutput: Encodable {
+        let status: QueueStatus
+        let signIn: SignInSummary?
+
+        enum CodingKeys: String, CodingKey { case signIn = "sign_in" }
+
+        func encode(to encoder: any Encoder) throws {
+            try status.encode(to: encoder)
+            var container = encoder.container(keyedBy: CodingKeys.self)
+            try container.encodeIfPresent(signIn, forKey: .signIn)
+        }
+    }
+
+    /// What `dq status` shows of a person's sign-in: who, the SMART launch context, and the token times.
+    struct SignInSummary: Encodable {
+        var signedIn: Bool
+        var fhirUser: String?
+        var subject: String?
+        var patient: String?
+        var encounter: String?
+        var scope: String?
+        var accessTokenExpiresAt: Date?
+        var renewAt: Date?
+        var refreshToken: Bool?
+        var signedInAt: Date?
+        var refreshedAt: Date?
+
+        init(signedIn: Bool) { self.signedIn = signedIn }
+
+        init(_ signIn: SignIn) {
+            signedIn = true
+            fhirUser = signIn.fhirUser
+            subject = signIn.subject
+            patient = signIn.patient
+            encounter = signIn.encounter
+            scope = signIn.scope
+            accessTokenExpiresAt = signIn.expiresAt
+            renewAt = signIn.renewAt
+            refreshToken = signIn.refreshToken != nil
+            signedInAt = signIn.signedInAt
+            refreshedAt = signIn.refreshedAt
+        }
+
+        enum CodingKeys: String, CodingKey {
+            case signedIn = "signed_in", fhirUser = "fhir_user", subject = "sub", patient, encounter, scope
+            case accessTokenExpiresAt = "access_token_expires_at", renewAt = "renew_at", refreshToken = "refresh_token"
+            case signedInAt = "signed_in_at", refreshedAt = "refreshed_at"
+        }
+
+        func printLines() {
+            guard signedIn else {
+                print("sign-in:    none (run dq login)")
+                return
+            }
+            print("signed in:  \(fhirUser ?? subject ?? "yes") since \(formatDate(signedInAt))")
+            if let patient { print("patient:    \(patient)") }
+            if let encounter { print("encounter:  \(encounter)") }
+            if let scope { print("scope:      \(scope)") }
+            let refresh = refreshToken == true ? "renewed after \(formatDate(renewAt))" : "no refresh token"
+            print("token:      valid until \(formatDate(accessTokenExpiresAt)); \(refresh)")
         }
     }
 

@@ -128,7 +128,8 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
         func value(_ name: String) -> String? { items.first(where: { $0.name == name })?.value }
         guard value("state") == pending.state else {
             throw DataQueueError(
-                .authentication, "the redirect's state does not match the sign-in dq started (a stale or forged redirect); nothing was stored")
+                .authentication,
+                "the redirect's state does not match the sign-in dq started (a stale or forged redirect); nothing was stored")
         }
         if let error = value("error") {
             let reason = value("error_description").map { ": " + String($0.prefix(200)) } ?? ""
@@ -147,12 +148,16 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
         log.debug("exchanging the authorization code", metadata: ["endpoint": "\(tokenURL.absoluteString)"])
         let answer = try await tokenRequest(
             tokenURL,
-            [("grant_type", "authorization_code"), ("code", code), ("redirect_uri", pending.redirectURI), ("code_verifier", pending.codeVerifier)],
+            [
+                ("grant_type", "authorization_code"), ("code", code), ("redirect_uri", pending.redirectURI),
+                ("code_verifier", pending.codeVerifier),
+            ],
             refusal: "refused the authorization code")
         var claims: IDTokenClaims?
         if configuration.asksForIDToken {
             guard let idToken = answer.object["id_token"] as? String else {
-                throw DataQueueError(.authentication, "the token answer has no ID token although the scope asks for openid; nothing was stored")
+                throw DataQueueError(
+                    .authentication, "the token answer has no ID token although the scope asks for openid; nothing was stored")
             }
             claims = try await verifyIDToken(idToken, endpoints: pending.endpoints, nonce: pending.nonce)
         }
@@ -334,7 +339,8 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     private func verifyIDToken(_ token: String, endpoints: Endpoints, nonce: String?) async throws -> IDTokenClaims {
         guard let issuer = endpoints.issuer, let jwks = endpoints.jwks else {
             throw DataQueueError(
-                .invalidConfiguration, "configuration: the ID token cannot be checked: the server names no issuer and jwks_uri (set \"auth.issuer\")")
+                .invalidConfiguration,
+                "configuration: the ID token cannot be checked: the server names no issuer and jwks_uri (set \"auth.issuer\")")
         }
         if verifier == nil {
             let http = self.http

@@ -43,7 +43,8 @@ actor IDTokenVerifier {
     ) async throws -> IDTokenClaims {
         let header = try Self.header(of: token)
         guard let alg = header["alg"] as? String, Self.algorithms.contains(alg) else {
-            throw Self.refused("is signed with \((header["alg"] as? String).map { "\"\($0.prefix(16))\"" } ?? "no algorithm"), which dq does not accept")
+            throw Self.refused(
+                "is signed with \((header["alg"] as? String).map { "\"\($0.prefix(16))\"" } ?? "no algorithm"), which dq does not accept")
         }
         let kid = header["kid"] as? String
         var collection = try await keySet(refresh: false)

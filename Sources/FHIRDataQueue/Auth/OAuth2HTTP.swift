@@ -105,10 +105,13 @@ struct OAuth2HTTP: Sendable {
         return uris
     }
 
-    /// The OAuth2 error code of a refusal (`" (invalid_grant)"`), or an empty string.
+    /// The OAuth2 error code and description of a refusal (`" (invalid_grant: ...)"`), or an empty string.
     static func errorSuffix(_ body: Data) -> String {
         let object = (try? JSONSerialization.jsonObject(with: lenientJSON(body))) as? [String: Any]
-        return (object?["error"] as? String).map { " (\($0.prefix(64)))" } ?? ""
+        guard let error = object?["error"] as? String else { return "" }
+        // The description is the server's own text for the operator; it never holds the request's secrets.
+        let description = (object?["error_description"] as? String).map { ": " + $0.prefix(200) } ?? ""
+        return " (\(error.prefix(64))\(description))"
     }
 
     static func formEncode(_ text: String) -> String {

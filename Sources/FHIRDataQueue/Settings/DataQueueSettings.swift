@@ -400,7 +400,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         if let text = auth.tokenEndpointAuthMethod {
             guard let parsed = TokenEndpointAuthMethod(rawValue: text), allowNone || parsed != .none else {
                 throw Self.configError(
-                    "\"auth.token_endpoint_auth_method\" must be client_secret_basic, client_secret_post\(allowNone ? ", none" : "") or private_key_jwt")
+                    "\"auth.token_endpoint_auth_method\" must be client_secret_basic, client_secret_post\(allowNone ? ", none" : "") or private_key_jwt"
+                )
             }
             method = parsed
         }
@@ -436,7 +437,8 @@ public struct DataQueueSettings: Sendable, Decodable {
             throw Self.configError("\"auth.private_key\" is missing (needed for private_key_jwt)")
         case .clientSecretBasic, .clientSecretPost:
             if configuration.clientSecret == nil {
-                throw Self.configError("\"auth.client_secret\" is missing (or set DQ_CLIENT_SECRET) for \(configuration.effectiveAuthMethod.rawValue)")
+                throw Self.configError(
+                    "\"auth.client_secret\" is missing (or set DQ_CLIENT_SECRET) for \(configuration.effectiveAuthMethod.rawValue)")
             }
         default: break
         }

@@ -184,12 +184,20 @@ final class CanailleServer: @unchecked Sendable {
     var base: String { "http://127.0.0.1:\(port)" }
     private let child: ChildProcess
 
-    init() async throws {
+    /// - Parameters:
+    ///   - users: `name:password` of people who can sign in.
+    ///   - clients: `id` (public) or `id:secret` (confidential) clients of the authorization code flow.
+    ///   - tokenLifetime: seconds an access token of the code flow lives.
+    init(users: [String] = [], clients: [String] = [], tokenLifetime: Int? = nil) async throws {
         port = Peers.freePort()
         let python = Peers.packageRoot.appendingPathComponent(".peers/canaille/bin/python").path
         try #require(FileManager.default.isExecutableFile(atPath: python), "Canaille is not installed: run scripts/peers.sh install")
         let script = Peers.packageRoot.appendingPathComponent("scripts/canaille_server.py").path
-        child = try ChildProcess(python, [script, "--port", String(port)])
+        var arguments = [script, "--port", String(port)]
+        for user in users { arguments += ["--user", user] }
+        for client in clients { arguments += ["--client", client] }
+        if let tokenLifetime { arguments += ["--token-lifetime", String(tokenLifetime)] }
+        child = try ChildProcess(python, arguments)
         let url = base + "/.well-known/oauth-authorization-server"
         let ready = try await eventually(timeout: .seconds(60)) { (try? await HTTP.get(url))?.0 == 200 }
         if !ready {
@@ -208,6 +216,63 @@ final class CanailleServer: @unchecked Sendable {
         let response = try await HTTPClient.shared.execute(request, timeout: .seconds(30))
         let body = try await response.body.collect(upTo: 1 << 20)
         return try JSONSerialization.jsonObject(with: Data(buffer: body)) as? [String: Any] ?? [:]
+    }
+
+    /// Posts a form to one of Canaille's endpoints (e.g. `/oauth/token`) as a public client would.
+    func postForm(_ path: String, _ form: [String: String]) async throws -> (Int, [String: Any]) {
+        var request = HTTPClientRequest(url: base + path)
+        request.method = .POST
+        request.headers.add(name: "Content-Type", value: "application/x-www-form-urlencoded")
+        var allowed = CharacterSet.alphanumerics
+        allowed.insert(charactersIn: "-._~")
+        let body = form.map { "\($0.key)=\($0.value.addingPercentEncoding(withAllowedCharacters: allowed)!)" }.joined(separator: "&")
+        request.body = .bytes(ByteBuffer(string: body))
+        let response = try await HTTPClient.shared.execute(request, timeout: .seconds(30))
+        let data = try await response.body.collect(upTo: 1 << 20)
+        return (Int(response.status.code), (try? JSONSerialization.jsonObject(with: Data(buffer: data))) as? [String: Any] ?? [:])
+    }
+
+    deinit {
+        child.kill(SIGKILL)
+        child.process.waitUntilExit()
+    }
+}
+
+/// A SMART-on-FHIR front (scripts/smart_gate.py): the SMART configuration, a token endpoint that passes
+/// to Canaille and adds the launch context (and can tamper with ID tokens), and a FHIR API that accepts only
+/// Canaille's access tokens before forwarding to sekmet-fhir.
+final class SMARTGate: @unchecked Sendable {
+    let port: Int
+    var fhirBase: String { "http://127.0.0.1:\(port)/fhir" }
+    private let child: ChildProcess
+
+    init(fhir: FHIRServer, canaille: CanailleServer, patient: String) async throws {
+        port = Peers.freePort()
+        let script = Peers.packageRoot.appendingPathComponent("scripts/smart_gate.py").path
+        child = try ChildProcess(
+            Peers.venv + "/bin/python",
+            [script, "--port", String(port), "--fhir", fhir.base, "--issuer", canaille.base, "--patient", patient])
+        let url = fhirBase + "/.well-known/smart-configuration"
+        let ready = try await eventually(timeout: .seconds(60)) { (try? await HTTP.get(url))?.0 == 200 }
+        if !ready {
+            let result = await child.stop()
+            throw TestFailure("the SMART gate did not start: \(result.stderr.suffix(2000))")
+        }
+    }
+
+    /// `{"tamper": mode}` or `{"reject_issued_before_now": true}`.
+    func control(_ body: [String: Any]) async throws {
+        let (status, _) = try await HTTP.post(
+            "http://127.0.0.1:\(port)/_gate/control", json: try JSONSerialization.data(withJSONObject: body))
+        try #require(status == 200)
+    }
+
+    /// Token requests by grant type, and FHIR requests accepted and refused.
+    func stats() async throws -> (grants: [String: Int], accepted: Int, refused: Int) {
+        let object = try await HTTP.json("http://127.0.0.1:\(port)/_gate/stats")
+        return (
+            object["grants"] as? [String: Int] ?? [:], object["fhir_accepted"] as? Int ?? -1, object["fhir_refused"] as? Int ?? -1
+        )
     }
 
     deinit {

@@ -100,10 +100,12 @@ final class ChildProcess: @unchecked Sendable {
     let process = Process()
     let stdoutPath: String
     let stderrPath: String
+    /// With `keepStdinOpen`: where to write the process's standard input.
+    private(set) var stdinPipe: Pipe?
 
     init(
         _ executable: String, _ arguments: [String], environment: [String: String] = [:], stdin: Data? = nil,
-        directory: String? = nil
+        directory: String? = nil, keepStdinOpen: Bool = false
     ) throws {
         let outputs = FileManager.default.temporaryDirectory.appendingPathComponent("dq-proc-\(UUID().uuidString)")
         stdoutPath = outputs.path + ".out"
@@ -119,7 +121,12 @@ final class ChildProcess: @unchecked Sendable {
         if let directory { process.currentDirectoryURL = URL(fileURLWithPath: directory) }
         process.standardOutput = try FileHandle(forWritingTo: URL(fileURLWithPath: stdoutPath))
         process.standardError = try FileHandle(forWritingTo: URL(fileURLWithPath: stderrPath))
-        if let stdin {
+        if keepStdinOpen {
+            let pipe = Pipe()
+            process.standardInput = pipe
+            stdinPipe = pipe
+            try process.run()
+        } else if let stdin {
             let pipe = Pipe()
             process.standardInput = pipe
             try process.run()
@@ -132,6 +139,9 @@ final class ChildProcess: @unchecked Sendable {
     }
 
     var pid: Int32 { process.processIdentifier }
+
+    /// What the process wrote to standard output so far.
+    var outputSoFar: String { (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? "" }
 
     func kill(_ signal: Int32 = SIGKILL) { Glibc.kill(process.processIdentifier, signal) }
 

@@ -1,0 +1,289 @@
+import Foundation
+import Testing
+
+/// `dq login` / `dq logout` against Canaille, a real OpenID Connect provider, behind a SMART front
+/// (scripts/smart_gate.py) whose FHIR API accepts only Canaille's access tokens and forwards to sekmet-fhir.
+/// The test plays the person with an HTTP client (scripts/sign_in.py) through Canaille's login, password
+/// and consent forms.
+@Suite("Sign in as a person (dq login) against Canaille", .serialized, .enabled(if: Peers.enabled))
+struct SignInTests {
+    let work: TemporaryDirectory
+    let resources = Resources()
+    static let person = ("alice", "correct-horse-battery")
+    static let confidential = ("dq-conf", "conf-secret-8d1f2c")
+
+    init() throws { work = try TemporaryDirectory() }
+
+    struct Setup {
+        let canaille: CanailleServer
+        let fhir: FHIRServer
+        let gate: SMARTGate
+        let env: [String: String]
+        let clientID: String
+    }
+
+    /// How the test answers the sign-in.
+    enum Answer {
+        /// Follow the redirect to dq's listener, as a browser does.
+        case follow
+        /// Stop at the redirect and paste it into `dq login --no-browser`, changed by the closure.
+        case paste((String) -> String = { $0 })
+        /// Do not sign in; paste what the closure makes of the authorization URL's parameters.
+        case forge(([String: String]) -> String)
+    }
+
+    func setUp(tokenLifetime: Int = 3600, confidential: Bool = false) async throws -> Setup {
+        let canaille = try await CanailleServer(
+            users: ["\(Self.person.0):\(Self.person.1)"], clients: ["dq-cli", "\(Self.confidential.0):\(Self.confidential.1)"],
+            tokenLifetime: tokenLifetime)
+        let fhir = try await FHIRServer.start()
+        let gate = try await SMARTGate(fhir: fhir, canaille: canaille, patient: "pat-42")
+        let clientID = confidential ? Self.confidential.0 : "dq-cli"
+        var auth: [String: Any] = [
+            "authorize_type": "authorization_code", "client_id": clientID, "credentials_dir": work.file("creds"),
+            "scope": "launch/patient openid fhirUser offline_access patient/*.cruds",
+        ]
+        if confidential { auth["client_secret"] = Self.confidential.1 }
+        let config = work.file("dq.json")
+        try JSONSerialization.data(withJSONObject: [
+            "server": gate.fhirBase, "database": work.file("q.sqlite"), "auth": auth, "retry": ["initial_seconds": 1],
+        ]).write(to: URL(fileURLWithPath: config))
+        chmod(config, 0o600)
+        return Setup(canaille: canaille, fhir: fhir, gate: gate, env: ["DQ_CONFIG": config, "HOME": work.path], clientID: clientID)
+    }
+
+    /// Runs `dq login`, answers as told, and returns dq's result, the redirect pasted (if any) and the
+    /// person's output.
+    func login(_ setup: Setup, _ answer: Answer) async throws -> (result: ProcessResult, pasted: String?, person: String) {
+        var paste = false
+        if case .follow = answer {} else { paste = true }
+        let child = try ChildProcess(
+            Peers.dqBinary, ["login", "--timeout", "60"] + (paste ? ["--no-browser"] : []), environment: setup.env,
+            keepStdinOpen: paste)
+        var address: String?
+        _ = try await eventually(timeout: .seconds(30)) {
+            address = child.outputSoFar.split(separator: "\n").first { $0.hasPrefix("http") }.map(String.init)
+            return address != nil || !child.process.isRunning
+        }
+        guard let address else {
+            let result = await child.stop()
+            throw TestFailure("dq login printed no address: \(result.stderr)")
+        }
+        var pasted: String?
+        var personOutput = ""
+        if case .forge(let make) = answer {
+            let items = URLComponents(string: address)?.queryItems ?? []
+            pasted = make(Dictionary(items.map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { a, _ in a }))
+        } else {
+            let script = Peers.packageRoot.appendingPathComponent("scripts/sign_in.py").path
+            let person = try await ChildProcess(
+                Peers.venv + "/bin/python",
+                [script, address, "--user", Self.person.0, "--password", Self.person.1] + (paste ? ["--stop-at-redirect"] : [])
+            ).wait(timeout: .seconds(60))
+            #expect(person.status == 0, "the person's sign-in: \(person.stderr)")
+            personOutput = person.stdout + person.stderr
+            if case .paste(let change) = answer {
+                pasted = change(person.stdout.trimmingCharacters(in: .whitespacesAndNewlines))
+            }
+        }
+        if let pasted, let pipe = child.stdinPipe {
+            pipe.fileHandleForWriting.write(Data((pasted + "\n").utf8))
+        }
+        let result = await child.wait(timeout: .seconds(60))
+        try? child.stdinPipe?.fileHandleForWriting.close()
+        return (result, pasted, personOutput)
+    }
+
+    var signInDirectory: String { work.file("creds") }
+
+    /// The stored sign-in (checked mode 0600), or nil.
+    func storedSignIn() throws -> [String: Any]? {
+        let files = ((try? FileManager.default.contentsOfDirectory(atPath: signInDirectory)) ?? []).filter {
+            $0.hasPrefix("login-") && $0.hasSuffix(".json")
+        }
+        guard !files.isEmpty else { return nil }
+        try #require(files.count == 1, "one sign-in file: \(files)")
+        let path = signInDirectory + "/" + files[0]
+        let mode = try FileManager.default.attributesOfItem(atPath: path)[.posixPermissions] as? Int
+        #expect(mode == 0o600)
+        return try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: path))) as? [String: Any]
+    }
+
+    func expectNoSecrets(_ outputs: [String], _ secrets: [String?], sourceLocation: SourceLocation = #_sourceLocation) {
+        for secret in secrets.compactMap({ $0 }) where secret.count >= 8 {
+            for output in outputs {
+                #expect(!output.contains(secret), "a secret appeared in the output", sourceLocation: sourceLocation)
+            }
+        }
+    }
+
+    func enqueue(_ setup: Setup, _ indexes: Range<Int>) async throws {
+        for index in indexes {
+            let result = try await dq(["enqueue", try work.write("o\(index).json", resources.observation(index))], setup.env)
+            try #require(result.status == 0, "\(result.stderr)")
+        }
+    }
+
+    static func date(_ value: Any?) throws -> Date {
+        try #require((value as? String).flatMap { ISO8601DateFormatter().date(from: $0) })
+    }
+
+    @Test("a person signs in; the flush delivers with the token; it is renewed at half-life with rotation, and after a 401; logout revokes")
+    func signInDeliverRefreshLogout() async throws {
+        let setup = try await setUp(tokenLifetime: 30)
+        let (login, _, person) = try await login(setup, .follow)
+        #expect(login.status == 0, "\(login.stderr)")
+        #expect(login.stdout.contains("as subject alice"))
+        #expect(login.stdout.contains("patient:       pat-42"))
+        let first = try #require(try storedSignIn())
+        let access1 = try #require(first["access_token"] as? String)
+        let refresh1 = try #require(first["refresh_token"] as? String)
+        #expect(first["patient"] as? String == "pat-42" && first["sub"] as? String == "alice")
+        let renewAt = try Self.date(first["issued_at"]).addingTimeInterval(15)
+        var outputs = [login.stdout, login.stderr, person]
+
+        // Before half-life: the stored token is used as is.
+        try await enqueue(setup, 0..<2)
+        let flush1 = try await dq(["flush"], setup.env)
+        outputs += [flush1.stdout, flush1.stderr]
+        #expect(flush1.status == 0, "\(flush1.stderr)")
+        try #require(Date() < renewAt, "more than 15 s passed between the sign-in and the first flush")
+        #expect(try await setup.gate.stats().grants["refresh_token"] == nil)
+        #expect(try storedSignIn()?["access_token"] as? String == access1)
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == ["0", "1"])
+
+        // After half-life (15 s of 30): renewed before use, the rotated refresh token replaces the old one.
+        try await Task.sleep(for: .seconds(max(0, renewAt.timeIntervalSinceNow) + 1))
+        try await enqueue(setup, 2..<3)
+        let flush2 = try await dq(["flush"], setup.env)
+        outputs += [flush2.stdout, flush2.stderr]
+        #expect(flush2.status == 0, "\(flush2.stderr)")
+        #expect(try await setup.gate.stats().grants["refresh_token"] == 1)
+        let second = try #require(try storedSignIn())
+        let refresh2 = try #require(second["refresh_token"] as? String)
+        #expect(second["access_token"] as? String != access1)
+        #expect(refresh2 != refresh1)
+        #expect(second["refreshed_at"] != nil)
+        let replay = try await setup.canaille.postForm(
+            "/oauth/token", ["grant_type": "refresh_token", "refresh_token": refresh1, "client_id": setup.clientID])
+        #expect(replay.0 == 400, "the rotated-out refresh token must be dead")
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == ["0", "1", "2"])
+
+        // The server stops accepting the token: a 401, one refresh, the retry is delivered.
+        try await setup.gate.control(["reject_issued_before_now": true])
+        try await Task.sleep(for: .milliseconds(1100))  // token iat has whole seconds
+        try await enqueue(setup, 3..<4)
+        let flush3 = try await dq(["flush"], setup.env)
+        outputs += [flush3.stdout, flush3.stderr]
+        #expect(flush3.status == 0, "\(flush3.stderr)")
+        let stats = try await setup.gate.stats()
+        #expect(stats.grants["refresh_token"] == 2)
+        #expect(stats.refused >= 1)
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == ["0", "1", "2", "3"])
+
+        let status = try await dq(["status"], setup.env)
+        #expect(status.status == 0)
+        #expect(status.stdout.contains("signed in:  alice"))
+        #expect(status.stdout.contains("patient:    pat-42"))
+        let third = try #require(try storedSignIn())
+        outputs += [status.stdout, status.stderr]
+
+        let logout = try await dq(["logout"], setup.env)
+        outputs += [logout.stdout, logout.stderr]
+        #expect(logout.status == 0, "\(logout.stderr)")
+        #expect(logout.stdout.contains("the server revoked the tokens"))
+        #expect(try storedSignIn() == nil)
+        let revoked = try await setup.canaille.postForm(
+            "/oauth/token",
+            ["grant_type": "refresh_token", "refresh_token": third["refresh_token"] as? String ?? "", "client_id": setup.clientID])
+        #expect(revoked.0 == 400, "logout must revoke the refresh token at the server")
+        let after = try await dq(["flush"], setup.env)
+        #expect(after.status == 0, "nothing pending: \(after.stderr)")
+        expectNoSecrets(outputs, [access1, refresh1, refresh2, second["access_token"] as? String, third["access_token"] as? String])
+    }
+
+    @Test("a confidential client signs in by pasting the redirect; a revoked refresh token stops the flush with 77, items kept")
+    func pastedSignInAndRevokedRefreshToken() async throws {
+        let setup = try await setUp(confidential: true)
+        let (login, pasted, person) = try await login(setup, .paste())
+        #expect(login.status == 0, "\(login.stderr)")
+        let code = try #require(URLComponents(string: pasted ?? "")?.queryItems?.first { $0.name == "code" }?.value)
+        let stored = try #require(try storedSignIn())
+        let refresh = try #require(stored["refresh_token"] as? String)
+        try await enqueue(setup, 0..<2)
+
+        // An administrator revokes the refresh token; the server stops accepting the access token.
+        let revoke = try await setup.canaille.postForm(
+            "/oauth/revoke",
+            ["token": refresh, "token_type_hint": "refresh_token", "client_id": Self.confidential.0, "client_secret": Self.confidential.1])
+        #expect(revoke.0 == 200)
+        try await setup.gate.control(["reject_issued_before_now": true])
+        let flush = try await dq(["flush"], setup.env)
+        #expect(flush.status == 77, "\(flush.stderr)")
+        #expect(flush.stderr.contains("run `dq login` again"))
+        let status = try await dq(["status", "--json"], setup.env)
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(object["pending"] as? Int == 2)
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == [])
+        // The person's own output holds the redirect they copied; dq's output must hold no secret.
+        expectNoSecrets(
+            [login.stdout, login.stderr, flush.stdout, flush.stderr, status.stdout],
+            [code, refresh, stored["access_token"] as? String, Self.confidential.1])
+        expectNoSecrets([person], [refresh, stored["access_token"] as? String, Self.confidential.1])
+    }
+
+    @Test(
+        "refused sign-ins: wrong state, a replayed code, and ID tokens with a bad signature, wrong aud, wrong nonce or expired: exit 77, nothing stored"
+    )
+    func refusedSignIns() async throws {
+        let setup = try await setUp()
+        let (first, pasted, _) = try await login(setup, .paste())
+        #expect(first.status == 0, "\(first.stderr)")
+        let usedCode = try #require(URLComponents(string: pasted ?? "")?.queryItems?.first { $0.name == "code" }?.value)
+        let path =
+            signInDirectory + "/"
+            + (try FileManager.default.contentsOfDirectory(atPath: signInDirectory).first { $0.hasSuffix(".json") } ?? "")
+        let before = try Data(contentsOf: URL(fileURLWithPath: path))
+        let exchanges = try await setup.gate.stats().grants["authorization_code"]
+        #expect(exchanges == 1)
+
+        // A redirect whose state is not the one dq sent: refused before any token request.
+        let forgedState = try await login(setup, .paste { $0.replacingOccurrences(of: "state=", with: "state=forged") })
+        #expect(forgedState.result.status == 77, "\(forgedState.result.stderr)")
+        #expect(forgedState.result.stderr.contains("state does not match"))
+        #expect(try await setup.gate.stats().grants["authorization_code"] == 1)
+        #expect(try Data(contentsOf: URL(fileURLWithPath: path)) == before)
+
+        // An authorization code that was already exchanged, pasted into a new sign-in with its state.
+        let replayed = try await login(
+            setup,
+            .forge { parameters in
+                "\(parameters["redirect_uri"] ?? "")?code=\(usedCode)&state=\(parameters["state"] ?? "")"
+            })
+        #expect(replayed.result.status == 77, "\(replayed.result.stderr)")
+        #expect(replayed.result.stderr.contains("refused the authorization code"))
+        #expect(try await setup.gate.stats().grants["authorization_code"] == 2)
+        #expect(try Data(contentsOf: URL(fileURLWithPath: path)) == before)
+        expectNoSecrets([replayed.result.stdout, replayed.result.stderr, forgedState.result.stderr], [usedCode])
+
+        // ID tokens changed by the gate: each refused with a message naming the check, nothing stored.
+        try FileManager.default.removeItem(atPath: path)
+        for (mode, message) in [
+            ("bad-signature", "signature that does not verify"), ("wrong-aud", "another client (aud)"),
+            ("wrong-nonce", "nonce dq sent"), ("expired", "has expired (exp)"),
+        ] {
+            try await setup.gate.control(["tamper": mode])
+            let refused = try await login(setup, .follow)
+            #expect(refused.result.status == 77, "\(mode): \(refused.result.stderr)")
+            #expect(refused.result.stderr.contains(message), "\(mode): \(refused.result.stderr)")
+            #expect(refused.result.stderr.contains("nothing was stored"))
+            #expect(try storedSignIn() == nil, "\(mode) stored a sign-in")
+        }
+
+        // The same gate signing a sound ID token with its ES256 key: accepted.
+        try await setup.gate.control(["tamper": "es256"])
+        let es256 = try await login(setup, .follow)
+        #expect(es256.result.status == 0, "\(es256.result.stderr)")
+        #expect(try storedSignIn()?["sub"] as? String == "alice")
+    }
+}
