@@ -45,6 +45,38 @@ struct SettingsTests {
                 #"{"server": "http://h/fhir", "auth": {"client_id": "c", "client_secret": "s", "key_alg": "RS256"}}"#,
                 #""auth.key_alg" is set but "auth.private_key" is not"#
             ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code"}}"#,
+                #""auth.client_id" is missing (authorization_code"#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "c", "registration_uri": "http://h/r"}}"#,
+                #""auth.registration_uri" is for client_credentials"#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "c", "token_endpoint_auth_method": "client_secret_post"}}"#,
+                #""auth.client_secret" is missing"#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "c", "issuer": "not a url"}}"#,
+                #""auth.issuer" must be an http(s) URL"#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "c", "scope": " "}}"#,
+                #""auth.scope" is empty"#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"client_id": "c", "client_secret": "s", "issuer": "http://h"}}"#,
+                #""auth.issuer" and "auth.revocation_uri" belong to "authorize_type": "authorization_code""#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"client_id": "c", "client_secret": "s", "token_endpoint_auth_method": "none"}}"#,
+                #"must be client_secret_basic, client_secret_post or private_key_jwt"#
+            ),
+            (
+                #"{"server": "http://h/fhir", "auth": {"authorize_type": "implicit", "client_id": "c"}}"#,
+                #"must be "client_credentials" or "authorization_code", not "implicit""#
+            ),
             (#"[1]"#, "is not a JSON object"),
             ("not json", "is not a JSON object"),
         ])
@@ -55,6 +87,21 @@ struct SettingsTests {
         #expect(error.code == .invalidConfiguration)
         #expect(error.message.hasPrefix("configuration: "))
         #expect(error.message.contains(message), "\(error.message)")
+    }
+
+    @Test("authorize_type authorization_code makes a public sign-in client with the SMART default scope")
+    func authorizationCode() throws {
+        let json =
+            #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "app", "credentials_dir": "/tmp/x"}}"#
+        let resolved = try DataQueueSettings.decode(Data(json.utf8)).resolve()
+        let client = try #require(resolved.authorization as? AuthorizationCodeClient)
+        #expect(client.configuration.effectiveAuthMethod == .none)
+        #expect(client.configuration.scope == "launch/patient openid fhirUser offline_access patient/*.cruds")
+        #expect(client.store.path.hasPrefix("/tmp/x/login-"))
+        let secret =
+            #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "app", "client_secret": "s"}}"#
+        let confidential = try #require(try DataQueueSettings.decode(Data(secret.utf8)).resolve().authorization as? AuthorizationCodeClient)
+        #expect(confidential.configuration.effectiveAuthMethod == .clientSecretBasic)
     }
 
     @Test("DQ_* variables win over the file; a secret from the environment is never in an error")

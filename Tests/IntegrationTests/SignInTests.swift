@@ -202,6 +202,35 @@ struct SignInTests {
         expectNoSecrets(outputs, [access1, refresh1, refresh2, second["access_token"] as? String, third["access_token"] as? String])
     }
 
+    @Test("two dq processes past half-life refresh once between them: the second takes the rotated token from the first")
+    func concurrentRefreshAcrossProcesses() async throws {
+        let setup = try await setUp(tokenLifetime: 8)
+        let (login, _, _) = try await login(setup, .follow)
+        #expect(login.status == 0, "\(login.stderr)")
+        let renewAt = try Self.date(try storedSignIn()?["issued_at"]).addingTimeInterval(4)
+        // A second queue database for the same server and person, as a cron flush beside `dq run` would have.
+        var other = setup.env
+        let config = try #require(setup.env["DQ_CONFIG"])
+        var object = try #require(try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: config))) as? [String: Any])
+        object["database"] = work.file("other.sqlite")
+        let otherConfig = work.file("other.json")
+        try JSONSerialization.data(withJSONObject: object).write(to: URL(fileURLWithPath: otherConfig))
+        chmod(otherConfig, 0o600)
+        other["DQ_CONFIG"] = otherConfig
+        try await enqueue(setup, 0..<1)
+        let queued = try await dq(["enqueue", try work.write("o1.json", resources.observation(1))], other)
+        try #require(queued.status == 0, "\(queued.stderr)")
+
+        try await Task.sleep(for: .seconds(max(0, renewAt.timeIntervalSinceNow) + 0.3))
+        async let first = dq(["flush"], setup.env)
+        async let second = dq(["flush"], other)
+        let (a, b) = try await (first, second)
+        #expect(a.status == 0, "\(a.stderr)")
+        #expect(b.status == 0, "\(b.stderr)")
+        #expect(try await setup.gate.stats().grants["refresh_token"] == 1)
+        #expect(try await setup.fhir.values("Observation", system: resources.system).sorted() == ["0", "1"])
+    }
+
     @Test("a confidential client signs in by pasting the redirect; a revoked refresh token stops the flush with 77, items kept")
     func pastedSignInAndRevokedRefreshToken() async throws {
         let setup = try await setUp(confidential: true)

@@ -62,7 +62,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     public nonisolated let configuration: AuthorizationCodeConfiguration
     /// Where the sign-in is kept.
     public nonisolated let store: SignInStore
-    private let http: OAuth2HTTP
+    private var httpClient: OAuth2HTTP?
     private var endpoints: Endpoints?
     private var verifier: IDTokenVerifier?
     private var current: SignIn?
@@ -77,14 +77,21 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
         self.store = SignInStore(
             directory: configuration.credentialsDirectory, fhirBaseURL: configuration.fhirBaseURL.absoluteString,
             clientID: configuration.clientID)
-        self.http = OAuth2HTTP(caBundlePath: configuration.caBundlePath, timeout: configuration.timeout)
+    }
+
+    /// The HTTP client, made on first use: reading the stored sign-in (`dq status`) starts no threads.
+    private var http: OAuth2HTTP {
+        if let httpClient { return httpClient }
+        let made = OAuth2HTTP(caBundlePath: configuration.caBundlePath, timeout: configuration.timeout)
+        httpClient = made
+        return made
     }
 
     /// Releases the HTTP client. Calling it again does nothing.
     public func shutdown() async throws {
         guard !isShutDown else { return }
         isShutDown = true
-        try await http.shutdown()
+        try await httpClient?.shutdown()
     }
 
     // MARK: - Signing in
@@ -99,14 +106,18 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
         let state = Self.randomToken(16)
         let verifier = Self.randomToken(32)
         let nonce = configuration.asksForIDToken ? Self.randomToken(16) : nil
-        let challenge = Self.base64URL(Data(SHA256.hash(data: Data(verifier.utf8))))
+        let challenge = Self.codeChallenge(for: verifier)
         var parameters: [(String, String)] = [
             ("response_type", "code"), ("client_id", configuration.clientID), ("redirect_uri", redirectURI),
             ("scope", configuration.scope), ("state", state), ("aud", configuration.fhirBaseURL.absoluteString),
             ("code_challenge", challenge), ("code_challenge_method", "S256"),
         ]
         if let nonce { parameters.append(("nonce", nonce)) }
-        let query = parameters.map { OAuth2HTTP.formEncode($0.0) + "=" + OAuth2HTTP.formEncode($0.1) }.joined(separator: "&")
+        // Spaces as %20, not "+": both form decoders and plain URI decoders read it as a space.
+        var unreserved = CharacterSet.alphanumerics
+        unreserved.insert(charactersIn: "-._~")
+        func encode(_ text: String) -> String { text.addingPercentEncoding(withAllowedCharacters: unreserved) ?? text }
+        let query = parameters.map { encode($0.0) + "=" + encode($0.1) }.joined(separator: "&")
         let separator = authorization.query == nil ? "?" : "&"
         guard let url = URL(string: authorization.absoluteString + separator + query) else {
             throw DataQueueError(.invalidConfiguration, "configuration: the authorization endpoint is not a URL")
@@ -400,6 +411,11 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     static func randomToken(_ count: Int) -> String {
         var generator = SystemRandomNumberGenerator()
         return base64URL(Data((0..<count).map { _ in UInt8.random(in: 0...255, using: &generator) }))
+    }
+
+    /// The PKCE S256 challenge of `verifier` (RFC 7636 4.2): base64url(SHA-256(ASCII(verifier))).
+    static func codeChallenge(for verifier: String) -> String {
+        base64URL(Data(SHA256.hash(data: Data(verifier.utf8))))
     }
 
     static func base64URL(_ data: Data) -> String {
