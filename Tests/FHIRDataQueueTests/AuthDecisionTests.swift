@@ -90,11 +90,11 @@ struct AuthDecisionTests {
     @Test(
         "Client assertions carry iss = sub = client_id, the exact token URL, exp within 5 minutes and a fresh jti",
         arguments: ClientAssertionKey.Algorithm.allCases)
-    func assertions(algorithm: ClientAssertionKey.Algorithm) throws {
+    func assertions(algorithm: ClientAssertionKey.Algorithm) async throws {
         let (key, _) = try ClientAssertionKey.generate(algorithm, keyID: "k1")
         let now = Date()
-        let first = try key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
-        let second = try key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
+        let first = try await key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
+        let second = try await key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
         func part(_ jwt: String, _ index: Int) throws -> [String: Any] {
             var text = String(jwt.split(separator: ".")[index]).replacingOccurrences(of: "-", with: "+")
                 .replacingOccurrences(of: "_", with: "/")
@@ -117,7 +117,7 @@ struct AuthDecisionTests {
     }
 
     @Test("An RSA key signs RS384 unless RS256 is asked for; an EC key's curve decides, and a mismatch is named")
-    func assertionAlgorithms() throws {
+    func assertionAlgorithms() async throws {
         let (_, rsaPEM) = try ClientAssertionKey.generate(.rs256)
         #expect(try ClientAssertionKey(pem: rsaPEM).algorithm == .rs384)
         #expect(try ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).algorithm == .rs256)
@@ -132,7 +132,7 @@ struct AuthDecisionTests {
 
         // The hash is the one the header names: an RS256 signature verifies over SHA-256, not SHA-384.
         let rsa = try _RSA.Signing.PrivateKey(pemRepresentation: rsaPEM)
-        let jwt = try ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).assertion(clientID: "c", tokenURL: "http://t")
+        let jwt = try await ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).assertion(clientID: "c", tokenURL: "http://t")
         let parts = jwt.split(separator: ".")
         let input = Data((parts[0] + "." + parts[1]).utf8)
         var text = String(parts[2]).replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
@@ -142,7 +142,7 @@ struct AuthDecisionTests {
         #expect(!rsa.publicKey.isValidSignature(signature, for: SHA384.hash(data: input), padding: .insecurePKCS1v1_5))
         // ES256 over P-256 with SHA-256 (swift-crypto hashes inside).
         let p256 = try P256.Signing.PrivateKey(pemRepresentation: p256PEM)
-        let es = try ClientAssertionKey(pem: p256PEM).assertion(clientID: "c", tokenURL: "http://t").split(separator: ".")
+        let es = try await ClientAssertionKey(pem: p256PEM).assertion(clientID: "c", tokenURL: "http://t").split(separator: ".")
         var esText = String(es[2]).replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
         while esText.count % 4 != 0 { esText += "=" }
         let esSignature = try P256.Signing.ECDSASignature(rawRepresentation: try #require(Data(base64Encoded: esText)))

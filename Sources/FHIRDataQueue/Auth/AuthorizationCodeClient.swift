@@ -204,7 +204,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
             for case (let token?, let hint) in tokens {
                 var form = [("token", token), ("token_type_hint", hint)]
                 var headers = HTTPHeaders()
-                try authenticate(audience: endpoint, form: &form, headers: &headers)
+                try await authenticate(audience: endpoint, form: &form, headers: &headers)
                 let (status, body) = try await http.post(endpoint, form: form, headers: headers)
                 if status == 200 { continue }
                 if hint == "access_token" && status == 400 { continue }  // unsupported_token_type: it expires alone
@@ -313,7 +313,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     ) async throws -> (accessToken: String, expiresIn: Double, object: [String: Any]) {
         var form = grant
         var headers = HTTPHeaders()
-        try authenticate(audience: url, form: &form, headers: &headers)
+        try await authenticate(audience: url, form: &form, headers: &headers)
         tokenRequests += 1
         let (status, body) = try await http.post(url, form: form, headers: headers)
         guard (200..<300).contains(status) else {
@@ -341,8 +341,8 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
         return (token, min(max(expiresIn, 1), 10 * 365 * 86400), object)
     }
 
-    private func authenticate(audience: URL, form: inout [(String, String)], headers: inout HTTPHeaders) throws {
-        try OAuth2HTTP.authenticate(
+    private func authenticate(audience: URL, form: inout [(String, String)], headers: inout HTTPHeaders) async throws {
+        try await OAuth2HTTP.authenticate(
             configuration.effectiveAuthMethod, clientID: configuration.clientID, secret: configuration.clientSecret,
             key: configuration.assertionKey, audience: audience, form: &form, headers: &headers)
     }

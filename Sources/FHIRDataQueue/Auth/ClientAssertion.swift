@@ -1,5 +1,6 @@
 import Crypto
 import Foundation
+import JWTKit
 import _CryptoExtras
 
 /// A private key that signs SMART Backend Services client assertions (RFC 7523, `private_key_jwt`).
@@ -123,33 +124,41 @@ public struct ClientAssertionKey: Sendable {
         return Data(SHA256.hash(data: Data(json.utf8))).base64URL
     }
 
-    /// Signs a client assertion for `clientID` at `tokenURL`, valid for `lifetime` seconds (at most 300).
-    public func assertion(clientID: String, tokenURL: String, lifetime: TimeInterval = 240, now: Date = Date()) throws -> String {
-        var header: [String: String] = ["alg": algorithm.rawValue, "typ": "JWT"]
-        if !keyID.isEmpty { header["kid"] = keyID }
-        let issued = Int(now.timeIntervalSince1970)
-        let claims: [String: Any] = [
-            "iss": clientID, "sub": clientID, "aud": tokenURL, "exp": issued + Int(min(lifetime, 300)),
-            "iat": issued, "jti": UUID().uuidString.lowercased(),
-        ]
-        let options: JSONSerialization.WritingOptions = [.sortedKeys, .withoutEscapingSlashes]
-        let signingInput =
-            try JSONSerialization.data(withJSONObject: header, options: options).base64URL + "."
-            + JSONSerialization.data(withJSONObject: claims, options: options).base64URL
-        let signature: Data
+    /// Signs a client assertion for `clientID` at `tokenURL`, valid for `lifetime` seconds (at most 300):
+    /// `iss` = `sub` = the client id, `aud` = the token URL, a fresh `jti`, the `kid`. Signed by jwt-kit.
+    public func assertion(clientID: String, tokenURL: String, lifetime: TimeInterval = 240, now: Date = Date()) async throws
+        -> String
+    {
+        let keys = JWTKeyCollection()
+        let kid = keyID.isEmpty ? nil : JWKIdentifier(string: keyID)
         switch backing {
-        case .rsa(let key) where algorithm == .rs256:
-            signature = try key.signature(for: SHA256.hash(data: Data(signingInput.utf8)), padding: .insecurePKCS1v1_5)
-                .rawRepresentation
         case .rsa(let key):
-            signature = try key.signature(for: SHA384.hash(data: Data(signingInput.utf8)), padding: .insecurePKCS1v1_5)
-                .rawRepresentation
+            await keys.add(
+                rsa: try Insecure.RSA.PrivateKey(backing: key), digestAlgorithm: algorithm == .rs256 ? .sha256 : .sha384, kid: kid)
         case .p256(let key):
-            signature = try key.signature(for: Data(signingInput.utf8)).rawRepresentation
+            await keys.add(ecdsa: try ES256PrivateKey(backing: key), kid: kid)
         case .p384(let key):
-            signature = try key.signature(for: Data(signingInput.utf8)).rawRepresentation
+            await keys.add(ecdsa: try ES384PrivateKey(backing: key), kid: kid)
         }
-        return signingInput + "." + signature.base64URL
+        let issued = Date(timeIntervalSince1970: now.timeIntervalSince1970.rounded(.down))
+        let claims = AssertionClaims(
+            iss: IssuerClaim(value: clientID), sub: SubjectClaim(value: clientID), aud: AudienceClaim(value: [tokenURL]),
+            exp: ExpirationClaim(value: issued.addingTimeInterval(min(lifetime, 300).rounded(.down))), iat: IssuedAtClaim(value: issued),
+            jti: IDClaim(value: UUID().uuidString.lowercased()))
+        return try await keys.sign(claims, kid: kid, header: ["typ": "JWT"])
+    }
+
+    /// The claims of an RFC 7523 client assertion.
+    struct AssertionClaims: JWTPayload {
+        var iss: IssuerClaim
+        var sub: SubjectClaim
+        var aud: AudienceClaim
+        var exp: ExpirationClaim
+        var iat: IssuedAtClaim
+        var jti: IDClaim
+
+        /// dq signs these; the token endpoint verifies them.
+        func verify(using algorithm: some JWTAlgorithm) async throws {}
     }
 
     /// Splits a PKCS#1 RSAPublicKey DER into modulus and exponent (leading zero bytes removed).

@@ -95,7 +95,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         if let scope = configuration.scope { form.append(("scope", scope)) }
         var headers = HTTPHeaders()
         let method = configuration.effectiveAuthMethod
-        try OAuth2HTTP.authenticate(
+        try await OAuth2HTTP.authenticate(
             method, clientID: clientID, secret: secret, key: configuration.assertionKey, audience: tokenURL, form: &form,
             headers: &headers, rawBasic: rawBasicCredentials)
         logger.debug("requesting a token", metadata: ["endpoint": "\(tokenURL.absoluteString)", "method": "\(method.rawValue)"])

@@ -68,14 +68,14 @@ struct OAuth2HTTP: Sendable {
     static func authenticate(
         _ method: TokenEndpointAuthMethod, clientID: String, secret: String?, key: ClientAssertionKey?, audience: URL,
         form: inout [(String, String)], headers: inout HTTPHeaders, rawBasic: Bool = false
-    ) throws {
+    ) async throws {
         switch method {
         case .privateKeyJWT:
             guard let key else {
                 throw DataQueueError(.invalidConfiguration, "configuration: private_key_jwt needs \"auth.private_key\"")
             }
             form.append(("client_assertion_type", "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"))
-            form.append(("client_assertion", try key.assertion(clientID: clientID, tokenURL: audience.absoluteString)))
+            form.append(("client_assertion", try await key.assertion(clientID: clientID, tokenURL: audience.absoluteString)))
         case .clientSecretPost:
             form.append(("client_id", clientID))
             form.append(("client_secret", secret ?? ""))
