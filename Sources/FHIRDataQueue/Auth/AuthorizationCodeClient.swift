@@ -208,11 +208,8 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
                 let (status, body) = try await http.post(endpoint, form: form, headers: headers)
                 if status == 200 { continue }
                 if hint == "access_token" && status == 400 { continue }  // unsupported_token_type: it expires alone
-                let error = OAuth2HTTP.errorSuffix(body)
-                if (400..<500).contains(status) && status != 408 && status != 429 {
-                    throw DataQueueError(.authentication, "the revocation endpoint refused: \(status)\(error); the sign-in is kept")
-                }
-                throw DataQueueError(.transport, "the revocation endpoint answered \(status)\(error); the sign-in is kept")
+                throw OAuth2HTTP.failure(
+                    "the revocation endpoint", status: status, body: body, refused: "refused", suffix: "; the sign-in is kept")
             }
             outcome = .revoked
             (logger ?? Self.silent).info("tokens revoked", metadata: ["endpoint": "\(endpoint.absoluteString)"])
@@ -317,11 +314,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
         tokenRequests += 1
         let (status, body) = try await http.post(url, form: form, headers: headers)
         guard (200..<300).contains(status) else {
-            let error = OAuth2HTTP.errorSuffix(body)
-            if (400..<500).contains(status) && status != 408 && status != 429 {
-                throw DataQueueError(.authentication, "the token endpoint \(refusal): \(status)\(error)")
-            }
-            throw DataQueueError(.transport, "the token endpoint answered \(status)\(error)")
+            throw OAuth2HTTP.failure("the token endpoint", status: status, body: body, refused: refusal)
         }
         guard let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(body))) as? [String: Any],
             let token = object["access_token"] as? String, !token.isEmpty

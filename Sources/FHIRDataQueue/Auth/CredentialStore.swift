@@ -53,12 +53,8 @@ public struct CredentialStore: Sendable {
     /// The stored credentials for `registrationURI`, or nil.
     public func load(registrationURI: String) throws -> StoredCredentials? {
         let file = path(for: registrationURI)
-        guard let data = FileManager.default.contents(atPath: file) else { return nil }
-        let decoder = JSONDecoder()
-        decoder.dateDecodingStrategy = .iso8601
-        guard let credentials = try? decoder.decode(StoredCredentials.self, from: data),
-            credentials.registrationURI == registrationURI
-        else {
+        guard let decoded = SecretFile.read(StoredCredentials.self, from: file) else { return nil }
+        guard let credentials = decoded, credentials.registrationURI == registrationURI else {
             throw DataQueueError(.invalidConfiguration, "the credential file \(file) is unreadable; remove it to register again")
         }
         return credentials
@@ -66,10 +62,7 @@ public struct CredentialStore: Sendable {
 
     /// Stores (or replaces) credentials atomically with mode 0600.
     public func save(_ credentials: StoredCredentials) throws {
-        let encoder = JSONEncoder()
-        encoder.outputFormatting = [.sortedKeys, .prettyPrinted, .withoutEscapingSlashes]
-        encoder.dateEncodingStrategy = .iso8601
-        let data = try encoder.encode(credentials)
-        try SecretFile.write(data, to: path(for: credentials.registrationURI), directory: directory, what: "credential file")
+        try SecretFile.write(
+            try SecretFile.encode(credentials), to: path(for: credentials.registrationURI), directory: directory, what: "credential file")
     }
 }

@@ -120,14 +120,10 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
 
     /// Reads a token response: 200 or 202, `access_token`, `expires_in` as a number or a string.
     static func parseTokenResponse(status: Int, body: Data) throws -> (token: String, expiresIn: TimeInterval) {
-        let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(body))) as? [String: Any]
         guard (200..<300).contains(status) else {
-            let error = (object?["error"] as? String).map { " (\($0))" } ?? ""
-            if (400..<500).contains(status) && status != 408 && status != 429 {
-                throw DataQueueError(.authentication, "the token endpoint refused the client: \(status)\(error)")
-            }
-            throw DataQueueError(.transport, "the token endpoint answered \(status)\(error)")
+            throw OAuth2HTTP.failure("the token endpoint", status: status, body: body, refused: "refused the client")
         }
+        let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(body))) as? [String: Any]
         guard let token = object?["access_token"] as? String, !token.isEmpty else {
             throw DataQueueError(.authentication, "the token endpoint's answer has no access_token")
         }
@@ -187,12 +183,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         logger.info("registering the client", metadata: ["endpoint": "\(url.absoluteString)"])
         let (status, data) = try await http.execute(request)
         guard (200..<300).contains(status) else {
-            let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(data))) as? [String: Any]
-            let error = (object?["error"] as? String).map { " (\($0))" } ?? ""
-            if (400..<500).contains(status) {
-                throw DataQueueError(.authentication, "the registration endpoint refused the registration: \(status)\(error)")
-            }
-            throw DataQueueError(.transport, "the registration endpoint answered \(status)\(error)")
+            throw OAuth2HTTP.failure("the registration endpoint", status: status, body: data, refused: "refused the registration")
         }
         guard let object = (try? JSONSerialization.jsonObject(with: OAuth2HTTP.lenientJSON(data))) as? [String: Any],
             let clientID = object["client_id"] as? String, !clientID.isEmpty

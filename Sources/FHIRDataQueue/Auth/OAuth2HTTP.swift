@@ -105,6 +105,17 @@ struct OAuth2HTTP: Sendable {
         return uris
     }
 
+    /// The error for a non-2xx answer of `endpoint` (e.g. "the token endpoint"): a definite refusal (4xx but
+    /// 408 and 429) is `.authentication` ("`endpoint` `refused`: 400 (invalid_grant: ...)"), anything else
+    /// `.transport` (try again later). `suffix` ends both messages.
+    static func failure(_ endpoint: String, status: Int, body: Data, refused: String, suffix: String = "") -> DataQueueError {
+        let error = errorSuffix(body)
+        if (400..<500).contains(status) && status != 408 && status != 429 {
+            return DataQueueError(.authentication, "\(endpoint) \(refused): \(status)\(error)\(suffix)")
+        }
+        return DataQueueError(.transport, "\(endpoint) answered \(status)\(error)\(suffix)")
+    }
+
     /// The OAuth2 error code and description of a refusal (`" (invalid_grant: ...)"`), or an empty string.
     static func errorSuffix(_ body: Data) -> String {
         let object = (try? JSONSerialization.jsonObject(with: lenientJSON(body))) as? [String: Any]

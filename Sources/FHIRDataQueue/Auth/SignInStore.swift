@@ -106,12 +106,8 @@ public struct SignInStore: Sendable {
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when the file is unreadable or belongs to
     ///   another server or client.
     public func load() throws -> SignIn? {
-        guard let data = FileManager.default.contents(atPath: path) else { return nil }
-        let decoder = JSONDecoder()
-        decoder.dateDecodingStrategy = .iso8601
-        guard let signIn = try? decoder.decode(SignIn.self, from: data), signIn.fhirBaseURL == fhirBaseURL,
-            signIn.clientID == clientID
-        else {
+        guard let decoded = SecretFile.read(SignIn.self, from: path) else { return nil }
+        guard let signIn = decoded, signIn.fhirBaseURL == fhirBaseURL, signIn.clientID == clientID else {
             throw DataQueueError(.invalidConfiguration, "the sign-in file \(path) is unreadable; run `dq login` again")
         }
         return signIn
@@ -119,10 +115,7 @@ public struct SignInStore: Sendable {
 
     /// Stores `signIn`, replacing the earlier one atomically.
     public func save(_ signIn: SignIn) throws {
-        let encoder = JSONEncoder()
-        encoder.outputFormatting = [.sortedKeys, .prettyPrinted, .withoutEscapingSlashes]
-        encoder.dateEncodingStrategy = .iso8601
-        try SecretFile.write(try encoder.encode(signIn), to: path, directory: directory, what: "sign-in file")
+        try SecretFile.write(try SecretFile.encode(signIn), to: path, directory: directory, what: "sign-in file")
     }
 
     /// Deletes the stored sign-in; true when there was one.
@@ -160,6 +153,22 @@ enum SecretFile {
         } catch {
             throw DataQueueError(.storage, "cannot create the credential directory \(directory)")
         }
+    }
+
+    /// The file's JSON: nil when there is no file, `.some(nil)` when it does not decode.
+    static func read<T: Decodable>(_ type: T.Type, from path: String) -> T?? {
+        guard let data = FileManager.default.contents(atPath: path) else { return nil }
+        let decoder = JSONDecoder()
+        decoder.dateDecodingStrategy = .iso8601
+        return .some(try? decoder.decode(type, from: data))
+    }
+
+    /// Sorted, indented JSON with ISO 8601 dates.
+    static func encode<T: Encodable>(_ value: T) throws -> Data {
+        let encoder = JSONEncoder()
+        encoder.outputFormatting = [.sortedKeys, .prettyPrinted, .withoutEscapingSlashes]
+        encoder.dateEncodingStrategy = .iso8601
+        return try encoder.encode(value)
     }
 
     /// Writes `data` to a temporary file (0600), fsyncs it and renames it over `file`.
