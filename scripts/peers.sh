@@ -3,7 +3,8 @@
 #
 #   scripts/peers.sh install          create .peers/venv (sekmet-fhir, cryptography) and .peers/canaille (idempotent)
 #   scripts/peers.sh bench            also .peers/bench with the benchmark peers (fhirclient, fhirpy, queues)
-#   scripts/peers.sh start            start a shared sekmet-fhir; writes .peers/env (DQ_TEST_FHIR_BASE, ...)
+#   scripts/peers.sh start            start a shared sekmet-fhir and a PostgreSQL server (scripts/postgres.sh);
+#                                     writes .peers/env (DQ_TEST_FHIR_BASE, DQ_TEST_POSTGRES_URL, ...)
 #   scripts/peers.sh stop             stop exactly the processes `start` started
 #   scripts/peers.sh fhir DIR PORT    run sekmet-fhir in the foreground with its data in DIR (used by tests)
 set -euo pipefail
@@ -84,11 +85,16 @@ case "${1:-}" in
     echo $! > "$peers/fhir.pid"
     cd "$root"
     wait_ready "http://127.0.0.1:$port/fhir"
+    pg_port=$(free_port)
+    rm -rf "$peers/run/pg"
+    pg_url=$("$root/scripts/postgres.sh" start "$peers/run/pg" "$pg_port")
     {
       echo "DQ_TEST_FHIR_BASE=http://127.0.0.1:$port/fhir"
       echo "DQ_PEERS_VENV=$venv"
+      echo "DQ_TEST_POSTGRES_URL=$pg_url"
+      echo "DQ_TEST_POSTGRES_PASSWORD=$(cat "$peers/run/pg/password")"
     } > "$peers/env"
-    echo "peers: sekmet-fhir on http://127.0.0.1:$port/fhir (pid $(cat "$peers/fhir.pid"))"
+    echo "peers: sekmet-fhir on http://127.0.0.1:$port/fhir (pid $(cat "$peers/fhir.pid")), PostgreSQL on $pg_url"
     ;;
   stop)
     if [ -f "$peers/fhir.pid" ]; then
@@ -98,6 +104,10 @@ case "${1:-}" in
       kill -9 "$pid" 2>/dev/null || true
       rm -f "$peers/fhir.pid" "$peers/env"
       echo "peers: stopped sekmet-fhir (pid $pid)"
+    fi
+    if [ -d "$peers/run/pg/data" ]; then
+      "$root/scripts/postgres.sh" stop "$peers/run/pg"
+      echo "peers: stopped PostgreSQL"
     fi
     ;;
   *) echo "usage: $0 install|bench|start|stop|fhir DIR PORT" >&2; exit 64 ;;

@@ -30,7 +30,7 @@ extension DQ {
                     throw ExitCode(Exit.code(for: error))
                 }
                 if json { try printJSON(statuses); return }
-                print("database: \(database)")
+                print("database: \(DataQueue.displayDatabase(database))")
                 if statuses.isEmpty { print("no queues") }
                 for status in statuses {
                     print("")
@@ -45,7 +45,7 @@ extension DQ {
                 }
                 if json { try printJSON(StatusOutput(status: status, signIn: signIn)); return }
                 Self.printStatus(status)
-                print("database:   \(queue.configuration.databasePath)")
+                print("database:   \(DataQueue.displayDatabase(queue.configuration.databasePath))")
                 if let signIn { signIn.printLines() }
                 let others = try await queue.allQueueStatuses().filter { $0.queue != status.queue && $0.pending + $0.parked > 0 }
                 for other in others {
@@ -149,10 +149,14 @@ extension DQ {
                 throw ExitCode(Exit.code(for: error))
             }
             if problems == ["ok"] {
-                print("\(database): ok")
+                print("\(DataQueue.displayDatabase(database)): ok")
                 return
             }
             for problem in problems.prefix(20) { printError("dq: \(problem)") }
+            if database.hasPrefix("postgres") {
+                printError("dq: fix or delete the rows named above with psql (the queue's tables are dq_item and dq_delivery)")
+                throw ExitCode(Exit.ioError)
+            }
             printError(
                 """
                 dq: \(database) is damaged. Stop every dq process and service using it, keep a copy, then recover                 what SQLite can read into a new file and put it in place:

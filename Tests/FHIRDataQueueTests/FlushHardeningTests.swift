@@ -186,7 +186,7 @@ struct FlushHardeningTests {
             baseURL: URL(string: server.baseURL + "/fhir")!,
             configuration: .init(databasePath: databasePath, batchSize: 1), authorization: StaticBearerToken("secret-token"))
         let item = try await queue.enqueue(Self.patient(1))
-        try await queue.store.database.write { db in
+        try await (queue.store as! QueueStore).database.write { db in
             try db.execute(sql: "UPDATE item SET url = ? WHERE seq = ?", arguments: [elsewhere.baseURL + "/Patient", item.sequence])
         }
         let error = try await #require(throws: DataQueueError.self) { try await queue.flush() }
@@ -206,14 +206,14 @@ struct FlushHardeningTests {
         let queue = try queue(server)
         let first = try await queue.enqueue(Self.patient(1))
         let second = try await queue.enqueue(Self.patient(2))
-        try await queue.store.database.write { db in
+        try await (queue.store as! QueueStore).database.write { db in
             try db.execute(sql: "UPDATE item SET state = 'sending' WHERE seq = ?", arguments: [first.sequence])
         }
         let status = try await #require(throws: DataQueueError.self) { try await queue.status() }
         #expect(status.code == .storage && status.message.contains("row \(first.sequence)"))
         let flush = try await #require(throws: DataQueueError.self) { try await queue.flush() }
         #expect(flush.code == .storage)
-        try await queue.store.database.write { db in
+        try await (queue.store as! QueueStore).database.write { db in
             try db.execute(sql: "UPDATE item SET state = 'pending' WHERE seq = ?", arguments: [first.sequence])
             try db.execute(sql: "UPDATE item SET method = 'DELETE' WHERE seq = ?", arguments: [second.sequence])
         }

@@ -126,7 +126,9 @@ struct InputHardeningTests {
         try configuration.validate()
     }
 
-    @Test("A database setting in URL form is refused without creating anything", arguments: ["postgres://u:pw@host/db", "sqlite://x"])
+    @Test(
+        "A database setting in a URL form dq does not know is refused without creating anything",
+        arguments: ["mysql://u:pw@host/db", "sqlite://x"])
     func databaseURLRefused(url: String) throws {
         let error = try #require(throws: DataQueueError.self) {
             try DataQueue.Configuration.checkDatabasePath(url, name: "database")

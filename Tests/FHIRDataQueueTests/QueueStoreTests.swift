@@ -5,6 +5,7 @@ import Testing
 
 @testable import FHIRDataQueue
 
+/// What only the SQLite store does (the contract every store keeps is in StorageConformanceTests).
 @Suite("The SQLite queue store")
 struct QueueStoreTests {
     let directory: URL
@@ -57,23 +58,6 @@ struct QueueStoreTests {
             #expect(try await store.status(queue: "http://h/fhir").pending == 1)
         }
         #expect(fingerprint() == before)
-    }
-
-    @Test("An item is found by its id, a unique prefix or suffix, or its sequence; a shared prefix is ambiguous")
-    func references() async throws {
-        let store = try QueueStore(path: path, durability: .normal)
-        var items = (0..<3).map { item($0) }
-        for index in items.indices { items[index].id = UUID.timeOrdered() }
-        let sequences = try await store.insert(items)
-        let ids = items.map(\.id.lowercasedString)
-        #expect(try await store.item(ids[1]).info.sequence == sequences[1])
-        #expect(try await store.item(String(ids[2].suffix(12))).info.sequence == sequences[2])
-        #expect(try await store.item(String(ids[0].suffix(12)).uppercased()).info.sequence == sequences[0])
-        #expect(try await store.item("\(sequences[1])").info.id == items[1].id)
-        // Time-ordered ids queued in the same instant share their first characters.
-        await #expect(throws: DataQueueError.self) { try await store.item(String(ids[0].prefix(4))) }
-        await #expect(throws: DataQueueError.self) { try await store.item("ffffffff") }
-        await #expect(throws: DataQueueError.self) { try await store.item("x';--") }
     }
 
     @Test("Concurrent enqueues share commits, each gets its own sequence, and nothing is lost")
@@ -131,19 +115,6 @@ struct QueueStoreTests {
         return condition()
     }
 
-    @Test("Items are read back in enqueue order, per queue")
-    func order() async throws {
-        let store = try QueueStore(path: path, durability: .normal)
-        _ = try await store.insert((0..<5).map { item($0) } + [item(99, queue: "http://h/other")])
-        var last: Int64 = 0
-        var bodies: [String] = []
-        while let next = try await store.nextPending(queue: "http://h/fhir", after: last) {
-            last = next.info.sequence
-            bodies.append(String(decoding: next.body, as: UTF8.self))
-        }
-        #expect(bodies == (0..<5).map { #"{"resourceType":"Patient","n":\#($0)}"# })
-    }
-
     @Test("Many stores opening one new file at once migrate it exactly once")
     func concurrentMigration() async throws {
         let openers = 8
@@ -181,29 +152,5 @@ struct QueueStoreTests {
             let other = try #require(stores.last)
             #expect(try await other.status(queue: "http://h/fhir").pending == 1, "round \(round)")
         }
-    }
-
-    @Test("Delivery moves an item to the journal in one transaction; park and drop keep records")
-    func lifecycle() async throws {
-        let store = try QueueStore(path: path, durability: .normal)
-        let sequences = try await store.insert([item(0), item(1), item(2)])
-        let first = try await store.item(String(sequences[0])).info
-        let recorder = DeliveryRecorder(store: store)
-        try recorder.record(
-            QueueStore.Delivery(
-                item: first, url: "http://h/fhir/Patient", status: 201, location: "http://h/fhir/Patient/a/_history/1", serverID: "a",
-                versionID: "1"))
-        try await recorder.finish()
-        let second = try await store.item(String(sequences[1])).info
-        try await store.park(second, url: "http://h/fhir/Patient", status: 400, error: "rejected", outcome: "{}")
-        let third = try await store.item(String(sequences[2])).info
-        try await store.drop(third, url: "http://h/fhir/Patient")
-        let status = try await store.status(queue: "http://h/fhir")
-        #expect(status.pending == 0 && status.parked == 1 && status.delivered == 1)
-        let journal = try await store.deliveries(queue: nil, limit: 10)
-        #expect(journal.map(\.event) == [.delivered, .parked, .dropped])
-        #expect(journal.first?.serverID == "a")
-        #expect(try await store.retry(sequence: second.sequence))
-        #expect(try await store.status(queue: "http://h/fhir").pending == 1)
     }
 }

@@ -102,14 +102,14 @@ struct CLIHardeningTests {
         #expect((try FileManager.default.attributesOfItem(atPath: work.file("queue.sqlite"))[.size] as? Int) == 0)
     }
 
-    @Test("A database setting in URL form is a configuration error; no folder named after it appears")
+    @Test("A database URL dq does not know is a configuration error; no folder named after it appears")
     func databaseURL() async throws {
         var environment = env
-        environment["DQ_DATABASE"] = "postgres://dq:secret@db.example/dq"
+        environment["DQ_DATABASE"] = "mysql://dq:secret@db.example/dq"
         let result = try await dq(["enqueue", try patient()], environment, directory: work.path)
         #expect(result.status == 78, "\(result.stderr)")
         #expect(!result.stderr.contains("secret"))
-        #expect(!FileManager.default.fileExists(atPath: work.file("postgres:")))
+        #expect(!FileManager.default.fileExists(atPath: work.file("mysql:")))
     }
 
     @Test("A symbolic link planted at the flush lock is refused; its target is untouched")

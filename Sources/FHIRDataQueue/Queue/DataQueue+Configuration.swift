@@ -145,15 +145,17 @@ extension DataQueue {
             }
         }
 
-        /// Refuses a database setting that is empty or in URL form (`postgres://…`): this store is a SQLite file.
+        /// Refuses a database setting that is empty or a URL other than `postgres://…` (a SQLite file path, or
+        /// a PostgreSQL database).
         ///
         /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the setting.
         public static func checkDatabasePath(_ path: String, name: String) throws {
             guard !path.isEmpty else { throw DataQueueError(.invalidConfiguration, "\(name) is empty") }
+            if PostgresQueueStore.isURL(path) { return }
             if let scheme = path.range(of: "://").map({ path[..<$0.lowerBound] }), !scheme.contains("/") {
                 throw DataQueueError(
                     .invalidConfiguration,
-                    "\(name) \"\(scheme)://…\" is a URL; this dq stores its queue in a SQLite file: give a file path")
+                    "\(name) \"\(scheme)://…\" is a URL dq does not know: give a SQLite file path or a postgres:// URL")
             }
         }
     }

@@ -73,7 +73,7 @@ open class DataQueue: @unchecked Sendable {
     /// The file whose `flock` makes one flusher of this queue at a time: `<database>.flush-<hash>.lock`, one
     /// per queue, so that two servers in one database never wait for each other.
     public let flushLockPath: String
-    let store: QueueStore
+    let store: any QueueStorage
     let transport: FHIRTransport
     let logger: Logger
     /// Test seams (see ``TestHooks``).
@@ -110,8 +110,9 @@ open class DataQueue: @unchecked Sendable {
         self.logger = logger
         self.flushLockPath = Self.flushLockPath(database: configuration.databasePath, queue: queueName)
         self.metrics = QueueMetrics(destination: queueName)
-        self.store = try QueueStore(
-            path: configuration.databasePath, durability: configuration.durability, readOnly: configuration.readOnly)
+        self.store = try Self.makeStore(
+            databasePath: configuration.databasePath, durability: configuration.durability, readOnly: configuration.readOnly,
+            logger: logger)
         self.transport = try FHIRTransport(
             timeout: configuration.requestTimeout, connectTimeout: configuration.connectTimeout,
             caBundlePath: configuration.caBundlePath, client: httpClient)
@@ -122,6 +123,7 @@ open class DataQueue: @unchecked Sendable {
     public func shutdown() async throws {
         try await transport.shutdown()
         try await authorization?.shutdown()
+        await store.shutdown()
     }
 
     /// The lock file of one queue's flushes.
@@ -405,15 +407,28 @@ open class DataQueue: @unchecked Sendable {
         progress: (@Sendable (FlushProgress) -> Void)?
     ) async throws -> (FlushReport, SendOutcome?) {
         var report = FlushReport()
-        // A new descriptor per flush: flock excludes other flushes in this process too.
-        let lock = try FileLock(path: flushLockPath)
-        guard try await lock.lock(until: .now + .milliseconds(Int64(lockWait * 1000))) else {
+        guard let lock = try await store.acquireFlush(queue: queueName, until: .now + .milliseconds(Int64(lockWait * 1000)))
+        else {
             report.stop = .busy
             try await fillCounts(&report)
             return (report, nil)
         }
-        defer { lock.unlock() }
+        let outcome: Result<(FlushReport, SendOutcome?), any Error>
+        do {
+            outcome = .success(
+                try await flush(owning: lock, limit: limit, force: force, through: through, tracking: tracking, progress: progress))
+        } catch {
+            outcome = .failure(error)
+        }
+        await lock.release()
+        return try outcome.get()
+    }
 
+    private func flush(
+        owning lock: any FlushOwnership, limit: Int?, force: Bool, through: Int64?, tracking: Int64?,
+        progress: (@Sendable (FlushProgress) -> Void)?
+    ) async throws -> (FlushReport, SendOutcome?) {
+        var report = FlushReport()
         if !force {
             let state = try await store.serverState(queue: queueName)
             if let next = state.nextAttemptAt, next > Date() {
@@ -428,7 +443,7 @@ open class DataQueue: @unchecked Sendable {
 
         // A flusher that died with a request on the wire left a marker: let the server finish that request
         // before sending it (or anything) again, or a non-atomic conditional create could run twice.
-        if let orphan = lock.inFlight() {
+        if let orphan = try await lock.inFlight() {
             let wait = orphan.sentAt.addingTimeInterval(configuration.settleDelay).timeIntervalSinceNow
             if wait > 0 {
                 logger.warning(
@@ -436,7 +451,7 @@ open class DataQueue: @unchecked Sendable {
                     metadata: ["item": "\(orphan.sequence)", "seconds": "\(String(format: "%.1f", wait))"])
                 try await Task.sleep(for: .milliseconds(Int64(min(wait, configuration.settleDelay) * 1000)))
             }
-            lock.clearInFlight()
+            try await lock.clearInFlight()
         }
 
         let flusher = Flusher(
@@ -588,14 +603,21 @@ open class DataQueue: @unchecked Sendable {
     /// flush is sending it.
     /// - Throws: `.notFound`, or `.busy` when a flush holds the lock longer.
     public func drop(_ reference: String) async throws -> QueuedItem {
-        let lock = try FileLock(path: flushLockPath)
-        guard try await lock.lock(until: .now + .milliseconds(Int64(configuration.lockWait * 1000))) else {
+        guard
+            let lock = try await store.acquireFlush(
+                queue: queueName, until: .now + .milliseconds(Int64(configuration.lockWait * 1000)))
+        else {
             throw DataQueueError(.busy, "a flush of this queue is running; try again when it ends")
         }
-        defer { lock.unlock() }
-        let stored = try await store.item(reference)
-        try await store.drop(stored.info, url: (try? requestURL(for: stored.info)) ?? stored.info.url)
-        return stored.info
+        do {
+            let stored = try await store.item(reference)
+            try await store.drop(stored.info, url: (try? requestURL(for: stored.info)) ?? stored.info.url)
+            await lock.release()
+            return stored.info
+        } catch {
+            await lock.release()
+            throw error
+        }
     }
 
     /// The newest journal line of an item that is no longer queued (delivered, already present or dropped),
@@ -614,16 +636,48 @@ open class DataQueue: @unchecked Sendable {
     /// database is opened read-only and nothing is created.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there.
     public static func allQueueStatuses(databasePath: String) async throws -> [QueueStatus] {
-        let store = try QueueStore(path: databasePath, durability: .full, readOnly: true)
-        return try await store.allStatuses()
+        let store = try makeStore(databasePath: databasePath, durability: .full, readOnly: true, logger: nil)
+        do {
+            let statuses = try await store.allStatuses()
+            await store.shutdown()
+            return statuses
+        } catch {
+            await store.shutdown()
+            throw error
+        }
+    }
+
+    /// `databasePath` as it may be shown: a PostgreSQL URL without its password.
+    public static func displayDatabase(_ databasePath: String) -> String {
+        guard PostgresQueueStore.isURL(databasePath), var components = URLComponents(string: databasePath),
+            components.password != nil
+        else { return databasePath }
+        components.password = nil
+        return components.string ?? "postgres://…"
+    }
+
+    /// The store of `databasePath`: PostgreSQL for a `postgres://` URL, else a SQLite file.
+    static func makeStore(databasePath: String, durability: Durability, readOnly: Bool, logger: Logger?) throws -> any QueueStorage {
+        if PostgresQueueStore.isURL(databasePath) {
+            return try PostgresQueueStore(
+                url: databasePath, readOnly: readOnly, logger: logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() }))
+        }
+        return try QueueStore(path: databasePath, durability: durability, readOnly: readOnly)
     }
 
     /// Runs SQLite's `PRAGMA integrity_check` on the database at `databasePath`, opened read-only:
     /// `["ok"]` when it is sound, else the problems SQLite names.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there or it cannot be read.
     public static func integrityCheck(databasePath: String) async throws -> [String] {
-        let store = try QueueStore(path: databasePath, durability: .full, readOnly: true)
-        return try await store.integrityCheck()
+        let store = try makeStore(databasePath: databasePath, durability: .full, readOnly: true, logger: nil)
+        do {
+            let problems = try await store.integrityCheck()
+            await store.shutdown()
+            return problems
+        } catch {
+            await store.shutdown()
+            throw error
+        }
     }
 
     /// The delivery journal of this queue, oldest first (the newest `limit` lines).

@@ -13,7 +13,7 @@ import Logging
 /// Used by one task at a time (the flush's own), which is why its mutable state needs no lock.
 final class Flusher: @unchecked Sendable {
     private let queue: DataQueue
-    private let lock: FileLock
+    private let lock: any FlushOwnership
     private let recorder: DeliveryRecorder
     private let limit: Int?
     private let through: Int64?
@@ -51,7 +51,7 @@ final class Flusher: @unchecked Sendable {
     }
 
     init(
-        queue: DataQueue, lock: FileLock, limit: Int?, through: Int64?, tracking: Int64?,
+        queue: DataQueue, lock: any FlushOwnership, limit: Int?, through: Int64?, tracking: Int64?,
         progress: (@Sendable (FlushProgress) -> Void)?
     ) {
         self.queue = queue
@@ -61,7 +61,7 @@ final class Flusher: @unchecked Sendable {
         self.tracking = tracking
         self.progress = progress
         // Journal commits run while the next items are on the wire, several deliveries per commit.
-        self.recorder = DeliveryRecorder(store: queue.store, beforeCommit: queue.hooks.beforeJournalCommit)
+        self.recorder = DeliveryRecorder(store: queue.store, owner: lock, beforeCommit: queue.hooks.beforeJournalCommit)
     }
 
     /// Sends until the queue (or the `through` item, or the limit) is reached or a failure stops it.
@@ -220,7 +220,7 @@ final class Flusher: @unchecked Sendable {
         if transactions == nil || stale {
             transactions = await readCapability()
             if let transactions {
-                try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: transactions)
+                try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: transactions, batchLimit: nil)
             }
         }
         return transactions == true ? max(1, min(DataQueue.Configuration.defaultBatchSize, learnt)) : 1
@@ -254,7 +254,7 @@ final class Flusher: @unchecked Sendable {
         let request = OutgoingRequest(
             method: prepared.item.method, url: prepared.url, contentType: prepared.stored.contentType,
             ifNoneExist: prepared.ifNoneExist, body: prepared.body, isBundle: prepared.item.url.isEmpty)
-        let result = await send(request, first: prepared.item, encrypted: prepared.item.encrypted)
+        let result = try await send(request, first: prepared.item, encrypted: prepared.item.encrypted)
         switch result {
         case .delivered(let response, let conditional):
             // A Bundle queued as one item: its entries' locations, from the transaction-response.
@@ -301,7 +301,7 @@ final class Flusher: @unchecked Sendable {
                 method: .post, url: queue.queueName, contentType: "application/fhir+json",
                 body: TransactionBundle.build(entries), isBundle: true)
             let first = part[part.startIndex].item
-            let result = await send(request, first: first, encrypted: false)
+            let result = try await send(request, first: first, encrypted: false)
             report.bundleEntries += part.count
             queue.metrics.bundleSize.record(part.count)
             switch result {
@@ -326,13 +326,13 @@ final class Flusher: @unchecked Sendable {
                 if status == 413 {
                     // Too large for this server: half the size from now on, remembered.
                     let smaller = max(1, part.count / 2)
-                    try await queue.store.recordBundleSupport(queue: queue.queueName, batchLimit: smaller)
+                    try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: nil, batchLimit: smaller)
                     batchSize = min(batchSize, smaller)
                     queue.logger.notice("the server refused a Bundle as too large", metadata: ["entries": "\(smaller)"])
                     return .next
                 }
                 if let status, TransactionBundle.refusesTransactions(status: status, body: body) {
-                    try await queue.store.recordBundleSupport(queue: queue.queueName, batchLimit: 1)
+                    try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: nil, batchLimit: 1)
                     batchSize = 1
                     queue.logger.notice("the server refuses transaction Bundles; sending one request per item")
                     return .next
@@ -361,7 +361,7 @@ final class Flusher: @unchecked Sendable {
             guard group.count < maximum, stored.info.encrypted else { break }
             group.append(try prepare(stored))
         }
-        lock.markInFlight(sequence: group[0].item.sequence)
+        try await lock.markInFlight(sequence: group[0].item.sequence)
         let results = await withTaskGroup(of: (Int, DataQueue.DeliveryResult).self) { tasks in
             for (index, prepared) in group.enumerated() {
                 let request = OutgoingRequest(
@@ -392,7 +392,7 @@ final class Flusher: @unchecked Sendable {
                 if authentication == nil { authentication = (prepared.item, status, message) }
             }
         }
-        if !unsettled { lock.clearInFlight() }
+        if !unsettled { try await lock.clearInFlight() }
         if let (item, status, message) = authentication {
             try await recordAuthentication(item, status: status, message: message)
             return .stop
@@ -405,8 +405,8 @@ final class Flusher: @unchecked Sendable {
     }
 
     /// Sends one request with the in-flight marker set, and counts it.
-    private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async -> DataQueue.DeliveryResult {
-        lock.markInFlight(sequence: first.sequence)
+    private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async throws -> DataQueue.DeliveryResult {
+        try await lock.markInFlight(sequence: first.sequence)
         let started = ContinuousClock.now
         let result = await queue.deliver(request, encrypted: encrypted)
         queue.metrics.requestDuration.record(duration: ContinuousClock.now - started)
@@ -418,7 +418,7 @@ final class Flusher: @unchecked Sendable {
         }
         // Without an answer (connection lost, timeout) the request may still be at the server: the marker stays,
         // so that the next flush lets it settle first. A request that never left leaves nothing to settle.
-        if case .transient(nil, _, _, mayHaveArrived: true) = result {} else { lock.clearInFlight() }
+        if case .transient(nil, _, _, mayHaveArrived: true) = result {} else { try await lock.clearInFlight() }
         return result
     }
 
@@ -436,7 +436,7 @@ final class Flusher: @unchecked Sendable {
         // was lost, or the same data sent before).
         let event: DeliveryRecord.Event = conditional && status == 200 ? .alreadyPresent : .delivered
         try recorder.record(
-            QueueStore.Delivery(
+            CompletedDelivery(
                 item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,
                 versionID: versionID, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
         handled.insert(item.sequence)
@@ -461,7 +461,7 @@ final class Flusher: @unchecked Sendable {
         // Earlier deliveries reach the journal before this item's state changes.
         try await recorder.finish()
         let item = prepared.item
-        try await queue.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome)
+        try await queue.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome, owner: lock)
         handled.insert(item.sequence)
         report.parked += 1
         queue.metrics.parked.increment()
@@ -478,14 +478,15 @@ final class Flusher: @unchecked Sendable {
         let retryAt = Date().addingTimeInterval(
             queue.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
         try await queue.store.recordFailure(
-            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt)
+            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
         report.stop = .transient(message, retryAt: retryAt)
         queue.logger.notice("flush stopped", metadata: ["reason": "\(message)"])
     }
 
     private func recordAuthentication(_ item: QueuedItem, status: Int?, message: String) async throws {
         try await recorder.finish()
-        try await queue.store.recordFailure(queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: nil)
+        try await queue.store.recordFailure(
+            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: nil, owner: lock)
         report.stop = .authentication(message)
         queue.logger.error("authentication failed", metadata: ["reason": "\(message)"])
     }

@@ -161,7 +161,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         var settings = try decode(data, source: path)
         settings.baseDirectory = (path as NSString).deletingLastPathComponent
         settings.sourcePath = path
-        settings.fileHoldsSecret = settings.auth?.bearerToken != nil || settings.auth?.clientSecret != nil
+        settings.fileHoldsSecret =
+            settings.auth?.bearerToken != nil || settings.auth?.clientSecret != nil
+            || settings.database.flatMap { URLComponents(string: $0)?.password } != nil
         return settings
     }
 

@@ -10,7 +10,7 @@ import Foundation
 ///
 /// The kernel releases the lock when the holder exits, even on SIGKILL, so a crashed flusher never
 /// leaves a queue locked.
-final class FileLock: @unchecked Sendable {
+final class FileLock: FlushOwnership, @unchecked Sendable {
     private let descriptor: Int32
     let path: String
 
@@ -60,6 +60,9 @@ final class FileLock: @unchecked Sendable {
 
     func unlock() { flock(descriptor, LOCK_UN) }
 
+    /// Unlocks (the flush right of ``FlushOwnership``).
+    func release() { unlock() }
+
     // MARK: - The in-flight marker
 
     /// Notes in the lock file that the item `sequence` is being sent now (for a later flusher to see if
@@ -67,7 +70,10 @@ final class FileLock: @unchecked Sendable {
     ///
     /// The marker is one fixed-width record at the start of the file, overwritten in place by one `pwrite`
     /// (a truncation per item cost more than the write: it is a metadata change in the file system's journal).
-    func markInFlight(sequence: Int64, at date: Date = Date()) {
+    func markInFlight(sequence: Int64) { markInFlight(sequence: sequence, at: Date()) }
+
+    /// Notes `sequence` as sent at `date`.
+    func markInFlight(sequence: Int64, at date: Date) {
         writeMarker("\(sequence) \(date.timeIntervalSince1970)")
     }
 

@@ -43,7 +43,7 @@ struct StoredItem: Sendable {
 /// The durable SQLite queue: items, the delivery journal and per-server backoff state.
 ///
 /// The queue knows nothing of HTTP: it stores requests and records outcomes.
-final class QueueStore: Sendable {
+final class QueueStore: QueueStorage {
     let path: String
     let database: DatabaseQueue
     private let batcher: EnqueueBatcher
@@ -105,6 +105,17 @@ final class QueueStore: Sendable {
         batcher = EnqueueBatcher { [database] items in
             QueueStore.immediateNow(database, "enqueue") { db in try QueueStore.insert(items, db: db) }
         }
+    }
+
+    /// Nothing to release: SQLite closes with the last reference.
+    func shutdown() async {}
+
+    /// The flush lock of `queue`: a `flock` on a file beside the database, which the kernel releases when
+    /// the holder dies; it also holds the in-flight note.
+    func acquireFlush(queue: String, until deadline: ContinuousClock.Instant) async throws -> (any FlushOwnership)? {
+        // A new descriptor per flush: flock excludes other flushes in this process too.
+        let lock = try FileLock(path: DataQueue.flushLockPath(database: path, queue: queue))
+        return try await lock.lock(until: deadline) ? lock : nil
     }
 
     /// Makes a new queue database at `path`: created 0600 under a temporary name, migrated, then renamed
@@ -380,16 +391,6 @@ final class QueueStore: Sendable {
 
     // MARK: - Flush bookkeeping
 
-    /// The first pending item of `queue` after sequence `after`, with its body.
-    func nextPending(queue: String, after: Int64) async throws -> StoredItem? {
-        try await read("read the queue") { db in
-            try Row.fetchOne(
-                db, sql: "SELECT * FROM item WHERE queue = ? AND state = 'pending' AND seq > ? ORDER BY seq LIMIT 1",
-                arguments: [queue, after]
-            ).map { try Self.storedItem($0) }
-        }
-    }
-
     /// The next pending items of `queue` after sequence `after`, in order: at most `maxCount`, and no more
     /// once their bodies reach `maxBytes` (at least one item when any is pending).
     func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
@@ -409,33 +410,14 @@ final class QueueStore: Sendable {
         }
     }
 
-    /// A delivery to record in the journal.
-    struct Delivery: Sendable {
-        var item: QueuedItem
-        /// `.delivered`, or `.alreadyPresent` when a conditional create found the resource on the server.
-        var event: DeliveryRecord.Event = .delivered
-        /// The URL it was sent to.
-        var url: String
-        var status: Int
-        var location: String?
-        var serverID: String?
-        var versionID: String?
-        /// The item's producer-given fullUrl (so later references to it can be rewritten).
-        var fullURL: String? = nil
-        /// The id of the Bundle request it travelled in, when it did.
-        var bundle: String? = nil
-        /// For a Bundle queued as one item: its entries' locations from the transaction-response (JSON array).
-        var entries: String? = nil
-    }
-
     /// Moves delivered items to the journal in one transaction and clears the server's backoff, on the
     /// calling thread (the journal's writer thread, see ``DeliveryRecorder``).
-    fileprivate func markDelivered(_ deliveries: [Delivery]) -> Result<Void, DataQueueError> {
+    func markDelivered(_ deliveries: [CompletedDelivery], owner: any FlushOwnership) -> Result<Void, DataQueueError> {
         guard let queue = deliveries.first?.item.queue else { return .success(()) }
         return Self.immediateNow(database, "record a delivery") { db in try Self.journal(deliveries, queue: queue, db: db) }
     }
 
-    private static func journal(_ deliveries: [Delivery], queue: String, db: Database) throws {
+    private static func journal(_ deliveries: [CompletedDelivery], queue: String, db: Database) throws {
         let now = Date().timeIntervalSince1970
         let delete = try db.cachedStatement(sql: "DELETE FROM item WHERE seq = ?")
         let insert = try db.cachedStatement(
@@ -462,7 +444,9 @@ final class QueueStore: Sendable {
 
     /// Parks an item the server rejected permanently, keeping the server's answer.
     /// The journal records the parking as an event (with the reason, never the body): `dq log` shows it.
-    func park(_ item: QueuedItem, url: String, status: Int?, error: String, outcome: String?) async throws {
+    func park(_ item: QueuedItem, url: String, status: Int?, error: String, outcome: String?, owner: any FlushOwnership)
+        async throws
+    {
         try await immediate("park an item") { db in
             let now = Date().timeIntervalSince1970
             try db.execute(
@@ -495,9 +479,9 @@ final class QueueStore: Sendable {
     }
 
     /// Records a transient failure of `item` (if any) and the server's next allowed attempt.
-    func recordFailure(queue: String, item: QueuedItem?, status: Int?, error: String, nextAttemptAt: Date?)
-        async throws
-    {
+    func recordFailure(
+        queue: String, item: QueuedItem?, status: Int?, error: String, nextAttemptAt: Date?, owner: any FlushOwnership
+    ) async throws {
         try await immediate("record a failure") { db in
             let now = Date().timeIntervalSince1970
             if let item {
@@ -540,7 +524,7 @@ final class QueueStore: Sendable {
 
     /// Records what the CapabilityStatement said (`transactions`) and when, or a Bundle size limit learnt
     /// from a refusal (`batchLimit`; 1 means the server takes no transactions).
-    func recordBundleSupport(queue: String, transactions: Bool? = nil, batchLimit: Int? = nil) async throws {
+    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?) async throws {
         try await immediate("record what the server supports") { db in
             try db.execute(
                 sql: "INSERT INTO server_state (queue, failures) VALUES (?, 0) ON CONFLICT(queue) DO NOTHING",
@@ -700,7 +684,7 @@ final class QueueStore: Sendable {
     ///
     /// - Parameter conditionalCreate: `false` sends the item as a plain create even in idempotent mode;
     ///   `true` lets idempotent mode apply again; nil keeps the item's setting.
-    func retry(sequence: Int64, conditionalCreate: Bool? = nil) async throws -> Bool {
+    func retry(sequence: Int64, conditionalCreate: Bool?) async throws -> Bool {
         try await immediate("retry an item") { db in
             try db.execute(
                 sql: "UPDATE item SET state = 'pending', outcome = NULL WHERE seq = ? AND state = 'parked'",
@@ -983,10 +967,11 @@ final class EnqueueBatcher: @unchecked Sendable {
 /// Commits run on a writer thread of their own (as the grouped ones of ``EnqueueBatcher``); ``record(_:)`` only appends
 /// under a lock, so the flush loop does not hop threads to journal a delivery.
 final class DeliveryRecorder: @unchecked Sendable {
-    private let store: QueueStore
+    private let store: any QueueStorage
+    private let owner: any FlushOwnership
     private let condition = NSCondition()
     // Guarded by `condition`.
-    private var waiting: [QueueStore.Delivery] = []
+    private var waiting: [CompletedDelivery] = []
     private var committing = false
     private var running = false
     private var failure: DataQueueError?
@@ -994,8 +979,9 @@ final class DeliveryRecorder: @unchecked Sendable {
     private let beforeCommit: (@Sendable () -> Void)?
 
     /// - Parameter beforeCommit: a test seam run on the writer thread before each commit.
-    init(store: QueueStore, beforeCommit: (@Sendable () -> Void)? = nil) {
+    init(store: any QueueStorage, owner: any FlushOwnership, beforeCommit: (@Sendable () -> Void)? = nil) {
         self.store = store
+        self.owner = owner
         self.beforeCommit = beforeCommit
     }
 
@@ -1007,7 +993,7 @@ final class DeliveryRecorder: @unchecked Sendable {
     }
 
     /// Queues a delivery for the journal; throws the error of an earlier failed commit.
-    func record(_ delivery: QueueStore.Delivery) throws {
+    func record(_ delivery: CompletedDelivery) throws {
         condition.lock()
         defer { condition.unlock() }
         if let failure { throw failure }
@@ -1040,7 +1026,7 @@ final class DeliveryRecorder: @unchecked Sendable {
             committing = true
             condition.unlock()
             beforeCommit?()
-            let result = store.markDelivered(batch)
+            let result = store.markDelivered(batch, owner: owner)
             condition.lock()
             committing = false
             if case .failure(let error) = result { failure = error }

@@ -1,0 +1,998 @@
+import Foundation
+import Logging
+import NIOSSL
+import PostgresNIO
+import Synchronization
+
+/// The queue in PostgreSQL, shared by several dq instances: the same contract as the SQLite store
+/// (``QueueStorage``), with a lease instead of a file lock for the right to flush.
+///
+/// - Sequences come from one counter row updated in the enqueue transaction, so they rise in commit order
+///   (a bare sequence's values can commit out of order).
+/// - The right to flush a server is a lease row (``PostgresLease``): an expiry on the database's clock and a
+///   fencing token that grows on every takeover. Every write a flusher makes on an outcome runs in a
+///   transaction that first locks the lease row and checks its token, so a flusher that lost its lease
+///   cannot write.
+/// - The schema is created under a transaction-scoped advisory lock, so that instances starting together
+///   are safe (and PgBouncer in transaction mode keeps working).
+final class PostgresQueueStore: QueueStorage {
+    let client: PostgresClient
+    /// The URL without its password, for messages.
+    let displayURL: String
+    /// How long a lease lasts unless renewed, in seconds.
+    let leaseSeconds: Double
+    /// How long an operation may wait for the database (a connection included), in seconds.
+    let operationTimeout: Double
+    let logger: Logger
+    private let runTask: Task<Void, Never>
+    private let ready: Task<Void, any Error>
+    private let grouper: AsyncGroupCommit
+    /// Who holds leases from this store (host and process, for operators reading `dq_lease`).
+    let holder: String
+
+    /// Whether `database` names a PostgreSQL database (`postgres://` or `postgresql://`).
+    static func isURL(_ database: String) -> Bool {
+        database.hasPrefix("postgres://") || database.hasPrefix("postgresql://")
+    }
+
+    /// Connects (lazily: the pool connects on the first query) and creates or migrates the schema in the
+    /// background; every operation waits for that first.
+    ///
+    /// - Parameters:
+    ///   - url: `postgres://user[:password]@host[:port]/database[?sslmode=...&sslrootcert=...]`; without a
+    ///     password in the URL, `PGPASSWORD`.
+    ///   - readOnly: create nothing (a missing schema is an error).
+    init(
+        url: String, readOnly: Bool = false, leaseSeconds: Double = 30,
+        environment: [String: String] = ProcessInfo.processInfo.environment, logger: Logger
+    ) throws {
+        let (configuration, display) = try Self.configuration(url: url, environment: environment)
+        self.displayURL = display
+        self.operationTimeout = Double(configuration.options.connectTimeout.components.seconds) + 5
+        self.leaseSeconds = leaseSeconds
+        self.logger = logger
+        self.holder = "\(ProcessInfo.processInfo.hostName):\(getpid())"
+        let client = PostgresClient(configuration: configuration, backgroundLogger: logger)
+        self.client = client
+        runTask = Task { await client.run() }
+        ready = Task {
+            try await Self.migrate(client, readOnly: readOnly, display: display, logger: logger)
+        }
+        let insertLogger = logger
+        grouper = AsyncGroupCommit { items in
+            try await Self.insert(items, client: client, logger: insertLogger)
+        }
+    }
+
+    deinit { runTask.cancel() }
+
+    func shutdown() async {
+        runTask.cancel()
+        await runTask.value
+    }
+
+    // MARK: - Configuration
+
+    static func configuration(url text: String, environment: [String: String]) throws -> (PostgresClient.Configuration, String) {
+        guard let components = URLComponents(string: text), let scheme = components.scheme,
+            scheme == "postgres" || scheme == "postgresql", let host = components.host, !host.isEmpty
+        else {
+            throw DataQueueError(.invalidConfiguration, "database URL must be postgres://user@host[:port]/database")
+        }
+        let user = components.percentEncodedUser.flatMap { $0.removingPercentEncoding } ?? environment["PGUSER"] ?? "postgres"
+        let password = components.percentEncodedPassword.flatMap { $0.removingPercentEncoding } ?? environment["PGPASSWORD"]
+        let database = String(components.path.drop(while: { $0 == "/" })).removingPercentEncoding ?? ""
+        guard !database.isEmpty else {
+            throw DataQueueError(.invalidConfiguration, "database URL names no database (postgres://user@host/DATABASE)")
+        }
+        var display = URLComponents()
+        display.scheme = scheme
+        display.user = user
+        display.host = host
+        display.port = components.port
+        display.path = "/" + database
+        let options = Dictionary((components.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
+        for name in options.keys where !["sslmode", "sslrootcert", "application_name", "connect_timeout"].contains(name) {
+            throw DataQueueError(.invalidConfiguration, "database URL option \"\(name)\" is not supported")
+        }
+        var tls = TLSConfiguration.makeClientConfiguration()
+        if let root = options["sslrootcert"] {
+            guard FileManager.default.isReadableFile(atPath: root) else {
+                throw DataQueueError(.invalidConfiguration, "database URL sslrootcert \(root) cannot be read")
+            }
+            tls.trustRoots = .file(root)
+        }
+        let mode: PostgresClient.Configuration.TLS
+        switch options["sslmode"] ?? environment["PGSSLMODE"] ?? "prefer" {
+        case "disable": mode = .disable
+        case "allow", "prefer":
+            tls.certificateVerification = .none  // libpq: encryption if offered, no verification
+            mode = .prefer(tls)
+        case "require":
+            tls.certificateVerification = options["sslrootcert"] == nil ? .none : .noHostnameVerification
+            mode = .require(tls)
+        case "verify-ca":
+            tls.certificateVerification = .noHostnameVerification
+            mode = .require(tls)
+        case "verify-full":
+            tls.certificateVerification = .fullVerification
+            mode = .require(tls)
+        case let other:
+            throw DataQueueError(
+                .invalidConfiguration,
+                "database URL sslmode \"\(other)\" is not one of disable, allow, prefer, require, verify-ca, verify-full")
+        }
+        var configuration = PostgresClient.Configuration(
+            host: host, port: components.port ?? 5432, username: user, password: password, database: database, tls: mode)
+        configuration.options.maximumConnections = 16
+        configuration.options.connectTimeout = .seconds(Int64(options["connect_timeout"].flatMap(Int.init) ?? 10))
+        if let name = options["application_name"] { configuration.options.additionalStartupParameters = [("application_name", name)] }
+        return (configuration, display.string ?? "postgres://\(host)/\(database)")
+    }
+
+    // MARK: - Schema
+
+    static let schema: [String] = [
+        """
+        CREATE TABLE IF NOT EXISTS dq_meta (
+          id int PRIMARY KEY CHECK (id = 1), schema_version int NOT NULL, next_seq bigint NOT NULL)
+        """,
+        "INSERT INTO dq_meta (id, schema_version, next_seq) VALUES (1, 1, 0) ON CONFLICT (id) DO NOTHING",
+        """
+        CREATE TABLE IF NOT EXISTS dq_item (
+          seq bigint PRIMARY KEY, uuid uuid NOT NULL UNIQUE, queue text NOT NULL, method text NOT NULL,
+          url text NOT NULL, resource_type text NOT NULL, resource_id text, encrypted bool NOT NULL,
+          content_type text NOT NULL, body bytea NOT NULL, full_url text, state text NOT NULL DEFAULT 'pending',
+          attempts int NOT NULL DEFAULT 0, enqueued_at double precision NOT NULL, last_attempt_at double precision,
+          last_status int, last_error text, outcome text, conditional_create bool)
+        """,
+        "CREATE INDEX IF NOT EXISTS dq_item_by_queue ON dq_item (queue, state, seq)",
+        "CREATE INDEX IF NOT EXISTS dq_item_by_full_url ON dq_item (full_url) WHERE full_url IS NOT NULL",
+        """
+        CREATE TABLE IF NOT EXISTS dq_delivery (
+          seq bigserial PRIMARY KEY, item_seq bigint NOT NULL, uuid uuid NOT NULL, event text NOT NULL,
+          queue text NOT NULL, method text NOT NULL, url text NOT NULL, resource_type text NOT NULL, status int,
+          location text, server_id text, version_id text, attempts int NOT NULL, enqueued_at double precision NOT NULL,
+          at double precision NOT NULL, note text, full_url text, bundle text, entries text)
+        """,
+        "CREATE INDEX IF NOT EXISTS dq_delivery_by_queue ON dq_delivery (queue, seq)",
+        "CREATE INDEX IF NOT EXISTS dq_delivery_by_uuid ON dq_delivery (uuid)",
+        "CREATE INDEX IF NOT EXISTS dq_delivery_by_full_url ON dq_delivery (full_url) WHERE full_url IS NOT NULL",
+        """
+        CREATE TABLE IF NOT EXISTS dq_server_state (
+          queue text PRIMARY KEY, failures int NOT NULL DEFAULT 0, next_attempt_at double precision, last_error text,
+          transactions bool, capability_at double precision, batch_limit int)
+        """,
+        """
+        CREATE TABLE IF NOT EXISTS dq_lease (
+          queue text PRIMARY KEY, holder text NOT NULL, token bigint NOT NULL, expires_at timestamptz NOT NULL,
+          in_flight_seq bigint, in_flight_at double precision)
+        """,
+    ]
+
+    /// Creates the schema under a transaction-scoped advisory lock (one instance at a time; the others find
+    /// it made).
+    private static func migrate(_ client: PostgresClient, readOnly: Bool, display: String, logger: Logger) async throws {
+        do {
+            if readOnly {
+                let found = try await client.query("SELECT to_regclass('dq_item') IS NOT NULL", logger: logger).decode(Bool.self)
+                for try await exists in found where !exists {
+                    throw DataQueueError(.storage, "no dq queue in \(display) (nothing was queued there)")
+                }
+                return
+            }
+            try await client.withTransaction(logger: logger) { connection in
+                _ = try await connection.query("SELECT pg_advisory_xact_lock(7163046517)", logger: logger).collect()
+                for statement in schema {
+                    try await connection.query(PostgresQuery(unsafeSQL: statement), logger: logger)
+                }
+            }
+        } catch {
+            throw map(error, doing: "prepare the queue in \(display)")
+        }
+    }
+
+    /// Waits for the schema, then runs `body`, mapping errors. The pool waits for a connection without a
+    /// deadline while the server is unreachable; dq gives up after ``operationTimeout`` instead (the
+    /// operation may still complete on the server: an enqueue that timed out may be stored).
+    private func run<T: Sendable>(_ what: String, _ body: @escaping @Sendable () async throws -> T) async throws -> T {
+        let ready = self.ready
+        let timeout = operationTimeout
+        do {
+            return try await withThrowingTaskGroup(of: T?.self) { group in
+                group.addTask {
+                    try await ready.value
+                    return try await body()
+                }
+                group.addTask {
+                    try await Task.sleep(for: .milliseconds(Int64(timeout * 1000)))
+                    return nil
+                }
+                defer { group.cancelAll() }
+                guard let first = try await group.next(), let value = first else {
+                    throw DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(timeout)) s")
+                }
+                return value
+            }
+        } catch {
+            throw Self.map(error, doing: what)
+        }
+    }
+
+    /// A dq error for any error of the database: a lost connection or a server that is restarting is
+    /// temporary (`.transport`: try again), the rest is `.storage`.
+    static func map(_ error: any Error, doing what: String) -> DataQueueError {
+        if let error = error as? DataQueueError { return error }
+        if let error = error as? PostgresTransactionError {
+            if let inner = error.closureError ?? error.beginError ?? error.commitError { return map(inner, doing: what) }
+        }
+        if let error = error as? PSQLError {
+            let state = error.serverInfo?[.sqlState] ?? ""
+            switch error.code {
+            case .connectionError, .serverClosedConnection, .clientClosedConnection, .uncleanShutdown:
+                return DataQueueError(.transport, "cannot \(what): the connection to PostgreSQL was lost")
+            case .server where state.hasPrefix("08") || ["40001", "40P01", "57P01", "57P02", "57P03", "53300"].contains(state):
+                return DataQueueError(.transport, "cannot \(what): PostgreSQL is unavailable (\(state))")
+            case .server where state.hasPrefix("28"):
+                return DataQueueError(.invalidConfiguration, "cannot \(what): PostgreSQL refused the login (\(state))")
+            case .server:
+                let message = error.serverInfo?[.message].map { ": " + $0.prefix(200) } ?? ""
+                return DataQueueError(.storage, "cannot \(what): PostgreSQL error \(state)\(message)")
+            default:
+                return DataQueueError(.transport, "cannot \(what): PostgreSQL connection failed (\(error.code))")
+            }
+        }
+        if String(describing: type(of: error)).contains("ConnectionPoolError") {
+            return DataQueueError(.transport, "cannot \(what): PostgreSQL cannot be reached")
+        }
+        return DataQueueError(.storage, "cannot \(what): \(error)")
+    }
+
+    // MARK: - Enqueue
+
+    func insert(_ items: [NewItem]) async throws -> [Int64] {
+        try await run("enqueue") { [self] in try await Self.insert(items, client: client, logger: logger) }
+    }
+
+    nonisolated(nonsending) func insertGrouped(_ item: NewItem) async throws -> Int64 {
+        try await run("enqueue") { [grouper] in try await grouper.submit(item) }
+    }
+
+    static let itemInsertColumns =
+        "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, enqueued_at"
+
+    /// One transaction: the counter row (locked until commit, so sequences rise in commit order), the rows,
+    /// and a notification per server.
+    fileprivate static func insert(_ items: [NewItem], client: PostgresClient, logger: Logger) async throws -> [Int64] {
+        guard !items.isEmpty else { return [] }
+        return try await client.withTransaction(logger: logger) { connection in
+            var last: Int64 = 0
+            let count = Int64(items.count)
+            for try await value in try await connection.query(
+                "UPDATE dq_meta SET next_seq = next_seq + \(count) WHERE id = 1 RETURNING next_seq", logger: logger
+            ).decode(Int64.self) {
+                last = value
+            }
+            let first = last - count + 1
+            let now = Date().timeIntervalSince1970
+            for start in stride(from: 0, to: items.count, by: 1000) {
+                let chunk = items[start..<min(start + 1000, items.count)]
+                var bindings = PostgresBindings(capacity: chunk.count * 12)
+                var rows: [String] = []
+                for (offset, item) in chunk.enumerated() {
+                    let base = bindings.count
+                    rows.append("(" + (1...12).map { "$\(base + $0)" }.joined(separator: ", ") + ")")
+                    bindings.append(first + Int64(start + offset))
+                    bindings.append(item.id)
+                    bindings.append(item.queue)
+                    bindings.append(item.method.rawValue)
+                    bindings.append(item.url)
+                    bindings.append(item.resourceType)
+                    if let resourceID = item.resourceID { bindings.append(resourceID) } else { bindings.appendNull() }
+                    bindings.append(item.encrypted)
+                    bindings.append(item.contentType)
+                    try bindings.append(item.body)
+                    if let fullURL = item.fullURL { bindings.append(fullURL) } else { bindings.appendNull() }
+                    bindings.append(now)
+                }
+                try await connection.query(
+                    PostgresQuery(
+                        unsafeSQL: "INSERT INTO dq_item (\(itemInsertColumns)) VALUES " + rows.joined(separator: ", "),
+                        binds: bindings),
+                    logger: logger)
+            }
+            for queue in Set(items.map(\.queue)) {
+                _ = try await connection.query("SELECT pg_notify('dq_enqueue', \(queue))", logger: logger).collect()
+            }
+            return (0..<Int64(items.count)).map { first + $0 }
+        }
+    }
+
+    func knownFullURLs(_ fullURLs: Set<String>) async throws -> Set<String> {
+        guard !fullURLs.isEmpty else { return [] }
+        let list = Array(fullURLs)
+        return try await run("read the queue") { [self] in
+            var known: Set<String> = []
+            let rows = try await client.query(
+                """
+                SELECT full_url FROM dq_item WHERE full_url = ANY(\(list))
+                UNION SELECT full_url FROM dq_delivery WHERE full_url = ANY(\(list))
+                """, logger: logger)
+            for try await value in rows.decode(String.self) { known.insert(value) }
+            return known
+        }
+    }
+
+    // MARK: - Flushing
+
+    func acquireFlush(queue: String, until deadline: ContinuousClock.Instant) async throws -> (any FlushOwnership)? {
+        try await run("take the flush lease") { [self] in
+            var delay = Duration.milliseconds(20)
+            while true {
+                if let lease = try await PostgresLease.take(store: self, queue: queue) { return lease }
+                if ContinuousClock.now >= deadline { return nil }
+                try await Task.sleep(for: min(delay, deadline - ContinuousClock.now))
+                delay = min(delay * 2, .milliseconds(250))
+            }
+        }
+    }
+
+    func checkStates(queue: String) async throws {
+        try await run("read the queue") { [self] in
+            for try await (seq, state) in try await client.query(
+                "SELECT seq, state FROM dq_item WHERE queue = \(queue) AND state NOT IN ('pending', 'parked') LIMIT 1",
+                logger: logger
+            ).decode((Int64, String).self) {
+                throw Self.damaged(seq, "unknown state \(state.prefix(32))")
+            }
+        }
+    }
+
+    func serverState(queue: String) async throws -> (failures: Int, nextAttemptAt: Date?, lastError: String?) {
+        try await run("read the server state") { [self] in
+            for try await (failures, next, error) in try await client.query(
+                "SELECT failures, next_attempt_at, last_error FROM dq_server_state WHERE queue = \(queue)", logger: logger
+            ).decode((Int, Double?, String?).self) {
+                return (failures, next.map(Date.init(timeIntervalSince1970:)), error)
+            }
+            return (0, nil, nil)
+        }
+    }
+
+    static let itemColumns =
+        "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size"
+    static let storedColumns = itemColumns + ", content_type, conditional_create, body, full_url"
+
+    func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
+        try await run("read the queue") { [self] in
+            let rows = try await client.query(
+                PostgresQuery(
+                    unsafeSQL:
+                        "SELECT \(Self.storedColumns) FROM dq_item WHERE queue = $1 AND state = 'pending' AND seq > $2 ORDER BY seq LIMIT $3",
+                    binds: Self.binds(queue, after, Int64(maxCount))),
+                logger: logger)
+            var items: [StoredItem] = []
+            var bytes = 0
+            for try await row in rows {
+                let item = try Self.storedItem(row)
+                items.append(item)
+                bytes += item.body.count
+                if bytes >= maxBytes { break }
+            }
+            return items
+        }
+    }
+
+    func markDelivered(_ deliveries: [CompletedDelivery], owner: any FlushOwnership) -> Result<Void, DataQueueError> {
+        guard let queue = deliveries.first?.item.queue else { return .success(()) }
+        // The journal's writer thread waits here: it is not a thread of the cooperative pool.
+        final class Outcome: Sendable {
+            let result = Mutex<Result<Void, DataQueueError>>(.success(()))
+            let done = DispatchSemaphore(value: 0)
+        }
+        let outcome = Outcome()
+        Task {
+            do {
+                try await self.fenced(owner, queue: queue, "record a delivery") { [self] connection in
+                    try await self.journal(deliveries, queue: queue, connection: connection)
+                }
+            } catch {
+                outcome.result.withLock { $0 = .failure(Self.map(error, doing: "record a delivery")) }
+            }
+            outcome.done.signal()
+        }
+        outcome.done.wait()
+        return outcome.result.withLock { $0 }
+    }
+
+    private func journal(_ deliveries: [CompletedDelivery], queue: String, connection: PostgresConnection) async throws {
+        let now = Date().timeIntervalSince1970
+        for delivery in deliveries {
+            let item = delivery.item
+            var deleted = false
+            for try await _ in try await connection.query(
+                "DELETE FROM dq_item WHERE seq = \(item.sequence) RETURNING seq", logger: logger
+            ) {
+                deleted = true
+            }
+            guard deleted else { continue }
+            try await connection.query(
+                """
+                INSERT INTO dq_delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
+                                         server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries)
+                VALUES (\(item.sequence), \(item.id), \(delivery.event.rawValue), \(item.queue), \(item.method.rawValue),
+                        \(delivery.url), \(item.resourceType), \(delivery.status), \(delivery.location), \(delivery.serverID),
+                        \(delivery.versionID), \(item.attempts + 1), \(item.enqueuedAt.timeIntervalSince1970), \(now),
+                        \(delivery.fullURL), \(delivery.bundle), \(delivery.entries))
+                """, logger: logger)
+        }
+        try await connection.query(
+            "UPDATE dq_server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = \(queue) AND failures > 0",
+            logger: logger)
+    }
+
+    /// Runs `body` in a transaction that first locks the lease row of `queue` and checks that `owner` still
+    /// holds it (the fence): a flusher whose lease was taken over writes nothing.
+    private func fenced(
+        _ owner: any FlushOwnership, queue: String, _ what: String,
+        _ body: @escaping @Sendable (PostgresConnection) async throws -> Void
+    ) async throws {
+        guard let lease = owner as? PostgresLease, lease.queue == queue else {
+            throw DataQueueError(.storage, "cannot \(what): the flush right does not belong to this queue")
+        }
+        try await run(what) { [self] in
+            try await client.withTransaction(logger: logger) { connection in
+                var token: Int64?
+                for try await value in try await connection.query(
+                    "SELECT token FROM dq_lease WHERE queue = \(queue) FOR UPDATE", logger: logger
+                ).decode(Int64.self) {
+                    token = value
+                }
+                guard token == lease.token else {
+                    lease.lost()
+                    throw DataQueueError(
+                        .busy, "cannot \(what): another dq instance took over the flush of \(queue); this one stops")
+                }
+                try await body(connection)
+            }
+        }
+    }
+
+    func park(_ item: QueuedItem, url: String, status: Int?, error: String, outcome: String?, owner: any FlushOwnership)
+        async throws
+    {
+        try await fenced(owner, queue: item.queue, "park an item") { [self] connection in
+            let now = Date().timeIntervalSince1970
+            var changed = false
+            for try await _ in try await connection.query(
+                """
+                UPDATE dq_item SET state = 'parked', attempts = attempts + 1, last_attempt_at = \(now),
+                                   last_status = \(status), last_error = \(error), outcome = \(outcome)
+                WHERE seq = \(item.sequence) RETURNING seq
+                """, logger: logger)
+            {
+                changed = true
+            }
+            guard changed else { return }
+            try await self.journalEvent(
+                .parked, item: item, url: url, status: status, note: error, attempts: item.attempts + 1, at: now,
+                connection: connection)
+        }
+    }
+
+    private func journalEvent(
+        _ event: DeliveryRecord.Event, item: QueuedItem, url: String, status: Int?, note: String?, attempts: Int, at: Double,
+        connection: PostgresConnection
+    ) async throws {
+        try await connection.query(
+            """
+            INSERT INTO dq_delivery (item_seq, uuid, event, queue, method, url, resource_type, status, attempts,
+                                     enqueued_at, at, note)
+            VALUES (\(item.sequence), \(item.id), \(event.rawValue), \(item.queue), \(item.method.rawValue), \(url),
+                    \(item.resourceType), \(status), \(attempts), \(item.enqueuedAt.timeIntervalSince1970), \(at), \(note))
+            """, logger: logger)
+    }
+
+    func recordFailure(
+        queue: String, item: QueuedItem?, status: Int?, error: String, nextAttemptAt: Date?, owner: any FlushOwnership
+    ) async throws {
+        try await fenced(owner, queue: queue, "record a failure") { [self] connection in
+            let now = Date().timeIntervalSince1970
+            if let item {
+                try await connection.query(
+                    """
+                    UPDATE dq_item SET attempts = attempts + 1, last_attempt_at = \(now), last_status = \(status),
+                                       last_error = \(error) WHERE seq = \(item.sequence)
+                    """, logger: logger)
+            }
+            let next = nextAttemptAt?.timeIntervalSince1970
+            try await connection.query(
+                """
+                INSERT INTO dq_server_state (queue, failures, next_attempt_at, last_error) VALUES (\(queue), 1, \(next), \(error))
+                ON CONFLICT (queue) DO UPDATE SET failures = dq_server_state.failures + 1,
+                  next_attempt_at = EXCLUDED.next_attempt_at, last_error = EXCLUDED.last_error
+                """, logger: logger)
+        }
+    }
+
+    func bundleSupport(queue: String) async throws -> QueueStore.BundleSupport {
+        try await run("read the server state") { [self] in
+            for try await (transactions, checked, limit) in try await client.query(
+                "SELECT transactions, capability_at, batch_limit FROM dq_server_state WHERE queue = \(queue)", logger: logger
+            ).decode((Bool?, Double?, Int?).self) {
+                return QueueStore.BundleSupport(
+                    transactions: transactions, checkedAt: checked.map(Date.init(timeIntervalSince1970:)), batchLimit: limit)
+            }
+            return QueueStore.BundleSupport()
+        }
+    }
+
+    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?) async throws {
+        try await run("record what the server supports") { [self] in
+            try await client.withTransaction(logger: logger) { connection in
+                try await connection.query(
+                    "INSERT INTO dq_server_state (queue, failures) VALUES (\(queue), 0) ON CONFLICT (queue) DO NOTHING",
+                    logger: logger)
+                if let transactions {
+                    try await connection.query(
+                        "UPDATE dq_server_state SET transactions = \(transactions), capability_at = \(Date().timeIntervalSince1970) WHERE queue = \(queue)",
+                        logger: logger)
+                }
+                if let batchLimit {
+                    try await connection.query(
+                        "UPDATE dq_server_state SET batch_limit = \(batchLimit) WHERE queue = \(queue)", logger: logger)
+                }
+            }
+        }
+    }
+
+    func deliveredLocations(fullURLs: [String]) async throws -> [String: String] {
+        guard !fullURLs.isEmpty else { return [:] }
+        return try await run("read the delivery journal") { [self] in
+            var found: [String: String] = [:]
+            for try await (fullURL, type, id) in try await client.query(
+                """
+                SELECT DISTINCT ON (full_url) full_url, resource_type, server_id FROM dq_delivery
+                WHERE full_url = ANY(\(fullURLs)) AND event IN ('delivered', 'already-present') AND server_id IS NOT NULL
+                ORDER BY full_url, seq DESC
+                """, logger: logger
+            ).decode((String, String, String).self) {
+                found[fullURL] = type + "/" + id
+            }
+            return found
+        }
+    }
+
+    // MARK: - Operators
+
+    func status(queue: String) async throws -> QueueStatus {
+        try await checkStates(queue: queue)
+        return try await run("read the queue status") { [self] in
+            var pending = 0
+            var parked = 0
+            var delivered = 0
+            var oldest: Double?
+            for try await (p, k, d, o) in try await client.query(
+                """
+                SELECT (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'pending'),
+                       (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'parked'),
+                       (SELECT count(*) FROM dq_delivery WHERE queue = \(queue) AND event IN ('delivered', 'already-present')),
+                       (SELECT enqueued_at FROM dq_item WHERE queue = \(queue) AND state = 'pending' ORDER BY seq LIMIT 1)
+                """, logger: logger
+            ).decode((Int, Int, Int, Double?).self) {
+                (pending, parked, delivered, oldest) = (p, k, d, o)
+            }
+            let state = try await serverState(queue: queue)
+            return QueueStatus(
+                queue: queue, pending: pending, parked: parked, delivered: delivered,
+                oldestPendingAt: oldest.map(Date.init(timeIntervalSince1970:)), consecutiveFailures: state.failures,
+                nextAttemptAt: state.nextAttemptAt, lastError: state.lastError)
+        }
+    }
+
+    func queues() async throws -> [String] {
+        try await run("list queues") { [self] in
+            var names: [String] = []
+            for try await name in try await client.query(
+                "SELECT queue FROM dq_item UNION SELECT queue FROM dq_delivery UNION SELECT queue FROM dq_server_state ORDER BY 1",
+                logger: logger
+            ).decode(String.self) {
+                names.append(name)
+            }
+            return names
+        }
+    }
+
+    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {
+        try await run("list the queue") { [self] in
+            var sql = "SELECT \(Self.itemColumns) FROM dq_item WHERE true"
+            var bindings = PostgresBindings()
+            if let queue {
+                bindings.append(queue)
+                sql += " AND queue = $\(bindings.count)"
+            }
+            if let state {
+                bindings.append(state.rawValue)
+                sql += " AND state = $\(bindings.count)"
+            }
+            bindings.append(Int64(limit))
+            sql += " ORDER BY seq LIMIT $\(bindings.count)"
+            var items: [QueuedItem] = []
+            for try await row in try await client.query(PostgresQuery(unsafeSQL: sql, binds: bindings), logger: logger) {
+                items.append(try Self.queuedItem(row))
+            }
+            return items
+        }
+    }
+
+    func item(_ reference: String) async throws -> StoredItem {
+        let found = try await run("find an item") { [self] () -> [StoredItem] in
+            let query: PostgresQuery
+            if let sequence = Int64(reference) {
+                query = PostgresQuery(unsafeSQL: "SELECT \(Self.storedColumns) FROM dq_item WHERE seq = $1", binds: Self.binds(sequence))
+            } else {
+                let part = reference.lowercased()
+                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return [] }
+                query = PostgresQuery(
+                    unsafeSQL:
+                        "SELECT \(Self.storedColumns) FROM dq_item WHERE uuid::text LIKE $1 || '%' OR right(uuid::text, $2::int) = $3 LIMIT 2",
+                    binds: Self.binds(part, Int64(part.count), part))
+            }
+            var items: [StoredItem] = []
+            for try await row in try await client.query(query, logger: logger) { items.append(try Self.storedItem(row)) }
+            return items
+        }
+        guard found.count == 1 else {
+            if found.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
+            throw DataQueueError(.notFound, "no queued item \(reference)")
+        }
+        return found[0]
+    }
+
+    func retry(sequence: Int64, conditionalCreate: Bool?) async throws -> Bool {
+        try await run("retry an item") { [self] in
+            var changed = false
+            let plain: Bool? = conditionalCreate.map { $0 ? nil : false } ?? nil
+            let keep = conditionalCreate == nil
+            for try await _ in try await client.query(
+                """
+                UPDATE dq_item SET state = 'pending', outcome = NULL,
+                  conditional_create = CASE WHEN \(keep) THEN conditional_create ELSE \(plain)::bool END
+                WHERE seq = \(sequence) AND state = 'parked' RETURNING seq
+                """, logger: logger)
+            {
+                changed = true
+            }
+            return changed
+        }
+    }
+
+    func retryAllParked(queue: String) async throws -> Int {
+        try await run("retry parked items") { [self] in
+            var count = 0
+            for try await _ in try await client.query(
+                "UPDATE dq_item SET state = 'pending', outcome = NULL WHERE queue = \(queue) AND state = 'parked' RETURNING seq",
+                logger: logger)
+            {
+                count += 1
+            }
+            return count
+        }
+    }
+
+    func drop(_ item: QueuedItem, url: String) async throws {
+        try await run("drop an item") { [self] in
+            try await client.withTransaction(logger: logger) { connection in
+                var last: (Int?, String?)?
+                for try await row in try await connection.query(
+                    "DELETE FROM dq_item WHERE seq = \(item.sequence) RETURNING last_status, last_error", logger: logger
+                ).decode((Int?, String?).self) {
+                    last = row
+                }
+                guard let last else { return }
+                try await self.journalEvent(
+                    .dropped, item: item, url: url, status: last.0, note: last.1, attempts: item.attempts,
+                    at: Date().timeIntervalSince1970, connection: connection)
+            }
+        }
+    }
+
+    func journalLine(_ reference: String) async throws -> DeliveryRecord? {
+        try await run("read the delivery journal") { [self] () -> DeliveryRecord? in
+            let query: PostgresQuery
+            if let sequence = Int64(reference) {
+                query = PostgresQuery(
+                    unsafeSQL: "SELECT * FROM dq_delivery WHERE item_seq = $1 ORDER BY seq DESC LIMIT 1", binds: Self.binds(sequence))
+            } else {
+                let part = reference.lowercased()
+                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return nil }
+                var uuids: [UUID] = []
+                for try await uuid in try await client.query(
+                    "SELECT DISTINCT uuid FROM dq_delivery WHERE uuid::text LIKE \(part) || '%' OR uuid::text LIKE '%' || \(part) LIMIT 2",
+                    logger: logger
+                ).decode(UUID.self) {
+                    uuids.append(uuid)
+                }
+                guard uuids.count == 1 else {
+                    if uuids.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
+                    return nil
+                }
+                query = PostgresQuery(
+                    unsafeSQL: "SELECT * FROM dq_delivery WHERE uuid = $1 ORDER BY seq DESC LIMIT 1", binds: Self.binds(uuids[0]))
+            }
+            for try await row in try await client.query(query, logger: logger) { return try Self.deliveryRecord(row) }
+            return nil
+        }
+    }
+
+    func allStatuses() async throws -> [QueueStatus] {
+        var statuses: [QueueStatus] = []
+        for queue in try await queues() { statuses.append(try await status(queue: queue)) }
+        return statuses
+    }
+
+    /// PostgreSQL checks its own pages; dq checks that every row is in a state it knows.
+    func integrityCheck() async throws -> [String] {
+        try await run("check the queue") { [self] in
+            var problems: [String] = []
+            for try await (seq, state) in try await client.query(
+                "SELECT seq, state FROM dq_item WHERE state NOT IN ('pending', 'parked') ORDER BY seq LIMIT 100", logger: logger
+            ).decode((Int64, String).self) {
+                problems.append("item row \(seq): unknown state \(state.prefix(32))")
+            }
+            return problems.isEmpty ? ["ok"] : problems
+        }
+    }
+
+    func deliveries(queue: String?, limit: Int) async throws -> [DeliveryRecord] {
+        try await run("read the delivery journal") { [self] in
+            var bindings = PostgresBindings()
+            var sql = "SELECT * FROM dq_delivery"
+            if let queue {
+                bindings.append(queue)
+                sql += " WHERE queue = $1"
+            }
+            bindings.append(Int64(limit))
+            sql += " ORDER BY seq DESC LIMIT $\(bindings.count)"
+            var records: [DeliveryRecord] = []
+            for try await row in try await client.query(PostgresQuery(unsafeSQL: sql, binds: bindings), logger: logger) {
+                records.append(try Self.deliveryRecord(row))
+            }
+            return records.reversed()
+        }
+    }
+
+    // MARK: - Rows
+
+    static func binds(_ values: any PostgresEncodable...) -> PostgresBindings {
+        var bindings = PostgresBindings()
+        for value in values { try? bindings.append(value) }
+        return bindings
+    }
+
+    static func damaged(_ seq: Int64?, _ what: String) -> DataQueueError {
+        DataQueueError(
+            .storage,
+            "item row \(seq.map(String.init) ?? "?") of the queue database is damaged (\(what)); inspect it with psql, then fix or delete that row"
+        )
+    }
+
+    static func queuedItem(_ row: PostgresRow) throws -> QueuedItem {
+        let cells = row.makeRandomAccess()
+        let seq = try cells["seq"].decode(Int64.self)
+        guard let method = FHIRMethod(rawValue: try cells["method"].decode(String.self)) else { throw damaged(seq, "unknown method") }
+        guard let state = ItemState(rawValue: try cells["state"].decode(String.self)) else { throw damaged(seq, "unknown state") }
+        return QueuedItem(
+            sequence: seq, id: try cells["uuid"].decode(UUID.self), queue: try cells["queue"].decode(String.self),
+            method: method, url: try cells["url"].decode(String.self), resourceType: try cells["resource_type"].decode(String.self),
+            resourceID: try cells["resource_id"].decode(String?.self), encrypted: try cells["encrypted"].decode(Bool.self),
+            state: state, attempts: try cells["attempts"].decode(Int.self),
+            enqueuedAt: Date(timeIntervalSince1970: try cells["enqueued_at"].decode(Double.self)),
+            lastAttemptAt: try cells["last_attempt_at"].decode(Double?.self).map(Date.init(timeIntervalSince1970:)),
+            lastStatus: try cells["last_status"].decode(Int?.self), lastError: try cells["last_error"].decode(String?.self),
+            outcome: try cells["outcome"].decode(String?.self), size: try cells["size"].decode(Int.self))
+    }
+
+    static func storedItem(_ row: PostgresRow) throws -> StoredItem {
+        let cells = row.makeRandomAccess()
+        return StoredItem(
+            info: try queuedItem(row), contentType: try cells["content_type"].decode(String.self),
+            conditionalCreate: try cells["conditional_create"].decode(Bool?.self) != false, body: try cells["body"].decode(Data.self),
+            fullURL: try cells["full_url"].decode(String?.self))
+    }
+
+    static func deliveryRecord(_ row: PostgresRow) throws -> DeliveryRecord {
+        let cells = row.makeRandomAccess()
+        let seq = try cells["seq"].decode(Int64.self)
+        guard let method = FHIRMethod(rawValue: try cells["method"].decode(String.self)),
+            let event = DeliveryRecord.Event(rawValue: try cells["event"].decode(String.self))
+        else {
+            throw DataQueueError(.storage, "delivery row \(seq) of the queue database is damaged (unknown method or event)")
+        }
+        return DeliveryRecord(
+            sequence: seq, id: try cells["uuid"].decode(UUID.self), event: event, queue: try cells["queue"].decode(String.self),
+            method: method, url: try cells["url"].decode(String.self), resourceType: try cells["resource_type"].decode(String.self),
+            status: try cells["status"].decode(Int?.self), location: try cells["location"].decode(String?.self),
+            serverID: try cells["server_id"].decode(String?.self), versionID: try cells["version_id"].decode(String?.self),
+            attempts: try cells["attempts"].decode(Int.self),
+            enqueuedAt: Date(timeIntervalSince1970: try cells["enqueued_at"].decode(Double.self)),
+            at: Date(timeIntervalSince1970: try cells["at"].decode(Double.self)), note: try cells["note"].decode(String?.self),
+            fullURL: try cells["full_url"].decode(String?.self), bundle: try cells["bundle"].decode(String?.self),
+            entryLocations: try cells["entries"].decode(String?.self).flatMap {
+                try? JSONDecoder().decode([String?].self, from: Data($0.utf8))
+            })
+    }
+}
+
+/// The right to flush one server's queue from PostgreSQL: a lease row with an expiry on the database's
+/// clock and a fencing token that grows on every takeover.
+///
+/// The holder renews it every third of its lifetime; on this host it counts as held only until 90% of the
+/// lifetime after the start of the last successful renewal (a monotonic deadline, immune to clock jumps), and
+/// ``markInFlight(sequence:)`` refuses to let anything be sent past that. The store's writes check the token.
+final class PostgresLease: FlushOwnership {
+    let queue: String
+    let token: Int64
+    private let store: PostgresQueueStore
+    private let validUntil: Mutex<ContinuousClock.Instant>
+    private let renewer: Mutex<Task<Void, Never>?>
+
+    private init(store: PostgresQueueStore, queue: String, token: Int64, since start: ContinuousClock.Instant) {
+        self.store = store
+        self.queue = queue
+        self.token = token
+        self.validUntil = Mutex(start + .milliseconds(Int64(store.leaseSeconds * 900)))
+        self.renewer = Mutex(nil)
+    }
+
+    /// Takes the lease of `queue` if it is free (never held, released, or expired on the database's clock).
+    static func take(store: PostgresQueueStore, queue: String) async throws -> PostgresLease? {
+        let start = ContinuousClock.now
+        for try await token in try await store.client.query(
+            """
+            INSERT INTO dq_lease (queue, holder, token, expires_at)
+            VALUES (\(queue), \(store.holder), 1, now() + make_interval(secs => \(store.leaseSeconds)))
+            ON CONFLICT (queue) DO UPDATE SET holder = EXCLUDED.holder, token = dq_lease.token + 1,
+              expires_at = EXCLUDED.expires_at
+            WHERE dq_lease.expires_at <= now()
+            RETURNING token
+            """, logger: store.logger
+        ).decode(Int64.self) {
+            let lease = PostgresLease(store: store, queue: queue, token: token, since: start)
+            lease.startRenewing()
+            return lease
+        }
+        return nil
+    }
+
+    private func startRenewing() {
+        let task = Task { [weak self] in
+            while !Task.isCancelled {
+                guard let interval = self.map({ $0.store.leaseSeconds / 3 }) else { return }
+                try? await Task.sleep(for: .milliseconds(Int64(interval * 1000)))
+                guard let self, !Task.isCancelled else { return }
+                let start = ContinuousClock.now
+                do {
+                    var renewed = false
+                    for try await _ in try await store.client.query(
+                        """
+                        UPDATE dq_lease SET expires_at = now() + make_interval(secs => \(store.leaseSeconds))
+                        WHERE queue = \(queue) AND token = \(token) RETURNING token
+                        """, logger: store.logger)
+                    {
+                        renewed = true
+                    }
+                    if !renewed {
+                        lost()
+                        return
+                    }
+                    validUntil.withLock { $0 = start + .milliseconds(Int64(store.leaseSeconds * 900)) }
+                } catch {
+                    // Not renewed this time: the deadline stands; the next round tries again.
+                    store.logger.warning("cannot renew the flush lease", metadata: ["queue": "\(queue)"])
+                }
+            }
+        }
+        renewer.withLock { $0 = task }
+    }
+
+    /// The lease was taken over: nothing more may be sent.
+    func lost() {
+        validUntil.withLock { $0 = ContinuousClock.now - .seconds(1) }
+    }
+
+    private func checkHeld() throws {
+        guard ContinuousClock.now < validUntil.withLock({ $0 }) else {
+            throw DataQueueError(
+                .busy, "the flush lease on \(queue) expired or was taken over by another dq instance; this flush stops")
+        }
+    }
+
+    func markInFlight(sequence: Int64) async throws {
+        try checkHeld()
+        var held = false
+        for try await _ in try await store.client.query(
+            """
+            UPDATE dq_lease SET in_flight_seq = \(sequence), in_flight_at = \(Date().timeIntervalSince1970)
+            WHERE queue = \(queue) AND token = \(token) RETURNING token
+            """, logger: store.logger)
+        {
+            held = true
+        }
+        if !held { lost() }
+        try checkHeld()
+    }
+
+    func clearInFlight() async throws {
+        try await store.client.query(
+            "UPDATE dq_lease SET in_flight_seq = NULL, in_flight_at = NULL WHERE queue = \(queue) AND token = \(token)",
+            logger: store.logger)
+    }
+
+    func inFlight() async throws -> (sequence: Int64, sentAt: Date)? {
+        for try await (sequence, at) in try await store.client.query(
+            "SELECT in_flight_seq, in_flight_at FROM dq_lease WHERE queue = \(queue)", logger: store.logger
+        ).decode((Int64?, Double?).self) {
+            if let sequence, let at { return (sequence, Date(timeIntervalSince1970: at)) }
+        }
+        return nil
+    }
+
+    func release() async {
+        renewer.withLock { $0?.cancel() }
+        _ = try? await store.client.query(
+            "UPDATE dq_lease SET expires_at = '-infinity' WHERE queue = \(queue) AND token = \(token)", logger: store.logger)
+    }
+}
+
+/// Group commit for a store whose commits are asynchronous: an enqueue that finds no commit running starts
+/// one; those that arrive meanwhile join the next, up to 512 per transaction.
+final class AsyncGroupCommit: Sendable {
+    private struct Waiter {
+        let item: NewItem
+        let continuation: CheckedContinuation<Int64, any Error>
+    }
+
+    private struct State {
+        var waiting: [Waiter] = []
+        var running = false
+    }
+
+    private let state = Mutex(State())
+    private let commit: @Sendable ([NewItem]) async throws -> [Int64]
+
+    init(commit: @escaping @Sendable ([NewItem]) async throws -> [Int64]) { self.commit = commit }
+
+    func submit(_ item: NewItem) async throws -> Int64 {
+        try await withCheckedThrowingContinuation { continuation in
+            let lead = state.withLock { state in
+                state.waiting.append(Waiter(item: item, continuation: continuation))
+                if state.running { return false }
+                state.running = true
+                return true
+            }
+            if lead { Task { await self.drain() } }
+        }
+    }
+
+    private func drain() async {
+        while true {
+            let batch = state.withLock { state -> [Waiter] in
+                guard !state.waiting.isEmpty else {
+                    state.running = false
+                    return []
+                }
+                let batch = Array(state.waiting.prefix(512))
+                state.waiting.removeFirst(batch.count)
+                return batch
+            }
+            guard !batch.isEmpty else { return }
+            do {
+                let sequences = try await commit(batch.map(\.item))
+                for (waiter, sequence) in zip(batch, sequences) { waiter.continuation.resume(returning: sequence) }
+            } catch {
+                for waiter in batch { waiter.continuation.resume(throwing: error) }
+            }
+        }
+    }
+}

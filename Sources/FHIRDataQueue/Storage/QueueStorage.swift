@@ -1,0 +1,137 @@
+import Foundation
+
+/// The storage seam of a ``DataQueue``: items in per-server order, the delivery journal, parking, backoff
+/// state, and who may flush a server's queue.
+///
+/// ``QueueStore`` (SQLite) is the store dq ships with. The storage conformance tests state each method's
+/// contract against `any QueueStorage`, so that another store (a shared database for several instances) can
+/// stand behind the seam and be held to the same contract.
+///
+/// Writes a flusher makes on the outcome of a send (``markDelivered(_:owner:)``, ``park(_:url:status:error:outcome:owner:)``,
+/// ``recordFailure(queue:item:status:error:nextAttemptAt:owner:)``) name the ``FlushOwnership`` they act
+/// under: a store where ownership can be lost while a flusher still runs (a lease that expired) must refuse
+/// them then.
+protocol QueueStorage: AnyObject, Sendable {
+    // MARK: Enqueue
+
+    /// Stores `items` in one transaction, in order; returns their sequence numbers (per server, rising in
+    /// commit order).
+    func insert(_ items: [NewItem]) async throws -> [Int64]
+
+    /// Stores one item, committing together with others that arrive meanwhile (group commit); durable when
+    /// it returns.
+    nonisolated(nonsending) func insertGrouped(_ item: NewItem) async throws -> Int64
+
+    /// Which of `fullURLs` are already known (queued or delivered).
+    func knownFullURLs(_ fullURLs: Set<String>) async throws -> Set<String>
+
+    // MARK: Flushing
+
+    /// The exclusive right to flush (or change) the queue of `queue`, waiting until `deadline`; nil when
+    /// another flusher holds it still.
+    func acquireFlush(queue: String, until deadline: ContinuousClock.Instant) async throws -> (any FlushOwnership)?
+
+    /// Throws when a row of `queue` is damaged (an unknown state or method), before anything is sent.
+    func checkStates(queue: String) async throws
+
+    /// The server's backoff state.
+    func serverState(queue: String) async throws -> (failures: Int, nextAttemptAt: Date?, lastError: String?)
+
+    /// The next pending items after sequence `after`, at most `maxCount` and (but for the first) `maxBytes`.
+    func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem]
+
+    /// Moves delivered items to the journal in one transaction and clears the server's backoff. Called on
+    /// the journal's writer thread (``DeliveryRecorder``), hence synchronous.
+    func markDelivered(_ deliveries: [CompletedDelivery], owner: any FlushOwnership) -> Result<Void, DataQueueError>
+
+    /// Parks an item the server rejected, with its answer, and journals it.
+    func park(_ item: QueuedItem, url: String, status: Int?, error: String, outcome: String?, owner: any FlushOwnership)
+        async throws
+
+    /// Records a failed attempt: the server's backoff, and the item's attempt count when one was sent.
+    func recordFailure(
+        queue: String, item: QueuedItem?, status: Int?, error: String, nextAttemptAt: Date?, owner: any FlushOwnership
+    ) async throws
+
+    /// What the server was found to support for Bundles.
+    func bundleSupport(queue: String) async throws -> QueueStore.BundleSupport
+
+    /// Records what the server supports for Bundles (nil: unchanged).
+    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?) async throws
+
+    /// The server locations of delivered items by their producer `fullUrl`.
+    func deliveredLocations(fullURLs: [String]) async throws -> [String: String]
+
+    // MARK: Operators
+
+    /// Counts and backoff of one server's queue.
+    func status(queue: String) async throws -> QueueStatus
+
+    /// Every server with a queue here.
+    func queues() async throws -> [String]
+
+    /// Items in order, of one server or all, pending or parked or both.
+    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem]
+
+    /// One item by id, unique prefix or suffix, or sequence.
+    func item(_ reference: String) async throws -> StoredItem
+
+    /// Puts a parked item back in line; false when it was not parked.
+    func retry(sequence: Int64, conditionalCreate: Bool?) async throws -> Bool
+
+    /// Puts every parked item of `queue` back in line; returns how many.
+    func retryAllParked(queue: String) async throws -> Int
+
+    /// Removes an item unsent, journaling it.
+    func drop(_ item: QueuedItem, url: String) async throws
+
+    /// The journal line of an item no longer queued.
+    func journalLine(_ reference: String) async throws -> DeliveryRecord?
+
+    /// Counts of every server's queue.
+    func allStatuses() async throws -> [QueueStatus]
+
+    /// Problems an integrity check finds (empty: sound).
+    func integrityCheck() async throws -> [String]
+
+    /// The journal: the newest `limit` lines, oldest first.
+    func deliveries(queue: String?, limit: Int) async throws -> [DeliveryRecord]
+
+    /// Releases connections (a database server's); the SQLite store has nothing to release.
+    func shutdown() async
+}
+
+/// The exclusive right to flush one server's queue, and the note of a request on the wire that outlives
+/// the flusher (so that the next one lets the server settle it before sending again).
+///
+/// A store whose ownership can lapse (a lease) throws from ``markInFlight(sequence:)`` once it has: nothing
+/// more is sent.
+protocol FlushOwnership: AnyObject, Sendable {
+    /// Notes that the item `sequence` is being sent now; the note is kept before this returns.
+    func markInFlight(sequence: Int64) async throws
+    /// Clears the note: the answer came.
+    func clearInFlight() async throws
+    /// The note a flusher left: the item it was sending and when.
+    func inFlight() async throws -> (sequence: Int64, sentAt: Date)?
+    /// Gives up the right.
+    func release() async
+}
+
+/// A delivery to record in the journal.
+struct CompletedDelivery: Sendable {
+    var item: QueuedItem
+    /// `.delivered`, or `.alreadyPresent` when a conditional create found the resource on the server.
+    var event: DeliveryRecord.Event = .delivered
+    /// The URL it was sent to.
+    var url: String
+    var status: Int
+    var location: String?
+    var serverID: String?
+    var versionID: String?
+    /// The item's producer-given fullUrl (so later references to it can be rewritten).
+    var fullURL: String? = nil
+    /// The id of the Bundle request it travelled in, when it did.
+    var bundle: String? = nil
+    /// For a Bundle queued as one item: its entries' locations from the transaction-response (JSON array).
+    var entries: String? = nil
+}

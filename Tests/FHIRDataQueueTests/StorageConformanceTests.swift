@@ -1,0 +1,279 @@
+import Foundation
+import Logging
+import PostgresNIO
+import Testing
+
+@testable import FHIRDataQueue
+
+/// The stores the conformance suite runs against: SQLite always; PostgreSQL when `make test` started one
+/// (`DQ_TEST_POSTGRES_URL`), and required then when `DQ_REQUIRE_PEERS=1`.
+enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
+    case sqlite
+    case postgres
+
+    var testDescription: String { rawValue }
+
+    static var environment: [String: String] { ProcessInfo.processInfo.environment }
+
+    /// The kinds to run: PostgreSQL only with a server to run against (a missing one fails under `make test`).
+    static var available: [StoreKind] {
+        if environment["DQ_TEST_POSTGRES_URL"] != nil || environment["DQ_REQUIRE_PEERS"] == "1" { return allCases }
+        return [.sqlite]
+    }
+
+    func make(in directory: URL) throws -> any QueueStorage {
+        switch self {
+        case .sqlite:
+            return try QueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
+        case .postgres:
+            return try PostgresQueueStore(
+                url: try Self.freshDatabase(), leaseSeconds: 3,
+                environment: ["PGPASSWORD": Self.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""],
+                logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
+        }
+    }
+
+    /// A new, empty database on the test server (one per test: the tests run in parallel).
+    static func freshDatabase() throws -> String {
+        let base = try #require(environment["DQ_TEST_POSTGRES_URL"], "no PostgreSQL for the tests: run make test")
+        var components = try #require(URLComponents(string: base))
+        let name = "dq_t_" + UUID().uuidString.prefix(12).lowercased().replacingOccurrences(of: "-", with: "")
+        let psql = Process()
+        psql.executableURL = URL(fileURLWithPath: "/usr/bin/psql")
+        psql.arguments = [
+            "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
+            String(components.path.dropFirst()), "-qc", "CREATE DATABASE \(name)",
+        ]
+        psql.environment = ["PGPASSWORD": environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        try psql.run()
+        psql.waitUntilExit()
+        try #require(psql.terminationStatus == 0, "psql could not create a test database")
+        components.path = "/" + name
+        components.query = "sslmode=disable"
+        return components.string!
+    }
+}
+
+/// The contract of the storage seam (``QueueStorage``): what every store must do, whatever it is built on.
+/// Each test runs once per ``StoreKind``.
+@Suite("Storage conformance")
+struct StorageConformanceTests {
+    let directory: URL
+    static let server = "http://h/fhir"
+
+    init() throws {
+        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-store-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+    }
+
+    func item(_ index: Int, queue: String = Self.server, fullURL: String? = nil) -> NewItem {
+        NewItem(
+            id: UUID.timeOrdered(), queue: queue, method: .post, url: "Patient", resourceType: "Patient", resourceID: nil,
+            encrypted: false, contentType: "application/fhir+json", body: Data(#"{"resourceType":"Patient","n":\#(index)}"#.utf8),
+            fullURL: fullURL)
+    }
+
+    func bodies(_ items: [StoredItem]) -> [String] { items.map { String(decoding: $0.body, as: UTF8.self) } }
+
+    /// Every pending item of `queue`, read in batches as a flusher does.
+    func drain(_ store: any QueueStorage, queue: String = Self.server) async throws -> [StoredItem] {
+        var all: [StoredItem] = []
+        while true {
+            let batch = try await store.pendingBatch(queue: queue, after: all.last?.info.sequence ?? 0, maxCount: 3, maxBytes: 1 << 20)
+            if batch.isEmpty { return all }
+            all += batch
+        }
+    }
+
+    @Test("Items come back per server, in enqueue order, with their bodies", arguments: StoreKind.available)
+    func order(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        let first = try await store.insert((0..<4).map { item($0) } + [item(99, queue: "http://h/other")])
+        let second = try await store.insert([item(4)])
+        #expect(first.count == 5 && second.count == 1)
+        #expect(zip(first, first.dropFirst()).allSatisfy { $0 < $1 } && second[0] > first[3], "sequences rise in commit order")
+        let drained = try await drain(store)
+        #expect(drained.count == 5)
+        #expect(bodies(drained) == (0..<5).map { #"{"resourceType":"Patient","n":\#($0)}"# })
+        #expect(try await drain(store, queue: "http://h/other").count == 1)
+        #expect(Set(try await store.queues()) == [Self.server, "http://h/other"])
+    }
+
+    @Test("A batch holds at most maxCount items and maxBytes, but always its first item", arguments: StoreKind.available)
+    func batchLimits(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        _ = try await store.insert((0..<5).map { item($0) })
+        let two = try await store.pendingBatch(queue: Self.server, after: 0, maxCount: 2, maxBytes: 1 << 20)
+        #expect(two.count == 2)
+        let tiny = try await store.pendingBatch(queue: Self.server, after: 0, maxCount: 5, maxBytes: 1)
+        #expect(tiny.count == 1, "the first item goes whatever its size")
+        let afterSecond = try await store.pendingBatch(queue: Self.server, after: two[1].info.sequence, maxCount: 5, maxBytes: 1 << 20)
+        #expect(afterSecond.count == 3 && afterSecond.first?.info.sequence ?? 0 > two[1].info.sequence)
+    }
+
+    @Test("Concurrent grouped enqueues each get their own sequence and are all durable", arguments: StoreKind.available)
+    func concurrentEnqueues(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        let sequences = try await withThrowingTaskGroup(of: Int64.self) { group in
+            for index in 0..<200 { group.addTask { try await store.insertGrouped(item(index)) } }
+            return try await group.reduce(into: [Int64]()) { $0.append($1) }
+        }
+        #expect(sequences.count == 200 && Set(sequences).count == 200)
+        let drained = try await drain(store)
+        #expect(drained.count == 200)
+        #expect(drained.map(\.info.sequence) == sequences.sorted())
+    }
+
+    @Test(
+        "An item is found by its id, a unique prefix or suffix, or its sequence; a shared prefix is ambiguous",
+        arguments: StoreKind.available)
+    func references(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        let items = (0..<3).map { item($0) }
+        let sequences = try await store.insert(items)
+        let ids = items.map(\.id.lowercasedString)
+        #expect(try await store.item(ids[1]).info.sequence == sequences[1])
+        #expect(try await store.item(String(ids[2].suffix(12))).info.sequence == sequences[2])
+        #expect(try await store.item(String(ids[0].suffix(12)).uppercased()).info.sequence == sequences[0])
+        #expect(try await store.item("\(sequences[1])").info.id == items[1].id)
+        // Time-ordered ids queued in the same instant share their first characters.
+        await #expect(throws: DataQueueError.self) { try await store.item(String(ids[0].prefix(4))) }
+        await #expect(throws: DataQueueError.self) { try await store.item("ffffffff") }
+        await #expect(throws: DataQueueError.self) { try await store.item("x';--") }
+    }
+
+    @Test("Delivery moves an item to the journal; park, retry and drop keep records", arguments: StoreKind.available)
+    func lifecycle(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        let sequences = try await store.insert([item(0, fullURL: "urn:uuid:a"), item(1), item(2), item(3)])
+        #expect(try await store.knownFullURLs(["urn:uuid:a", "urn:uuid:b"]) == ["urn:uuid:a"])
+        let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        let first = try await store.item(String(sequences[0])).info
+        let recorder = DeliveryRecorder(store: store, owner: owner)
+        try recorder.record(
+            CompletedDelivery(
+                item: first, url: "http://h/fhir/Patient", status: 201, location: "http://h/fhir/Patient/a/_history/1",
+                serverID: "a", versionID: "1", fullURL: "urn:uuid:a"))
+        try await recorder.finish()
+        #expect(try await store.deliveredLocations(fullURLs: ["urn:uuid:a"]) == ["urn:uuid:a": "Patient/a"])
+        #expect(try await store.knownFullURLs(["urn:uuid:a"]) == ["urn:uuid:a"], "a delivered fullUrl stays known")
+        let second = try await store.item(String(sequences[1])).info
+        try await store.park(second, url: "http://h/fhir/Patient", status: 400, error: "rejected", outcome: "{}", owner: owner)
+        let third = try await store.item(String(sequences[2])).info
+        try await store.drop(third, url: "http://h/fhir/Patient")
+        let status = try await store.status(queue: Self.server)
+        #expect(status.pending == 1 && status.parked == 1 && status.delivered == 1)
+        #expect(try await store.items(queue: Self.server, state: .parked, limit: 10).map(\.sequence) == [sequences[1]])
+        let journal = try await store.deliveries(queue: nil, limit: 10)
+        #expect(journal.count == 3)
+        #expect(Set(journal.map(\.event)) == [.delivered, .parked, .dropped])
+        #expect(try await store.journalLine(String(sequences[0]))?.serverID == "a")
+        #expect(try await store.retry(sequence: second.sequence, conditionalCreate: false))
+        #expect(try await store.retry(sequence: second.sequence, conditionalCreate: nil) == false, "no longer parked")
+        let retried = try await store.item(String(sequences[1]))
+        #expect(retried.info.state == .pending && retried.conditionalCreate == false)
+        #expect(try await drain(store).map(\.info.sequence) == [sequences[1], sequences[3]], "a retried item keeps its place")
+        try await store.park(retried.info, url: "http://h/fhir/Patient", status: 422, error: "again", outcome: nil, owner: owner)
+        #expect(try await store.retryAllParked(queue: Self.server) == 1)
+        await owner.release()
+    }
+
+    @Test("Failures set the server's backoff; a delivery clears it; Bundle support is remembered", arguments: StoreKind.available)
+    func serverState(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        let sequences = try await store.insert([item(0), item(1)])
+        let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        let first = try await store.item(String(sequences[0])).info
+        let later = Date().addingTimeInterval(60)
+        try await store.recordFailure(queue: Self.server, item: first, status: 503, error: "down", nextAttemptAt: later, owner: owner)
+        try await store.recordFailure(queue: Self.server, item: nil, status: nil, error: "still down", nextAttemptAt: later, owner: owner)
+        let state = try await store.serverState(queue: Self.server)
+        #expect(state.failures == 2 && state.lastError == "still down")
+        #expect(abs((state.nextAttemptAt ?? .distantPast).timeIntervalSince(later)) < 0.01)
+        #expect(try await store.item(String(sequences[0])).info.attempts == 1)
+        let recorder = DeliveryRecorder(store: store, owner: owner)
+        try recorder.record(
+            CompletedDelivery(item: first, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: nil, versionID: nil))
+        try await recorder.finish()
+        #expect(try await store.serverState(queue: Self.server).failures == 0)
+
+        #expect(try await store.bundleSupport(queue: Self.server) == QueueStore.BundleSupport())
+        try await store.recordBundleSupport(queue: Self.server, transactions: true, batchLimit: nil)
+        try await store.recordBundleSupport(queue: Self.server, transactions: nil, batchLimit: 7)
+        let support = try await store.bundleSupport(queue: Self.server)
+        #expect(support.transactions == true && support.batchLimit == 7 && support.checkedAt != nil)
+        await owner.release()
+    }
+
+    @Test("One flusher at a time per server; the in-flight note outlives its owner", arguments: StoreKind.available)
+    func flushOwnership(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        #expect(try await store.acquireFlush(queue: Self.server, until: .now + .milliseconds(50)) == nil, "held")
+        let other = try #require(try await store.acquireFlush(queue: "http://h/other", until: .now), "another server is free")
+        await other.release()
+        try await owner.markInFlight(sequence: 42)
+        await owner.release()
+        let next = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        let note = try #require(try await next.inFlight(), "the next owner sees the request left on the wire")
+        #expect(note.sequence == 42 && abs(note.sentAt.timeIntervalSinceNow) < 5)
+        try await next.clearInFlight()
+        #expect(try await next.inFlight() == nil)
+        await next.release()
+    }
+
+    @Test(
+        "PostgreSQL: a flusher whose lease expired and was taken over can neither send nor write (the fence)",
+        .enabled(if: StoreKind.available.contains(.postgres)))
+    func fencing() async throws {
+        let url = try StoreKind.freshDatabase()
+        let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+        let environment = ["PGPASSWORD": StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""]
+        let first = try PostgresQueueStore(url: url, leaseSeconds: 30, environment: environment, logger: logger)
+        let second = try PostgresQueueStore(url: url, leaseSeconds: 30, environment: environment, logger: logger)
+        let sequences = try await first.insert([item(0), item(1)])
+        let stale = try #require(try await first.acquireFlush(queue: Self.server, until: .now))
+        #expect(try await second.acquireFlush(queue: Self.server, until: .now + .milliseconds(100)) == nil, "held")
+        try await stale.markInFlight(sequence: sequences[0])
+
+        // The holder stalls (SIGSTOP, a long GC pause) past its lease: on the database's clock it has expired.
+        _ = try await first.client.query(
+            "UPDATE dq_lease SET expires_at = now() - interval '1 second' WHERE queue = \(Self.server)", logger: logger
+        ).collect()
+        let fresh = try #require(try await second.acquireFlush(queue: Self.server, until: .now), "taken over")
+        let note = try #require(try await fresh.inFlight(), "the new holder sees the request on the wire")
+        #expect(note.sequence == sequences[0])
+
+        // The stalled flusher wakes up: each write it tries is refused, and it may not send.
+        let item0 = try await first.item(String(sequences[0])).info
+        let parked = await #expect(throws: DataQueueError.self) {
+            try await first.park(item0, url: "http://h/fhir/Patient", status: 400, error: "x", outcome: nil, owner: stale)
+        }
+        #expect(parked?.message.contains("took over") == true, "\(parked?.message ?? "")")
+        await #expect(throws: DataQueueError.self) {
+            try await first.recordFailure(
+                queue: Self.server, item: item0, status: 503, error: "x", nextAttemptAt: nil, owner: stale)
+        }
+        if case .success = first.markDelivered(
+            [CompletedDelivery(item: item0, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: nil, versionID: nil)],
+            owner: stale)
+        {
+            Issue.record("a delivery was recorded under a lost lease")
+        }
+        await #expect(throws: DataQueueError.self) { try await stale.markInFlight(sequence: sequences[1]) }
+        let status = try await second.status(queue: Self.server)
+        #expect(status.pending == 2 && status.parked == 0 && status.delivered == 0, "nothing the stale flusher did was written")
+        #expect(try await second.serverState(queue: Self.server).failures == 0)
+
+        // The new holder's writes go through.
+        let recorder = DeliveryRecorder(store: second, owner: fresh)
+        try recorder.record(
+            CompletedDelivery(item: item0, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: "p", versionID: "1"))
+        try await recorder.finish()
+        #expect(try await second.status(queue: Self.server).delivered == 1)
+        await fresh.release()
+        await stale.release()
+        await first.shutdown()
+        await second.shutdown()
+    }
+}

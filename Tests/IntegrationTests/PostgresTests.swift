@@ -1,0 +1,125 @@
+import Foundation
+import Testing
+
+#if canImport(Glibc)
+    import Glibc
+#endif
+
+/// The queue in PostgreSQL (the server `make test` starts from Debian's packages), through the `dq` command
+/// line, against sekmet-fhir.
+@Suite("One queue in PostgreSQL shared by several dq processes", .serialized, .enabled(if: Peers.enabled))
+struct PostgresTests {
+    let work: TemporaryDirectory
+    let resources = Resources()
+
+    init() throws { work = try TemporaryDirectory() }
+
+    /// A new database on the test server.
+    static func freshDatabase() throws -> String {
+        let environment = Peers.environment
+        let base = try #require(environment["DQ_TEST_POSTGRES_URL"], "no PostgreSQL for the tests: run make test")
+        var components = try #require(URLComponents(string: base))
+        let name = "dq_it_" + UUID().uuidString.prefix(12).lowercased().replacingOccurrences(of: "-", with: "")
+        let psql = Process()
+        psql.executableURL = URL(fileURLWithPath: "/usr/bin/psql")
+        psql.arguments = [
+            "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
+            String(components.path.dropFirst()), "-qc", "CREATE DATABASE \(name)",
+        ]
+        psql.environment = ["PGPASSWORD": environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        try psql.run()
+        psql.waitUntilExit()
+        try #require(psql.terminationStatus == 0, "psql could not create a test database")
+        components.path = "/" + name
+        components.query = "sslmode=disable"
+        return components.string!
+    }
+
+    func environment(_ server: String, database: String) -> [String: String] {
+        [
+            "DQ_SERVER": server, "DQ_DATABASE": database, "DQ_IDEMPOTENT": "true", "HOME": work.path,
+            "PGPASSWORD": Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "",
+        ]
+    }
+
+    @Test("enqueue, flush, status, list, show, retry, drop and log work on a PostgreSQL queue; the password is never shown")
+    func commands() async throws {
+        let server = try await FHIRServer.start()
+        let database = try Self.freshDatabase()
+        let env = environment(server.base, database: database)
+        for index in 0..<3 {
+            let queued = try await dq(["enqueue", try work.write("o\(index).json", resources.observation(index))], env)
+            #expect(queued.status == 0, "\(queued.stderr)")
+        }
+        let bad = try await dq(["enqueue", try work.write("bad.json", resources.invalid(3))], env)
+        #expect(bad.status == 0)
+        let listed = try await dq(["list"], env)
+        #expect(listed.status == 0 && listed.stdout.split(separator: "\n").count >= 4, "\(listed.stdout)")
+        let flushed = try await dq(["flush"], env)
+        #expect(flushed.status == 65, "one item rejected and parked: \(flushed.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "1", "2"])
+        let status = try await dq(["status", "--json"], env)
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(object["delivered"] as? Int == 3 && object["parked"] as? Int == 1 && object["pending"] as? Int == 0)
+        let parked = try await dq(["list", "--parked", "--json"], env)
+        let items = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [[String: Any]])
+        let id = try #require(items.first?["id"] as? String)
+        #expect(try await dq(["show", id], env).status == 0)
+        #expect(try await dq(["retry", id], env).status == 0)
+        #expect(try await dq(["drop", id], env).status == 0)
+        let log = try await dq(["log"], env)
+        #expect(log.stdout.contains("dropped") && log.stdout.contains("parked"), "\(log.stdout)")
+        let all = try await dq(["status", "--all"], ["DQ_DATABASE": database, "HOME": work.path, "PGPASSWORD": env["PGPASSWORD"]!])
+        #expect(all.status == 0 && all.stdout.contains(server.base), "\(all.stderr)")
+        let password = env["PGPASSWORD"]!
+        let withPassword = database.replacingOccurrences(of: "postgres://dq@", with: "postgres://dq:\(password)@")
+        var secretEnv = env
+        secretEnv["DQ_DATABASE"] = withPassword
+        secretEnv["PGPASSWORD"] = nil
+        let shown = try await dq(["status"], secretEnv)
+        #expect(shown.status == 0, "\(shown.stderr)")
+        #expect(!(shown.stdout + shown.stderr).contains(password), "the password never appears")
+    }
+
+    @Test("two dq run processes and three producers on one PostgreSQL queue: every item exactly once, each producer's in order")
+    func sharedQueue() async throws {
+        let server = try await FHIRServer.start()
+        let database = try Self.freshDatabase()
+        let env = environment(server.base, database: database)
+        var runners: [ChildProcess] = []
+        for _ in 0..<2 {
+            runners.append(try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.3"], environment: env))
+        }
+        let perProducer = 15
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            for producer in 0..<3 {
+                group.addTask {
+                    for index in 0..<perProducer {
+                        let value = producer * 1000 + index
+                        let file = try work.write("p\(value).json", resources.observation(value))
+                        let result = try await dq(["enqueue", file], env)
+                        try #require(result.status == 0, "\(result.stderr)")
+                    }
+                }
+            }
+            try await group.waitForAll()
+        }
+        let arrived = try await eventually(timeout: .seconds(60)) {
+            (try await server.values("Observation", system: resources.system)).count >= 3 * perProducer
+        }
+        #expect(arrived)
+        for runner in runners { runner.kill(SIGTERM) }
+        for runner in runners {
+            let result = await runner.wait(timeout: .seconds(30))
+            #expect(result.status == 0, "\(result.stderr.suffix(1000))")
+        }
+        let values = try await server.values("Observation", system: resources.system).compactMap(Int.init)
+        #expect(values.count == 3 * perProducer, "exactly once: \(values.count)")
+        #expect(Set(values).count == values.count)
+        for producer in 0..<3 {
+            let mine = values.filter { $0 / 1000 == producer }
+            #expect(mine.count == perProducer)
+            #expect(mine == mine.sorted(), "producer \(producer) in order")
+        }
+    }
+}

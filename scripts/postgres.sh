@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A private PostgreSQL server for dq's tests, from Debian's packages, as a non-root user, on loopback.
+#
+#   scripts/postgres.sh start DIR PORT    initdb into DIR (once) and start on 127.0.0.1:PORT; prints the URL
+#   scripts/postgres.sh stop DIR          stop it (fast shutdown) and wait
+#   scripts/postgres.sh kill DIR          stop it at once (immediate shutdown: what a crash leaves)
+#
+# The cluster has one role, `dq`, with a generated password (scram-sha-256) kept in DIR/password, and a
+# database `dq`. As root the server runs as `nobody` (PostgreSQL refuses to run as root).
+set -euo pipefail
+
+bin=""
+for candidate in /usr/lib/postgresql/*/bin; do [ -x "$candidate/initdb" ] && bin="$candidate"; done
+if [ -z "$bin" ]; then
+  echo "postgres: no PostgreSQL server binaries (apt-get install postgresql)" >&2
+  exit 69
+fi
+
+as_owner() { # run as the cluster's owner
+  if [ "$(id -u)" = 0 ]; then runuser -u nobody -- "$@"; else "$@"; fi
+}
+
+start() { # DIR PORT
+  local dir="$1" port="$2"
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+  if [ ! -f "$dir/data/PG_VERSION" ]; then
+    rm -rf "$dir/data"
+    mkdir -p "$dir/data"
+    head -c 18 /dev/urandom | base64 | tr -d '/+=' > "$dir/password"
+    [ "$(id -u)" = 0 ] && chown -R nobody "$dir"
+    chmod 700 "$dir/data"
+    chmod 600 "$dir/password"
+    as_owner "$bin/initdb" -D "$dir/data" -U dq --pwfile="$dir/password" -A scram-sha-256 \
+      --encoding=UTF8 --no-locale > "$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; exit 1; }
+  fi
+  as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+    -o "-h 127.0.0.1 -p $port -k $dir -c max_connections=200 -c fsync=on -c synchronous_commit=on" start > /dev/null
+  export PGPASSWORD
+  PGPASSWORD="$(cat "$dir/password")"
+  if ! "$bin/psql" -h 127.0.0.1 -p "$port" -U dq -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'dq'" | grep -q 1; then
+    "$bin/psql" -h 127.0.0.1 -p "$port" -U dq -d postgres -qc "CREATE DATABASE dq" > /dev/null
+  fi
+  echo "postgres://dq@127.0.0.1:$port/dq"
+}
+
+stop() { # DIR MODE
+  local dir="$1" mode="$2"
+  [ -f "$dir/data/postmaster.pid" ] || return 0
+  as_owner "$bin/pg_ctl" -D "$dir/data" -m "$mode" -w -t 60 stop > /dev/null || true
+}
+
+case "${1:-}" in
+  start) start "$2" "$3" ;;
+  stop) stop "$2" fast ;;
+  kill) stop "$2" immediate ;;
+  *) echo "usage: $0 start DIR PORT | stop DIR | kill DIR" >&2; exit 64 ;;
+esac
