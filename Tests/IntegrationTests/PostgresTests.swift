@@ -122,4 +122,54 @@ struct PostgresTests {
             #expect(mine == mine.sorted(), "producer \(producer) in order")
         }
     }
+
+    @Test("dq run wakes on another process's enqueue through LISTEN/NOTIFY, without waiting for its poll interval")
+    func notifyWakesRun() async throws {
+        let server = try await FHIRServer.start()
+        let database = try Self.freshDatabase()
+        let env = environment(server.base, database: database)
+        // The queue exists (schema and one delivered item) before the long-polling runner starts.
+        #expect(try await dq(["send", try work.write("o0.json", resources.observation(0))], env).status == 0)
+        let runner = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "600"], environment: env)
+        try await Task.sleep(for: .seconds(2))  // it flushed once (nothing to do) and now waits
+        let queued = try await dq(["enqueue", try work.write("o1.json", resources.observation(1))], env)
+        #expect(queued.status == 0, "\(queued.stderr)")
+        let arrived = try await eventually(timeout: .seconds(15)) {
+            (try await server.values("Observation", system: resources.system)).count == 2
+        }
+        #expect(arrived, "delivered long before the 600 s poll: the notification woke the runner")
+        runner.kill(SIGTERM)
+        let result = await runner.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "\(result.stderr.suffix(1000))")
+    }
+
+    @Test("dq migrate moves a SQLite queue into PostgreSQL in order, with its parked items and journal; running it again adds nothing")
+    func migrate() async throws {
+        let server = try await FHIRServer.start()
+        let database = try Self.freshDatabase()
+        let pg = environment(server.base, database: database)
+        var lite = pg
+        lite["DQ_DATABASE"] = work.file("queue.sqlite")
+        #expect(try await dq(["send", try work.write("o0.json", resources.observation(0))], lite).status == 0)
+        #expect(try await dq(["send", try work.write("bad.json", resources.invalid(1))], lite).status == 65)
+        for index in 2..<5 {
+            #expect(try await dq(["enqueue", try work.write("o\(index).json", resources.observation(index))], lite).status == 0)
+        }
+        let moved = try await dq(["migrate", "--to", database, "--json"], lite)
+        #expect(moved.status == 0, "\(moved.stderr)")
+        let report = try #require(try JSONSerialization.jsonObject(with: Data(moved.stdout.utf8)) as? [String: Any])
+        #expect(report["items"] as? Int == 4 && report["pending"] as? Int == 3 && report["parked"] as? Int == 1)
+        #expect(report["journalLines"] as? Int == 2, "the delivery and the parking")
+        let left = try await dq(["status", "--json"], lite)
+        let leftObject = try #require(try JSONSerialization.jsonObject(with: Data(left.stdout.utf8)) as? [String: Any])
+        #expect(leftObject["pending"] as? Int == 0 && leftObject["parked"] as? Int == 0, "the SQLite queue is empty")
+        let status = try await dq(["status", "--json"], pg)
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(object["pending"] as? Int == 3 && object["parked"] as? Int == 1 && object["delivered"] as? Int == 1)
+        let again = try await dq(["migrate", "--to", database, "--json"], lite)
+        let second = try #require(try JSONSerialization.jsonObject(with: Data(again.stdout.utf8)) as? [String: Any])
+        #expect(again.status == 0 && second["items"] as? Int == 0 && second["journalLines"] as? Int == 0, "\(again.stdout)")
+        #expect(try await dq(["flush"], pg).status == 0)
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "2", "3", "4"])
+    }
 }

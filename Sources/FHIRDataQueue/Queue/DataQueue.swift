@@ -647,6 +647,83 @@ open class DataQueue: @unchecked Sendable {
         }
     }
 
+    /// What ``migrate(from:to:lockWait:logger:)`` moved.
+    public struct MigrationReport: Sendable, Encodable {
+        /// Items added to PostgreSQL (pending and parked).
+        public var items = 0
+        /// Of them, pending.
+        public var pending = 0
+        /// Of them, parked.
+        public var parked = 0
+        /// Items already in PostgreSQL (a migration run again): removed from SQLite, not added twice.
+        public var alreadyThere = 0
+        /// Journal lines added.
+        public var journalLines = 0
+        /// Items that arrived in SQLite while the migration ran and stay there (producers still running).
+        public var leftBehind = 0
+    }
+
+    /// Moves a SQLite queue into PostgreSQL, in order: the journal first (so that references to resources
+    /// delivered earlier still resolve), then every item with its state, attempts and last answer, in
+    /// batches; each batch is committed in PostgreSQL before it is removed from SQLite, and an item already
+    /// there is not added twice, so a migration that stopped half-way can be run again. Every queue's flush
+    /// lock is held meanwhile, so nothing is sent from the SQLite file while its items move.
+    ///
+    /// - Throws: ``DataQueueError``: `.busy` when a flush of the SQLite queue runs longer than `lockWait`,
+    ///   `.invalidConfiguration` for a source that is not a SQLite file or a target that is not PostgreSQL.
+    public static func migrate(from path: String, to url: String, lockWait: TimeInterval = 10, logger: Logger) async throws
+        -> MigrationReport
+    {
+        guard !PostgresQueueStore.isURL(path) else {
+            throw DataQueueError(.invalidConfiguration, "dq migrate moves a SQLite queue; the configured database is PostgreSQL already")
+        }
+        guard PostgresQueueStore.isURL(url) else {
+            throw DataQueueError(.invalidConfiguration, "the migration target must be a postgres:// URL")
+        }
+        guard FileManager.default.fileExists(atPath: path) else {
+            throw DataQueueError(.storage, "no queue database at \(path): nothing to migrate")
+        }
+        let source = try QueueStore(path: path, durability: .full)
+        let target = try PostgresQueueStore(url: url, logger: logger)
+        var locks: [any FlushOwnership] = []
+        func releaseAll() async {
+            for lock in locks { await lock.release() }
+            await target.shutdown()
+        }
+        do {
+            for queue in try await source.queues() {
+                guard let lock = try await source.acquireFlush(queue: queue, until: .now + .milliseconds(Int64(lockWait * 1000))) else {
+                    throw DataQueueError(.busy, "a flush of \(queue) is running; stop dq run and cron flushes, then migrate")
+                }
+                locks.append(lock)
+            }
+            var report = MigrationReport()
+            let journal = try await source.deliveries(queue: nil, limit: Int(Int32.max))
+            for start in stride(from: 0, to: journal.count, by: 1000) {
+                report.journalLines += try await target.importJournal(Array(journal[start..<min(start + 1000, journal.count)]))
+            }
+            var after: Int64 = 0
+            while true {
+                let batch = try await source.exportBatch(after: after, limit: 500)
+                guard let last = batch.last else { break }
+                let added = try await target.importItems(batch)
+                try await source.deleteMoved(batch.map(\.info.sequence))
+                report.items += added
+                report.alreadyThere += batch.count - added
+                report.pending += batch.filter { $0.info.state == .pending }.count
+                report.parked += batch.filter { $0.info.state == .parked }.count
+                after = last.info.sequence
+                logger.info("moved items", metadata: ["through": "\(after)", "total": "\(report.items)"])
+            }
+            report.leftBehind = try await source.exportBatch(after: 0, limit: Int(Int32.max)).count
+            await releaseAll()
+            return report
+        } catch {
+            await releaseAll()
+            throw error
+        }
+    }
+
     /// `databasePath` as it may be shown: a PostgreSQL URL without its password.
     public static func displayDatabase(_ databasePath: String) -> String {
         guard PostgresQueueStore.isURL(databasePath), var components = URLComponents(string: databasePath),

@@ -64,11 +64,27 @@ public struct DataQueueService: Service {
 
     /// Delivers until graceful shutdown (returns) or cancellation (returns at once).
     public func run() async throws {
+        // Enqueues by other processes into a shared store (PostgreSQL's LISTEN/NOTIFY) wake their queue at
+        // once; the poll interval stays the fallback.
+        let queues = self.queues
+        let listeners = Task {
+            await withTaskGroup(of: Void.self) { group in
+                for queue in queues {
+                    group.addTask {
+                        await queue.store.watchEnqueues { name in
+                            if name.isEmpty || name == queue.queueName { queue.wakeUp.signal() }
+                        }
+                    }
+                }
+            }
+        }
         await withTaskGroup(of: Void.self) { group in
             for queue in queues {
                 group.addTask { await self.deliver(queue) }
             }
         }
+        listeners.cancel()
+        await listeners.value
     }
 
     /// The loop of one queue: flush, then wait for an enqueue, the poll interval or shutdown.

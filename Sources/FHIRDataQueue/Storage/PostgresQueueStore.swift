@@ -71,6 +71,27 @@ final class PostgresQueueStore: QueueStorage {
         await runTask.value
     }
 
+    /// LISTEN on `dq_enqueue` (each enqueue transaction notifies its server's queue name), reconnecting after
+    /// a lost connection; after each (re)connect every queue is reported once, since notifications sent while
+    /// disconnected are lost. Behind PgBouncer in transaction mode LISTEN delivers nothing: readers poll anyway.
+    func watchEnqueues(_ enqueued: @escaping @Sendable (String) -> Void) async {
+        while !Task.isCancelled {
+            do {
+                try await ready.value
+                try await client.withConnection { connection in
+                    try await connection.listen(on: "dq_enqueue") { notifications in
+                        enqueued("")  // listening: catch up on what was missed
+                        for try await notification in notifications { enqueued(notification.payload) }
+                    }
+                }
+            } catch {
+                if Task.isCancelled { return }
+                logger.debug("LISTEN dq_enqueue stopped; listening again", metadata: ["error": "\(type(of: error))"])
+            }
+            try? await Task.sleep(for: .seconds(1))
+        }
+    }
+
     // MARK: - Configuration
 
     static func configuration(url text: String, environment: [String: String]) throws -> (PostgresClient.Configuration, String) {
@@ -759,6 +780,78 @@ final class PostgresQueueStore: QueueStorage {
                 records.append(try Self.deliveryRecord(row))
             }
             return records.reversed()
+        }
+    }
+
+    // MARK: - Moving in from SQLite (dq migrate)
+
+    /// Stores items moved from another store, in their order, keeping their id, state, attempts and last
+    /// answer; an item whose id is already here is skipped (a migration run again after a crash). Returns
+    /// how many were added.
+    func importItems(_ items: [StoredItem]) async throws -> Int {
+        guard !items.isEmpty else { return 0 }
+        return try await run("move items in") { [self] in
+            try await client.withTransaction(logger: logger) { connection in
+                var last: Int64 = 0
+                let count = Int64(items.count)
+                for try await value in try await connection.query(
+                    "UPDATE dq_meta SET next_seq = next_seq + \(count) WHERE id = 1 RETURNING next_seq", logger: logger
+                ).decode(Int64.self) {
+                    last = value
+                }
+                var added = 0
+                for (offset, stored) in items.enumerated() {
+                    let item = stored.info
+                    let conditional: Bool? = stored.conditionalCreate ? nil : false
+                    for try await _ in try await connection.query(
+                        """
+                        INSERT INTO dq_item (seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type,
+                                             body, full_url, state, attempts, enqueued_at, last_attempt_at, last_status,
+                                             last_error, outcome, conditional_create)
+                        VALUES (\(last - count + 1 + Int64(offset)), \(item.id), \(item.queue), \(item.method.rawValue), \(item.url),
+                                \(item.resourceType), \(item.resourceID), \(item.encrypted), \(stored.contentType), \(stored.body),
+                                \(stored.fullURL), \(item.state.rawValue), \(item.attempts), \(item.enqueuedAt.timeIntervalSince1970),
+                                \(item.lastAttemptAt?.timeIntervalSince1970), \(item.lastStatus), \(item.lastError), \(item.outcome),
+                                \(conditional))
+                        ON CONFLICT (uuid) DO NOTHING RETURNING seq
+                        """, logger: logger)
+                    {
+                        added += 1
+                    }
+                }
+                return added
+            }
+        }
+    }
+
+    /// Adds journal lines moved from another store, skipping those already here (same id, event and time).
+    func importJournal(_ records: [DeliveryRecord]) async throws -> Int {
+        guard !records.isEmpty else { return 0 }
+        return try await run("move the journal in") { [self] in
+            try await client.withTransaction(logger: logger) { connection in
+                var added = 0
+                for record in records {
+                    let entries = record.entryLocations.flatMap { try? JSONEncoder().encode($0) }.map {
+                        String(decoding: $0, as: UTF8.self)
+                    }
+                    let at = record.at.timeIntervalSince1970
+                    for try await _ in try await connection.query(
+                        """
+                        INSERT INTO dq_delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
+                                                 server_id, version_id, attempts, enqueued_at, at, note, full_url, bundle, entries)
+                        SELECT 0, \(record.id), \(record.event.rawValue), \(record.queue), \(record.method.rawValue), \(record.url),
+                               \(record.resourceType), \(record.status), \(record.location), \(record.serverID), \(record.versionID),
+                               \(record.attempts), \(record.enqueuedAt.timeIntervalSince1970), \(at), \(record.note), \(record.fullURL),
+                               \(record.bundle), \(entries)
+                        WHERE NOT EXISTS (SELECT 1 FROM dq_delivery WHERE uuid = \(record.id) AND event = \(record.event.rawValue) AND at = \(at))
+                        RETURNING seq
+                        """, logger: logger)
+                    {
+                        added += 1
+                    }
+                }
+                return added
+            }
         }
     }
 

@@ -99,6 +99,10 @@ protocol QueueStorage: AnyObject, Sendable {
 
     /// Releases connections (a database server's); the SQLite store has nothing to release.
     func shutdown() async
+
+    /// Calls `enqueued` with the server's queue name whenever another process enqueues into this store, until
+    /// the task is cancelled. A store that cannot tell returns at once (its readers poll).
+    func watchEnqueues(_ enqueued: @escaping @Sendable (String) -> Void) async
 }
 
 /// The exclusive right to flush one server's queue, and the note of a request on the wire that outlives

@@ -107,8 +107,28 @@ final class QueueStore: QueueStorage {
         }
     }
 
+    // MARK: - Moving to another store (dq migrate)
+
+    /// Items of every queue and state after sequence `after`, in order, with their bodies.
+    func exportBatch(after: Int64, limit: Int) async throws -> [StoredItem] {
+        try await read("read the queue") { db in
+            try Row.fetchAll(db, sql: "SELECT * FROM item WHERE seq > ? ORDER BY seq LIMIT ?", arguments: [after, limit])
+                .map(Self.storedItem)
+        }
+    }
+
+    /// Deletes items that were moved to another store (no journal line: they were not sent or dropped).
+    func deleteMoved(_ sequences: [Int64]) async throws {
+        try await immediate("remove moved items") { db in
+            for sequence in sequences { try db.execute(sql: "DELETE FROM item WHERE seq = ?", arguments: [sequence]) }
+        }
+    }
+
     /// Nothing to release: SQLite closes with the last reference.
     func shutdown() async {}
+
+    /// SQLite cannot tell other processes' enqueues: readers poll.
+    func watchEnqueues(_ enqueued: @escaping @Sendable (String) -> Void) async {}
 
     /// The flush lock of `queue`: a `flock` on a file beside the database, which the kernel releases when
     /// the holder dies; it also holds the in-flight note.
