@@ -24,6 +24,10 @@ start() { # DIR PORT
   local dir="$1" port="$2"
   mkdir -p "$dir"
   dir="$(cd "$dir" && pwd)"
+  if [ "$(id -u)" = 0 ] && ! runuser -u nobody -- test -x "$(dirname "$dir")"; then
+    echo "postgres: $(dirname "$dir") cannot be reached by the server's user (nobody); use a folder it can traverse" >&2
+    exit 73
+  fi
   if [ ! -f "$dir/data/PG_VERSION" ]; then
     rm -rf "$dir/data"
     mkdir -p "$dir/data"

@@ -33,6 +33,10 @@ extension DataQueue {
         /// would otherwise create the resource twice even in idempotent mode. Counted from when the orphaned
         /// request was sent, so it costs nothing after an orderly stop. The default is 1 second.
         public var settleDelay: TimeInterval
+        /// With a PostgreSQL database: how long the right to flush a server (a lease) lasts unless its holder
+        /// renews it (every third of it). A flusher that dies is replaced after at most this long; a shorter
+        /// lease costs more renewals. The default is 30 seconds.
+        public var leaseDuration: TimeInterval = 30
         /// A PEM file of CA certificates to trust instead of the system's (private PKI). TLS
         /// verification is always on. The default is `nil` (the system trust store).
         public var caBundlePath: String?
@@ -110,6 +114,8 @@ extension DataQueue {
             try Self.checkSeconds(connectTimeout, name: "connectTimeout", allowZero: false)
             try Self.checkSeconds(lockWait, name: "lockWait", allowZero: true)
             try Self.checkSeconds(settleDelay, name: "settleDelay", allowZero: true)
+            try Self.checkSeconds(leaseDuration, name: "leaseDuration", allowZero: false)
+            guard leaseDuration >= 1 else { throw DataQueueError(.invalidConfiguration, "leaseDuration must be at least 1 second") }
             try Self.checkSeconds(retryPolicy.initialDelay, name: "retryPolicy.initialDelay", allowZero: true)
             try Self.checkSeconds(retryPolicy.maximumDelay, name: "retryPolicy.maximumDelay", allowZero: true)
             guard retryPolicy.jitter.isFinite, (0...1).contains(retryPolicy.jitter) else {

@@ -112,7 +112,7 @@ open class DataQueue: @unchecked Sendable {
         self.metrics = QueueMetrics(destination: queueName)
         self.store = try Self.makeStore(
             databasePath: configuration.databasePath, durability: configuration.durability, readOnly: configuration.readOnly,
-            logger: logger)
+            leaseDuration: configuration.leaseDuration, logger: logger)
         self.transport = try FHIRTransport(
             timeout: configuration.requestTimeout, connectTimeout: configuration.connectTimeout,
             caBundlePath: configuration.caBundlePath, client: httpClient)
@@ -734,10 +734,13 @@ open class DataQueue: @unchecked Sendable {
     }
 
     /// The store of `databasePath`: PostgreSQL for a `postgres://` URL, else a SQLite file.
-    static func makeStore(databasePath: String, durability: Durability, readOnly: Bool, logger: Logger?) throws -> any QueueStorage {
+    static func makeStore(
+        databasePath: String, durability: Durability, readOnly: Bool, leaseDuration: TimeInterval = 30, logger: Logger?
+    ) throws -> any QueueStorage {
         if PostgresQueueStore.isURL(databasePath) {
             return try PostgresQueueStore(
-                url: databasePath, readOnly: readOnly, logger: logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() }))
+                url: databasePath, readOnly: readOnly, leaseSeconds: leaseDuration,
+                logger: logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() }))
         }
         return try QueueStore(path: databasePath, durability: durability, readOnly: readOnly)
     }

@@ -32,6 +32,8 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var connectTimeoutSeconds: Double?
     /// `settle_seconds`: see ``DataQueue/Configuration/settleDelay``.
     public var settleSeconds: Double?
+    /// `lease_seconds` (or `DQ_LEASE_SECONDS`): see ``DataQueue/Configuration/leaseDuration``.
+    public var leaseSeconds: Double?
     /// `batch_size`: the most items per request (transaction Bundle entries); `1` one request per item. Unset:
     /// automatic (see ``DataQueue/Configuration/batchSize``).
     public var batchSize: Double?
@@ -222,6 +224,10 @@ public struct DataQueueSettings: Sendable, Decodable {
             guard let value = Double(text) else { throw Self.configError("DQ_BATCH_SIZE must be a whole number") }
             batchSize = value
         }
+        if let text = environment["DQ_LEASE_SECONDS"] {
+            guard let value = Double(text) else { throw Self.configError("DQ_LEASE_SECONDS must be a number of seconds") }
+            leaseSeconds = value
+        }
         if let value = environment["DQ_TOKEN"] {
             auth = auth ?? Auth()
             auth?.bearerToken = value
@@ -309,6 +315,10 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
         if let value = try Self.seconds(connectTimeoutSeconds, "connect_timeout_seconds", allowZero: false) {
             configuration.connectTimeout = value
+        }
+        if let value = try Self.seconds(leaseSeconds, "lease_seconds", allowZero: false) {
+            guard value >= 1 else { throw Self.configError("\"lease_seconds\" must be at least 1") }
+            configuration.leaseDuration = value
         }
         if let value = try Self.seconds(settleSeconds, "settle_seconds", allowZero: true) {
             configuration.settleDelay = value
@@ -570,6 +580,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         case timeoutSeconds = "timeout_seconds"
         case connectTimeoutSeconds = "connect_timeout_seconds"
         case settleSeconds = "settle_seconds"
+        case leaseSeconds = "lease_seconds"
         case caBundle = "ca_bundle"
         case batchSize = "batch_size"
         case batchMaxBytes = "batch_max_bytes"
@@ -587,6 +598,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         timeoutSeconds = try SettingsKeys.value(container, .timeoutSeconds, "must be a number")
         connectTimeoutSeconds = try SettingsKeys.value(container, .connectTimeoutSeconds, "must be a number")
         settleSeconds = try SettingsKeys.value(container, .settleSeconds, "must be a number")
+        leaseSeconds = try SettingsKeys.value(container, .leaseSeconds, "must be a number")
         batchSize = try SettingsKeys.value(container, .batchSize, "must be a number")
         batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
         retry = try SettingsKeys.value(container, .retry, "must be an object")
