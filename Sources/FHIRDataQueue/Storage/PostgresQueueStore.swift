@@ -25,7 +25,8 @@ final class PostgresQueueStore: QueueStorage {
     let operationTimeout: Double
     let logger: Logger
     private let runTask: Task<Void, Never>
-    private let ready: Task<Void, any Error>
+    private let migration = Mutex<Task<Void, any Error>?>(nil)
+    private let readOnly: Bool
     private let grouper: AsyncGroupCommit
     /// Who holds leases from this store (host and process, for operators reading `dq_lease`).
     let holder: String
@@ -55,9 +56,7 @@ final class PostgresQueueStore: QueueStorage {
         let client = PostgresClient(configuration: configuration, backgroundLogger: logger)
         self.client = client
         runTask = Task { await client.run() }
-        ready = Task {
-            try await Self.migrate(client, readOnly: readOnly, display: display, logger: logger)
-        }
+        self.readOnly = readOnly
         let insertLogger = logger
         grouper = AsyncGroupCommit { items in
             try await Self.insert(items, client: client, logger: insertLogger)
@@ -66,9 +65,12 @@ final class PostgresQueueStore: QueueStorage {
 
     deinit { runTask.cancel() }
 
+    /// Closes the pool: waits for its connections to close, at most 5 seconds (a connection to a server
+    /// that stopped answering is left to the process's exit).
     func shutdown() async {
         runTask.cancel()
-        await runTask.value
+        let run = runTask
+        _ = try? await Self.withDeadline(seconds: 5, what: "close the connections") { await run.value }
     }
 
     /// LISTEN on `dq_enqueue` (each enqueue transaction notifies its server's queue name), reconnecting after
@@ -77,7 +79,7 @@ final class PostgresQueueStore: QueueStorage {
     func watchEnqueues(_ enqueued: @escaping @Sendable (String) -> Void) async {
         while !Task.isCancelled {
             do {
-                try await ready.value
+                try await schemaReady()
                 try await client.withConnection { connection in
                     try await connection.listen(on: "dq_enqueue") { notifications in
                         enqueued("")  // listening: catch up on what was missed
@@ -214,29 +216,58 @@ final class PostgresQueueStore: QueueStorage {
     }
 
     /// Waits for the schema, then runs `body`, mapping errors. The pool waits for a connection without a
-    /// deadline while the server is unreachable; dq gives up after ``operationTimeout`` instead (the
-    /// operation may still complete on the server: an enqueue that timed out may be stored).
+    /// deadline while the server is unreachable, and a query on a connection that hangs is not cancellable;
+    /// dq gives up after ``operationTimeout`` instead, without waiting for the stuck work (the operation may
+    /// still complete on the server: an enqueue that timed out may be stored).
     private func run<T: Sendable>(_ what: String, _ body: @escaping @Sendable () async throws -> T) async throws -> T {
-        let ready = self.ready
-        let timeout = operationTimeout
         do {
-            return try await withThrowingTaskGroup(of: T?.self) { group in
-                group.addTask {
-                    try await ready.value
-                    return try await body()
-                }
-                group.addTask {
-                    try await Task.sleep(for: .milliseconds(Int64(timeout * 1000)))
-                    return nil
-                }
-                defer { group.cancelAll() }
-                guard let first = try await group.next(), let value = first else {
-                    throw DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(timeout)) s")
-                }
-                return value
+            return try await Self.withDeadline(seconds: operationTimeout, what: what) { [self] in
+                try await schemaReady()
+                return try await body()
             }
         } catch {
             throw Self.map(error, doing: what)
+        }
+    }
+
+    /// `body`'s result, or a `.transport` error after `seconds`; `body` runs in a task of its own that is
+    /// cancelled, not awaited, when the deadline passes.
+    static func withDeadline<T: Sendable>(
+        seconds: Double, what: String, _ body: @escaping @Sendable () async throws -> T
+    ) async throws -> T {
+        let race = DeadlineRace<T>()
+        return try await withCheckedThrowingContinuation { continuation in
+            race.continuation.withLock { $0 = continuation }
+            let work = Task {
+                do {
+                    race.finish(.success(try await body()))
+                } catch {
+                    race.finish(.failure(error))
+                }
+            }
+            Task {
+                try? await Task.sleep(for: .milliseconds(Int64(seconds * 1000)))
+                work.cancel()
+                race.finish(.failure(DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(seconds)) s")))
+            }
+        }
+    }
+
+    /// The schema, made once per store; after a failure (the server down at start) the next operation tries again.
+    private func schemaReady() async throws {
+        let task = migration.withLock { current -> Task<Void, any Error> in
+            if let current { return current }
+            let made = Task { [client, readOnly, displayURL, logger] in
+                try await Self.migrate(client, readOnly: readOnly, display: displayURL, logger: logger)
+            }
+            current = made
+            return made
+        }
+        do {
+            try await task.value
+        } catch {
+            migration.withLock { if $0 == task { $0 = nil } }
+            throw error
         }
     }
 
@@ -1035,6 +1066,15 @@ final class PostgresLease: FlushOwnership {
         renewer.withLock { $0?.cancel() }
         _ = try? await store.client.query(
             "UPDATE dq_lease SET expires_at = '-infinity' WHERE queue = \(queue) AND token = \(token)", logger: store.logger)
+    }
+}
+
+/// The one continuation of ``PostgresQueueStore/withDeadline(seconds:what:_:)``: the first result wins.
+private final class DeadlineRace<T: Sendable>: Sendable {
+    let continuation = Mutex<CheckedContinuation<T, any Error>?>(nil)
+
+    func finish(_ result: Result<T, any Error>) {
+        continuation.withLock { $0.take() }?.resume(with: result)
     }
 }
 
