@@ -636,11 +636,18 @@ open class DataQueue: @unchecked Sendable {
     /// database is opened read-only and nothing is created.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there.
     public static func allQueueStatuses(databasePath: String) async throws -> [QueueStatus] {
+        try await withReadOnlyStore(databasePath) { try await $0.allStatuses() }
+    }
+
+    /// Runs `body` on the store of `databasePath` opened read-only, then closes it.
+    private static func withReadOnlyStore<T: Sendable>(
+        _ databasePath: String, _ body: (any QueueStorage) async throws -> T
+    ) async throws -> T {
         let store = try makeStore(databasePath: databasePath, durability: .full, readOnly: true, logger: nil)
         do {
-            let statuses = try await store.allStatuses()
+            let result = try await body(store)
             await store.shutdown()
-            return statuses
+            return result
         } catch {
             await store.shutdown()
             throw error
@@ -745,19 +752,12 @@ open class DataQueue: @unchecked Sendable {
         return try QueueStore(path: databasePath, durability: durability, readOnly: readOnly)
     }
 
-    /// Runs SQLite's `PRAGMA integrity_check` on the database at `databasePath`, opened read-only:
-    /// `["ok"]` when it is sound, else the problems SQLite names.
+    /// Checks the database at `databasePath`, opened read-only: SQLite's `PRAGMA integrity_check`, or for
+    /// PostgreSQL (which checks its own pages) that every row is in a state dq knows. `["ok"]` when it is
+    /// sound, else the problems found.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there or it cannot be read.
     public static func integrityCheck(databasePath: String) async throws -> [String] {
-        let store = try makeStore(databasePath: databasePath, durability: .full, readOnly: true, logger: nil)
-        do {
-            let problems = try await store.integrityCheck()
-            await store.shutdown()
-            return problems
-        } catch {
-            await store.shutdown()
-            throw error
-        }
+        try await withReadOnlyStore(databasePath) { try await $0.integrityCheck() }
     }
 
     /// The delivery journal of this queue, oldest first (the newest `limit` lines).

@@ -683,8 +683,7 @@ final class PostgresQueueStore: QueueStorage {
             if let sequence = Int64(reference) {
                 query = PostgresQuery(unsafeSQL: "SELECT \(Self.storedColumns) FROM dq_item WHERE seq = $1", binds: Self.binds(sequence))
             } else {
-                let part = reference.lowercased()
-                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return [] }
+                guard let part = itemIDPart(reference) else { return [] }
                 query = PostgresQuery(
                     unsafeSQL:
                         "SELECT \(Self.storedColumns) FROM dq_item WHERE uuid::text LIKE $1 || '%' OR right(uuid::text, $2::int) = $3 LIMIT 2",
@@ -756,8 +755,7 @@ final class PostgresQueueStore: QueueStorage {
                 query = PostgresQuery(
                     unsafeSQL: "SELECT * FROM dq_delivery WHERE item_seq = $1 ORDER BY seq DESC LIMIT 1", binds: Self.binds(sequence))
             } else {
-                let part = reference.lowercased()
-                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return nil }
+                guard let part = itemIDPart(reference) else { return nil }
                 var uuids: [UUID] = []
                 for try await uuid in try await client.query(
                     "SELECT DISTINCT uuid FROM dq_delivery WHERE uuid::text LIKE \(part) || '%' OR uuid::text LIKE '%' || \(part) LIMIT 2",

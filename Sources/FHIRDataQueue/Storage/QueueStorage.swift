@@ -121,6 +121,14 @@ protocol FlushOwnership: AnyObject, Sendable {
     func release() async
 }
 
+/// The part of an item id an operator typed (`dq show 1f3a`): lowercased, at least 4 characters of hex
+/// digits and dashes, else nil (nothing else can match, and nothing else reaches a query).
+func itemIDPart(_ reference: String) -> String? {
+    let part = reference.lowercased()
+    guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return nil }
+    return part
+}
+
 /// A delivery to record in the journal.
 struct CompletedDelivery: Sendable {
     var item: QueuedItem

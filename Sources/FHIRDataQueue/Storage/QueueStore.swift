@@ -679,8 +679,7 @@ final class QueueStore: QueueStorage {
             if let sequence = Int64(reference) {
                 rows = try Row.fetchAll(db, sql: "SELECT * FROM item WHERE seq = ?", arguments: [sequence])
             } else {
-                let part = reference.lowercased()
-                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return [] }
+                guard let part = itemIDPart(reference) else { return [] }
                 // A prefix (from the index), else a suffix: item ids are time-ordered (UUIDv7), so ids queued
                 // together share their first characters and differ in their last ones.
                 rows = try Row.fetchAll(
@@ -751,8 +750,7 @@ final class QueueStore: QueueStorage {
                 rows = try Row.fetchAll(
                     db, sql: "SELECT * FROM delivery WHERE item_seq = ? ORDER BY seq DESC LIMIT 1", arguments: [sequence])
             } else {
-                let part = reference.lowercased()
-                guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return nil }
+                guard let part = itemIDPart(reference) else { return nil }
                 let uuids = try String.fetchAll(
                     db,
                     sql: "SELECT DISTINCT uuid FROM delivery WHERE uuid LIKE ? OR uuid LIKE ? LIMIT 2",
