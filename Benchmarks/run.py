@@ -522,20 +522,83 @@ def case_service(args, work):
         "<= 1 + one round trip")
 
 
+def case_postgres(args, work):
+    print("12. PostgreSQL store", flush=True)
+    bench_venv = os.path.join(ROOT, ".peers", "bench")
+    folder = tempfile.mkdtemp(prefix="dq-bench-pg-")
+    os.chmod(folder, 0o755)  # the server runs as nobody when make runs as root
+    cluster = os.path.join(folder, "cluster")
+    url = run([os.path.join(ROOT, "scripts", "postgres.sh"), "start", cluster, str(free_port())]).stdout.strip()
+    with open(os.path.join(cluster, "password")) as f:
+        password = f.read().strip()
+    env = dict(os.environ, PGPASSWORD=password)
+    host, port = url.split("@", 1)[1].split("/", 1)[0].split(":")
+    counter = [0]
+
+    def fresh():
+        counter[0] += 1
+        name = "bench_%d_%d" % (os.getpid(), counter[0])
+        run(["psql", "-h", host, "-p", port, "-U", "dq", "-d", "dq", "-qc", "CREATE DATABASE " + name], env=env)
+        return "postgres://dq@%s:%s/%s?sslmode=disable" % (host, port, name)
+
+    def dq_enqueue(producers, count):
+        out = run([args.bench, "enqueue-concurrent", fresh(), count, 1024, producers], env=env).stdout
+        return json.loads(out.strip().splitlines()[-1])["per_second"]
+
+    def pgqueuer(producers, count):
+        dsn = fresh().replace("?sslmode=disable", "").replace("postgres://dq@", "postgres://dq:%s@" % password)
+        out = run([os.path.join(bench_venv, "bin", "python"), os.path.join(ROOT, "Benchmarks", "pg_reference.py"), dsn,
+                   str(count), "1024", str(producers)], env=env).stdout
+        return json.loads(out.strip().splitlines()[-1])["per_second"]
+
+    try:
+        for producers, count, target in ((1, 1000, ">= 1.0"), (8, 4000, ">= 1.0"), (64, 20000, ">= 1.0 and >= 10,000/s")):
+            n = args.scale(count)
+            dq_value = median_of(lambda: dq_enqueue(producers, n), args.repeat)
+            row("12 PostgreSQL enqueue, %d producer(s) (items/s)" % producers, dq_value, "items/s",
+                "pgqueuer 1.6, same payloads and server", median_of(lambda: pgqueuer(producers, n), args.repeat), target)
+        if shutil.which("nginx"):
+            nginx, sink = start_nginx(work)
+            try:
+                n = args.scale(5000)
+                lines = os.path.join(work, "pg-sink.ndjson")
+                write_ndjson(lines, n, 1024)
+                server = "http://127.0.0.1:%d/fhir" % sink
+
+                def flush_rate(database):
+                    flush_env = dq_env(work, server)
+                    flush_env.update(DQ_DATABASE=database, PGPASSWORD=password)
+                    run([args.dq, "enqueue", "--ndjson", lines], env=flush_env)
+                    start = time.perf_counter()
+                    out = run([args.dq, "flush"], env=flush_env).stdout
+                    assert "%d delivered" % n in out, out
+                    return n / (time.perf_counter() - start)
+
+                row("12 PostgreSQL flush to nginx, lease held (items/s)", median_of(lambda: flush_rate(fresh()), args.repeat),
+                    "items/s", "the same flush, SQLite store",
+                    median_of(lambda: flush_rate(os.path.join(work, "pgf-%f.sqlite" % time.time())), args.repeat), ">= 0.8")
+            finally:
+                nginx.terminate()
+                nginx.wait()
+    finally:
+        run([os.path.join(ROOT, "scripts", "postgres.sh"), "stop", cluster], check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dq", default=os.path.join(ROOT, ".build", "release", "dq"))
     parser.add_argument("--bench", default=os.path.join(ROOT, ".build", "release", "dq-bench"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
-    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10,11")
+    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10,11,12")
     parser.add_argument("--out", default=os.path.join(ROOT, "Benchmarks", "results.md"))
     args = parser.parse_args()
     factor = 0.1 if args.quick else 1.0
     args.scale = lambda n: max(1, int(n * factor))
     cases = {"1": case_enqueue, "4": case_flush_sink, "5": case_flush_fhir, "6": case_seal, "7": case_memory,
              "8": case_startup, "9": case_peers, "10": case_drain_latency,
-             "11": case_service}
+             "11": case_service, "12": case_postgres}
     work = tempfile.mkdtemp(prefix="dq-bench-")
     try:
         for key in args.cases.split(","):

@@ -56,11 +56,12 @@ wait_ready() { # URL
 
 bench() {
   install
-  if [ ! -f "$peers/bench/.installed-v1" ]; then
+  if [ ! -f "$peers/bench/.installed-v2" ]; then
     "$PY" -m venv "$peers/bench"
     "$peers/bench/bin/pip" install --quiet --disable-pip-version-check \
-      "fhirclient==4.4.0" "fhirpy==2.3.1" "requests==2.34.2" "persist-queue==1.1.0" "litequeue==0.9"
-    touch "$peers/bench/.installed-v1"
+      "fhirclient==4.4.0" "fhirpy==2.3.1" "requests==2.34.2" "persist-queue==1.1.0" "litequeue==0.9" \
+      "pgqueuer==1.6.0" "asyncpg==0.32.0"
+    touch "$peers/bench/.installed-v2"
   fi
 }
 
