@@ -542,7 +542,7 @@ def case_postgres(args, work):
         return "postgres://dq@%s:%s/%s?sslmode=disable" % (host, port, name)
 
     def dq_enqueue(producers, count):
-        out = run([args.bench, "enqueue-concurrent", fresh(), count, 1024, producers], env=env).stdout
+        out = run([args.bench, "enqueue-concurrent", fresh(), str(count), "1024", str(producers)], env=env).stdout
         return json.loads(out.strip().splitlines()[-1])["per_second"]
 
     def pgqueuer(producers, count):
