@@ -669,11 +669,7 @@ final class PostgresQueueStore: QueueStorage {
             }
             bindings.append(Int64(limit))
             sql += " ORDER BY seq LIMIT $\(bindings.count)"
-            var items: [QueuedItem] = []
-            for try await row in try await client.query(PostgresQuery(unsafeSQL: sql, binds: bindings), logger: logger) {
-                items.append(try Self.queuedItem(row))
-            }
-            return items
+            return try await rows(PostgresQuery(unsafeSQL: sql, binds: bindings), Self.queuedItem)
         }
     }
 
@@ -689,9 +685,7 @@ final class PostgresQueueStore: QueueStorage {
                         "SELECT \(Self.storedColumns) FROM dq_item WHERE uuid::text LIKE $1 || '%' OR right(uuid::text, $2::int) = $3 LIMIT 2",
                     binds: Self.binds(part, Int64(part.count), part))
             }
-            var items: [StoredItem] = []
-            for try await row in try await client.query(query, logger: logger) { items.append(try Self.storedItem(row)) }
-            return items
+            return try await rows(query, Self.storedItem)
         }
         guard found.count == 1 else {
             if found.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
@@ -770,8 +764,7 @@ final class PostgresQueueStore: QueueStorage {
                 query = PostgresQuery(
                     unsafeSQL: "SELECT * FROM dq_delivery WHERE uuid = $1 ORDER BY seq DESC LIMIT 1", binds: Self.binds(uuids[0]))
             }
-            for try await row in try await client.query(query, logger: logger) { return try Self.deliveryRecord(row) }
-            return nil
+            return try await rows(query, Self.deliveryRecord).first
         }
     }
 
@@ -804,11 +797,7 @@ final class PostgresQueueStore: QueueStorage {
             }
             bindings.append(Int64(limit))
             sql += " ORDER BY seq DESC LIMIT $\(bindings.count)"
-            var records: [DeliveryRecord] = []
-            for try await row in try await client.query(PostgresQuery(unsafeSQL: sql, binds: bindings), logger: logger) {
-                records.append(try Self.deliveryRecord(row))
-            }
-            return records.reversed()
+            return try await rows(PostgresQuery(unsafeSQL: sql, binds: bindings), Self.deliveryRecord).reversed()
         }
     }
 
@@ -885,6 +874,13 @@ final class PostgresQueueStore: QueueStorage {
     }
 
     // MARK: - Rows
+
+    /// Every row `query` returns, each made into a value by `decode`.
+    private func rows<T>(_ query: PostgresQuery, _ decode: (PostgresRow) throws -> T) async throws -> [T] {
+        var values: [T] = []
+        for try await row in try await client.query(query, logger: logger) { values.append(try decode(row)) }
+        return values
+    }
 
     static func binds(_ values: any PostgresEncodable...) -> PostgresBindings {
         var bindings = PostgresBindings()
