@@ -313,19 +313,24 @@ final class PostgresQueueStore: QueueStorage {
     static let itemInsertColumns =
         "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, enqueued_at"
 
+    /// Reserves `count` sequence numbers from the counter row and returns the first. The row stays locked
+    /// until the caller's transaction commits, so sequences rise in commit order.
+    private static func reserveSequences(_ count: Int, connection: PostgresConnection, logger: Logger) async throws -> Int64 {
+        var last: Int64 = 0
+        for try await value in try await connection.query(
+            "UPDATE dq_meta SET next_seq = next_seq + \(Int64(count)) WHERE id = 1 RETURNING next_seq", logger: logger
+        ).decode(Int64.self) {
+            last = value
+        }
+        return last - Int64(count) + 1
+    }
+
     /// One transaction: the counter row (locked until commit, so sequences rise in commit order), the rows,
     /// and a notification per server.
     fileprivate static func insert(_ items: [NewItem], client: PostgresClient, logger: Logger) async throws -> [Int64] {
         guard !items.isEmpty else { return [] }
         return try await client.withTransaction(logger: logger) { connection in
-            var last: Int64 = 0
-            let count = Int64(items.count)
-            for try await value in try await connection.query(
-                "UPDATE dq_meta SET next_seq = next_seq + \(count) WHERE id = 1 RETURNING next_seq", logger: logger
-            ).decode(Int64.self) {
-                last = value
-            }
-            let first = last - count + 1
+            let first = try await reserveSequences(items.count, connection: connection, logger: logger)
             let now = Date().timeIntervalSince1970
             for start in stride(from: 0, to: items.count, by: 1000) {
                 let chunk = items[start..<min(start + 1000, items.count)]
@@ -810,13 +815,7 @@ final class PostgresQueueStore: QueueStorage {
         guard !items.isEmpty else { return 0 }
         return try await run("move items in") { [self] in
             try await client.withTransaction(logger: logger) { connection in
-                var last: Int64 = 0
-                let count = Int64(items.count)
-                for try await value in try await connection.query(
-                    "UPDATE dq_meta SET next_seq = next_seq + \(count) WHERE id = 1 RETURNING next_seq", logger: logger
-                ).decode(Int64.self) {
-                    last = value
-                }
+                let first = try await Self.reserveSequences(items.count, connection: connection, logger: logger)
                 var added = 0
                 for (offset, stored) in items.enumerated() {
                     let item = stored.info
@@ -826,7 +825,7 @@ final class PostgresQueueStore: QueueStorage {
                         INSERT INTO dq_item (seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type,
                                              body, full_url, state, attempts, enqueued_at, last_attempt_at, last_status,
                                              last_error, outcome, conditional_create)
-                        VALUES (\(last - count + 1 + Int64(offset)), \(item.id), \(item.queue), \(item.method.rawValue), \(item.url),
+                        VALUES (\(first + Int64(offset)), \(item.id), \(item.queue), \(item.method.rawValue), \(item.url),
                                 \(item.resourceType), \(item.resourceID), \(item.encrypted), \(stored.contentType), \(stored.body),
                                 \(stored.fullURL), \(item.state.rawValue), \(item.attempts), \(item.enqueuedAt.timeIntervalSince1970),
                                 \(item.lastAttemptAt?.timeIntervalSince1970), \(item.lastStatus), \(item.lastError), \(item.outcome),
