@@ -40,7 +40,11 @@ test: build gateway peers
 	.peers/venv/bin/python scripts/torture.py --quick
 	@scripts/peers.sh start
 	@set -a; . .peers/env; set +a; export DQ_REQUIRE_PEERS=1; \
-	$(SWIFT) test --skip-build; rc=$$?; scripts/peers.sh stop; exit $$rc
+	{ $(SWIFT) test --skip-build; echo $$? > .build/test.rc; } 2>&1 | tee .build/test.log; \
+	rc=$$(cat .build/test.rc); scripts/peers.sh stop; \
+	if [ "$$rc" != 0 ]; then echo "== failed tests and their issues (full log: .build/test.log) =="; \
+	  grep -E '✘|error:|recorded an issue|Expectation failed' .build/test.log | grep -v '✘ Test run with' | head -60; fi; \
+	exit $$rc
 
 # The full crash, fault, concurrency, exhaustion and bad-input runs (about 10 minutes).
 torture: build peers

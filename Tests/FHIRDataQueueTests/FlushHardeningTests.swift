@@ -68,6 +68,43 @@ struct FlushHardeningTests {
         try await server.shutdown()
     }
 
+    @Test("A send whose item another flush delivered while it waited for the flush right says delivered, not queued")
+    func sendDeliveredByAnotherFlush() async throws {
+        let gate = AsyncStream<Void>.makeStream()
+        let first = Mutex(true)
+        let server = try await ScriptedServer { request in
+            if first.withLock({ value in
+                defer { value = false }; return value
+            }) {
+                for await _ in gate.stream { break }  // the first request waits for the test
+            }
+            return .respond(.created(location: "Patient/p\(request.body.count)/_history/1"))
+        }
+        let queue = try queue(server)
+        try await queue.enqueue(Self.patient(1))
+        let flushing = Task { try await queue.flush() }  // holds the flush right while its request waits
+        #expect(await server.waitFor { $0.count == 1 })
+        let sending = Task { try await queue.create(Self.patient(2)) }
+        var queued = false
+        for _ in 0..<500 where !queued {
+            queued = try await queue.status().pending == 2
+            if !queued { try await Task.sleep(for: .milliseconds(10)) }
+        }
+        #expect(queued, "the send queued its item and waits for the flush right")
+        gate.continuation.yield()
+        let report = try await flushing.value
+        #expect(report.delivered == 2, "the running flush delivered the sent item too")
+        let outcome = try await sending.value
+        guard case .delivered(let record) = outcome else {
+            Issue.record("expected delivered, got \(outcome)")
+            return
+        }
+        #expect(record.location?.hasPrefix("Patient/p") == true && record.status == 201)
+        #expect(server.requests.count == 2, "each item sent once")
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
     @Test("Two servers in one database flush independently: one stalled does not hold the other")
     func flushLockPerQueue() async throws {
         let stalled = try await ScriptedServer { _ in .stall }

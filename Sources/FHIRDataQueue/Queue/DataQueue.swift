@@ -364,6 +364,15 @@ open class DataQueue: @unchecked Sendable {
             limit: nil, force: false, through: item.sequence, tracking: item.sequence,
             lockWait: configuration.lockWait, progress: nil)
         if let outcome { return outcome }
+        // Another flush (a service's, another process's) may have handled the item while this one waited for
+        // the flush right: its journal line says so.
+        if let record = try await store.journalLine(String(item.sequence)) {
+            switch record.event {
+            case .delivered, .alreadyPresent: return .delivered(record)
+            case .parked: return .parked(item, reason: record.note ?? "the server rejected it")
+            case .dropped: break
+            }
+        }
         if case .authentication(let message) = report.stop {
             throw DataQueueError(.authentication, message)
         }
