@@ -527,6 +527,8 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", type=lambda text: text.split(","), default=[],
+                        help="comma-separated runs: crash, network, concurrency, shared, exhaustion, bad-input, security")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="dq-torture-")
@@ -534,15 +536,21 @@ def main():
     print("torture: seed %d, %s" % (args.seed, "quick" if args.quick else "full"), flush=True)
     try:
         # Every promise holds with and without Bundles.
-        for batch in (1, 8):
-            crash_loop(work, 25 if args.quick else 200, rng, batch)
-        for batch in (1, 25):
-            network_faults(work, 150 if args.quick else 1000, rng, args.seed, batch)
-        concurrency(work, 3, 40 if args.quick else 300, rng)
-        shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12)
-        exhaustion(work)
-        bad_inputs(work, rng, 60 if args.quick else 600, 5 if args.quick else 60)
-        security(work)
+        runs = [
+            ("crash", lambda: [crash_loop(work, 25 if args.quick else 200, rng, batch) for batch in (1, 8)]),
+            ("network", lambda: [network_faults(work, 150 if args.quick else 1000, rng, args.seed, batch) for batch in (1, 25)]),
+            ("concurrency", lambda: concurrency(work, 3, 40 if args.quick else 300, rng)),
+            ("shared", lambda: shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12)),
+            ("exhaustion", lambda: exhaustion(work)),
+            ("bad-input", lambda: bad_inputs(work, rng, 60 if args.quick else 600, 5 if args.quick else 60)),
+            ("security", lambda: security(work)),
+        ]
+        unknown = set(args.only) - {name for name, _ in runs}
+        if unknown:
+            parser.error("unknown run(s) %s; the runs are %s" % (", ".join(sorted(unknown)), ", ".join(n for n, _ in runs)))
+        for name, body in runs:
+            if not args.only or name in args.only:
+                body()
     finally:
         stop_all()
         shutil.rmtree(work, ignore_errors=True)

@@ -73,9 +73,11 @@ struct FlushHardeningTests {
         let gate = AsyncStream<Void>.makeStream()
         let first = Mutex(true)
         let server = try await ScriptedServer { request in
-            if first.withLock({ value in
-                defer { value = false }; return value
-            }) {
+            let isFirst = first.withLock { value in
+                defer { value = false }
+                return value
+            }
+            if isFirst {
                 for await _ in gate.stream { break }  // the first request waits for the test
             }
             return .respond(.created(location: "Patient/p\(request.body.count)/_history/1"))

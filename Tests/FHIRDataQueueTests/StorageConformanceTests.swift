@@ -220,6 +220,9 @@ struct StorageConformanceTests {
         try await next.clearInFlight()
         #expect(try await next.inFlight() == nil)
         await next.release()
+        let third = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        #expect(try await third.inFlight() == nil, "a cleared note stays cleared for the owners after")
+        await third.release()
     }
 
     @Test(
@@ -244,7 +247,10 @@ struct StorageConformanceTests {
         let note = try #require(try await fresh.inFlight(), "the new holder sees the request on the wire")
         #expect(note.sequence == sequences[0])
 
-        // The stalled flusher wakes up: each write it tries is refused, and it may not send.
+        // The stalled flusher wakes up: it may not note a send (before anything else told it of the takeover)
+        // and its note attempt leaves the new holder's view untouched; each write it tries is refused.
+        await #expect(throws: DataQueueError.self) { try await stale.markInFlight(sequence: sequences[1]) }
+        #expect(try await fresh.inFlight()?.sequence == sequences[0])
         let item0 = try await first.item(String(sequences[0])).info
         let parked = await #expect(throws: DataQueueError.self) {
             try await first.park(item0, url: "http://h/fhir/Patient", status: 400, error: "x", outcome: nil, owner: stale)

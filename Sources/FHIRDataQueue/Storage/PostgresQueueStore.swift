@@ -191,6 +191,17 @@ final class PostgresQueueStore: QueueStorage {
           queue text PRIMARY KEY, holder text NOT NULL, token bigint NOT NULL, expires_at timestamptz NOT NULL,
           in_flight_seq bigint, in_flight_at double precision)
         """,
+        // The in-flight note of the holder with `token` (a row of its own: the fenced writes lock the lease row).
+        """
+        CREATE TABLE IF NOT EXISTS dq_note (
+          queue text PRIMARY KEY, token bigint NOT NULL, in_flight_seq bigint, in_flight_at double precision)
+        """,
+        // Notes left in the lease row by dq before the note had its table.
+        """
+        INSERT INTO dq_note (queue, token, in_flight_seq, in_flight_at)
+        SELECT queue, token, in_flight_seq, in_flight_at FROM dq_lease WHERE in_flight_seq IS NOT NULL
+        ON CONFLICT (queue) DO NOTHING
+        """,
     ]
 
     /// Creates the schema under a transaction-scoped advisory lock (one instance at a time; the others find
@@ -219,7 +230,7 @@ final class PostgresQueueStore: QueueStorage {
     /// deadline while the server is unreachable, and a query on a connection that hangs is not cancellable;
     /// dq gives up after ``operationTimeout`` instead, without waiting for the stuck work (the operation may
     /// still complete on the server: an enqueue that timed out may be stored).
-    private func run<T: Sendable>(_ what: String, _ body: @escaping @Sendable () async throws -> T) async throws -> T {
+    fileprivate func run<T: Sendable>(_ what: String, _ body: @escaping @Sendable () async throws -> T) async throws -> T {
         do {
             return try await Self.withDeadline(seconds: operationTimeout, what: what) { [self] in
                 try await schemaReady()
@@ -325,33 +336,74 @@ final class PostgresQueueStore: QueueStorage {
         return last - Int64(count) + 1
     }
 
-    /// One transaction: the counter row (locked until commit, so sequences rise in commit order), the rows,
-    /// and a notification per server.
+    /// The bindings and `VALUES` rows of `items` for an insert into `dq_item`; each row's first value is its
+    /// offset from the first sequence (`firstSequence`, or a value the statement adds).
+    private static func itemRows(_ items: ArraySlice<NewItem>, offsetFrom start: Int, firstSequence: Int64, now: Double)
+        throws -> (rows: [String], bindings: PostgresBindings)
+    {
+        var bindings = PostgresBindings(capacity: items.count * 12)
+        var rows: [String] = []
+        for (offset, item) in items.enumerated() {
+            let base = bindings.count
+            rows.append("(" + (1...12).map { "$\(base + $0)" }.joined(separator: ", ") + ")")
+            bindings.append(firstSequence + Int64(start + offset))
+            bindings.append(item.id)
+            bindings.append(item.queue)
+            bindings.append(item.method.rawValue)
+            bindings.append(item.url)
+            bindings.append(item.resourceType)
+            bindings.append(item.resourceID)
+            bindings.append(item.encrypted)
+            bindings.append(item.contentType)
+            try bindings.append(item.body)
+            bindings.append(item.fullURL)
+            bindings.append(now)
+        }
+        return (rows, bindings)
+    }
+
+    /// The most items one enqueue statement carries (12 parameters each, under PostgreSQL's 65,535).
+    static let statementRows = 1000
+
+    /// Stores `items` durably. Up to ``statementRows`` items are one statement, hence one round trip and one
+    /// commit: the counter row (locked until that commit, so sequences rise in commit order), the rows, and a
+    /// notification per server. More are one transaction of such inserts.
     fileprivate static func insert(_ items: [NewItem], client: PostgresClient, logger: Logger) async throws -> [Int64] {
         guard !items.isEmpty else { return [] }
+        let now = Date().timeIntervalSince1970
+        guard items.count > statementRows else {
+            let (rows, initialBindings) = try itemRows(items[...], offsetFrom: 0, firstSequence: 0, now: now)
+            var bindings = initialBindings
+            let countParameter = bindings.count + 1
+            bindings.append(Int64(items.count))
+            let statement = """
+                WITH counter AS (
+                  UPDATE dq_meta SET next_seq = next_seq + $\(countParameter) WHERE id = 1
+                  RETURNING next_seq - $\(countParameter) + 1 AS first),
+                stored AS (
+                  INSERT INTO dq_item (\(itemInsertColumns))
+                  SELECT counter.first + v.o, v.uuid, v.queue, v.method, v.url, v.resource_type, v.resource_id::text,
+                         v.encrypted, v.content_type, v.body, v.full_url::text, v.enqueued_at
+                  FROM counter, (VALUES \(rows.joined(separator: ", "))) AS v(o, uuid, queue, method, url, resource_type,
+                       resource_id, encrypted, content_type, body, full_url, enqueued_at)
+                  RETURNING queue)
+                SELECT counter.first, (SELECT count(pg_notify('dq_enqueue', q)) FROM (SELECT DISTINCT queue AS q FROM stored) d)
+                FROM counter
+                """
+            var first: Int64?
+            for try await (value, _) in try await client.query(PostgresQuery(unsafeSQL: statement, binds: bindings), logger: logger)
+                .decode((Int64, Int64).self)
+            {
+                first = value
+            }
+            guard let first else { throw DataQueueError(.storage, "cannot enqueue: the queue's counter row is missing") }
+            return (0..<Int64(items.count)).map { first + $0 }
+        }
         return try await client.withTransaction(logger: logger) { connection in
             let first = try await reserveSequences(items.count, connection: connection, logger: logger)
-            let now = Date().timeIntervalSince1970
-            for start in stride(from: 0, to: items.count, by: 1000) {
-                let chunk = items[start..<min(start + 1000, items.count)]
-                var bindings = PostgresBindings(capacity: chunk.count * 12)
-                var rows: [String] = []
-                for (offset, item) in chunk.enumerated() {
-                    let base = bindings.count
-                    rows.append("(" + (1...12).map { "$\(base + $0)" }.joined(separator: ", ") + ")")
-                    bindings.append(first + Int64(start + offset))
-                    bindings.append(item.id)
-                    bindings.append(item.queue)
-                    bindings.append(item.method.rawValue)
-                    bindings.append(item.url)
-                    bindings.append(item.resourceType)
-                    if let resourceID = item.resourceID { bindings.append(resourceID) } else { bindings.appendNull() }
-                    bindings.append(item.encrypted)
-                    bindings.append(item.contentType)
-                    try bindings.append(item.body)
-                    if let fullURL = item.fullURL { bindings.append(fullURL) } else { bindings.appendNull() }
-                    bindings.append(now)
-                }
+            for start in stride(from: 0, to: items.count, by: statementRows) {
+                let (rows, bindings) = try itemRows(
+                    items[start..<min(start + statementRows, items.count)], offsetFrom: start, firstSequence: first, now: now)
                 try await connection.query(
                     PostgresQuery(
                         unsafeSQL: "INSERT INTO dq_item (\(itemInsertColumns)) VALUES " + rows.joined(separator: ", "),
@@ -462,26 +514,50 @@ final class PostgresQueueStore: QueueStorage {
         return outcome.result.withLock { $0 }
     }
 
+    /// Moves `deliveries` to the journal in three statements whatever their number: one delete, one insert
+    /// of the lines (in delivery order, for the items the delete found), and the backoff's reset.
     private func journal(_ deliveries: [CompletedDelivery], queue: String, connection: PostgresConnection) async throws {
         let now = Date().timeIntervalSince1970
-        for delivery in deliveries {
-            let item = delivery.item
-            var deleted = false
-            for try await _ in try await connection.query(
-                "DELETE FROM dq_item WHERE seq = \(item.sequence) RETURNING seq", logger: logger
-            ) {
-                deleted = true
+        var deleted = Set<Int64>()
+        for try await seq in try await connection.query(
+            "DELETE FROM dq_item WHERE seq = ANY(\(deliveries.map(\.item.sequence))) RETURNING seq", logger: logger
+        ).decode(Int64.self) {
+            deleted.insert(seq)
+        }
+        let lines = deliveries.filter { deleted.remove($0.item.sequence) != nil }  // once each, in delivery order
+        for start in stride(from: 0, to: lines.count, by: 1000) {
+            var bindings = PostgresBindings(capacity: 17 * min(1000, lines.count - start))
+            var rows: [String] = []
+            for delivery in lines[start..<min(start + 1000, lines.count)] {
+                let item = delivery.item
+                let base = bindings.count
+                rows.append("(" + (1...17).map { "$\(base + $0)" }.joined(separator: ", ") + ")")
+                bindings.append(item.sequence)
+                bindings.append(item.id)
+                bindings.append(delivery.event.rawValue)
+                bindings.append(item.queue)
+                bindings.append(item.method.rawValue)
+                bindings.append(delivery.url)
+                bindings.append(item.resourceType)
+                bindings.append(delivery.status)
+                bindings.append(delivery.location)
+                bindings.append(delivery.serverID)
+                bindings.append(delivery.versionID)
+                bindings.append(item.attempts + 1)
+                bindings.append(item.enqueuedAt.timeIntervalSince1970)
+                bindings.append(now)
+                bindings.append(delivery.fullURL)
+                bindings.append(delivery.bundle)
+                bindings.append(delivery.entries)
             }
-            guard deleted else { continue }
             try await connection.query(
-                """
-                INSERT INTO dq_delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
-                                         server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries)
-                VALUES (\(item.sequence), \(item.id), \(delivery.event.rawValue), \(item.queue), \(item.method.rawValue),
-                        \(delivery.url), \(item.resourceType), \(delivery.status), \(delivery.location), \(delivery.serverID),
-                        \(delivery.versionID), \(item.attempts + 1), \(item.enqueuedAt.timeIntervalSince1970), \(now),
-                        \(delivery.fullURL), \(delivery.bundle), \(delivery.entries))
-                """, logger: logger)
+                PostgresQuery(
+                    unsafeSQL: """
+                        INSERT INTO dq_delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
+                                                 server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries)
+                        VALUES \(rows.joined(separator: ", "))
+                        """, binds: bindings),
+                logger: logger)
         }
         try await connection.query(
             "UPDATE dq_server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = \(queue) AND failures > 0",
@@ -953,6 +1029,8 @@ final class PostgresLease: FlushOwnership {
     private let store: PostgresQueueStore
     private let validUntil: Mutex<ContinuousClock.Instant>
     private let renewer: Mutex<Task<Void, Never>?>
+    /// The note was cleared here but not yet in the row (see ``clearInFlight()``).
+    private let noteCleared = Mutex(false)
 
     private init(store: PostgresQueueStore, queue: String, token: Int64, since start: ContinuousClock.Instant) {
         self.store = store
@@ -967,12 +1045,17 @@ final class PostgresLease: FlushOwnership {
         let start = ContinuousClock.now
         for try await token in try await store.client.query(
             """
-            INSERT INTO dq_lease (queue, holder, token, expires_at)
-            VALUES (\(queue), \(store.holder), 1, now() + make_interval(secs => \(store.leaseSeconds)))
-            ON CONFLICT (queue) DO UPDATE SET holder = EXCLUDED.holder, token = dq_lease.token + 1,
-              expires_at = EXCLUDED.expires_at
-            WHERE dq_lease.expires_at <= now()
-            RETURNING token
+            WITH taken AS (
+              INSERT INTO dq_lease (queue, holder, token, expires_at)
+              VALUES (\(queue), \(store.holder), 1, now() + make_interval(secs => \(store.leaseSeconds)))
+              ON CONFLICT (queue) DO UPDATE SET holder = EXCLUDED.holder, token = dq_lease.token + 1,
+                expires_at = EXCLUDED.expires_at
+              WHERE dq_lease.expires_at <= now()
+              RETURNING token),
+            fenced AS (
+              INSERT INTO dq_note (queue, token) SELECT \(queue), token FROM taken
+              ON CONFLICT (queue) DO UPDATE SET token = EXCLUDED.token)
+            SELECT token FROM taken
             """, logger: store.logger
         ).decode(Int64.self) {
             let lease = PostgresLease(store: store, queue: queue, token: token, since: start)
@@ -1025,38 +1108,64 @@ final class PostgresLease: FlushOwnership {
         }
     }
 
+    /// Notes `sequence` in `dq_note`, where the token still matches (a takeover raises it there too, so a
+    /// lost lease stops here). One statement whose commit does not wait for the disk (`synchronous_commit`
+    /// off for that transaction alone): the note outlives a crash of dq at once, and a crash of PostgreSQL
+    /// in the next few hundred milliseconds may lose it, as the SQLite store's marker (a write to the page
+    /// cache) outlives dq but not the machine.
     func markInFlight(sequence: Int64) async throws {
         try checkHeld()
-        var held = false
-        for try await _ in try await store.client.query(
-            """
-            UPDATE dq_lease SET in_flight_seq = \(sequence), in_flight_at = \(Date().timeIntervalSince1970)
-            WHERE queue = \(queue) AND token = \(token) RETURNING token
-            """, logger: store.logger)
-        {
-            held = true
+        let (queue, token, client, logger) = (queue, token, store.client, store.logger)
+        let held = try await store.run("note the item being sent") {
+            var held = false
+            for try await _ in try await client.query(
+                """
+                WITH asynchronous AS (SELECT set_config('synchronous_commit', 'off', true))
+                INSERT INTO dq_note (queue, token, in_flight_seq, in_flight_at)
+                SELECT \(queue), \(token), \(sequence), \(Date().timeIntervalSince1970) FROM asynchronous
+                ON CONFLICT (queue) DO UPDATE SET token = EXCLUDED.token, in_flight_seq = EXCLUDED.in_flight_seq,
+                  in_flight_at = EXCLUDED.in_flight_at
+                WHERE dq_note.token <= EXCLUDED.token
+                RETURNING token
+                """, logger: logger)
+            {
+                held = true
+            }
+            return held
         }
+        noteCleared.withLock { $0 = false }
         if !held { lost() }
         try checkHeld()
     }
 
+    /// Clears the note, lazily: the next ``markInFlight(sequence:)`` overwrites it and ``release()`` clears
+    /// it, so a flush costs no round trip per answer for it. A flusher that dies between an answer and its
+    /// next send leaves the answered item's note: the next holder waits out the rest of its settle delay,
+    /// which costs time, never a resource.
     func clearInFlight() async throws {
-        try await store.client.query(
-            "UPDATE dq_lease SET in_flight_seq = NULL, in_flight_at = NULL WHERE queue = \(queue) AND token = \(token)",
-            logger: store.logger)
+        noteCleared.withLock { $0 = true }
     }
 
     func inFlight() async throws -> (sequence: Int64, sentAt: Date)? {
-        for try await (sequence, at) in try await store.client.query(
-            "SELECT in_flight_seq, in_flight_at FROM dq_lease WHERE queue = \(queue)", logger: store.logger
-        ).decode((Int64?, Double?).self) {
-            if let sequence, let at { return (sequence, Date(timeIntervalSince1970: at)) }
+        if noteCleared.withLock({ $0 }) { return nil }
+        let (queue, client, logger) = (queue, store.client, store.logger)
+        return try await store.run("read the in-flight note") {
+            for try await (sequence, at) in try await client.query(
+                "SELECT in_flight_seq, in_flight_at FROM dq_note WHERE queue = \(queue)", logger: logger
+            ).decode((Int64?, Double?).self) {
+                if let sequence, let at { return (sequence, Date(timeIntervalSince1970: at)) }
+            }
+            return nil
         }
-        return nil
     }
 
     func release() async {
         renewer.withLock { $0?.cancel() }
+        if noteCleared.withLock({ $0 }) {
+            _ = try? await store.client.query(
+                "UPDATE dq_note SET in_flight_seq = NULL, in_flight_at = NULL WHERE queue = \(queue) AND token = \(token)",
+                logger: store.logger)
+        }
         _ = try? await store.client.query(
             "UPDATE dq_lease SET expires_at = '-infinity' WHERE queue = \(queue) AND token = \(token)", logger: store.logger)
     }
