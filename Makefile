@@ -1,6 +1,6 @@
 # dq: make test (all tests against real servers), make demo (the main job on loopback).
 SWIFT ?= swift
-APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv systemd postgresql
+APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv systemd postgresql pgbouncer
 export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 

@@ -569,9 +569,9 @@ def case_postgres(args, work):
     try:
         for producers, count, target in ((1, 1000, ">= 1.0"), (8, 4000, ">= 1.0"), (64, 20000, ">= 1.0 and >= 10,000/s")):
             n = args.scale(count)
-            dq_value = median_of(lambda: dq_enqueue(producers, n), args.repeat)
+            dq_value, reference = interleaved([lambda: dq_enqueue(producers, n), lambda: pgqueuer(producers, n)], args.repeat)
             row("12 PostgreSQL enqueue, %d producer(s) (items/s)" % producers, dq_value, "items/s",
-                "pgqueuer 1.6, same payloads and server", median_of(lambda: pgqueuer(producers, n), args.repeat), target)
+                "pgqueuer 1.6, same payloads and server", reference, target)
         if shutil.which("nginx"):
             nginx, sink = start_nginx(work)
             try:
@@ -589,9 +589,11 @@ def case_postgres(args, work):
                     assert "%d delivered" % n in out, out
                     return n / (time.perf_counter() - start)
 
-                row("12 PostgreSQL flush to nginx, lease held (items/s)", median_of(lambda: flush_rate(fresh()), args.repeat),
-                    "items/s", "the same flush, SQLite store",
-                    median_of(lambda: flush_rate(os.path.join(work, "pgf-%f.sqlite" % time.time())), args.repeat), ">= 0.8")
+                on_postgres, on_sqlite = interleaved(
+                    [lambda: flush_rate(fresh()), lambda: flush_rate(os.path.join(work, "pgf-%f.sqlite" % time.time()))],
+                    args.repeat)
+                row("12 PostgreSQL flush to nginx, lease held (items/s)", on_postgres, "items/s", "the same flush, SQLite store",
+                    on_sqlite, ">= 0.8")
             finally:
                 nginx.terminate()
                 nginx.wait()

@@ -3,7 +3,7 @@
 #
 #   scripts/peers.sh install          create .peers/venv (sekmet-fhir, cryptography) and .peers/canaille (idempotent)
 #   scripts/peers.sh bench            also .peers/bench with the benchmark peers (fhirclient, fhirpy, queues)
-#   scripts/peers.sh start            start a shared sekmet-fhir and a PostgreSQL server (scripts/postgres.sh);
+#   scripts/peers.sh start            start a shared sekmet-fhir, a PostgreSQL server and PgBouncer in front of it (scripts/postgres.sh);
 #                                     writes .peers/env (DQ_TEST_FHIR_BASE, DQ_TEST_POSTGRES_URL, ...)
 #   scripts/peers.sh stop             stop exactly the processes `start` started
 #   scripts/peers.sh fhir DIR PORT    run sekmet-fhir in the foreground with its data in DIR (used by tests)
@@ -89,13 +89,15 @@ case "${1:-}" in
     pg_port=$(free_port)
     rm -rf "$peers/run/pg"
     pg_url=$("$root/scripts/postgres.sh" start "$peers/run/pg" "$pg_port")
+    bouncer_url=$("$root/scripts/postgres.sh" bouncer "$peers/run/pg" "$(free_port)" "$pg_port")
     {
       echo "DQ_TEST_FHIR_BASE=http://127.0.0.1:$port/fhir"
       echo "DQ_PEERS_VENV=$venv"
       echo "DQ_TEST_POSTGRES_URL=$pg_url"
       echo "DQ_TEST_POSTGRES_PASSWORD=$(cat "$peers/run/pg/password")"
+      echo "DQ_TEST_PGBOUNCER_URL=$bouncer_url"
     } > "$peers/env"
-    echo "peers: sekmet-fhir on http://127.0.0.1:$port/fhir (pid $(cat "$peers/fhir.pid")), PostgreSQL on $pg_url"
+    echo "peers: sekmet-fhir on http://127.0.0.1:$port/fhir (pid $(cat "$peers/fhir.pid")), PostgreSQL on $pg_url, PgBouncer (transaction mode) on $bouncer_url"
     ;;
   stop)
     if [ -f "$peers/fhir.pid" ]; then

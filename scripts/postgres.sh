@@ -4,6 +4,10 @@
 #   scripts/postgres.sh start DIR PORT    initdb into DIR (once) and start on 127.0.0.1:PORT; prints the URL
 #   scripts/postgres.sh stop DIR          stop it (fast shutdown) and wait
 #   scripts/postgres.sh kill DIR          stop it at once (immediate shutdown: what a crash leaves)
+#   scripts/postgres.sh bouncer DIR PORT PGPORT
+#                                         PgBouncer in transaction pooling mode on 127.0.0.1:PORT in front of
+#                                         the server on PGPORT (every database, the same role); prints the URL;
+#                                         `stop DIR` stops it too
 #
 # The cluster has one role, `dq`, with a generated password (scram-sha-256) kept in DIR/password, and a
 # database `dq`. As root the server runs as `nobody` (PostgreSQL refuses to run as root).
@@ -48,8 +52,56 @@ start() { # DIR PORT
   echo "postgres://dq@127.0.0.1:$port/dq"
 }
 
+bouncer() { # DIR PORT PGPORT
+  local dir="$1" port="$2" pg_port="$3"
+  dir="$(cd "$dir" && pwd)"
+  local pgbouncer=/usr/sbin/pgbouncer
+  if [ ! -x "$pgbouncer" ]; then
+    echo "postgres: no PgBouncer (apt-get install pgbouncer)" >&2
+    exit 69
+  fi
+  mkdir -p "$dir/bouncer"
+  printf '"dq" "%s"\n' "$(cat "$dir/password")" > "$dir/bouncer/userlist.txt"
+  cat > "$dir/bouncer/pgbouncer.ini" <<INI
+[databases]
+* = host=127.0.0.1 port=$pg_port
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $port
+unix_socket_dir =
+auth_type = scram-sha-256
+auth_file = $dir/bouncer/userlist.txt
+pool_mode = transaction
+max_client_conn = 400
+default_pool_size = 20
+logfile = $dir/bouncer/pgbouncer.log
+pidfile = $dir/bouncer/pgbouncer.pid
+INI
+  chmod 600 "$dir/bouncer/userlist.txt"
+  [ "$(id -u)" = 0 ] && chown -R nobody "$dir/bouncer"
+  as_owner "$pgbouncer" -d -q "$dir/bouncer/pgbouncer.ini"
+  for _ in $(seq 1 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && { echo "postgres://dq@127.0.0.1:$port/dq"; return 0; }
+    sleep 0.1
+  done
+  echo "postgres: PgBouncer did not start (see $dir/bouncer/pgbouncer.log)" >&2
+  exit 1
+}
+
+stop_bouncer() { # DIR
+  local pidfile="$1/bouncer/pgbouncer.pid"
+  [ -f "$pidfile" ] || return 0
+  local pid
+  pid=$(cat "$pidfile")
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  rm -f "$pidfile"
+}
+
 stop() { # DIR MODE
   local dir="$1" mode="$2"
+  stop_bouncer "$dir"
   [ -f "$dir/data/postmaster.pid" ] || return 0
   as_owner "$bin/pg_ctl" -D "$dir/data" -m "$mode" -w -t 60 stop > /dev/null || true
 }
@@ -58,5 +110,6 @@ case "${1:-}" in
   start) start "$2" "$3" ;;
   stop) stop "$2" fast ;;
   kill) stop "$2" immediate ;;
-  *) echo "usage: $0 start DIR PORT | stop DIR | kill DIR" >&2; exit 64 ;;
+  bouncer) bouncer "$2" "$3" "$4" ;;
+  *) echo "usage: $0 start DIR PORT | stop DIR | kill DIR | bouncer DIR PORT PGPORT" >&2; exit 64 ;;
 esac

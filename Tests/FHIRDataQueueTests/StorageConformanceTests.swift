@@ -247,8 +247,10 @@ struct StorageConformanceTests {
         let note = try #require(try await fresh.inFlight(), "the new holder sees the request on the wire")
         #expect(note.sequence == sequences[0])
 
-        // The stalled flusher wakes up: it may not note a send (before anything else told it of the takeover)
-        // and its note attempt leaves the new holder's view untouched; each write it tries is refused.
+        // The stalled flusher wakes up: once its note's window has passed it may not note a send (before
+        // anything else told it of the takeover), and its attempt leaves the new holder's view untouched;
+        // each write it tries is refused.
+        try await Task.sleep(for: try #require(stale as? PostgresLease).noteWindow + .milliseconds(50))
         await #expect(throws: DataQueueError.self) { try await stale.markInFlight(sequence: sequences[1]) }
         #expect(try await fresh.inFlight()?.sequence == sequences[0])
         let item0 = try await first.item(String(sequences[0])).info

@@ -123,6 +123,37 @@ struct PostgresTests {
         }
     }
 
+    @Test("Behind PgBouncer in transaction mode: enqueues, dq run (woken by polling alone) and status work; order holds")
+    func behindPgBouncer() async throws {
+        let server = try await FHIRServer.start()
+        let bouncer = try #require(
+            Peers.environment["DQ_TEST_PGBOUNCER_URL"].flatMap(URLComponents.init(string:)), "no PgBouncer: run make test")
+        var components = try #require(URLComponents(string: try Self.freshDatabase()))
+        components.port = bouncer.port
+        let database = try #require(components.string)
+        let env = environment(server.base, database: database)
+        for index in 0..<3 {
+            let queued = try await dq(["enqueue", try work.write("o\(index).json", resources.observation(index))], env)
+            #expect(queued.status == 0, "\(queued.stderr)")
+        }
+        let runner = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.3"], environment: env)
+        for index in 3..<6 {
+            let queued = try await dq(["enqueue", try work.write("o\(index).json", resources.observation(index))], env)
+            #expect(queued.status == 0, "\(queued.stderr)")
+        }
+        let arrived = try await eventually(timeout: .seconds(30)) {
+            (try await server.values("Observation", system: resources.system)).count >= 6
+        }
+        #expect(arrived, "dq run delivered through PgBouncer")
+        runner.kill(SIGTERM)
+        let result = await runner.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "\(result.stderr.suffix(1000))")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "1", "2", "3", "4", "5"])
+        let status = try await dq(["status", "--json"], env)
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(object["delivered"] as? Int == 6 && object["pending"] as? Int == 0, "\(status.stdout)")
+    }
+
     @Test("dq run wakes on another process's enqueue through LISTEN/NOTIFY, without waiting for its poll interval")
     func notifyWakesRun() async throws {
         let server = try await FHIRServer.start()

@@ -1031,6 +1031,8 @@ final class PostgresLease: FlushOwnership {
     private let renewer: Mutex<Task<Void, Never>?>
     /// The note was cleared here but not yet in the row (see ``clearInFlight()``).
     private let noteCleared = Mutex(false)
+    /// Until when (on this host's monotonic clock) the note in the row covers sends (see ``markInFlight(sequence:)``).
+    private let notedUntil = Mutex<ContinuousClock.Instant?>(nil)
 
     private init(store: PostgresQueueStore, queue: String, token: Int64, since start: ContinuousClock.Instant) {
         self.store = store
@@ -1108,13 +1110,29 @@ final class PostgresLease: FlushOwnership {
         }
     }
 
+    /// How long one note covers sends: a second, or a tenth of the lease when that is shorter.
+    var noteWindow: Duration { .milliseconds(Int64(noteWindowSeconds * 1000)) }
+    private var noteWindowSeconds: Double { min(1, store.leaseSeconds / 10) }
+
     /// Notes `sequence` in `dq_note`, where the token still matches (a takeover raises it there too, so a
-    /// lost lease stops here). One statement whose commit does not wait for the disk (`synchronous_commit`
-    /// off for that transaction alone): the note outlives a crash of dq at once, and a crash of PostgreSQL
-    /// in the next few hundred milliseconds may lose it, as the SQLite store's marker (a write to the page
-    /// cache) outlives dq but not the machine.
+    /// lost lease stops here), with the end of a window (``noteWindow``) as its time: the note covers every
+    /// send until then, so a flush writes it once per window, not once per request. A next holder lets the
+    /// server settle requests until the settle delay has passed after that time, which is never earlier
+    /// than after the last request the note covers.
+    ///
+    /// One statement whose commit does not wait for the disk (`synchronous_commit` off for that transaction
+    /// alone): the note outlives a crash of dq at once, and a crash of PostgreSQL in the next few hundred
+    /// milliseconds may lose it, as the SQLite store's marker (a write to the page cache) outlives dq but not
+    /// the machine.
     func markInFlight(sequence: Int64) async throws {
         try checkHeld()
+        let start = ContinuousClock.now
+        if let until = notedUntil.withLock({ $0 }), start < until {
+            noteCleared.withLock { $0 = false }
+            return
+        }
+        let window = noteWindow
+        let coveredUntil = Date().addingTimeInterval(noteWindowSeconds)
         let (queue, token, client, logger) = (queue, token, store.client, store.logger)
         let held = try await store.run("note the item being sent") {
             var held = false
@@ -1122,7 +1140,7 @@ final class PostgresLease: FlushOwnership {
                 """
                 WITH asynchronous AS (SELECT set_config('synchronous_commit', 'off', true))
                 INSERT INTO dq_note (queue, token, in_flight_seq, in_flight_at)
-                SELECT \(queue), \(token), \(sequence), \(Date().timeIntervalSince1970) FROM asynchronous
+                SELECT \(queue), \(token), \(sequence), \(coveredUntil.timeIntervalSince1970) FROM asynchronous
                 ON CONFLICT (queue) DO UPDATE SET token = EXCLUDED.token, in_flight_seq = EXCLUDED.in_flight_seq,
                   in_flight_at = EXCLUDED.in_flight_at
                 WHERE dq_note.token <= EXCLUDED.token
@@ -1134,7 +1152,11 @@ final class PostgresLease: FlushOwnership {
             return held
         }
         noteCleared.withLock { $0 = false }
-        if !held { lost() }
+        if !held {
+            lost()
+        } else {
+            notedUntil.withLock { $0 = start + window }
+        }
         try checkHeld()
     }
 
@@ -1161,6 +1183,7 @@ final class PostgresLease: FlushOwnership {
 
     func release() async {
         renewer.withLock { $0?.cancel() }
+        notedUntil.withLock { $0 = nil }
         if noteCleared.withLock({ $0 }) {
             _ = try? await store.client.query(
                 "UPDATE dq_note SET in_flight_seq = NULL, in_flight_at = NULL WHERE queue = \(queue) AND token = \(token)",
