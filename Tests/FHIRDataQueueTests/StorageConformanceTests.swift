@@ -99,6 +99,32 @@ struct StorageConformanceTests {
         #expect(Set(try await store.queues()) == [Self.server, "http://h/other"])
     }
 
+    @Test("A large insert (several statements' worth) keeps order, every column and its NULLs", arguments: StoreKind.available)
+    func largeInsert(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        var items = (0..<2500).map { item($0, fullURL: $0 % 2 == 0 ? "urn:uuid:\(UUID())" : nil) }
+        items[7].resourceID = "p7"
+        items[7].method = .put
+        items[8].encrypted = true
+        let sequences = try await store.insert(items)
+        #expect(sequences.count == 2500 && zip(sequences, sequences.dropFirst()).allSatisfy { $0 + 1 == $1 })
+        let single = try await store.insertGrouped(item(2500))
+        #expect(single > sequences[2499])
+        var stored: [StoredItem] = []
+        while true {
+            let batch = try await store.pendingBatch(
+                queue: Self.server, after: stored.last?.info.sequence ?? 0, maxCount: 1000, maxBytes: 1 << 24)
+            if batch.isEmpty { break }
+            stored += batch
+        }
+        #expect(stored.count == 2501)
+        #expect(bodies(stored) == (0...2500).map { #"{"resourceType":"Patient","n":\#($0)}"# })
+        #expect(stored.map(\.info.id) == items.map(\.id) + [stored.last?.info.id].compactMap { $0 })
+        #expect(stored[0].fullURL == items[0].fullURL && stored[1].fullURL == nil)
+        #expect(stored[7].info.method == .put && stored[7].info.resourceID == "p7" && stored[6].info.resourceID == nil)
+        #expect(stored[8].info.encrypted && !stored[9].info.encrypted)
+    }
+
     @Test("A batch holds at most maxCount items and maxBytes, but always its first item", arguments: StoreKind.available)
     func batchLimits(kind: StoreKind) async throws {
         let store = try kind.make(in: directory)

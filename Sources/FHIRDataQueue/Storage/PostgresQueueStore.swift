@@ -336,33 +336,34 @@ final class PostgresQueueStore: QueueStorage {
         return last - Int64(count) + 1
     }
 
-    /// The bindings and `VALUES` rows of `items` for an insert into `dq_item`; each row's first value is its
-    /// offset from the first sequence (`firstSequence`, or a value the statement adds).
-    private static func itemRows(_ items: ArraySlice<NewItem>, offsetFrom start: Int, firstSequence: Int64, now: Double)
-        throws -> (rows: [String], bindings: PostgresBindings)
-    {
-        var bindings = PostgresBindings(capacity: items.count * 12)
-        var rows: [String] = []
-        for (offset, item) in items.enumerated() {
-            let base = bindings.count
-            rows.append("(" + (1...12).map { "$\(base + $0)" }.joined(separator: ", ") + ")")
-            bindings.append(firstSequence + Int64(start + offset))
-            bindings.append(item.id)
-            bindings.append(item.queue)
-            bindings.append(item.method.rawValue)
-            bindings.append(item.url)
-            bindings.append(item.resourceType)
-            bindings.append(item.resourceID)
-            bindings.append(item.encrypted)
-            bindings.append(item.contentType)
-            try bindings.append(item.body)
-            bindings.append(item.fullURL)
-            bindings.append(now)
-        }
-        return (rows, bindings)
+    /// Appends `items`' columns to `bindings` as one array each and returns the `SELECT` that inserts them
+    /// into `dq_item` numbered from the sequence `first` (an SQL expression) in their order: one statement
+    /// and eleven parameters however many items there are, so the server parses a short statement once.
+    /// `resource_id` and `full_url` travel as empty strings for NULL (neither can be empty in FHIR).
+    private static func itemInsert(_ items: ArraySlice<NewItem>, first: String, bindings: inout PostgresBindings) -> String {
+        let base = bindings.count
+        bindings.append(items.map(\.id))
+        bindings.append(items.map(\.queue))
+        bindings.append(items.map(\.method.rawValue))
+        bindings.append(items.map(\.url))
+        bindings.append(items.map(\.resourceType))
+        bindings.append(items.map { $0.resourceID ?? "" })
+        bindings.append(items.map(\.encrypted))
+        bindings.append(items.map(\.contentType))
+        bindings.append(items.map { ByteBuffer(bytes: $0.body) })
+        bindings.append(items.map { $0.fullURL ?? "" })
+        bindings.append(Date().timeIntervalSince1970)
+        let arrays = (1...10).map { "$\(base + $0)" }.joined(separator: ", ")
+        return """
+            INSERT INTO dq_item (\(itemInsertColumns))
+            SELECT \(first) + v.o - 1, v.uuid, v.queue, v.method, v.url, v.resource_type, NULLIF(v.resource_id, ''),
+                   v.encrypted, v.content_type, v.body, NULLIF(v.full_url, ''), $\(base + 11)
+            FROM unnest(\(arrays)) WITH ORDINALITY
+                 AS v(uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, o)
+            """
     }
 
-    /// The most items one enqueue statement carries (12 parameters each, under PostgreSQL's 65,535).
+    /// The most items one enqueue statement carries (its message stays a few megabytes).
     static let statementRows = 1000
 
     /// Stores `items` durably. Up to ``statementRows`` items are one statement, hence one round trip and one
@@ -370,23 +371,13 @@ final class PostgresQueueStore: QueueStorage {
     /// notification per server. More are one transaction of such inserts.
     fileprivate static func insert(_ items: [NewItem], client: PostgresClient, logger: Logger) async throws -> [Int64] {
         guard !items.isEmpty else { return [] }
-        let now = Date().timeIntervalSince1970
         guard items.count > statementRows else {
-            let (rows, initialBindings) = try itemRows(items[...], offsetFrom: 0, firstSequence: 0, now: now)
-            var bindings = initialBindings
-            let countParameter = bindings.count + 1
+            var bindings = PostgresBindings(capacity: 12)
             bindings.append(Int64(items.count))
+            let insert = itemInsert(items[...], first: "(SELECT first FROM counter)", bindings: &bindings)
             let statement = """
-                WITH counter AS (
-                  UPDATE dq_meta SET next_seq = next_seq + $\(countParameter) WHERE id = 1
-                  RETURNING next_seq - $\(countParameter) + 1 AS first),
-                stored AS (
-                  INSERT INTO dq_item (\(itemInsertColumns))
-                  SELECT counter.first + v.o, v.uuid, v.queue, v.method, v.url, v.resource_type, v.resource_id::text,
-                         v.encrypted, v.content_type, v.body, v.full_url::text, v.enqueued_at
-                  FROM counter, (VALUES \(rows.joined(separator: ", "))) AS v(o, uuid, queue, method, url, resource_type,
-                       resource_id, encrypted, content_type, body, full_url, enqueued_at)
-                  RETURNING queue)
+                WITH counter AS (UPDATE dq_meta SET next_seq = next_seq + $1 WHERE id = 1 RETURNING next_seq - $1 + 1 AS first),
+                stored AS (\(insert) RETURNING queue)
                 SELECT counter.first, (SELECT count(pg_notify('dq_enqueue', q)) FROM (SELECT DISTINCT queue AS q FROM stored) d)
                 FROM counter
                 """
@@ -402,13 +393,10 @@ final class PostgresQueueStore: QueueStorage {
         return try await client.withTransaction(logger: logger) { connection in
             let first = try await reserveSequences(items.count, connection: connection, logger: logger)
             for start in stride(from: 0, to: items.count, by: statementRows) {
-                let (rows, bindings) = try itemRows(
-                    items[start..<min(start + statementRows, items.count)], offsetFrom: start, firstSequence: first, now: now)
-                try await connection.query(
-                    PostgresQuery(
-                        unsafeSQL: "INSERT INTO dq_item (\(itemInsertColumns)) VALUES " + rows.joined(separator: ", "),
-                        binds: bindings),
-                    logger: logger)
+                var bindings = PostgresBindings(capacity: 11)
+                let insert = itemInsert(
+                    items[start..<min(start + statementRows, items.count)], first: String(first + Int64(start)), bindings: &bindings)
+                try await connection.query(PostgresQuery(unsafeSQL: insert, binds: bindings), logger: logger)
             }
             for queue in Set(items.map(\.queue)) {
                 _ = try await connection.query("SELECT pg_notify('dq_enqueue', \(queue))", logger: logger).collect()
