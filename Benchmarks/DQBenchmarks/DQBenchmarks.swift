@@ -48,12 +48,14 @@ struct DQBenchmarks {
             let queue = try DataQueue(
                 baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
             let perProducer = count / producers
+            // Made before the clock starts, as the references (enqueue-serial, the Python queues) do.
+            let resources = (0..<perProducer * producers).map { resource($0, size: size) }
             let start = ContinuousClock.now
             try await withThrowingTaskGroup(of: Void.self) { group in
                 for producer in 0..<producers {
                     group.addTask {
                         for index in 0..<perProducer {
-                            try await queue.enqueue(resource(producer * perProducer + index, size: size))
+                            try await queue.enqueue(resources[producer * perProducer + index])
                         }
                     }
                 }

@@ -256,11 +256,12 @@ final class PostgresQueueStore: QueueStorage {
                     race.finish(.failure(error))
                 }
             }
-            Task {
-                try? await Task.sleep(for: .milliseconds(Int64(seconds * 1000)))
+            let timer = Task {
+                try await Task.sleep(for: .milliseconds(Int64(seconds * 1000)))
                 work.cancel()
                 race.finish(.failure(DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(seconds)) s")))
             }
+            race.timer.withLock { $0 = timer }
         }
     }
 
@@ -1185,14 +1186,18 @@ final class PostgresLease: FlushOwnership {
 /// The one continuation of ``PostgresQueueStore/withDeadline(seconds:what:_:)``: the first result wins.
 private final class DeadlineRace<T: Sendable>: Sendable {
     let continuation = Mutex<CheckedContinuation<T, any Error>?>(nil)
+    /// The deadline's timer, cancelled when the work finishes first (so that no sleeping task outlives it).
+    let timer = Mutex<Task<Void, any Error>?>(nil)
 
     func finish(_ result: Result<T, any Error>) {
-        continuation.withLock { $0.take() }?.resume(with: result)
+        guard let continuation = continuation.withLock({ $0.take() }) else { return }
+        timer.withLock { $0.take() }?.cancel()
+        continuation.resume(with: result)
     }
 }
 
-/// Group commit for a store whose commits are asynchronous: an enqueue that finds no commit running starts
-/// one; those that arrive meanwhile join the next, up to 512 per transaction.
+/// Group commit for a store whose commits are asynchronous: an enqueue that finds no commit running commits
+/// its item itself; those that arrive meanwhile join the next commit, up to 512 per transaction.
 final class AsyncGroupCommit: Sendable {
     private struct Waiter {
         let item: NewItem
@@ -1210,15 +1215,39 @@ final class AsyncGroupCommit: Sendable {
     init(commit: @escaping @Sendable ([NewItem]) async throws -> [Int64]) { self.commit = commit }
 
     func submit(_ item: NewItem) async throws -> Int64 {
-        try await withCheckedThrowingContinuation { continuation in
-            let lead = state.withLock { state in
-                state.waiting.append(Waiter(item: item, continuation: continuation))
-                if state.running { return false }
-                state.running = true
-                return true
-            }
-            if lead { Task { await self.drain() } }
+        let alone = state.withLock { state in
+            if state.running { return false }
+            state.running = true
+            return true
         }
+        guard alone else {
+            return try await withCheckedThrowingContinuation { continuation in
+                let lead = state.withLock { state in
+                    state.waiting.append(Waiter(item: item, continuation: continuation))
+                    if state.running { return false }
+                    state.running = true
+                    return true
+                }
+                if lead { Task { await self.drain() } }
+            }
+        }
+        // No commit running: this enqueue commits its own item in its own task (no hand-off); those that
+        // arrived meanwhile are committed by a task of their own.
+        let result: Result<[Int64], any Error>
+        do {
+            result = .success(try await commit([item]))
+        } catch {
+            result = .failure(error)
+        }
+        let more = state.withLock { state in
+            if state.waiting.isEmpty {
+                state.running = false
+                return false
+            }
+            return true
+        }
+        if more { Task { await self.drain() } }
+        return try result.get()[0]
     }
 
     private func drain() async {
