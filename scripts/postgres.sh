@@ -7,7 +7,13 @@
 #   scripts/postgres.sh bouncer DIR PORT PGPORT
 #                                         PgBouncer in transaction pooling mode on 127.0.0.1:PORT in front of
 #                                         the server on PGPORT (every database, the same role); prints the URL;
-#                                         `stop DIR` stops it too
+#                                         `stop DIR` stops it too; run again on a running one, it is pointed
+#                                         at PGPORT and reloaded (a failover)
+#   scripts/postgres.sh standby DIR PORT PRIMARY_DIR PRIMARY_PORT
+#                                         a streaming standby of the primary in DIR on 127.0.0.1:PORT
+#                                         (pg_basebackup -R); the primary is made to wait for it on commit
+#                                         (synchronous replication), so nothing acknowledged is lost on failover
+#   scripts/postgres.sh promote DIR       promote a standby to primary (pg_ctl promote)
 #
 # The cluster has one role, `dq`, with a generated password (scram-sha-256) kept in DIR/password, and a
 # database `dq`. As root the server runs as `nobody` (PostgreSQL refuses to run as root).
@@ -80,6 +86,11 @@ pidfile = $dir/bouncer/pgbouncer.pid
 INI
   chmod 600 "$dir/bouncer/userlist.txt"
   [ "$(id -u)" = 0 ] && chown -R nobody "$dir/bouncer"
+  if [ -f "$dir/bouncer/pgbouncer.pid" ] && kill -0 "$(cat "$dir/bouncer/pgbouncer.pid")" 2>/dev/null; then
+    kill -HUP "$(cat "$dir/bouncer/pgbouncer.pid")"  # RELOAD: the new [databases] line applies to new server connections
+    echo "postgres://dq@127.0.0.1:$port/dq"
+    return 0
+  fi
   as_owner "$pgbouncer" -d -q "$dir/bouncer/pgbouncer.ini"
   for _ in $(seq 1 100); do
     (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && { echo "postgres://dq@127.0.0.1:$port/dq"; return 0; }
@@ -87,6 +98,36 @@ INI
   done
   echo "postgres: PgBouncer did not start (see $dir/bouncer/pgbouncer.log)" >&2
   exit 1
+}
+
+standby() { # DIR PORT PRIMARY_DIR PRIMARY_PORT
+  local dir="$1" port="$2" primary="$3" primary_port="$4"
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+  rm -rf "$dir/data"
+  cp "$primary/password" "$dir/password"
+  mkdir -p "$dir/data"
+  [ "$(id -u)" = 0 ] && chown -R nobody "$dir"
+  chmod 700 "$dir/data"
+  export PGPASSWORD
+  PGPASSWORD="$(cat "$dir/password")"
+  as_owner "$bin/pg_basebackup" -h 127.0.0.1 -p "$primary_port" -U dq -D "$dir/data" -R -X stream -c fast \
+    > "$dir/basebackup.log" 2>&1 || { cat "$dir/basebackup.log" >&2; exit 1; }
+  as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+    -o "-h 127.0.0.1 -p $port -k $dir -c max_connections=200 -c cluster_name=standby" start > /dev/null
+  "$bin/psql" -h 127.0.0.1 -p "$primary_port" -U dq -d postgres -qc "ALTER SYSTEM SET synchronous_standby_names = '*'" \
+    -c "SELECT pg_reload_conf()" > /dev/null
+  for _ in $(seq 1 100); do
+    state=$("$bin/psql" -h 127.0.0.1 -p "$primary_port" -U dq -d postgres -tAc "SELECT sync_state FROM pg_stat_replication")
+    [ "$state" = sync ] && { echo "postgres://dq@127.0.0.1:$port/dq"; return 0; }
+    sleep 0.1
+  done
+  echo "postgres: the standby did not become synchronous (see $dir/server.log)" >&2
+  exit 1
+}
+
+promote() { # DIR
+  as_owner "$bin/pg_ctl" -D "$1/data" -w -t 60 promote > /dev/null
 }
 
 stop_bouncer() { # DIR
@@ -111,5 +152,7 @@ case "${1:-}" in
   stop) stop "$2" fast ;;
   kill) stop "$2" immediate ;;
   bouncer) bouncer "$2" "$3" "$4" ;;
-  *) echo "usage: $0 start DIR PORT | stop DIR | kill DIR | bouncer DIR PORT PGPORT" >&2; exit 64 ;;
+  standby) standby "$2" "$3" "$4" "$5" ;;
+  promote) promote "$2" ;;
+  *) echo "usage: $0 start DIR PORT | stop DIR | kill DIR | bouncer DIR PORT PGPORT | standby DIR PORT PRIMARY_DIR PRIMARY_PORT | promote DIR" >&2; exit 64 ;;
 esac

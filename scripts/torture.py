@@ -276,16 +276,38 @@ def postgres_stop(directory, mode="stop"):
     subprocess.run([os.path.join(ROOT, "scripts", "postgres.sh"), mode, directory], capture_output=True, timeout=120)
 
 
-def shared_queue(work, rng, per_producer, events):
+def postgres_script(*arguments):
+    result = subprocess.run([os.path.join(ROOT, "scripts", "postgres.sh")] + [str(a) for a in arguments],
+                            capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise SystemExit("postgres.sh %s failed: %s" % (arguments[0], result.stderr[-2000:]))
+    return result.stdout.strip()
+
+
+def shared_queue(work, rng, per_producer, events, failover=False):
     """Three producers and two `dq run` flushers on one PostgreSQL queue, with SIGKILLs of flushers and of
-    producers' enqueues, a PostgreSQL restart, and a flusher paused (SIGSTOP) past its lease, then resumed."""
-    print("shared queue (PostgreSQL): 3 producers x %d, 2 dq run, %d disruptions" % (per_producer, events), flush=True)
+    producers' enqueues, a PostgreSQL restart, and a flusher paused (SIGSTOP) past its lease, then resumed.
+
+    failover: the queue is reached through PgBouncer (transaction mode) in front of a primary with a
+    synchronous streaming standby; instead of a restart, the primary is killed, the standby promoted and
+    PgBouncer pointed at it (as a failover manager would)."""
+    print("%s (PostgreSQL): 3 producers x %d, 2 dq run, %d disruptions"
+          % ("failover" if failover else "shared queue", per_producer, events), flush=True)
     fhir = FHIR(work)
     # Its own folder, which the server's user (nobody, when run as root) can reach.
-    pg_dir = tempfile.mkdtemp(prefix="dq-torture-pg-")
-    os.chmod(pg_dir, 0o755)
-    url = postgres_start(os.path.join(pg_dir, "cluster"), free_port())
-    pg_dir = os.path.join(pg_dir, "cluster")
+    root = tempfile.mkdtemp(prefix="dq-torture-pg-")
+    os.chmod(root, 0o755)
+    pg_dir = os.path.join(root, "cluster")
+    pg_port = free_port()
+    url = postgres_start(pg_dir, pg_port)
+    if failover:
+        standby_dir, bouncer_dir = os.path.join(root, "standby"), os.path.join(root, "bouncer")
+        postgres_script("standby", standby_dir, free_port(), pg_dir, pg_port)
+        standby_port = int(open(os.path.join(standby_dir, "data", "postmaster.pid")).read().splitlines()[3])
+        os.makedirs(bouncer_dir)
+        shutil.copy(os.path.join(pg_dir, "password"), os.path.join(bouncer_dir, "password"))
+        bouncer_port = free_port()
+        url = postgres_script("bouncer", bouncer_dir, bouncer_port, pg_port)
     env = env_for(work, fhir.base)
     env["DQ_DATABASE"] = url + "?sslmode=disable"
     with open(os.path.join(pg_dir, "password")) as f:
@@ -333,7 +355,7 @@ def shared_queue(work, rng, per_producer, events):
     threads = [threading.Thread(target=produce, args=(p,)) for p in range(3)]
     for thread in threads:
         thread.start()
-    plan = ["kill-runner"] * max(1, events - 2) + ["restart-postgres", "pause-runner"]
+    plan = ["kill-runner"] * max(1, events - 2) + ["failover" if failover else "restart-postgres", "pause-runner"]
     rng.shuffle(plan)
     for event in plan:
         time.sleep(0.5 + rng.random())
@@ -343,6 +365,11 @@ def shared_queue(work, rng, per_producer, events):
             runners[index].wait()
             kills += 1
             start_runner(index)
+        elif event == "failover":
+            postgres_stop(pg_dir, "kill")
+            postgres_script("promote", standby_dir)
+            postgres_script("bouncer", bouncer_dir, bouncer_port, standby_port)
+            faults += 1
         elif event == "restart-postgres":
             postgres_stop(pg_dir, "kill")
             faults += 1
@@ -369,11 +396,19 @@ def shared_queue(work, rng, per_producer, events):
     actual = fhir.values("Observation", system)
     expected = [v for values in attempted for v in values]
     never_acked = [v for producer in range(3) for v in attempted[producer] if v not in acknowledged[producer]]
-    check("shared PostgreSQL queue (3 producers, 2 dq run)", len(plan), kills, faults, expected, actual,
-          all(c == 0 for c in codes), "PostgreSQL restarted once, a runner paused past its lease once; order per producer",
-          groups=attempted, may_miss=never_acked)
+    if failover:
+        check("failover to a synchronous standby (3 producers, 2 dq run, via PgBouncer)", len(plan), kills, faults,
+              expected, actual, all(c == 0 for c in codes),
+              "primary killed, standby promoted, PgBouncer repointed; a runner paused past its lease; order per producer",
+              groups=attempted, may_miss=never_acked)
+        postgres_stop(bouncer_dir)
+        postgres_stop(standby_dir)
+    else:
+        check("shared PostgreSQL queue (3 producers, 2 dq run)", len(plan), kills, faults, expected, actual,
+              all(c == 0 for c in codes), "PostgreSQL restarted once, a runner paused past its lease once; order per producer",
+              groups=attempted, may_miss=never_acked)
     postgres_stop(pg_dir)
-    shutil.rmtree(os.path.dirname(pg_dir), ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
     fhir.kill()
 
 
@@ -528,7 +563,7 @@ def main():
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", type=lambda text: text.split(","), default=[],
-                        help="comma-separated runs: crash, network, concurrency, shared, exhaustion, bad-input, security")
+                        help="comma-separated runs: crash, network, concurrency, shared, failover, exhaustion, bad-input, security")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="dq-torture-")
@@ -541,6 +576,7 @@ def main():
             ("network", lambda: [network_faults(work, 150 if args.quick else 1000, rng, args.seed, batch) for batch in (1, 25)]),
             ("concurrency", lambda: concurrency(work, 3, 40 if args.quick else 300, rng)),
             ("shared", lambda: shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12)),
+            ("failover", lambda: shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12, failover=True)),
             ("exhaustion", lambda: exhaustion(work)),
             ("bad-input", lambda: bad_inputs(work, rng, 60 if args.quick else 600, 5 if args.quick else 60)),
             ("security", lambda: security(work)),
