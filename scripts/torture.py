@@ -302,8 +302,8 @@ def shared_queue(work, rng, per_producer, events, failover=False):
     url = postgres_start(pg_dir, pg_port)
     if failover:
         standby_dir, bouncer_dir = os.path.join(root, "standby"), os.path.join(root, "bouncer")
-        postgres_script("standby", standby_dir, free_port(), pg_dir, pg_port)
-        standby_port = int(open(os.path.join(standby_dir, "data", "postmaster.pid")).read().splitlines()[3])
+        standby_port = free_port()
+        postgres_script("standby", standby_dir, standby_port, pg_dir, pg_port)
         os.makedirs(bouncer_dir)
         shutil.copy(os.path.join(pg_dir, "password"), os.path.join(bouncer_dir, "password"))
         bouncer_port = free_port()
