@@ -2,6 +2,7 @@ import AsyncHTTPClient
 import Foundation
 import NIOCore
 import NIOFoundationCompat
+import Synchronization
 import Testing
 
 #if canImport(Glibc)
@@ -51,19 +52,34 @@ enum Peers {
         } == 0
     }
 
+    /// The next port to try: below the kernel's ephemeral range (32768-60999 on Linux), so that neither an
+    /// outgoing connection nor another `bind(0)` gets it, and rising, so that no port is handed to two servers
+    /// of this test run (a port that was free when asked and taken by a parallel test's server before its own
+    /// server bound it made a test talk to another test's server, which then went away).
+    private static let nextPort = Mutex(20_000 + Int(getpid() % 4000) * 2)
+
+    /// A loopback port that is free now and that no other call in this test run returns.
     static func freePort() -> Int {
+        while true {
+            let port = nextPort.withLock { next in
+                defer { next = next >= 32_000 ? 20_000 : next + 1 }
+                return next
+            }
+            if canBind(port) { return port }
+        }
+    }
+
+    private static func canBind(_ port: Int) -> Bool {
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         defer { close(fd) }
         var address = sockaddr_in()
         address.sin_family = sa_family_t(AF_INET)
         address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        address.sin_port = 0
-        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
-        _ = withUnsafePointer(to: &address) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) } }
-        _ = withUnsafeMutablePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &length) }
-        }
-        return Int(UInt16(bigEndian: address.sin_port))
+        address.sin_port = UInt16(port).bigEndian
+        let length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        return withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) }
+        } == 0
     }
 }
 
