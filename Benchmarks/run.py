@@ -217,6 +217,16 @@ http { access_log off; client_body_temp_path %s; client_max_body_size 64m;
     return process, port
 
 
+def timed_flush(args, env, lines, n):
+    """Queues the n resources of `lines` with `env`, then times one `dq flush` that must deliver them all: items/s."""
+    run([args.dq, "enqueue", "--ndjson", lines], env=env)
+    start = time.perf_counter()
+    out = run([args.dq, "flush"], env=env).stdout
+    elapsed = time.perf_counter() - start
+    assert "%d delivered" % n in out, out
+    return n / elapsed
+
+
 def case_flush_sink(args, work):
     print("4. flush to a loopback sink (nginx)", flush=True)
     if not shutil.which("nginx") or not shutil.which("ab"):
@@ -230,13 +240,7 @@ def case_flush_sink(args, work):
         server = "http://127.0.0.1:%d/fhir" % port
 
         def dq_flush():
-            env = dq_env(work, server, "f-%f.sqlite" % time.time())
-            run([args.dq, "enqueue", "--ndjson", lines], env=env)
-            start = time.perf_counter()
-            out = run([args.dq, "flush"], env=env).stdout
-            elapsed = time.perf_counter() - start
-            assert "%d delivered" % n in out, out
-            return n / elapsed
+            return timed_flush(args, dq_env(work, server, "f-%f.sqlite" % time.time()), lines, n)
 
         body = os.path.join(work, "body.json")
         with open(body, "w") as f:
@@ -269,7 +273,7 @@ def case_flush_fhir(args, work):
             return float(out.strip().splitlines()[-1])
 
         # One request per item, as the peers do (case 10 measures Bundles).
-        dq_value = median_of(lambda: timed_flush(args, work, base, lines, n, batch=1), args.repeat)
+        dq_value = median_of(lambda: batched_flush(args, work, base, lines, n, batch=1), args.repeat)
         for name in ("fhirclient", "fhirpy", "requests"):
             row("5 flush to sekmet-fhir (items/s)", dq_value, "items/s", "%s, sequential creates" % name,
                 median_of(lambda: peer_rate(name), args.repeat), ">= 1.0")
@@ -278,15 +282,10 @@ def case_flush_fhir(args, work):
         server.wait()
 
 
-def timed_flush(args, work, base, path, count, batch):
-    """Queues `path` in a new database, then times one dq flush of it: items/s."""
-    env = dq_env(work, base, "flush-%f.sqlite" % time.time())
-    env["DQ_BATCH_SIZE"] = str(batch)
-    run([args.dq, "enqueue", "--ndjson", path], env=env)
-    start = time.perf_counter()
-    out = run([args.dq, "flush"], env=env).stdout
-    assert "%d delivered" % count in out, out
-    return count / (time.perf_counter() - start)
+def batched_flush(args, work, base, path, count, batch):
+    """Queues `path` in a new database, then times one dq flush of it with Bundles of `batch`: items/s."""
+    return timed_flush(args, dict(dq_env(work, base, "flush-%f.sqlite" % time.time()), DQ_BATCH_SIZE=str(batch)), path,
+                       count)
 
 
 def case_seal(args, work):
@@ -440,7 +439,7 @@ def case_drain_latency(args, work):
         write_ndjson(single_lines, single_n, 512)
 
         def dq_drain(base, path, count, batch):
-            return timed_flush(args, work, base, path, count, batch)
+            return batched_flush(args, work, base, path, count, batch)
 
         bundles = os.path.join(ROOT, "Benchmarks", "peers_bundles.py")
 
@@ -581,13 +580,7 @@ def case_postgres(args, work):
                 server = "http://127.0.0.1:%d/fhir" % sink
 
                 def flush_rate(database):
-                    flush_env = dq_env(work, server)
-                    flush_env.update(DQ_DATABASE=database, PGPASSWORD=password)
-                    run([args.dq, "enqueue", "--ndjson", lines], env=flush_env)
-                    start = time.perf_counter()
-                    out = run([args.dq, "flush"], env=flush_env).stdout
-                    assert "%d delivered" % n in out, out
-                    return n / (time.perf_counter() - start)
+                    return timed_flush(args, dict(dq_env(work, server), DQ_DATABASE=database, PGPASSWORD=password), lines, n)
 
                 on_postgres, on_sqlite = interleaved(
                     [lambda: flush_rate(fresh()), lambda: flush_rate(os.path.join(work, "pgf-%f.sqlite" % time.time()))],
