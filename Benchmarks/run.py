@@ -227,17 +227,22 @@ def timed_flush(args, env, lines, n):
     return n / elapsed
 
 
+def sink_with_items(work, name, n):
+    """nginx as a 201 sink, and n 1 KiB resources for it in work/name: (nginx process, base URL, NDJSON path)."""
+    nginx, port = start_nginx(work)
+    lines = os.path.join(work, name)
+    write_ndjson(lines, n, 1024)
+    return nginx, "http://127.0.0.1:%d/fhir" % port, lines
+
+
 def case_flush_sink(args, work):
     print("4. flush to a loopback sink (nginx)", flush=True)
     if not shutil.which("nginx") or not shutil.which("ab"):
         print("  skipped: nginx and ab (apache2-utils) are not installed")
         return
-    nginx, port = start_nginx(work)
+    n = args.scale(5000)
+    nginx, server, lines = sink_with_items(work, "sink.ndjson", n)
     try:
-        n = args.scale(5000)
-        lines = os.path.join(work, "sink.ndjson")
-        write_ndjson(lines, n, 1024)
-        server = "http://127.0.0.1:%d/fhir" % port
 
         def dq_flush():
             return timed_flush(args, dq_env(work, server, "f-%f.sqlite" % time.time()), lines, n)
@@ -572,12 +577,9 @@ def case_postgres(args, work):
             row("12 PostgreSQL enqueue, %d producer(s) (items/s)" % producers, dq_value, "items/s",
                 "pgqueuer 1.6, same payloads and server", reference, target)
         if shutil.which("nginx"):
-            nginx, sink = start_nginx(work)
+            n = args.scale(5000)
+            nginx, server, lines = sink_with_items(work, "pg-sink.ndjson", n)
             try:
-                n = args.scale(5000)
-                lines = os.path.join(work, "pg-sink.ndjson")
-                write_ndjson(lines, n, 1024)
-                server = "http://127.0.0.1:%d/fhir" % sink
 
                 def flush_rate(database):
                     return timed_flush(args, dict(dq_env(work, server), DQ_DATABASE=database, PGPASSWORD=password), lines, n)
