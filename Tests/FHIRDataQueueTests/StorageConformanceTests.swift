@@ -10,6 +10,8 @@ import Testing
 enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
     case sqlite
     case postgres
+    /// PostgreSQL with `prepared_statements=off`: the unnamed statements dq falls back to behind a pooler.
+    case postgresUnprepared
 
     var testDescription: String { rawValue }
 
@@ -25,9 +27,9 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
         switch self {
         case .sqlite:
             return try QueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
-        case .postgres:
+        case .postgres, .postgresUnprepared:
             return try PostgresQueueStore(
-                url: try Self.freshDatabase(), leaseSeconds: 3,
+                url: try Self.freshDatabase() + (self == .postgresUnprepared ? "&prepared_statements=off" : ""), leaseSeconds: 3,
                 environment: ["PGPASSWORD": Self.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""],
                 logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
         }
@@ -309,5 +311,29 @@ struct StorageConformanceTests {
         await stale.release()
         await first.shutdown()
         await second.shutdown()
+    }
+}
+
+@Suite("PostgreSQL URL options")
+struct PostgresURLTests {
+    @Test("prepared_statements is on unless the URL says off; another value is named in the error")
+    func preparedStatementsOption() throws {
+        let base = "postgres://dq@127.0.0.1:5432/q"
+        #expect(try PostgresQueueStore.configuration(url: base, environment: [:]).2)
+        #expect(try PostgresQueueStore.configuration(url: base + "?prepared_statements=on", environment: [:]).2)
+        #expect(try !PostgresQueueStore.configuration(url: base + "?sslmode=disable&prepared_statements=off", environment: [:]).2)
+        let error = #expect(throws: DataQueueError.self) {
+            try PostgresQueueStore.configuration(url: base + "?prepared_statements=maybe", environment: [:])
+        }
+        #expect(error?.code == .invalidConfiguration)
+        #expect(error?.message.contains("prepared_statements \"maybe\"") == true, "\(String(describing: error))")
+    }
+
+    @Test("statement names carry a hash of their SQL: another SQL text gets another name")
+    func statementNames() {
+        #expect(PreparedStatements.name("s", sql: "SELECT 1") == PreparedStatements.name("s", sql: "SELECT 1"))
+        #expect(PreparedStatements.name("s", sql: "SELECT 1") != PreparedStatements.name("s", sql: "SELECT 2"))
+        #expect(EnqueueOne.name != EnqueueMany.name)
+        #expect(EnqueueOne.name.hasPrefix("dq_enqueue_one_"))
     }
 }

@@ -28,6 +28,8 @@ final class PostgresQueueStore: QueueStorage {
     private let migration = Mutex<Task<Void, any Error>?>(nil)
     private let readOnly: Bool
     private let grouper: AsyncGroupCommit
+    /// Whether the enqueue statements are prepared (planned once per connection).
+    let statements: PreparedStatements
     /// Who holds leases from this store (host and process, for operators reading `dq_lease`).
     let holder: String
 
@@ -47,8 +49,10 @@ final class PostgresQueueStore: QueueStorage {
         url: String, readOnly: Bool = false, leaseSeconds: Double = 30,
         environment: [String: String] = ProcessInfo.processInfo.environment, logger: Logger
     ) throws {
-        let (configuration, display) = try Self.configuration(url: url, environment: environment)
+        let (configuration, display, prepared) = try Self.configuration(url: url, environment: environment)
         self.displayURL = display
+        let statements = PreparedStatements(enabled: prepared, logger: logger)
+        self.statements = statements
         self.operationTimeout = Double(configuration.options.connectTimeout.components.seconds) + 5
         self.leaseSeconds = leaseSeconds
         self.logger = logger
@@ -59,7 +63,7 @@ final class PostgresQueueStore: QueueStorage {
         self.readOnly = readOnly
         let insertLogger = logger
         grouper = AsyncGroupCommit { items in
-            try await Self.insert(items, client: client, logger: insertLogger)
+            try await Self.insert(items, client: client, statements: statements, logger: insertLogger)
         }
     }
 
@@ -96,7 +100,11 @@ final class PostgresQueueStore: QueueStorage {
 
     // MARK: - Configuration
 
-    static func configuration(url text: String, environment: [String: String]) throws -> (PostgresClient.Configuration, String) {
+    /// The client's configuration, the URL without its password, and whether statements may be prepared
+    /// (`prepared_statements=off` says no).
+    static func configuration(
+        url text: String, environment: [String: String]
+    ) throws -> (PostgresClient.Configuration, String, Bool) {
         guard let components = URLComponents(string: text), let scheme = components.scheme,
             scheme == "postgres" || scheme == "postgresql", let host = components.host, !host.isEmpty
         else {
@@ -115,8 +123,16 @@ final class PostgresQueueStore: QueueStorage {
         display.port = components.port
         display.path = "/" + database
         let options = Dictionary((components.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
-        for name in options.keys where !["sslmode", "sslrootcert", "application_name", "connect_timeout"].contains(name) {
+        for name in options.keys
+        where !["sslmode", "sslrootcert", "application_name", "connect_timeout", "prepared_statements"].contains(name) {
             throw DataQueueError(.invalidConfiguration, "database URL option \"\(name)\" is not supported")
+        }
+        let prepared: Bool
+        switch options["prepared_statements"] ?? "on" {
+        case "on", "true", "1": prepared = true
+        case "off", "false", "0": prepared = false
+        case let other:
+            throw DataQueueError(.invalidConfiguration, "database URL prepared_statements \"\(other)\" is not on or off")
         }
         var tls = TLSConfiguration.makeClientConfiguration()
         if let root = options["sslrootcert"] {
@@ -150,7 +166,7 @@ final class PostgresQueueStore: QueueStorage {
         configuration.options.maximumConnections = 16
         configuration.options.connectTimeout = .seconds(Int64(options["connect_timeout"].flatMap(Int.init) ?? 10))
         if let name = options["application_name"] { configuration.options.additionalStartupParameters = [("application_name", name)] }
-        return (configuration, display.string ?? "postgres://\(host)/\(database)")
+        return (configuration, display.string ?? "postgres://\(host)/\(database)", prepared)
     }
 
     // MARK: - Schema
@@ -315,7 +331,7 @@ final class PostgresQueueStore: QueueStorage {
     // MARK: - Enqueue
 
     func insert(_ items: [NewItem]) async throws -> [Int64] {
-        try await run("enqueue") { [self] in try await Self.insert(items, client: client, logger: logger) }
+        try await run("enqueue") { [self] in try await Self.insert(items, client: client, statements: statements, logger: logger) }
     }
 
     nonisolated(nonsending) func insertGrouped(_ item: NewItem) async throws -> Int64 {
@@ -337,12 +353,9 @@ final class PostgresQueueStore: QueueStorage {
         return last - Int64(count) + 1
     }
 
-    /// Appends `items`' columns to `bindings` as one array each and returns the `SELECT` that inserts them
-    /// into `dq_item` numbered from the sequence `first` (an SQL expression) in their order: one statement
-    /// and eleven parameters however many items there are, so the server parses a short statement once.
+    /// Appends `items`' columns to `bindings` as one array each (ten parameters) and then the enqueue time.
     /// `resource_id` and `full_url` travel as empty strings for NULL (neither can be empty in FHIR).
-    private static func itemInsert(_ items: ArraySlice<NewItem>, first: String, bindings: inout PostgresBindings) -> String {
-        let base = bindings.count
+    static func appendItemColumns(_ items: ArraySlice<NewItem>, to bindings: inout PostgresBindings) {
         bindings.append(items.map(\.id))
         bindings.append(items.map(\.queue))
         bindings.append(items.map(\.method.rawValue))
@@ -354,6 +367,13 @@ final class PostgresQueueStore: QueueStorage {
         bindings.append(items.map { ByteBuffer(bytes: $0.body) })
         bindings.append(items.map { $0.fullURL ?? "" })
         bindings.append(Date().timeIntervalSince1970)
+    }
+
+    /// The `INSERT … SELECT` of items whose columns are the parameters after `base` (as
+    /// ``appendItemColumns(_:to:)`` appends them), numbered from the sequence `first` (an SQL expression) in
+    /// their order: one statement and eleven parameters however many items there are, so the server parses
+    /// a short statement once.
+    static func itemInsertSQL(base: Int, first: String) -> String {
         let arrays = (1...10).map { "$\(base + $0)" }.joined(separator: ", ")
         return """
             INSERT INTO dq_item (\(itemInsertColumns))
@@ -367,27 +387,19 @@ final class PostgresQueueStore: QueueStorage {
     /// The most items one enqueue statement carries (its message stays a few megabytes).
     static let statementRows = 1000
 
-    /// Stores `items` durably. Up to ``statementRows`` items are one statement, hence one round trip and one
-    /// commit: the counter row (locked until that commit, so sequences rise in commit order), the rows, and a
-    /// notification per server. More are one transaction of such inserts.
-    fileprivate static func insert(_ items: [NewItem], client: PostgresClient, logger: Logger) async throws -> [Int64] {
+    /// Stores `items` durably. Up to ``statementRows`` items are one statement (``EnqueueOne`` or
+    /// ``EnqueueMany``), hence one round trip and one commit: the counter row (locked until that commit, so
+    /// sequences rise in commit order), the rows, and a notification per server. More are one transaction of
+    /// such inserts.
+    fileprivate static func insert(
+        _ items: [NewItem], client: PostgresClient, statements: PreparedStatements, logger: Logger
+    ) async throws -> [Int64] {
         guard !items.isEmpty else { return [] }
         guard items.count > statementRows else {
-            var bindings = PostgresBindings(capacity: 12)
-            bindings.append(Int64(items.count))
-            let insert = itemInsert(items[...], first: "(SELECT first FROM counter)", bindings: &bindings)
-            let statement = """
-                WITH counter AS (UPDATE dq_meta SET next_seq = next_seq + $1 WHERE id = 1 RETURNING next_seq - $1 + 1 AS first),
-                stored AS (\(insert) RETURNING queue)
-                SELECT counter.first, (SELECT count(pg_notify('dq_enqueue', q)) FROM (SELECT DISTINCT queue AS q FROM stored) d)
-                FROM counter
-                """
-            var first: Int64?
-            for try await (value, _) in try await client.query(PostgresQuery(unsafeSQL: statement, binds: bindings), logger: logger)
-                .decode((Int64, Int64).self)
-            {
-                first = value
-            }
+            let first =
+                items.count == 1
+                ? try await statements.single(EnqueueOne(item: items[0]), client: client, logger: logger)
+                : try await statements.single(EnqueueMany(items: items[...]), client: client, logger: logger)
             guard let first else { throw DataQueueError(.storage, "cannot enqueue: the queue's counter row is missing") }
             return (0..<Int64(items.count)).map { first + $0 }
         }
@@ -395,8 +407,8 @@ final class PostgresQueueStore: QueueStorage {
             let first = try await reserveSequences(items.count, connection: connection, logger: logger)
             for start in stride(from: 0, to: items.count, by: statementRows) {
                 var bindings = PostgresBindings(capacity: 11)
-                let insert = itemInsert(
-                    items[start..<min(start + statementRows, items.count)], first: String(first + Int64(start)), bindings: &bindings)
+                appendItemColumns(items[start..<min(start + statementRows, items.count)], to: &bindings)
+                let insert = itemInsertSQL(base: 0, first: String(first + Int64(start)))
                 try await connection.query(PostgresQuery(unsafeSQL: insert, binds: bindings), logger: logger)
             }
             for queue in Set(items.map(\.queue)) {
