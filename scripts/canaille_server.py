@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Canaille (an OAuth2/OIDC server with RFC 7591 registration) on 127.0.0.1 for dq's tests.
 
-Usage: canaille_server.py --port PORT [--user NAME:PASSWORD] [--client ID[:SECRET]] [--token-lifetime S]
+Usage: canaille_server.py --port PORT [--user NAME:PASSWORD] [--client ID[:SECRET[:METHOD]]]
+                          [--key-client ID=JWKS] [--token-lifetime S]
 
 In-memory database, open dynamic client registration, client_credentials, introspection. Configured as
 pytest-iam 0.3.0 configures it for its own fixtures. For the authorization code flow (`dq login`):
 --user creates a person who can sign in; --client creates a trusted client (public without a secret,
-client_secret_basic/post with one) for authorization_code and refresh_token whose redirect URI is
+client_secret_basic with one, or the METHOD named, e.g. client_secret_post), --key-client one that
+authenticates with private_key_jwt signed by a key of the public JWKS given (JSON), both for
+authorization_code and refresh_token whose redirect URI is
 http://127.0.0.1/callback on any port (RFC 8252 7.3); tokens are signed RS256; access and refresh tokens
 of the code flow live --token-lifetime seconds. Refresh tokens stay valid until revoked (Canaille would
-otherwise expire them with their access token), and revocation accepts public clients (RFC 7009 2.1).
+otherwise expire them with their access token), and revocation accepts public clients (RFC 7009 2.1) and client assertions.
 Authorization codes are looked up by code alone (Canaille 0.3.6's memory backend ORs query filters, so a
 lookup by code and client could return another unused code of the same client).
 """
@@ -45,7 +48,7 @@ def loopback_redirect(client, redirect_uri):
     return redirect_uri in client.redirect_uris
 
 
-def add_people_and_clients(app, users, clients):
+def add_people_and_clients(app, users, clients, key_clients):
     from canaille.app import models
     from canaille.backends import Backend
     from canaille.oidc import provider
@@ -61,14 +64,16 @@ def add_people_and_clients(app, users, clients):
     provider.AuthorizationCodeGrant.query_authorization_code = query_authorization_code
     models.Client.check_redirect_uri = loopback_redirect
     models.Token.is_refresh_token_active = lambda token: not token.revokation_date
-    provider.RevocationEndpoint.CLIENT_AUTH_METHODS = ["client_secret_basic", "client_secret_post", "none"]
+    provider.RevocationEndpoint.CLIENT_AUTH_METHODS = [
+        "client_secret_basic", "client_secret_post", provider.JWTClientAuth.CLIENT_AUTH_METHOD, "none"]
     with app.app_context():
         for entry in users:
             name, password = entry.split(":", 1)
             Backend.instance.save(
                 models.User(user_name=name, family_name=name, emails=[name + "@example.org"], password=password))
-        for entry in clients:
-            client_id, _, secret = entry.partition(":")
+        entries = [(entry.split(":", 2) + ["", ""])[:3] + [None] for entry in clients]
+        entries += [entry.split("=", 1)[:1] + ["", "private_key_jwt", entry.split("=", 1)[1]] for entry in key_clients]
+        for client_id, secret, method, jwks in entries:
             client = models.Client(
                 client_id=client_id,
                 client_secret=secret or None,
@@ -77,7 +82,8 @@ def add_people_and_clients(app, users, clients):
                 redirect_uris=["http://127.0.0.1/callback"],
                 grant_types=["authorization_code", "refresh_token"],
                 response_types=["code"],
-                token_endpoint_auth_method="client_secret_basic" if secret else "none",
+                token_endpoint_auth_method=method or ("client_secret_basic" if secret else "none"),
+                jwks=jwks,
                 scope=["openid", "profile", "email", "offline_access", "fhirUser", "launch/patient",
                        "patient/*.cruds", "patient/Observation.cruds"],
                 client_id_issued_at=datetime.datetime.now(datetime.timezone.utc),
@@ -92,6 +98,7 @@ def main():
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--user", action="append", default=[])
     parser.add_argument("--client", action="append", default=[])
+    parser.add_argument("--key-client", action="append", default=[])
     parser.add_argument("--token-lifetime", type=int, default=3600)
     args = parser.parse_args()
     jwk = JWKRegistry.generate_key("RSA", 2048, parameters={"alg": "RS256", "use": "sig"})
@@ -125,8 +132,8 @@ def main():
         },
     }
     app = create_app(config=config, env_file=None, env_prefix="DQ_TEST_CANAILLE_")
-    if args.user or args.client:
-        add_people_and_clients(app, args.user, args.client)
+    if args.user or args.client or args.key_client:
+        add_people_and_clients(app, args.user, args.client, args.key_client)
     httpd = wsgiref.simple_server.make_server(
         "127.0.0.1", args.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
     print("canaille on http://127.0.0.1:%d" % args.port, flush=True)

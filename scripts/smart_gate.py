@@ -5,16 +5,20 @@ Usage: smart_gate.py --port PORT --fhir SEKMET_BASE --issuer CANAILLE_BASE [--pa
 
 - GET  /fhir/.well-known/smart-configuration: Canaille's authorization and revocation endpoints, this
   gate's token endpoint, the issuer, and the JWKS that signs ID tokens.
+- GET /jwks: Canaille's JWKS passed through (503 while the control's `jwks_down` is set).
 - POST /token: passes the form to Canaille's token endpoint and adds the SMART launch context
   (`patient`, `encounter`) to a successful answer. A tamper mode (set over /_gate/control) changes the
   ID token first, to prove that dq refuses it: `bad-signature` flips a bit of Canaille's signature;
   `wrong-aud`, `wrong-nonce`, `expired` and `es256` re-sign the changed claims with this gate's own
-  P-256 key (ES256), which the JWKS then lists instead of Canaille's.
+  P-256 key (ES256), which the JWKS then lists instead of Canaille's; `es256` adds a `fhirUser` claim,
+  and gives refresh answers (Canaille's have none) a new ID token for the same person.
+  Every code, PKCE verifier and token that passes is recorded, for the tests to grep dq's output for.
 - /fhir/*: each request must carry a Bearer access token that Canaille signed (checked with PyJWT against
   Canaille's JWKS, with `exp`), issued at or after the control's `reject_before`; it is then forwarded to
   sekmet-fhir without the header. Anything else is answered 401.
-- POST /_gate/control {"tamper": MODE|null, "reject_issued_before_now": true}; GET /_gate/stats: counts
-  of token requests by grant type, FHIR requests accepted and refused.
+- POST /_gate/control {"tamper": MODE|null, "reject_issued_before_now": true, "jwks_down": bool};
+  GET /_gate/stats: counts of token requests by grant type, FHIR requests accepted and refused, and the
+  secrets seen.
 """
 import argparse
 import base64
@@ -30,8 +34,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
-STATE = {"tamper": None, "reject_before": 0.0}
-STATS = {"grants": {}, "fhir_accepted": 0, "fhir_refused": 0}
+STATE = {"tamper": None, "reject_before": 0.0, "jwks_down": False}
+STATS = {"grants": {}, "fhir_accepted": 0, "fhir_refused": 0, "secrets": []}
 LOCK = threading.Lock()
 GATE_KEY = ec.generate_private_key(ec.SECP256R1())
 GATE_KID = "gate-es256"
@@ -63,16 +67,38 @@ def tamper(id_token, mode):
     elif mode == "expired":
         claims["iat"] = int(time.time()) - 7200
         claims["exp"] = int(time.time()) - 3600
+    elif mode == "es256":
+        claims["fhirUser"] = FHIR_USER
     return jwt.encode(claims, GATE_KEY, algorithm="ES256", headers={"kid": GATE_KID})
 
 
+FHIR_USER = "Patient/example-patient"
+
+
+LAST_CLAIMS = {}
+
+
+def reissue():
+    """A new ES256 ID token for the person of the last sign-in (for a refresh answer)."""
+    claims = dict(LAST_CLAIMS, iat=int(time.time()), exp=int(time.time()) + 300)
+    claims.pop("nonce", None)
+    return jwt.encode(claims, GATE_KEY, algorithm="ES256", headers={"kid": GATE_KID})
+
+
+def record(*values):
+    with LOCK:
+        STATS["secrets"].extend(value for value in values if isinstance(value, str) and value)
+
+
 def main():
+    global FHIR_USER
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--fhir", required=True)
     parser.add_argument("--issuer", required=True)
     parser.add_argument("--patient", default="example-patient")
     args = parser.parse_args()
+    FHIR_USER = "Patient/" + args.patient
     issuer = args.issuer.rstrip("/")
     base = "http://127.0.0.1:%d" % args.port
     jwks_client = jwt.PyJWKClient(issuer + "/oauth/jwks.json")
@@ -101,7 +127,7 @@ def main():
                 resign = STATE["tamper"] not in (None, "bad-signature")
                 document = {
                     "issuer": issuer,
-                    "jwks_uri": base + "/jwks" if resign else issuer + "/oauth/jwks.json",
+                    "jwks_uri": base + "/jwks",
                     "authorization_endpoint": issuer + "/oauth/authorize",
                     "token_endpoint": base + "/token",
                     "revocation_endpoint": issuer + "/oauth/revoke",
@@ -111,7 +137,14 @@ def main():
                 }
                 return self.reply(200, json.dumps(document).encode())
             if self.path == "/jwks":
-                return self.reply(200, json.dumps(gate_jwks()).encode())
+                with LOCK:
+                    down, resign = STATE["jwks_down"], STATE["tamper"] not in (None, "bad-signature")
+                if down:
+                    return self.reply(503, b'{"error":"temporarily_unavailable"}')
+                if resign:
+                    return self.reply(200, json.dumps(gate_jwks()).encode())
+                with urllib.request.urlopen(issuer + "/oauth/jwks.json", timeout=30) as response:
+                    return self.reply(200, response.read())
             if self.path == "/_gate/stats":
                 with LOCK:
                     return self.reply(200, json.dumps(STATS).encode())
@@ -125,6 +158,8 @@ def main():
                 with LOCK:
                     if "tamper" in control:
                         STATE["tamper"] = control["tamper"]
+                    if "jwks_down" in control:
+                        STATE["jwks_down"] = bool(control["jwks_down"])
                     if control.get("reject_issued_before_now"):
                         STATE["reject_before"] = time.time()
                 return self.reply(200, b"{}")
@@ -135,7 +170,9 @@ def main():
 
         def token(self):
             form = self.body()
-            grant = urllib.parse.parse_qs(form.decode()).get("grant_type", ["?"])[0]
+            fields = urllib.parse.parse_qs(form.decode())
+            grant = fields.get("grant_type", ["?"])[0]
+            record(*(fields.get(name, [""])[0] for name in ("code", "code_verifier", "refresh_token", "client_assertion")))
             with LOCK:
                 STATS["grants"][grant] = STATS["grants"].get(grant, 0) + 1
             headers = {"Content-Type": "application/x-www-form-urlencoded", "Accept": "application/json"}
@@ -148,9 +185,15 @@ def main():
             except urllib.error.HTTPError as error:
                 return self.reply(error.code, error.read())
             answer["patient"] = args.patient
+            answer["encounter"] = "enc-7"
             mode = STATE["tamper"]
             if mode and "id_token" in answer:
                 answer["id_token"] = tamper(answer["id_token"], mode)
+                LAST_CLAIMS.clear()
+                LAST_CLAIMS.update(jwt.decode(answer["id_token"], options={"verify_signature": False}))
+            elif mode == "es256" and grant == "refresh_token" and LAST_CLAIMS:
+                answer["id_token"] = reissue()
+            record(answer.get("access_token"), answer.get("refresh_token"), answer.get("id_token"))
             return self.reply(status, json.dumps(answer).encode(), headers=[("Cache-Control", "no-store")])
 
         def fhir(self, method):

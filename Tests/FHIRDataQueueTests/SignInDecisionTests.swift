@@ -19,16 +19,17 @@ struct SignInDecisionTests {
         var count: Int { value.withLock { $0 } }
     }
 
-    func jwks(kid: String = "k1") -> Data {
+    func jwks(kid: String? = "k1") -> Data {
         let raw = key.publicKey.rawRepresentation  // x || y
-        let jwk: [String: Any] = [
-            "kty": "EC", "crv": "P-256", "kid": kid, "use": "sig", "alg": "ES256",
+        var jwk: [String: Any] = [
+            "kty": "EC", "crv": "P-256", "use": "sig", "alg": "ES256",
             "x": AuthorizationCodeClient.base64URL(raw.prefix(32)), "y": AuthorizationCodeClient.base64URL(raw.suffix(32)),
         ]
+        jwk["kid"] = kid
         return try! JSONSerialization.data(withJSONObject: ["keys": [jwk]])
     }
 
-    func verifier(kid: String = "k1") -> IDTokenVerifier {
+    func verifier(kid: String? = "k1") -> IDTokenVerifier {
         let set = jwks(kid: kid)
         let fetches = self.fetches
         return IDTokenVerifier(jwksURL: URL(string: Self.issuer + "/jwks")!) { _ in
@@ -148,5 +149,71 @@ struct SignInDecisionTests {
         if check == "unknown-kid" {
             #expect(fetches.count == 2, "an unknown kid fetches the JWKS once more (key rotation)")
         }
+    }
+
+    @Test("the JWKS is fetched once for many ID tokens (cached)")
+    func jwksCached() async throws {
+        let verifier = verifier()
+        for _ in 0..<3 {
+            _ = try await verifier.verify(try token(claims()), issuer: Self.issuer, clientID: "app", nonce: "n-1")
+        }
+        #expect(fetches.count == 1, "three verifications, one fetch")
+    }
+
+    @Test("a one-key JWKS without kid verifies a token whose header names no kid")
+    func keyWithoutKid() async throws {
+        let verifier = verifier(kid: nil)
+        let verified = try await verifier.verify(
+            try token(claims(), header: ["alg": "ES256", "typ": "JWT"]), issuer: Self.issuer, clientID: "app", nonce: "n-1")
+        #expect(verified.sub == "alice")
+        let forged = try token(claims(), header: ["alg": "ES256", "typ": "JWT"], with: P256.Signing.PrivateKey())
+        await #expect(throws: DataQueueError.self) {
+            _ = try await verifier.verify(forged, issuer: Self.issuer, clientID: "app", nonce: "n-1")
+        }
+    }
+
+    @Test(
+        "endpoint discovery: the SMART configuration first, then the OpenID configuration, then the CapabilityStatement",
+        arguments: ["smart", "openid", "metadata"])
+    func discoveryOrder(source: String) async throws {
+        let server = try await ScriptedServer { request in
+            let base = "http://127.0.0.1:\(request.header("Host")?.split(separator: ":").last ?? "")"
+            func document(_ prefix: String) -> ScriptedServer.Action {
+                let object: [String: Any] = [
+                    "issuer": base, "jwks_uri": base + "/jwks", "authorization_endpoint": base + "/\(prefix)-authorize",
+                    "token_endpoint": base + "/\(prefix)-token",
+                ]
+                return .respond(.init(status: 200, data: try! JSONSerialization.data(withJSONObject: object)))
+            }
+            switch (request.path, source) {
+            case ("/fhir/.well-known/smart-configuration", "smart"): return document("smart")
+            case ("/fhir/.well-known/openid-configuration", "openid"): return document("openid")
+            case ("/fhir/metadata", _):
+                let oauth: [String: Any] = [
+                    "url": "http://fhir-registry.smarthealthit.org/StructureDefinition/oauth-uris",
+                    "extension": [
+                        ["url": "authorize", "valueUri": base + "/metadata-authorize"],
+                        ["url": "token", "valueUri": base + "/metadata-token"],
+                    ],
+                ]
+                let capability: [String: Any] = ["resourceType": "CapabilityStatement", "rest": [["security": ["extension": [oauth]]]]]
+                return .respond(.init(status: 200, data: try! JSONSerialization.data(withJSONObject: capability)))
+            default: return .respond(.init(status: 404))
+            }
+        }
+        var configuration = AuthorizationCodeConfiguration(fhirBaseURL: URL(string: server.baseURL + "/fhir")!, clientID: "app")
+        configuration.scope = "launch/patient offline_access patient/*.cruds"
+        configuration.credentialsDirectory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-disc-\(UUID())").path
+        let client = AuthorizationCodeClient(configuration: configuration)
+        let pending = try await client.prepareSignIn(redirectURI: "http://127.0.0.1:1/callback")
+        #expect(pending.authorizationURL.path == "/\(source)-authorize", "\(pending.authorizationURL)")
+        let asked = server.requests.map(\.path)
+        let expected = [
+            "/fhir/.well-known/smart-configuration", "/fhir/.well-known/openid-configuration", "/fhir/metadata",
+        ]
+        let count = ["smart": 1, "openid": 2, "metadata": 3][source]!
+        #expect(asked.count == count && asked == Array(expected.prefix(count)), "\(asked)")
+        try await client.shutdown()
+        try await server.shutdown()
     }
 }

@@ -11,6 +11,7 @@ struct SignInTests {
     let resources = Resources()
     static let person = ("alice", "correct-horse-battery")
     static let confidential = ("dq-conf", "conf-secret-8d1f2c")
+    static let postClient = ("dq-post", "post-secret-5be91a")
 
     init() throws { work = try TemporaryDirectory() }
 
@@ -32,18 +33,30 @@ struct SignInTests {
         case forge(([String: String]) -> String)
     }
 
-    func setUp(tokenLifetime: Int = 3600, confidential: Bool = false) async throws -> Setup {
+    /// - Parameters:
+    ///   - confidential: sign in as the client_secret_basic client.
+    ///   - clientID: sign in as this client instead, with `auth` added to the auth object (`auth` may name
+    ///     Canaille's own endpoints with the placeholder `CANAILLE`).
+    ///   - keyClients: private_key_jwt clients to create in Canaille (id and public JWKS).
+    func setUp(
+        tokenLifetime: Int = 3600, confidential: Bool = false, clientID other: String? = nil, auth extra: [String: String] = [:],
+        keyClients: [String: String] = [:]
+    ) async throws -> Setup {
         let canaille = try await CanailleServer(
-            users: ["\(Self.person.0):\(Self.person.1)"], clients: ["dq-cli", "\(Self.confidential.0):\(Self.confidential.1)"],
-            tokenLifetime: tokenLifetime)
+            users: ["\(Self.person.0):\(Self.person.1)"],
+            clients: [
+                "dq-cli", "\(Self.confidential.0):\(Self.confidential.1)", "\(Self.postClient.0):\(Self.postClient.1):client_secret_post",
+            ],
+            keyClients: keyClients, tokenLifetime: tokenLifetime)
         let fhir = try await FHIRServer.start()
         let gate = try await SMARTGate(fhir: fhir, canaille: canaille, patient: "pat-42")
-        let clientID = confidential ? Self.confidential.0 : "dq-cli"
+        let clientID = other ?? (confidential ? Self.confidential.0 : "dq-cli")
         var auth: [String: Any] = [
             "authorize_type": "authorization_code", "client_id": clientID, "credentials_dir": work.file("creds"),
             "scope": "launch/patient openid fhirUser offline_access patient/*.cruds",
         ]
         if confidential { auth["client_secret"] = Self.confidential.1 }
+        for (key, value) in extra { auth[key] = value.replacingOccurrences(of: "CANAILLE", with: canaille.base) }
         let config = work.file("dq.json")
         try JSONSerialization.data(withJSONObject: [
             "server": gate.fhirBase, "database": work.file("q.sqlite"), "auth": auth, "retry": ["initial_seconds": 1],
@@ -200,6 +213,11 @@ struct SignInTests {
         let after = try await dq(["flush"], setup.env)
         #expect(after.status == 0, "nothing pending: \(after.stderr)")
         expectNoSecrets(outputs, [access1, refresh1, refresh2, second["access_token"] as? String, third["access_token"] as? String])
+        // Every code, verifier and token the gate saw pass (the ID tokens too), in everything dq printed.
+        let seen = try await setup.gate.secrets()
+        #expect(seen.count >= 9, "codes, verifiers and tokens recorded: \(seen.count)")
+        let dqOutputs = outputs.enumerated().filter { $0.offset != 2 }.map(\.element)  // not the person's own
+        expectNoSecrets(dqOutputs + [after.stdout, after.stderr], seen)
     }
 
     @Test("two dq processes past half-life refresh once between them: the second takes the rotated token from the first")
@@ -268,6 +286,7 @@ struct SignInTests {
         let setup = try await setUp()
         let (first, pasted, _) = try await login(setup, .paste())
         #expect(first.status == 0, "\(first.stderr)")
+        var outputs = [first.stdout, first.stderr]
         let usedCode = try #require(URLComponents(string: pasted ?? "")?.queryItems?.first { $0.name == "code" }?.value)
         let path =
             signInDirectory + "/"
@@ -294,6 +313,7 @@ struct SignInTests {
         #expect(try await setup.gate.stats().grants["authorization_code"] == 2)
         #expect(try Data(contentsOf: URL(fileURLWithPath: path)) == before)
         expectNoSecrets([replayed.result.stdout, replayed.result.stderr, forgedState.result.stderr], [usedCode])
+        outputs += [forgedState.result.stdout, forgedState.result.stderr, replayed.result.stdout, replayed.result.stderr]
 
         // ID tokens changed by the gate: each refused with a message naming the check, nothing stored.
         try FileManager.default.removeItem(atPath: path)
@@ -307,12 +327,112 @@ struct SignInTests {
             #expect(refused.result.stderr.contains(message), "\(mode): \(refused.result.stderr)")
             #expect(refused.result.stderr.contains("nothing was stored"))
             #expect(try storedSignIn() == nil, "\(mode) stored a sign-in")
+            outputs += [refused.result.stdout, refused.result.stderr]
         }
 
-        // The same gate signing a sound ID token with its ES256 key: accepted.
+        // The same gate signing a sound ID token with its ES256 key, with a fhirUser claim: accepted; the
+        // launch context (patient and encounter from the token answer, fhirUser from the ID token) is shown.
         try await setup.gate.control(["tamper": "es256"])
         let es256 = try await login(setup, .follow)
         #expect(es256.result.status == 0, "\(es256.result.stderr)")
-        #expect(try storedSignIn()?["sub"] as? String == "alice")
+        let stored = try #require(try storedSignIn())
+        #expect(stored["sub"] as? String == "alice")
+        #expect(stored["fhir_user"] as? String == "Patient/pat-42" && stored["encounter"] as? String == "enc-7", "\(stored.keys)")
+        try await enqueue(setup, 0..<1)  // status reads a queue that exists
+        let status = try await dq(["status"], setup.env)
+        #expect(status.stdout.contains("signed in:  Patient/pat-42") && status.stdout.contains("enc-7"), "\(status.stdout)")
+        let json = try await dq(["status", "--json"], setup.env)
+        #expect(json.stdout.contains("Patient/pat-42") && json.stdout.contains("enc-7"), "\(json.stdout)")
+
+        // No code, verifier or token of any of these sign-ins in what dq printed.
+        let seen = try await setup.gate.secrets()
+        #expect(seen.count >= 10, "codes, verifiers and tokens recorded: \(seen.count)")
+        expectNoSecrets(outputs + [es256.result.stdout, es256.result.stderr, status.stdout, json.stdout], seen)
+    }
+
+    @Test(
+        "the JWKS is out when a refreshed ID token must be checked: the rotated refresh token is kept, the flush waits (not 77) and goes through after"
+    )
+    func refreshWhileTheJWKSIsOut() async throws {
+        let setup = try await setUp(tokenLifetime: 8)
+        try await setup.gate.control(["tamper": "es256"])  // ID tokens on refresh answers too, keys at the gate
+        let (login, _, _) = try await login(setup, .follow)
+        #expect(login.status == 0, "\(login.stderr)")
+        let first = try #require(try storedSignIn())
+        let renewAt = try Self.date(first["issued_at"]).addingTimeInterval(4)
+        let refresh1 = try #require(first["refresh_token"] as? String)
+        try await enqueue(setup, 0..<2)
+        try await Task.sleep(for: .seconds(max(0, renewAt.timeIntervalSinceNow) + 0.5))
+
+        // The refresh goes through and rotates the refresh token; the new ID token cannot be checked.
+        try await setup.gate.control(["jwks_down": true])
+        let down = try await dq(["flush"], setup.env)
+        #expect(down.status != 0 && down.status != 77, "a passing outage, not a refused sign-in: \(down.status) \(down.stderr)")
+        #expect(down.stderr.contains("JWKS"), "\(down.stderr)")
+        let spent = try await setup.gate.stats().grants["refresh_token"] ?? 0
+        #expect(spent >= 1, "\(spent)")  // each refresh rotates, and each rotated token is kept
+        let kept = try #require(try storedSignIn())
+        #expect(kept["refresh_token"] as? String != refresh1, "the rotated refresh token is kept")
+        #expect(kept["access_token"] as? String == first["access_token"] as? String, "the unchecked access token is not")
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == [])
+
+        // Back: the kept refresh token renews (the old one is dead at the server), and both are delivered.
+        try await setup.gate.control(["jwks_down": false])
+        let up = try await dq(["flush", "--now"], setup.env)  // past the backoff the outage set
+        #expect(up.status == 0, "\(up.stderr)")
+        let renewed = try await setup.gate.stats().grants["refresh_token"] ?? 0
+        #expect(renewed == spent + 1, "\(renewed)")
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == ["0", "1"])
+        expectNoSecrets([login.stdout, login.stderr, down.stdout, down.stderr, up.stdout, up.stderr], try await setup.gate.secrets())
+    }
+
+    @Test(
+        "confidential clients in the code flow: client_secret_post, and private_key_jwt (ES256, dq keygen) signing in, delivering and logging out"
+    )
+    func confidentialPostAndKeyClients() async throws {
+        let key = work.file("client.pem")
+        let keygen = try await dq(["keygen", "--alg", "ES256", "--out", key], [:])
+        try #require(keygen.status == 0, "\(keygen.stderr)")
+        // One after the other: each setup writes the test's config file and has its own FHIR server.
+        let setups: [(String, () async throws -> Setup)] = [
+            (
+                "post",
+                {
+                    try await setUp(
+                        clientID: Self.postClient.0,
+                        auth: ["client_secret": Self.postClient.1, "token_endpoint_auth_method": "client_secret_post"])
+                }
+            ),
+            // The assertion's audience is the token endpoint it goes to: Canaille's own (it checks aud).
+            (
+                "key",
+                {
+                    try await setUp(
+                        clientID: "dq-key", auth: ["private_key": key, "token_uri": "CANAILLE/oauth/token"],
+                        keyClients: ["dq-key": keygen.stdout.trimmingCharacters(in: .whitespacesAndNewlines)])
+                }
+            ),
+        ]
+        for (index, (name, make)) in setups.enumerated() {
+            let setup = try await make()
+            try? FileManager.default.removeItem(atPath: signInDirectory)
+            let (login, _, _) = try await login(setup, .follow)
+            #expect(login.status == 0, "\(name): \(login.stderr)")
+            try #require(try storedSignIn() != nil, "\(name) signed in")
+            try await enqueue(setup, (index * 10)..<(index * 10 + 1))
+            let flush = try await dq(["flush"], setup.env)
+            #expect(flush.status == 0, "\(name): \(flush.stderr)")
+            #expect(try await setup.fhir.values("Observation", system: resources.system) == [String(index * 10)], "\(name)")
+            let refresh = try #require(try storedSignIn()?["refresh_token"] as? String)
+            let logout = try await dq(["logout"], setup.env)
+            #expect(logout.status == 0, "\(name): \(logout.stderr)")
+            #expect(logout.stdout.contains("the server revoked the tokens"), "\(name): \(logout.stdout)")
+            let revoked = try await setup.canaille.postForm(
+                "/oauth/token", ["grant_type": "refresh_token", "refresh_token": refresh, "client_id": "dq-cli"])
+            #expect(revoked.0 == 400, "\(name)")
+            expectNoSecrets(
+                [login.stdout, login.stderr, flush.stdout, flush.stderr, logout.stdout, logout.stderr],
+                try await setup.gate.secrets() + [refresh, Self.postClient.1])
+        }
     }
 }

@@ -204,7 +204,8 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
             for case (let token?, let hint) in tokens {
                 var form = [("token", token), ("token_type_hint", hint)]
                 var headers = HTTPHeaders()
-                try await authenticate(audience: endpoint, form: &form, headers: &headers)
+                // A client assertion's audience is the token endpoint for every endpoint (OIDC Core 9).
+                try await authenticate(audience: URL(string: signIn.tokenEndpoint) ?? endpoint, form: &form, headers: &headers)
                 let (status, body) = try await http.post(endpoint, form: form, headers: headers)
                 if status == 200 { continue }
                 if hint == "access_token" && status == 400 { continue }  // unsupported_token_type: it expires alone
@@ -281,15 +282,28 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
             let answer = try await tokenRequest(
                 tokenURL, [("grant_type", "refresh_token"), ("refresh_token", refreshToken)],
                 refusal: "refused the refresh token; run `dq login` again (queued items stay queued)")
+            let rotated = answer.object["refresh_token"] as? String
             if let idToken = answer.object["id_token"] as? String, configuration.asksForIDToken {
-                let endpoints = try await resolveEndpoints()
-                let claims = try await verifyIDToken(idToken, endpoints: endpoints, nonce: nil)
+                let claims: IDTokenClaims
+                do {
+                    claims = try await verifyIDToken(idToken, endpoints: try await resolveEndpoints(), nonce: nil)
+                } catch let error as DataQueueError where error.code == .transport {
+                    // Discovery or the JWKS cannot be reached, and the server has already rotated the refresh
+                    // token: the new refresh token is kept for the next try; the unchecked access token is not.
+                    if let rotated {
+                        signIn.refreshToken = rotated
+                        signIn.expiresIn = 0  // renew at the next use
+                        try store.save(signIn)
+                        current = signIn
+                    }
+                    throw error
+                }
                 guard signIn.subject == nil || claims.sub == signIn.subject else {
                     throw DataQueueError(.authentication, "the refreshed ID token names another person (sub); run `dq login` again")
                 }
             }
             signIn.accessToken = answer.accessToken
-            if let rotated = answer.object["refresh_token"] as? String { signIn.refreshToken = rotated }
+            if let rotated { signIn.refreshToken = rotated }
             signIn.issuedAt = Date()
             signIn.expiresIn = answer.expiresIn
             if let scope = answer.object["scope"] as? String { signIn.scope = scope }
@@ -341,22 +355,28 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     }
 
     private func verifyIDToken(_ token: String, endpoints: Endpoints, nonce: String?) async throws -> IDTokenClaims {
-        guard let issuer = endpoints.issuer, let jwks = endpoints.jwks else {
+        let verifier = try idTokenVerifier(endpoints)
+        return try await verifier.verify(token, issuer: endpoints.issuer ?? "", clientID: configuration.clientID, nonce: nonce)
+    }
+
+    /// The verifier of the issuer's ID tokens, made once (it caches the JWKS).
+    private func idTokenVerifier(_ endpoints: Endpoints) throws -> IDTokenVerifier {
+        if let verifier { return verifier }
+        guard endpoints.issuer != nil, let jwks = endpoints.jwks else {
             throw DataQueueError(
                 .invalidConfiguration,
                 "configuration: the ID token cannot be checked: the server names no issuer and jwks_uri (set \"auth.issuer\")")
         }
-        if verifier == nil {
-            let http = self.http
-            verifier = IDTokenVerifier(jwksURL: jwks) { url in
-                var request = HTTPClientRequest(url: url.absoluteString)
-                request.headers.add(name: "Accept", value: "application/json, application/jwk-set+json")
-                let (status, data) = try await http.execute(request)
-                guard status == 200 else { throw DataQueueError(.transport, "the issuer's JWKS answered \(status)") }
-                return data
-            }
+        let http = self.http
+        let made = IDTokenVerifier(jwksURL: jwks) { url in
+            var request = HTTPClientRequest(url: url.absoluteString)
+            request.headers.add(name: "Accept", value: "application/json, application/jwk-set+json")
+            let (status, data) = try await http.execute(request)
+            guard status == 200 else { throw DataQueueError(.transport, "the issuer's JWKS answered \(status)") }
+            return data
         }
-        return try await verifier!.verify(token, issuer: issuer, clientID: configuration.clientID, nonce: nonce)
+        verifier = made
+        return made
     }
 
     // MARK: - Discovery

@@ -79,11 +79,15 @@ actor IDTokenVerifier {
         else { throw Self.refused("cannot be checked: the issuer's JWKS is not a key set") }
         let collection = JWTKeyCollection()
         var kids = Set<String>()
-        for entry in list where (entry["use"] as? String ?? "sig") == "sig" {
-            guard let kid = entry["kid"] as? String, let json = try? JSONSerialization.data(withJSONObject: entry),
+        for (index, var entry) in list.enumerated() where (entry["use"] as? String ?? "sig") == "sig" {
+            // A key without kid (legal in a one-key set) gets a name of its own; a token without kid is
+            // checked with the first key (jwt-kit's default).
+            let kid = entry["kid"] as? String ?? "dq-unnamed-key-\(index)"
+            entry["kid"] = kid
+            guard let json = try? JSONSerialization.data(withJSONObject: entry),
                 let jwk = try? JSONDecoder().decode(JWK.self, from: json),
                 (try? await collection.add(jwk: jwk)) != nil
-            else { continue }  // a key of a type jwt-kit does not know, or without kid, is skipped
+            else { continue }  // a key of a type jwt-kit does not know is skipped
             kids.insert(kid)
         }
         guard !kids.isEmpty else { throw Self.refused("cannot be checked: the issuer's JWKS holds no usable signing key") }

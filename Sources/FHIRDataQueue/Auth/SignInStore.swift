@@ -171,7 +171,7 @@ enum SecretFile {
         return try encoder.encode(value)
     }
 
-    /// Writes `data` to a temporary file (0600), fsyncs it and renames it over `file`.
+    /// Writes `data` to a temporary file (0600), fsyncs it, renames it over `file` and fsyncs `directory`.
     static func write(_ data: Data, to file: String, directory: String, what: String) throws {
         try makeDirectory(directory)
         let temporary = file + ".tmp-\(getpid())-\(UUID().uuidString.prefix(8))"
@@ -184,5 +184,11 @@ enum SecretFile {
             unlink(temporary)
             throw DataQueueError(.storage, "cannot write the \(what) \(file)")
         }
+        // The rename is durable once the directory is: else a power loss could bring back the old file
+        // (a refresh token the server has already rotated out).
+        let directoryFD = open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard directoryFD >= 0 else { throw DataQueueError(.storage, "cannot sync the directory of the \(what) \(file)") }
+        defer { close(directoryFD) }
+        guard fsync(directoryFD) == 0 else { throw DataQueueError(.storage, "cannot sync the directory of the \(what) \(file)") }
     }
 }

@@ -186,9 +186,11 @@ final class CanailleServer: @unchecked Sendable {
 
     /// - Parameters:
     ///   - users: `name:password` of people who can sign in.
-    ///   - clients: `id` (public) or `id:secret` (confidential) clients of the authorization code flow.
+    ///   - clients: `id` (public), `id:secret` (client_secret_basic) or `id:secret:client_secret_post`
+    ///     clients of the authorization code flow.
+    ///   - keyClients: private_key_jwt clients of the code flow: their id and public JWKS.
     ///   - tokenLifetime: seconds an access token of the code flow lives.
-    init(users: [String] = [], clients: [String] = [], tokenLifetime: Int? = nil) async throws {
+    init(users: [String] = [], clients: [String] = [], keyClients: [String: String] = [:], tokenLifetime: Int? = nil) async throws {
         port = Peers.freePort()
         let python = Peers.packageRoot.appendingPathComponent(".peers/canaille/bin/python").path
         try #require(FileManager.default.isExecutableFile(atPath: python), "Canaille is not installed: run scripts/peers.sh install")
@@ -196,6 +198,7 @@ final class CanailleServer: @unchecked Sendable {
         var arguments = [script, "--port", String(port)]
         for user in users { arguments += ["--user", user] }
         for client in clients { arguments += ["--client", client] }
+        for (client, jwks) in keyClients { arguments += ["--key-client", client + "=" + jwks] }
         if let tokenLifetime { arguments += ["--token-lifetime", String(tokenLifetime)] }
         child = try ChildProcess(python, arguments)
         let url = base + "/.well-known/oauth-authorization-server"
@@ -260,7 +263,7 @@ final class SMARTGate: @unchecked Sendable {
         }
     }
 
-    /// `{"tamper": mode}` or `{"reject_issued_before_now": true}`.
+    /// `{"tamper": mode}`, `{"reject_issued_before_now": true}` or `{"jwks_down": true}`.
     func control(_ body: [String: Any]) async throws {
         let (status, _) = try await HTTP.post(
             "http://127.0.0.1:\(port)/_gate/control", json: try JSONSerialization.data(withJSONObject: body))
@@ -273,6 +276,11 @@ final class SMARTGate: @unchecked Sendable {
         return (
             object["grants"] as? [String: Int] ?? [:], object["fhir_accepted"] as? Int ?? -1, object["fhir_refused"] as? Int ?? -1
         )
+    }
+
+    /// Every authorization code, PKCE verifier, client assertion and token that passed the token endpoint.
+    func secrets() async throws -> [String] {
+        try await HTTP.json("http://127.0.0.1:\(port)/_gate/stats")["secrets"] as? [String] ?? []
     }
 
     deinit {
