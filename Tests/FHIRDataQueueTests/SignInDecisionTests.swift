@@ -160,12 +160,25 @@ struct SignInDecisionTests {
         #expect(fetches.count == 1, "three verifications, one fetch")
     }
 
-    @Test("a one-key JWKS without kid verifies a token whose header names no kid")
+    @Test("JWKS keys without kid verify a token whose header names no kid; a token signed by another key is refused")
     func keyWithoutKid() async throws {
         let verifier = verifier(kid: nil)
         let verified = try await verifier.verify(
             try token(claims(), header: ["alg": "ES256", "typ": "JWT"]), issuer: Self.issuer, clientID: "app", nonce: "n-1")
         #expect(verified.sub == "alice")
+        // Two keys without kid, the signer's second: each key is tried.
+        let other = P256.Signing.PrivateKey().publicKey.rawRepresentation
+        var set = try #require(try JSONSerialization.jsonObject(with: jwks(kid: nil)) as? [String: [[String: Any]]])
+        set["keys"]!.insert(
+            [
+                "kty": "EC", "crv": "P-256", "use": "sig", "x": AuthorizationCodeClient.base64URL(other.prefix(32)),
+                "y": AuthorizationCodeClient.base64URL(other.suffix(32)),
+            ], at: 0)
+        let two = try JSONSerialization.data(withJSONObject: set)
+        let twoKeys = IDTokenVerifier(jwksURL: URL(string: Self.issuer + "/jwks")!) { _ in two }
+        let second = try await twoKeys.verify(
+            try token(claims(), header: ["alg": "ES256", "typ": "JWT"]), issuer: Self.issuer, clientID: "app", nonce: "n-1")
+        #expect(second.sub == "alice")
         let forged = try token(claims(), header: ["alg": "ES256", "typ": "JWT"], with: P256.Signing.PrivateKey())
         await #expect(throws: DataQueueError.self) {
             _ = try await verifier.verify(forged, issuer: Self.issuer, clientID: "app", nonce: "n-1")

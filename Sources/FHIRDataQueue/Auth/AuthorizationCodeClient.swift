@@ -355,8 +355,11 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     }
 
     private func verifyIDToken(_ token: String, endpoints: Endpoints, nonce: String?) async throws -> IDTokenClaims {
-        let verifier = try idTokenVerifier(endpoints)
-        return try await verifier.verify(token, issuer: endpoints.issuer ?? "", clientID: configuration.clientID, nonce: nonce)
+        guard let issuer = endpoints.issuer else {
+            throw DataQueueError(
+                .invalidConfiguration, "configuration: the ID token cannot be checked: the server names no issuer (set \"auth.issuer\")")
+        }
+        return try await idTokenVerifier(endpoints).verify(token, issuer: issuer, clientID: configuration.clientID, nonce: nonce)
     }
 
     /// The verifier of the issuer's ID tokens, made once (it caches the JWKS).

@@ -54,7 +54,8 @@ actor IDTokenVerifier {
         }
         let claims: IDTokenClaims
         do {
-            claims = try await collection.collection.verify(token, as: IDTokenClaims.self)
+            // A token without kid is tried with each of the issuer's keys (one of them signed it, or none).
+            claims = try await collection.collection.verify(token, as: IDTokenClaims.self, iteratingKeys: kid == nil)
         } catch let error as JWTError where error.errorType == .signatureVerificationFailed {
             throw Self.refused("has a signature that does not verify with the issuer's key")
         } catch {
@@ -76,12 +77,14 @@ actor IDTokenVerifier {
         let data = try await fetch(jwksURL)
         guard let object = try? JSONSerialization.jsonObject(with: data) as? [String: Any],
             let list = object["keys"] as? [[String: Any]]
-        else { throw Self.refused("cannot be checked: the issuer's JWKS is not a key set") }
+        else {
+            // An error page where the key set should be (a proxy in trouble): passing, not a refused token.
+            throw DataQueueError(.transport, "the ID token cannot be checked yet: the issuer's JWKS answer is not a key set")
+        }
         let collection = JWTKeyCollection()
         var kids = Set<String>()
         for (index, var entry) in list.enumerated() where (entry["use"] as? String ?? "sig") == "sig" {
-            // A key without kid (legal in a one-key set) gets a name of its own; a token without kid is
-            // checked with the first key (jwt-kit's default).
+            // A key without kid (legal in a one-key set) gets a name of its own.
             let kid = entry["kid"] as? String ?? "dq-unnamed-key-\(index)"
             entry["kid"] = kid
             guard let json = try? JSONSerialization.data(withJSONObject: entry),

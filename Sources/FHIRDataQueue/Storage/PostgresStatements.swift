@@ -10,8 +10,8 @@ import Synchronization
 /// 1.21 in transaction mode, which hands a client's statements to different server connections. Neither
 /// error runs the statement, so it is run again unprepared.
 ///
-/// Statement names carry a hash of their SQL, so two dq versions sharing server connections (through a
-/// pooler, during an upgrade) never run each other's statement under one name.
+/// Statement names carry a hash of their SQL and parameter types, so two dq versions sharing server
+/// connections (through a pooler, during an upgrade) never run each other's statement under one name.
 final class PreparedStatements: Sendable {
     private let enabled: Atomic<Bool>
     private let logger: Logger
@@ -30,9 +30,21 @@ final class PreparedStatements: Sendable {
     ) async throws -> Statement.Row? where Statement.Row: Sendable {
         if isEnabled {
             do {
-                var last: Statement.Row?
-                for try await row in try await client.execute(statement, logger: logger) { last = row }
-                return last
+                return try await client.withConnection { connection in
+                    do {
+                        var last: Statement.Row?
+                        for try await row in try await connection.execute(statement, logger: logger) { last = row }
+                        return last
+                    } catch let error as PSQLError
+                        where error.code == .server && !Self.poolerCodes.contains(error.serverInfo?[.sqlState] ?? "")
+                    {
+                        // postgres-nio keeps a failed preparation (a lock timeout while an operator alters the
+                        // table, say) for the connection's life and answers every later use with it: the
+                        // connection is closed, so that the pool replaces it.
+                        try? await connection.close()
+                        throw error
+                    }
+                }
             } catch let error as PSQLError where error.code == .server && Self.poolerCodes.contains(error.serverInfo?[.sqlState] ?? "") {
                 if enabled.exchange(false, ordering: .relaxed) {
                     self.logger.notice(
@@ -50,10 +62,11 @@ final class PreparedStatements: Sendable {
     /// invalid_sql_statement_name and duplicate_prepared_statement.
     static let poolerCodes: Set<String> = ["26000", "42P05"]
 
-    /// A statement name from `prefix` and a hash of `sql` (FNV-1a, 64 bits: stable across processes).
-    static func name(_ prefix: String, sql: String) -> String {
+    /// A statement name from `prefix` and a hash of `sql` and the parameter types (FNV-1a, 64 bits: stable
+    /// across processes).
+    static func name(_ prefix: String, sql: String, types: [PostgresDataType] = []) -> String {
         var hash: UInt64 = 0xcbf2_9ce4_8422_2325
-        for byte in sql.utf8 {
+        for byte in (sql + types.map { String($0.rawValue) }.joined(separator: ",")).utf8 {
             hash ^= UInt64(byte)
             hash = hash &* 0x100_0000_01b3
         }
@@ -71,7 +84,10 @@ struct EnqueueOne: PostgresPreparedStatement {
           SELECT first, $1, $2, $3, $4, $5, NULLIF($6, ''), $7, $8, $9, NULLIF($10, ''), $11 FROM counter)
         SELECT first, (SELECT count(pg_notify('dq_enqueue', $2))) FROM counter
         """
-    static let name = PreparedStatements.name("dq_enqueue_one", sql: sql)
+    static let bindingDataTypes: [PostgresDataType] = [
+        .uuid, .text, .text, .text, .text, .text, .bool, .text, .bytea, .text, .float8,
+    ]
+    static let name = PreparedStatements.name("dq_enqueue_one", sql: sql, types: bindingDataTypes)
     typealias Row = Int64
 
     var item: NewItem
@@ -104,7 +120,11 @@ struct EnqueueMany: PostgresPreparedStatement {
         SELECT counter.first, (SELECT count(pg_notify('dq_enqueue', q)) FROM (SELECT DISTINCT queue AS q FROM stored) d)
         FROM counter
         """
-    static let name = PreparedStatements.name("dq_enqueue_many", sql: sql)
+    static let bindingDataTypes: [PostgresDataType] = [
+        .int8, .uuidArray, .textArray, .textArray, .textArray, .textArray, .textArray, .boolArray, .textArray, .byteaArray,
+        .textArray, .float8,
+    ]
+    static let name = PreparedStatements.name("dq_enqueue_many", sql: sql, types: bindingDataTypes)
     typealias Row = Int64
 
     var items: ArraySlice<NewItem>
