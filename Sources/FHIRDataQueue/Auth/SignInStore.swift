@@ -184,10 +184,10 @@ enum SecretFile {
             unlink(temporary)
             throw DataQueueError(.storage, "cannot write the \(what) \(file)")
         }
-        // The rename is durable once the directory is: else a power loss could bring back the old file
-        // (a refresh token the server has already rotated out).
-        // File systems that cannot sync a directory (EINVAL on some FUSE and network mounts) keep the rename
-        // as they can; only an I/O error is reported (the new file is in place either way).
+        // The rename is durable once the directory is: else a power loss could bring back the old file (a
+        // refresh token the server has already rotated out). File systems that cannot sync a directory
+        // (EINVAL on some FUSE and network mounts) keep the rename as they can; only an I/O error is
+        // reported (the new file is in place either way).
         let directoryFD = open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard directoryFD >= 0 else { return }
         defer { close(directoryFD) }

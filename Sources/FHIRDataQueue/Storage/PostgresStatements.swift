@@ -35,9 +35,7 @@ final class PreparedStatements: Sendable {
                         var last: Statement.Row?
                         for try await row in try await connection.execute(statement, logger: logger) { last = row }
                         return last
-                    } catch let error as PSQLError
-                        where error.code == .server && !Self.poolerCodes.contains(error.serverInfo?[.sqlState] ?? "")
-                    {
+                    } catch let error as PSQLError where error.code == .server && !Self.isPoolerRefusal(error) {
                         // postgres-nio keeps a failed preparation (a lock timeout while an operator alters the
                         // table, say) for the connection's life and answers every later use with it: the
                         // connection is closed, so that the pool replaces it.
@@ -45,7 +43,7 @@ final class PreparedStatements: Sendable {
                         throw error
                     }
                 }
-            } catch let error as PSQLError where error.code == .server && Self.poolerCodes.contains(error.serverInfo?[.sqlState] ?? "") {
+            } catch let error as PSQLError where Self.isPoolerRefusal(error) {
                 if enabled.exchange(false, ordering: .relaxed) {
                     self.logger.notice(
                         "PostgreSQL prepared statements do not work here (a pooler in transaction mode?); using unprepared ones (prepared_statements=off in the database URL says so at once)",
@@ -59,8 +57,10 @@ final class PreparedStatements: Sendable {
         return last
     }
 
-    /// invalid_sql_statement_name and duplicate_prepared_statement.
-    static let poolerCodes: Set<String> = ["26000", "42P05"]
+    /// Whether the server answered invalid_sql_statement_name (26000) or duplicate_prepared_statement (42P05).
+    static func isPoolerRefusal(_ error: PSQLError) -> Bool {
+        error.code == .server && ["26000", "42P05"].contains(error.serverInfo?[.sqlState] ?? "")
+    }
 
     /// A statement name from `prefix` and a hash of `sql` and the parameter types (FNV-1a, 64 bits: stable
     /// across processes).
