@@ -2,7 +2,7 @@
 """Canaille (an OAuth2/OIDC server with RFC 7591 registration) on 127.0.0.1 for dq's tests.
 
 Usage: canaille_server.py --port PORT [--user NAME:PASSWORD] [--client ID[:SECRET[:METHOD]]]
-                          [--key-client ID=JWKS] [--token-lifetime S]
+                          [--key-client ID=JWKS] [--token-lifetime S] [--refresh-lifetime S]
 
 In-memory database, open dynamic client registration, client_credentials, introspection. Configured as
 pytest-iam 0.3.0 configures it for its own fixtures. For the authorization code flow (`dq login`):
@@ -12,7 +12,7 @@ authenticates with private_key_jwt signed by a key of the public JWKS given (JSO
 authorization_code and refresh_token whose redirect URI is
 http://127.0.0.1/callback on any port (RFC 8252 7.3); tokens are signed RS256; access and refresh tokens
 of the code flow live --token-lifetime seconds. Refresh tokens stay valid until revoked (Canaille would
-otherwise expire them with their access token), and revocation accepts public clients (RFC 7009 2.1) and client assertions.
+otherwise expire them with their access token), or for --refresh-lifetime seconds when given, and revocation accepts public clients (RFC 7009 2.1) and client assertions.
 Authorization codes are looked up by code alone (Canaille 0.3.6's memory backend ORs query filters, so a
 lookup by code and client could return another unused code of the same client).
 """
@@ -48,7 +48,7 @@ def loopback_redirect(client, redirect_uri):
     return redirect_uri in client.redirect_uris
 
 
-def add_people_and_clients(app, users, clients, key_clients):
+def add_people_and_clients(app, users, clients, key_clients, refresh_lifetime=None):
     from canaille.app import models
     from canaille.backends import Backend
     from canaille.oidc import provider
@@ -63,7 +63,14 @@ def add_people_and_clients(app, users, clients, key_clients):
 
     provider.AuthorizationCodeGrant.query_authorization_code = query_authorization_code
     models.Client.check_redirect_uri = loopback_redirect
-    models.Token.is_refresh_token_active = lambda token: not token.revokation_date
+    def is_refresh_token_active(token):
+        if token.revokation_date:
+            return False
+        if refresh_lifetime is None:
+            return True
+        return datetime.datetime.now(token.issue_date.tzinfo) < token.issue_date + datetime.timedelta(seconds=refresh_lifetime)
+
+    models.Token.is_refresh_token_active = is_refresh_token_active
     provider.RevocationEndpoint.CLIENT_AUTH_METHODS = [
         "client_secret_basic", "client_secret_post", provider.JWTClientAuth.CLIENT_AUTH_METHOD, "none"]
     with app.app_context():
@@ -100,6 +107,7 @@ def main():
     parser.add_argument("--client", action="append", default=[])
     parser.add_argument("--key-client", action="append", default=[])
     parser.add_argument("--token-lifetime", type=int, default=3600)
+    parser.add_argument("--refresh-lifetime", type=int, default=None)
     args = parser.parse_args()
     jwk = JWKRegistry.generate_key("RSA", 2048, parameters={"alg": "RS256", "use": "sig"})
     jwk.ensure_kid()
@@ -133,7 +141,7 @@ def main():
     }
     app = create_app(config=config, env_file=None, env_prefix="DQ_TEST_CANAILLE_")
     if args.user or args.client or args.key_client:
-        add_people_and_clients(app, args.user, args.client, args.key_client)
+        add_people_and_clients(app, args.user, args.client, args.key_client, args.refresh_lifetime)
     httpd = wsgiref.simple_server.make_server(
         "127.0.0.1", args.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
     print("canaille on http://127.0.0.1:%d" % args.port, flush=True)

@@ -39,15 +39,15 @@ struct SignInTests {
     ///     Canaille's own endpoints with the placeholder `CANAILLE`).
     ///   - keyClients: private_key_jwt clients to create in Canaille (id and public JWKS).
     func setUp(
-        tokenLifetime: Int = 3600, confidential: Bool = false, clientID other: String? = nil, auth extra: [String: String] = [:],
-        keyClients: [String: String] = [:]
+        tokenLifetime: Int = 3600, refreshLifetime: Int? = nil, confidential: Bool = false, clientID other: String? = nil,
+        auth extra: [String: String] = [:], keyClients: [String: String] = [:]
     ) async throws -> Setup {
         let canaille = try await CanailleServer(
             users: ["\(Self.person.0):\(Self.person.1)"],
             clients: [
                 "dq-cli", "\(Self.confidential.0):\(Self.confidential.1)", "\(Self.postClient.0):\(Self.postClient.1):client_secret_post",
             ],
-            keyClients: keyClients, tokenLifetime: tokenLifetime)
+            keyClients: keyClients, tokenLifetime: tokenLifetime, refreshLifetime: refreshLifetime)
         let fhir = try await FHIRServer.start()
         let gate = try await SMARTGate(fhir: fhir, canaille: canaille, patient: "pat-42")
         let clientID = other ?? (confidential ? Self.confidential.0 : "dq-cli")
@@ -277,6 +277,25 @@ struct SignInTests {
             [login.stdout, login.stderr, flush.stdout, flush.stderr, status.stdout],
             [code, refresh, stored["access_token"] as? String, Self.confidential.1])
         expectNoSecrets([person], [refresh, stored["access_token"] as? String, Self.confidential.1])
+    }
+
+    @Test("an expired refresh token stops the flush with 77 and \"run dq login again\"; the items stay queued")
+    func expiredRefreshToken() async throws {
+        let setup = try await setUp(tokenLifetime: 4, refreshLifetime: 6)
+        let (login, _, _) = try await login(setup, .follow)
+        #expect(login.status == 0, "\(login.stderr)")
+        let expiresAt = try Self.date(try storedSignIn()?["issued_at"]).addingTimeInterval(6)
+        try await enqueue(setup, 0..<2)
+        try await Task.sleep(for: .seconds(max(0, expiresAt.timeIntervalSinceNow) + 1))
+        let flush = try await dq(["flush"], setup.env)
+        #expect(flush.status == 77, "\(flush.stderr)")
+        #expect(flush.stderr.contains("refused the refresh token") && flush.stderr.contains("run `dq login` again"), "\(flush.stderr)")
+        #expect((try await setup.gate.stats().grants["refresh_token"] ?? 0) >= 1, "the refresh was tried")
+        let status = try await dq(["status", "--json"], setup.env)
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(object["pending"] as? Int == 2)
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == [])
+        expectNoSecrets([login.stdout, login.stderr, flush.stdout, flush.stderr, status.stdout], try await setup.gate.secrets())
     }
 
     @Test(

@@ -190,7 +190,11 @@ final class CanailleServer: @unchecked Sendable {
     ///     clients of the authorization code flow.
     ///   - keyClients: private_key_jwt clients of the code flow: their id and public JWKS.
     ///   - tokenLifetime: seconds an access token of the code flow lives.
-    init(users: [String] = [], clients: [String] = [], keyClients: [String: String] = [:], tokenLifetime: Int? = nil) async throws {
+    ///   - refreshLifetime: seconds a refresh token lives (nil: until revoked).
+    init(
+        users: [String] = [], clients: [String] = [], keyClients: [String: String] = [:], tokenLifetime: Int? = nil,
+        refreshLifetime: Int? = nil
+    ) async throws {
         port = Peers.freePort()
         let python = Peers.packageRoot.appendingPathComponent(".peers/canaille/bin/python").path
         try #require(FileManager.default.isExecutableFile(atPath: python), "Canaille is not installed: run scripts/peers.sh install")
@@ -200,6 +204,7 @@ final class CanailleServer: @unchecked Sendable {
         for client in clients { arguments += ["--client", client] }
         for (client, jwks) in keyClients { arguments += ["--key-client", client + "=" + jwks] }
         if let tokenLifetime { arguments += ["--token-lifetime", String(tokenLifetime)] }
+        if let refreshLifetime { arguments += ["--refresh-lifetime", String(refreshLifetime)] }
         child = try ChildProcess(python, arguments)
         let url = base + "/.well-known/oauth-authorization-server"
         let ready = try await eventually(timeout: .seconds(60)) { (try? await HTTP.get(url))?.0 == 200 }
