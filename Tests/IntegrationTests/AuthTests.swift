@@ -76,7 +76,7 @@ struct AuthTests {
     func renewal() async throws {
         let (server, _, ec) = try await server(lifetime: 2)
         let env = try config(server.base, auth: ["client_id": "c3", "private_key": ec, "key_id": "ec-1"])
-        let count = 500
+        let count = 1500  // at least three token lifetimes of one-by-one sends on this machine (500 took 1.8 s)
         let file = try work.write("many.ndjson", resources.ndjson(0..<count))
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
         let started = Date()

@@ -290,7 +290,8 @@ struct SignInTests {
         let flush = try await dq(["flush"], setup.env)
         #expect(flush.status == 77, "\(flush.stderr)")
         #expect(flush.stderr.contains("refused the refresh token") && flush.stderr.contains("run `dq login` again"), "\(flush.stderr)")
-        #expect((try await setup.gate.stats().grants["refresh_token"] ?? 0) >= 1, "the refresh was tried")
+        // Once: the CapabilityStatement read and the first send both need a token; a refusal is not asked twice.
+        #expect(try await setup.gate.stats().grants["refresh_token"] == 1, "one refused refresh, one request")
         let status = try await dq(["status", "--json"], setup.env)
         let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
         #expect(object["pending"] as? Int == 2)
@@ -444,7 +445,10 @@ struct SignInTests {
             #expect(flush.status == 0, "\(name): \(flush.stderr)")
             #expect(try await setup.fhir.values("Observation", system: resources.system) == [String(index * 10)], "\(name)")
             let refresh = try #require(try storedSignIn()?["refresh_token"] as? String)
-            let file = try #require(try FileManager.default.contentsOfDirectory(atPath: signInDirectory).first { $0.hasPrefix("login-") })
+            let file = try #require(
+                try FileManager.default.contentsOfDirectory(atPath: signInDirectory).first {
+                    $0.hasPrefix("login-") && $0.hasSuffix(".json")
+                })
             let saved = try Data(contentsOf: URL(fileURLWithPath: signInDirectory + "/" + file))
             let logout = try await dq(["logout"], setup.env)
             #expect(logout.status == 0, "\(name): \(logout.stderr)")

@@ -67,6 +67,8 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     private var verifier: IDTokenVerifier?
     private var current: SignIn?
     private var inflight: Task<String, any Error>?
+    /// A refresh token the server refused, with its refusal: asked again only after `dq login` stores another.
+    private var refusedRefresh: (token: String, error: DataQueueError)?
     private var isShutDown = false
     /// How many token requests (code exchanges and refreshes) this instance made.
     public private(set) var tokenRequests = 0
@@ -278,10 +280,17 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
             guard let tokenURL = URL(string: signIn.tokenEndpoint) else {
                 throw DataQueueError(.invalidConfiguration, "the sign-in file names no valid token endpoint: run `dq login` again")
             }
+            if let refusedRefresh, refusedRefresh.token == refreshToken { throw refusedRefresh.error }  // one refusal, one request
             logger.debug("refreshing the access token", metadata: ["endpoint": "\(tokenURL.absoluteString)"])
-            let answer = try await tokenRequest(
-                tokenURL, [("grant_type", "refresh_token"), ("refresh_token", refreshToken)],
-                refusal: "refused the refresh token; run `dq login` again (queued items stay queued)")
+            let answer: (accessToken: String, expiresIn: Double, object: [String: Any])
+            do {
+                answer = try await tokenRequest(
+                    tokenURL, [("grant_type", "refresh_token"), ("refresh_token", refreshToken)],
+                    refusal: "refused the refresh token; run `dq login` again (queued items stay queued)")
+            } catch let error as DataQueueError where error.code == .authentication {
+                refusedRefresh = (refreshToken, error)
+                throw error
+            }
             let rotated = answer.object["refresh_token"] as? String
             if let idToken = answer.object["id_token"] as? String, configuration.asksForIDToken {
                 let claims: IDTokenClaims
