@@ -109,14 +109,19 @@ struct SignInTests {
 
     var signInDirectory: String { work.file("creds") }
 
-    /// The stored sign-in (checked mode 0600), or nil.
-    func storedSignIn() throws -> [String: Any]? {
+    /// The path of the sign-in file (not the lock file beside it), or nil when there is none.
+    func signInFile() throws -> String? {
         let files = ((try? FileManager.default.contentsOfDirectory(atPath: signInDirectory)) ?? []).filter {
             $0.hasPrefix("login-") && $0.hasSuffix(".json")
         }
         guard !files.isEmpty else { return nil }
         try #require(files.count == 1, "one sign-in file: \(files)")
-        let path = signInDirectory + "/" + files[0]
+        return signInDirectory + "/" + files[0]
+    }
+
+    /// The stored sign-in (checked mode 0600), or nil.
+    func storedSignIn() throws -> [String: Any]? {
+        guard let path = try signInFile() else { return nil }
         let mode = try FileManager.default.attributesOfItem(atPath: path)[.posixPermissions] as? Int
         #expect(mode == 0o600)
         return try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: path))) as? [String: Any]
@@ -308,9 +313,7 @@ struct SignInTests {
         #expect(first.status == 0, "\(first.stderr)")
         var outputs = [first.stdout, first.stderr]
         let usedCode = try #require(URLComponents(string: pasted ?? "")?.queryItems?.first { $0.name == "code" }?.value)
-        let path =
-            signInDirectory + "/"
-            + (try FileManager.default.contentsOfDirectory(atPath: signInDirectory).first { $0.hasSuffix(".json") } ?? "")
+        let path = try #require(try signInFile())
         let before = try Data(contentsOf: URL(fileURLWithPath: path))
         let exchanges = try await setup.gate.stats().grants["authorization_code"]
         #expect(exchanges == 1)
@@ -445,17 +448,14 @@ struct SignInTests {
             #expect(flush.status == 0, "\(name): \(flush.stderr)")
             #expect(try await setup.fhir.values("Observation", system: resources.system) == [String(index * 10)], "\(name)")
             let refresh = try #require(try storedSignIn()?["refresh_token"] as? String)
-            let file = try #require(
-                try FileManager.default.contentsOfDirectory(atPath: signInDirectory).first {
-                    $0.hasPrefix("login-") && $0.hasSuffix(".json")
-                })
-            let saved = try Data(contentsOf: URL(fileURLWithPath: signInDirectory + "/" + file))
+            let file = try #require(try signInFile())
+            let saved = try Data(contentsOf: URL(fileURLWithPath: file))
             let logout = try await dq(["logout"], setup.env)
             #expect(logout.status == 0, "\(name): \(logout.stderr)")
             #expect(logout.stdout.contains("the server revoked the tokens"), "\(name): \(logout.stdout)")
             // Revoked at the server: the sign-in put back, dq's own refresh (with the client's own
             // authentication) is refused once the gate stops accepting the access token.
-            try saved.write(to: URL(fileURLWithPath: signInDirectory + "/" + file))
+            try saved.write(to: URL(fileURLWithPath: file))
             try await setup.gate.control(["reject_issued_before_now": true])
             try await Task.sleep(for: .milliseconds(1100))  // token iat has whole seconds
             try await enqueue(setup, (index * 10 + 1)..<(index * 10 + 2))
