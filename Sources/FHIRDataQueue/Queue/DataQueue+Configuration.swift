@@ -1,3 +1,4 @@
+import FHIRDataQueueCore
 import Foundation
 
 extension DataQueue {
@@ -96,12 +97,12 @@ extension DataQueue {
         /// The Bundle size automatic batching uses with a server that takes transactions: 100 entries.
         public static let defaultBatchSize = 100
         /// The largest `batchSize` accepted.
-        public static let maximumBatchSize = 10_000
+        public static let maximumBatchSize = SettingLimits.maximumBatchSize
 
         /// The largest number of seconds a duration setting takes (one day).
-        public static let maximumSeconds: TimeInterval = 86_400
+        public static let maximumSeconds: TimeInterval = SettingLimits.maximumSeconds
         /// The largest resource size a queue can be set to accept (1 GiB).
-        public static let maximumResourceSizeLimit = 1 << 30
+        public static let maximumResourceSizeLimit = SettingLimits.maximumResourceSizeLimit
 
         /// Checks every setting: durations finite and between their bounds, sizes in range, a database path
         /// that is a file path.
@@ -144,11 +145,7 @@ extension DataQueue {
         /// - Parameter name: the setting as the user wrote it (`timeout_seconds`, `--timeout`), for the message.
         /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the setting.
         public static func checkSeconds(_ value: Double, name: String, allowZero: Bool) throws {
-            let low = allowZero ? "0" : "more than 0"
-            guard value.isFinite, allowZero ? value >= 0 : value > 0, value <= maximumSeconds else {
-                throw DataQueueError(
-                    .invalidConfiguration, "\(name) must be a number of seconds from \(low) to \(Int(maximumSeconds))")
-            }
+            try SettingLimits.checkSeconds(value, name: name, allowZero: allowZero)
         }
 
         /// Refuses a database setting that is empty or a URL other than `postgres://…` (a SQLite file path, or
@@ -156,23 +153,13 @@ extension DataQueue {
         ///
         /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the setting.
         public static func checkDatabasePath(_ path: String, name: String) throws {
-            guard !path.isEmpty else { throw DataQueueError(.invalidConfiguration, "\(name) is empty") }
-            if PostgresQueueStore.isURL(path) { return }
-            if let scheme = path.range(of: "://").map({ path[..<$0.lowerBound] }), !scheme.contains("/") {
-                throw DataQueueError(
-                    .invalidConfiguration,
-                    "\(name) \"\(scheme)://…\" is a URL dq does not know: give a SQLite file path or a postgres:// URL")
-            }
+            try SettingLimits.checkDatabasePath(path, name: name)
         }
     }
 
     /// The default database: `$XDG_DATA_HOME/dq/queue.sqlite`, else `~/.local/share/dq/queue.sqlite`.
     public static func defaultDatabasePath(environment: [String: String] = ProcessInfo.processInfo.environment) -> String {
-        if let xdg = environment["XDG_DATA_HOME"], xdg.hasPrefix("/") {
-            return xdg + "/dq/queue.sqlite"
-        }
-        let home = environment["HOME"] ?? NSHomeDirectory()
-        return home + "/.local/share/dq/queue.sqlite"
+        QueuePaths.defaultDatabasePath(environment: environment)
     }
 
     /// The queue name of a base URL: its normal form, which names its queue in the database.
@@ -189,23 +176,7 @@ extension DataQueue {
     }
 
     static func queueName(for baseURL: URL, setting: String) throws -> String {
-        func invalid(_ why: String) -> DataQueueError {
-            DataQueueError(.invalidConfiguration, "\(setting): the URL \(why)")
-        }
-        guard let components = URLComponents(url: baseURL, resolvingAgainstBaseURL: false),
-            let scheme = components.scheme?.lowercased(), scheme == "http" || scheme == "https"
-        else { throw invalid("must be an http or https URL") }
-        guard let host = components.host, !host.isEmpty else { throw invalid("must have a host") }
-        if components.user != nil || components.password != nil {
-            throw invalid("must not hold a user or password (put credentials in \"auth\" or the environment)")
-        }
-        if components.query != nil { throw invalid("must not have a query (\"?...\")") }
-        if components.fragment != nil { throw invalid("must not have a fragment (\"#...\")") }
-        var name = scheme + "://" + (host.contains(":") && !host.hasPrefix("[") ? "[\(host)]" : host).lowercased()
-        if let port = components.port, port != (scheme == "https" ? 443 : 80) { name += ":\(port)" }
-        var path = components.percentEncodedPath
-        while path.hasSuffix("/") { path.removeLast() }
-        return name + path
+        try QueuePaths.queueName(for: baseURL, setting: setting)
     }
 }
 

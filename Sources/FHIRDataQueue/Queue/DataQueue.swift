@@ -742,11 +742,7 @@ open class DataQueue: @unchecked Sendable {
 
     /// `databasePath` as it may be shown: a PostgreSQL URL without its password.
     public static func displayDatabase(_ databasePath: String) -> String {
-        guard PostgresQueueStore.isURL(databasePath), var components = URLComponents(string: databasePath),
-            components.password != nil
-        else { return databasePath }
-        components.password = nil
-        return components.string ?? "postgres://…"
+        QueuePaths.displayDatabase(databasePath)
     }
 
     /// The store of `databasePath`: PostgreSQL for a `postgres://` URL, else a SQLite file.

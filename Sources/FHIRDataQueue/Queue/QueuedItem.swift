@@ -106,26 +106,6 @@ public struct DeliveryRecord: Sendable, Encodable, Hashable {
     public var entryLocations: [String?]? = nil
 }
 
-/// Counts of a queue, for `dq status`.
-public struct QueueStatus: Sendable, Codable, Hashable {
-    /// The queue (server base URL).
-    public let queue: String
-    /// Items waiting to be sent.
-    public let pending: Int
-    /// Items permanently rejected, waiting for an operator.
-    public let parked: Int
-    /// Items in the delivery journal.
-    public let delivered: Int
-    /// When the oldest pending item was enqueued.
-    public let oldestPendingAt: Date?
-    /// Consecutive failed flush attempts against this server.
-    public let consecutiveFailures: Int
-    /// Until when flushes back off (unless forced).
-    public let nextAttemptAt: Date?
-    /// A PHI-free description of the last failure.
-    public let lastError: String?
-}
-
 extension QueuedItem {
     private enum CodingKeys: String, CodingKey {
         case sequence, id, queue, method, url, resourceType, resourceID, encrypted, state, attempts, enqueuedAt

@@ -35,7 +35,7 @@ final class PostgresQueueStore: QueueStorage {
 
     /// Whether `database` names a PostgreSQL database (`postgres://` or `postgresql://`).
     static func isURL(_ database: String) -> Bool {
-        database.hasPrefix("postgres://") || database.hasPrefix("postgresql://")
+        QueuePaths.isPostgresURL(database)
     }
 
     /// Connects (lazily: the pool connects on the first query) and creates or migrates the schema in the

@@ -1,18 +1,10 @@
+import FHIRDataQueueCore
 import Foundation
 import GRDB
 
 #if canImport(Glibc)
     import Glibc
 #endif
-
-/// How hard an enqueue works to survive a power loss.
-public enum Durability: String, Sendable, Codable, CaseIterable {
-    /// `synchronous=FULL`: an enqueue returns after the commit reached the disk (survives power loss).
-    case full
-    /// `synchronous=NORMAL`: survives a crash of dq, but the last commits may be lost on power loss.
-    /// Several times faster per single enqueue.
-    case normal
-}
 
 /// A request to store, before it has a sequence number.
 struct NewItem: Sendable {
@@ -613,10 +605,7 @@ final class QueueStore: QueueStorage {
     /// Throws for a row of `queue` in no known state: it would be neither counted nor sent, and sending the
     /// items after it could overtake it.
     private static func checkStates(queue: String, db: Database) throws {
-        if let row = try Row.fetchOne(
-            db, sql: "SELECT seq, state FROM item WHERE queue = ? AND state NOT IN ('pending', 'parked') LIMIT 1",
-            arguments: [queue])
-        {
+        if let row = try Row.fetchOne(db, sql: StatusQueries.damaged, arguments: [queue]) {
             throw damaged("item", row, "unknown state")
         }
     }
@@ -628,19 +617,12 @@ final class QueueStore: QueueStorage {
 
     func status(queue: String) async throws -> QueueStatus {
         try await read("read the queue status") { db in
-            let pending =
-                try Int.fetchOne(db, sql: "SELECT count(*) FROM item WHERE queue = ? AND state = 'pending'", arguments: [queue]) ?? 0
-            let parked =
-                try Int.fetchOne(db, sql: "SELECT count(*) FROM item WHERE queue = ? AND state = 'parked'", arguments: [queue]) ?? 0
-            let delivered =
-                try Int.fetchOne(
-                    db, sql: "SELECT count(*) FROM delivery WHERE queue = ? AND event IN ('delivered', 'already-present')",
-                    arguments: [queue]) ?? 0
+            let pending = try Int.fetchOne(db, sql: StatusQueries.pending, arguments: [queue]) ?? 0
+            let parked = try Int.fetchOne(db, sql: StatusQueries.parked, arguments: [queue]) ?? 0
+            let delivered = try Int.fetchOne(db, sql: StatusQueries.delivered, arguments: [queue]) ?? 0
             try Self.checkStates(queue: queue, db: db)
-            let oldest = try Double.fetchOne(
-                db, sql: "SELECT enqueued_at FROM item WHERE queue = ? AND state = 'pending' ORDER BY seq LIMIT 1",
-                arguments: [queue])
-            let server = try Row.fetchOne(db, sql: "SELECT * FROM server_state WHERE queue = ?", arguments: [queue])
+            let oldest = try Double.fetchOne(db, sql: StatusQueries.oldestPending, arguments: [queue])
+            let server = try Row.fetchOne(db, sql: StatusQueries.serverState, arguments: [queue])
             let next: Double? = server?["next_attempt_at"]
             return QueueStatus(
                 queue: queue, pending: pending, parked: parked, delivered: delivered,
@@ -653,10 +635,7 @@ final class QueueStore: QueueStorage {
 
     /// All queue names that hold items or deliveries.
     func queues() async throws -> [String] {
-        try await read("list queues") { db in
-            try String.fetchAll(
-                db, sql: "SELECT queue FROM item UNION SELECT queue FROM delivery UNION SELECT queue FROM server_state ORDER BY 1")
-        }
+        try await read("list queues") { db in try String.fetchAll(db, sql: StatusQueries.queues) }
     }
 
     func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {

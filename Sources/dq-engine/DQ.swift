@@ -217,22 +217,12 @@ struct DQLogHandler: LogHandler {
 
 /// JSON for `--json` output: sorted keys, ISO 8601 dates, no escaped slashes.
 func printJSON<T: Encodable>(_ value: T) throws {
-    let encoder = JSONEncoder()
-    encoder.outputFormatting = [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes]
-    encoder.dateEncodingStrategy = .iso8601
-    let data = try encoder.encode(value)
+    let data = try StatusReport.jsonEncoder().encode(value)
     FileHandle.standardOutput.write(data)
     FileHandle.standardOutput.write(Data("\n".utf8))
 }
 
-/// `2026-11-23T12:41:13Z`: UTC to the second, by `gmtime_r` (an ISO8601DateFormatter loads the time-zone
-/// database, a few milliseconds of every `dq status`).
+/// `2026-11-23T12:41:13Z`: UTC to the second (see `StatusReport.formatDate`).
 func formatDate(_ date: Date?) -> String {
-    guard let date else { return "-" }
-    var seconds = time_t(date.timeIntervalSince1970.rounded(.down))
-    var parts = tm()
-    guard gmtime_r(&seconds, &parts) != nil else { return "-" }
-    func two(_ value: Int32) -> String { value < 10 ? "0\(value)" : "\(value)" }
-    return "\(parts.tm_year + 1900)-\(two(parts.tm_mon + 1))-\(two(parts.tm_mday))T"
-        + "\(two(parts.tm_hour)):\(two(parts.tm_min)):\(two(parts.tm_sec))Z"
+    StatusReport.formatDate(date)
 }

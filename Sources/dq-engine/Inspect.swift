@@ -30,12 +30,7 @@ extension DQ {
                     throw ExitCode(Exit.code(for: error))
                 }
                 if json { try printJSON(statuses); return }
-                print("database: \(DataQueue.displayDatabase(database))")
-                if statuses.isEmpty { print("no queues") }
-                for status in statuses {
-                    print("")
-                    Self.printStatus(status)
-                }
+                for line in StatusReport.allLines(database: database, statuses: statuses) { print(line) }
                 return
             }
             try await withQueue(queueOptions, readOnly: true) { queue in
@@ -44,25 +39,12 @@ extension DQ {
                     try client.storedSignIn().map(SignInSummary.init) ?? SignInSummary(signedIn: false)
                 }
                 if json { try printJSON(StatusOutput(status: status, signIn: signIn)); return }
-                Self.printStatus(status)
-                print("database:   \(DataQueue.displayDatabase(queue.configuration.databasePath))")
+                for line in StatusReport.lines(status) { print(line) }
+                print(StatusReport.databaseLine(queue.configuration.databasePath))
                 if let signIn { signIn.printLines() }
-                let others = try await queue.allQueueStatuses().filter { $0.queue != status.queue && $0.pending + $0.parked > 0 }
-                for other in others {
-                    print("elsewhere:  \(other.queue): \(other.pending) pending, \(other.parked) parked (dq status --all)")
+                for other in try await queue.allQueueStatuses() where StatusReport.isElsewhere(other, of: status.queue) {
+                    print(StatusReport.elsewhereLine(other))
                 }
-            }
-        }
-
-        static func printStatus(_ status: QueueStatus) {
-            print("queue:      \(status.queue)")
-            print("pending:    \(status.pending)")
-            print("parked:     \(status.parked)")
-            print("delivered:  \(status.delivered)")
-            print("oldest:     \(formatDate(status.oldestPendingAt))")
-            if status.consecutiveFailures > 0 {
-                print("failures:   \(status.consecutiveFailures) in a row; next try after \(formatDate(status.nextAttemptAt))")
-                print("last error: \(status.lastError ?? "-")")
             }
         }
     }

@@ -9,12 +9,9 @@ extension DataQueueSettings {
         options: QueueOptions, sending: SendingOptions? = nil,
         environment: [String: String] = ProcessInfo.processInfo.environment
     ) throws -> DataQueueSettings {
-        var configPath = options.config ?? environment["DQ_CONFIG"]
-        if configPath == nil, FileManager.default.fileExists(atPath: "dq.json") { configPath = "dq.json" }
-        var settings = try configPath.map(DataQueueSettings.load(contentsOf:)) ?? DataQueueSettings()
-        try settings.apply(environment: environment)
-        if let server = options.server { settings.server = server }
-        if let database = options.database { settings.database = database }
+        var settings = try DataQueueSettings.load(
+            config: options.config, server: options.server, database: options.database, environment: environment,
+            decode: DataQueueSettings.decode(_:source:))
         if let sending {
             if let durability = sending.durability { settings.durability = durability }
             if sending.idempotent { settings.idempotent = true }

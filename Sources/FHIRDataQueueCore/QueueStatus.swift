@@ -1,0 +1,49 @@
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+
+/// How hard an enqueue works to survive a power loss.
+public enum Durability: String, Sendable, Codable, CaseIterable {
+    /// `synchronous=FULL`: an enqueue returns after the commit reached the disk (survives power loss).
+    case full
+    /// `synchronous=NORMAL`: survives a crash of dq, but the last commits may be lost on power loss.
+    /// Several times faster per single enqueue.
+    case normal
+}
+
+/// Counts of a queue, for `dq status`.
+public struct QueueStatus: Sendable, Codable, Hashable {
+    /// The queue (server base URL).
+    public let queue: String
+    /// Items waiting to be sent.
+    public let pending: Int
+    /// Items permanently rejected, waiting for an operator.
+    public let parked: Int
+    /// Items in the delivery journal.
+    public let delivered: Int
+    /// When the oldest pending item was enqueued.
+    public let oldestPendingAt: Date?
+    /// Consecutive failed flush attempts against this server.
+    public let consecutiveFailures: Int
+    /// Until when flushes back off (unless forced).
+    public let nextAttemptAt: Date?
+    /// A PHI-free description of the last failure.
+    public let lastError: String?
+
+    /// Creates a status from its counts.
+    public init(
+        queue: String, pending: Int, parked: Int, delivered: Int, oldestPendingAt: Date?, consecutiveFailures: Int,
+        nextAttemptAt: Date?, lastError: String?
+    ) {
+        self.queue = queue
+        self.pending = pending
+        self.parked = parked
+        self.delivered = delivered
+        self.oldestPendingAt = oldestPendingAt
+        self.consecutiveFailures = consecutiveFailures
+        self.nextAttemptAt = nextAttemptAt
+        self.lastError = lastError
+    }
+}
