@@ -103,12 +103,13 @@ enum StatusFront {
 enum Engine {
     /// Replaces this process with the engine, with the same arguments; returns only to exit with 69 when the
     /// engine cannot be run.
-    static func exec(arguments: [String], environment: [String: String]) -> Never {
-        let path = environment["DQ_ENGINE"] ?? besideThisBinary()
+    static func exec(arguments: [String]) -> Never {
+        let override = getenv("DQ_ENGINE").map { String(cString: $0) }
+        let path = override ?? besideThisBinary()
         var argv: [UnsafeMutablePointer<CChar>?] = arguments.map { strdup($0) } + [nil]
         execv(path, &argv)
         let reason = String(cString: strerror(errno))
-        let hint = environment["DQ_ENGINE"] == nil ? "install dq-engine beside dq (make install)" : "check DQ_ENGINE"
+        let hint = override == nil ? "install dq-engine beside dq (make install)" : "check DQ_ENGINE"
         _ = writeAll("dq: cannot run the dq engine \(path): \(reason); \(hint)\n", to: 2)
         exit(69)
     }

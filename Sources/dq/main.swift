@@ -14,9 +14,11 @@ import FHIRDataQueueCore
 #endif
 
 let arguments = CommandLine.arguments
-let environment = ProcessInfo.processInfo.environment
 
-if let output = StatusFront.answer(arguments: Array(arguments.dropFirst()), environment: environment) {
+// Only `status` is the front's: every other command goes to the engine before anything else starts.
+if arguments.count > 1, arguments[1] == "status",
+    let output = StatusFront.answer(arguments: Array(arguments.dropFirst()), environment: ProcessInfo.processInfo.environment)
+{
     exit(writeAll(output, to: 1) ? 0 : 74)
 }
-Engine.exec(arguments: arguments, environment: environment)
+Engine.exec(arguments: arguments)
