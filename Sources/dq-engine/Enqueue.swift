@@ -21,6 +21,34 @@ struct InputOptions: ParsableArguments {
         if let maxBytes, maxBytes < 2 { throw ValidationError("--max-bytes must be at least 2") }
     }
 
+    /// Reads, checks and queues every input in one transaction, checking the next inputs while the ones
+    /// before are written; on any problem prints each and exits without queueing anything (65; 66 when an
+    /// input file is missing or unreadable).
+    func enqueue(limit: Int, queue: DataQueue) async throws -> [QueuedItem] {
+        let reader = InputReader(maximumSize: maxBytes ?? limit, ndjson: ndjson)
+        let (documents, problems, _) = reader.documents(files)
+        // An unreadable file or no input at all: the reading path names every problem.
+        guard problems.isEmpty, !documents.isEmpty else {
+            return try await queue.enqueue(resources(limit: limit, queue: queue))
+        }
+        let maximumSize = reader.maximumSize
+        let method = method
+        do {
+            return try await queue.enqueue(count: documents.count) { index in
+                var entry = try QueueEntry(json: documents[index].data, maximumSize: maximumSize)
+                entry.method = method.method(for: entry, queue: queue)
+                if entry.method == .put && entry.resource.id == nil {
+                    throw DataQueueError(.invalidResource, "a PUT (update) needs the resource's \"id\"")
+                }
+                return entry
+            }
+        } catch let error as EnqueueProblems {
+            for problem in error.problems { printError("dq: \(documents[problem.index].label): \(problem.error.message)") }
+            printError("dq: \(error.problems.count) bad input(s); nothing was queued")
+            throw ExitCode(Exit.dataError)
+        }
+    }
+
     /// Reads every input; on any problem prints each and exits without queueing anything: 66 when an input
     /// file is missing or unreadable, else 65.
     func resources(limit: Int, queue: DataQueue) throws -> [QueueEntry] {
@@ -63,8 +91,7 @@ extension DQ {
 
         func run() async throws {
             try await withQueue(queueOptions, sending: sending) { queue in
-                let resources = try input.resources(limit: queue.configuration.maximumResourceSize, queue: queue)
-                let items = try await queue.enqueue(resources)
+                let items = try await input.enqueue(limit: queue.configuration.maximumResourceSize, queue: queue)
                 if json {
                     try printJSON(items)
                 } else {

@@ -18,7 +18,24 @@ struct InputReader {
 
     /// Every input's resources and every problem, and whether an input file could not be read at all.
     func read(_ paths: [String]) -> (inputs: [Input], problems: [String], unreadable: Bool) {
+        let (documents, loadProblems, unreadable) = documents(paths)
         var inputs: [Input] = []
+        var problems = loadProblems
+        let results = Self.validateConcurrently(documents.map(\.data), maximumSize: maximumSize)
+        for (index, result) in results.enumerated() {
+            switch result {
+            case .success(let entry): inputs.append(Input(label: documents[index].label, entry: entry))
+            case .failure(let problem): problems.append("\(documents[index].label): \(problem.message)")
+            }
+        }
+        return (inputs, problems, unreadable)
+    }
+
+    /// Every input document, unchecked: a file is one document, an NDJSON file one per non-blank line,
+    /// labelled with its line number. Also every file that could not be read, and whether one could not be
+    /// read at all.
+    func documents(_ paths: [String]) -> (documents: [(label: String, data: Data)], problems: [String], unreadable: Bool) {
+        var documents: [(label: String, data: Data)] = []
         var problems: [String] = []
         var unreadable = false
         for path in paths {
@@ -38,17 +55,13 @@ struct InputReader {
                 unreadable = true
                 continue
             }
-            // A file is one document; an NDJSON file one per non-blank line, labelled with its line number.
-            let documents = ndjson ? Self.lines(of: data).map { ("\(label):\($0.0)", $0.1) } : [(label, data)]
-            let results = Self.validateConcurrently(documents.map(\.1), maximumSize: maximumSize)
-            for (index, result) in results.enumerated() {
-                switch result {
-                case .success(let entry): inputs.append(Input(label: documents[index].0, entry: entry))
-                case .failure(let problem): problems.append("\(documents[index].0): \(problem.message)")
-                }
+            if ndjson {
+                documents += Self.lines(of: data).map { (label: "\(label):\($0.0)", data: $0.1) }
+            } else {
+                documents.append((label: label, data: data))
             }
         }
-        return (inputs, problems, unreadable)
+        return (documents, problems, unreadable)
     }
 
     /// An input that could not be read (exit 66, EX_NOINPUT), as distinct from one that was read and is bad.

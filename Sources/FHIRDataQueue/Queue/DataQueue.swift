@@ -210,7 +210,7 @@ open class DataQueue: @unchecked Sendable {
         }
     }
 
-    private func newItem(for resource: FHIRResource, method: FHIRMethod, fullURL: String? = nil) throws -> NewItem {
+    func newItem(for resource: FHIRResource, method: FHIRMethod, fullURL: String? = nil) throws -> NewItem {
         let id = UUID.timeOrdered()
         let request = try prepareRequest(for: resource, method: method, itemID: id)
         var declared: String?
@@ -231,34 +231,11 @@ open class DataQueue: @unchecked Sendable {
 
     /// Refuses references to `urn:uuid` fullUrls that no earlier entry of `items` and no queued or delivered
     /// item declares, and fullUrls declared twice: such a reference could never be resolved on the server.
-    private func checkReferences(_ items: [NewItem]) async throws {
-        var declaredHere: Set<String> = []
-        var unknown: [(index: Int, fullURL: String)] = []
-        var declaredTwice: [(index: Int, fullURL: String)] = []
-        for (index, item) in items.enumerated() {
-            if let fullURL = item.fullURL, !declaredHere.insert(fullURL).inserted {
-                declaredTwice.append((index, fullURL))
-            }
-            guard !item.encrypted else { continue }
-            for reference in TransactionBundle.references(in: item.body) where !declaredHere.contains(reference.fullURL) {
-                unknown.append((index, reference.fullURL))
-            }
-        }
-        if let twice = declaredTwice.first {
-            throw DataQueueError(.invalidResource, "input \(twice.index + 1): fullUrl \(twice.fullURL) is declared twice")
-        }
-        let declaredBefore = Set(items.compactMap(\.fullURL))
-        let existing = try await store.knownFullURLs(declaredBefore.union(unknown.map(\.fullURL)))
-        if let reused = items.enumerated().first(where: { $0.element.fullURL.map(existing.contains) == true }) {
-            throw DataQueueError(
-                .invalidResource,
-                "input \(reused.offset + 1): fullUrl \(reused.element.fullURL!) is already used by a queued or delivered item")
-        }
-        if let missing = unknown.first(where: { !existing.contains($0.fullURL) }) {
-            throw DataQueueError(
-                .invalidResource,
-                "input \(missing.index + 1): references \(missing.fullURL), which no earlier item declares as its fullUrl")
-        }
+    func checkReferences(_ items: [NewItem]) async throws {
+        var check = ReferenceCheck()
+        for (index, item) in items.enumerated() { check.add(item, index: index) }
+        try check.refuseDeclaredTwice()
+        try check.refuse(existing: try await store.knownFullURLs(check.lookups))
     }
 
     // MARK: - Filling the queue
@@ -326,7 +303,7 @@ open class DataQueue: @unchecked Sendable {
         try await enqueue(resources.map { QueueEntry($0.0, method: $0.1) })
     }
 
-    private func queuedItem(_ item: NewItem, sequence: Int64) -> QueuedItem {
+    func queuedItem(_ item: NewItem, sequence: Int64) -> QueuedItem {
         QueuedItem(
             sequence: sequence, id: item.id, queue: item.queue, method: item.method, url: item.url,
             resourceType: item.resourceType, resourceID: item.resourceID, encrypted: item.encrypted, state: .pending,

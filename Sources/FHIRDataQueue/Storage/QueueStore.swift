@@ -373,6 +373,25 @@ final class QueueStore: QueueStorage {
         try await immediate("enqueue") { db in try Self.insert(items, db: db) }
     }
 
+    /// Stores the items of `chunks` chunks in one transaction, in order, inserting each as soon as `take`
+    /// hands it over (`take(k)` may block until chunk `k` is made; nil means an input was bad and stops the
+    /// enqueue), then checks the references of all of them on the same connection before the commit: all or
+    /// none. The chunks after the first are made while the earlier ones are written.
+    func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64] {
+        try await immediate("enqueue") { db in
+            var sequences: [Int64] = []
+            var check = ReferenceCheck()
+            for chunk in 0..<chunks {
+                guard let items = take(chunk) else { throw DataQueueError(.invalidResource, "an input is bad; nothing was queued") }
+                for item in items { check.add(item, index: check.added) }
+                sequences += try Self.insert(items, db: db)
+            }
+            try check.refuseDeclaredTwice()
+            try check.refuse(existing: try Self.knownFullURLs(check.lookups, db: db, before: sequences.first ?? .max))
+            return sequences
+        }
+    }
+
     /// Transactions the grouped enqueues have committed (for tests of the grouping).
     var groupedCommits: Int { batcher.commits }
 
@@ -578,16 +597,20 @@ final class QueueStore: QueueStorage {
     /// Which of `fullURLs` some item declares: queued (any state) or in the journal.
     func knownFullURLs(_ fullURLs: Set<String>) async throws -> Set<String> {
         guard !fullURLs.isEmpty else { return [] }
-        return try await read("read the queue") { db in
-            var known: Set<String> = []
-            for fullURL in fullURLs {
-                let queued = try Bool.fetchOne(db, sql: "SELECT 1 FROM item WHERE full_url = ? LIMIT 1", arguments: [fullURL])
-                let journaled = try Bool.fetchOne(
-                    db, sql: "SELECT 1 FROM delivery WHERE full_url = ? LIMIT 1", arguments: [fullURL])
-                if queued != nil || journaled != nil { known.insert(fullURL) }
-            }
-            return known
+        return try await read("read the queue") { db in try Self.knownFullURLs(fullURLs, db: db) }
+    }
+
+    /// Of `fullURLs`, those a queued or delivered item declares, read on `db`; only items before sequence
+    /// `before` count when it is given (the items of the running transaction are not yet "queued").
+    static func knownFullURLs(_ fullURLs: Set<String>, db: Database, before: Int64 = .max) throws -> Set<String> {
+        var known: Set<String> = []
+        for fullURL in fullURLs {
+            let queued = try Bool.fetchOne(
+                db, sql: "SELECT 1 FROM item WHERE full_url = ? AND seq < ? LIMIT 1", arguments: [fullURL, before])
+            let journaled = try Bool.fetchOne(db, sql: "SELECT 1 FROM delivery WHERE full_url = ? LIMIT 1", arguments: [fullURL])
+            if queued != nil || journaled != nil { known.insert(fullURL) }
         }
+        return known
     }
 
     /// The number of consecutive failures and the backoff deadline of a server.

@@ -1,0 +1,229 @@
+import Foundation
+
+/// The reference rules of one enqueue of several items: a `fullUrl` is declared once, is not already used by
+/// a queued or delivered item, and every `urn:uuid` reference names a `fullUrl` declared by an earlier item
+/// of the enqueue or by a queued or delivered one. Items are added in input order.
+struct ReferenceCheck {
+    private var declaredHere: Set<String> = []
+    private var declared: [(index: Int, fullURL: String)] = []
+    private var unknown: [(index: Int, fullURL: String)] = []
+    private var declaredTwice: [(index: Int, fullURL: String)] = []
+    /// How many items were added.
+    private(set) var added = 0
+
+    /// Adds the item at input position `index` (0-based).
+    mutating func add(_ item: NewItem, index: Int) {
+        added += 1
+        if let fullURL = item.fullURL {
+            if !declaredHere.insert(fullURL).inserted { declaredTwice.append((index, fullURL)) }
+            declared.append((index, fullURL))
+        }
+        guard !item.encrypted else { return }
+        for reference in TransactionBundle.references(in: item.body) where !declaredHere.contains(reference.fullURL) {
+            unknown.append((index, reference.fullURL))
+        }
+    }
+
+    /// The fullUrls to look up among queued and delivered items.
+    var lookups: Set<String> { Set(declared.map(\.fullURL)).union(unknown.map(\.fullURL)) }
+
+    /// Refuses a fullUrl declared twice in the enqueue.
+    func refuseDeclaredTwice() throws {
+        if let twice = declaredTwice.first {
+            throw DataQueueError(.invalidResource, "input \(twice.index + 1): fullUrl \(twice.fullURL) is declared twice")
+        }
+    }
+
+    /// Refuses a declared fullUrl that `existing` (the looked-up ones queued or delivered) already holds, and a
+    /// reference that neither an earlier item nor `existing` declares.
+    func refuse(existing: Set<String>) throws {
+        if let reused = declared.first(where: { existing.contains($0.fullURL) }) {
+            throw DataQueueError(
+                .invalidResource, "input \(reused.index + 1): fullUrl \(reused.fullURL) is already used by a queued or delivered item")
+        }
+        if let missing = unknown.first(where: { !existing.contains($0.fullURL) }) {
+            throw DataQueueError(
+                .invalidResource,
+                "input \(missing.index + 1): references \(missing.fullURL), which no earlier item declares as its fullUrl")
+        }
+    }
+}
+
+/// The inputs of a bulk enqueue that could not be queued, each by its position: nothing was queued.
+public struct EnqueueProblems: Error, Sendable {
+    /// Every bad input, in input order: its position (0-based) and why.
+    public var problems: [(index: Int, error: DataQueueError)]
+}
+
+extension DataQueue {
+    /// Durably queues `count` entries that `entry` makes, in one transaction: all of them or, on any error,
+    /// none. Made for bulk input (`dq enqueue --ndjson`): the entries are made on every core, a chunk at a
+    /// time, while the chunks before are being written, so checking the input overlaps with storing it.
+    ///
+    /// References between entries follow ``enqueue(_:)``.
+    ///
+    /// - Parameters:
+    ///   - count: how many entries.
+    ///   - entry: makes the entry at `index` (0-based) or throws a ``DataQueueError`` saying why that input is
+    ///     bad. It is called from several threads at once, once for each index.
+    /// - Returns: the queued items, in input order.
+    /// - Throws: ``EnqueueProblems`` naming every input that `entry` refused or this queue cannot take (all of
+    ///   them are tried first); else a ``DataQueueError`` (a reference no item declares, storage).
+    @discardableResult
+    public func enqueue(count: Int, entry: @escaping @Sendable (Int) throws -> QueueEntry) async throws -> [QueuedItem] {
+        let maker = ChunkMaker(count: count, chunkSize: 4096) { [self] index in
+            do {
+                let made = try entry(index)
+                return .success(try newItem(for: made.resource, method: made.method, fullURL: made.fullURL))
+            } catch let error as DataQueueError {
+                return .failure(error)
+            } catch {
+                return .failure(DataQueueError(.invalidResource, "\(error)"))
+            }
+        }
+        maker.start()
+        let sequences: [Int64]
+        var items: [NewItem] = []
+        items.reserveCapacity(count)
+        do {
+            if let sqlite = store as? QueueStore {
+                // Each chunk is inserted as it is made; the items are kept to describe them afterwards.
+                let kept = ItemsKept()
+                sequences = try await sqlite.insert(chunks: maker.chunks) { chunk in
+                    guard let made = maker.take(chunk) else { return nil }
+                    kept.append(made)
+                    return made
+                }
+                items = kept.items
+            } else {
+                for chunk in 0..<maker.chunks {
+                    guard let made = maker.take(chunk) else { throw EnqueueProblems(problems: maker.finish()) }
+                    items += made
+                }
+                try await checkReferences(items)
+                sequences = try await store.insert(items)
+            }
+        } catch {
+            maker.stopUnlessBad()
+            let problems = maker.finish()
+            if !problems.isEmpty { throw EnqueueProblems(problems: problems) }
+            throw error
+        }
+        metrics.enqueued.increment(by: items.count)
+        wakeUp.signal()
+        return zip(items, sequences).map { queuedItem($0, sequence: $1) }
+    }
+}
+
+/// The items a pipelined enqueue inserted, collected on the writer's thread and read after its transaction.
+private final class ItemsKept: @unchecked Sendable {
+    // Written only by the writer's closure, which runs on one thread at a time; read after it returned.
+    private(set) var items: [NewItem] = []
+    func append(_ more: [NewItem]) { items += more }
+}
+
+/// Makes the items of a bulk enqueue, chunk after chunk in input order, each chunk on every core, on a thread
+/// of its own; a consumer takes the chunks in order as they are ready. After the first bad input it only looks
+/// for more bad inputs, so that all of them are named.
+private final class ChunkMaker: @unchecked Sendable {
+    let count: Int
+    let chunkSize: Int
+    var chunks: Int { (count + chunkSize - 1) / chunkSize }
+    private let make: @Sendable (Int) -> Result<NewItem, DataQueueError>
+    // Guarded by `condition`.
+    private let condition = NSCondition()
+    private var ready: [Int: [NewItem]] = [:]
+    private var madeChunks = 0
+    private var problems: [(index: Int, error: DataQueueError)] = []
+    private var stopped = false
+    private var done = false
+
+    init(count: Int, chunkSize: Int, make: @escaping @Sendable (Int) -> Result<NewItem, DataQueueError>) {
+        self.count = count
+        self.chunkSize = chunkSize
+        self.make = make
+    }
+
+    func start() {
+        let thread = Thread { [self] in run() }
+        thread.name = "dq-enqueue-maker"
+        thread.start()
+    }
+
+    private func run() {
+        let workers = max(1, ProcessInfo.processInfo.activeProcessorCount)
+        for chunk in 0..<chunks {
+            condition.lock()
+            let stop = stopped
+            condition.unlock()
+            if stop { break }
+            let range = chunk * chunkSize..<min(count, (chunk + 1) * chunkSize)
+            let slots = Slots(count: range.count)
+            let part = (range.count + workers - 1) / workers
+            DispatchQueue.concurrentPerform(iterations: workers) { worker in
+                for offset in worker * part..<min(range.count, (worker + 1) * part) {
+                    slots.set(offset, make(range.lowerBound + offset))
+                }
+            }
+            let results = slots.collect()
+            condition.lock()
+            var items: [NewItem] = []
+            if problems.isEmpty { items.reserveCapacity(range.count) }
+            for (offset, result) in results.enumerated() {
+                switch result {
+                case .success(let item): if problems.isEmpty { items.append(item) }
+                case .failure(let error): problems.append((range.lowerBound + offset, error))
+                }
+            }
+            ready[chunk] = problems.isEmpty ? items : nil
+            madeChunks = chunk + 1
+            condition.broadcast()
+            condition.unlock()
+        }
+        condition.lock()
+        done = true
+        condition.broadcast()
+        condition.unlock()
+    }
+
+    /// Chunk `chunk`'s items once made; nil when an input so far was bad (or the maker was stopped).
+    func take(_ chunk: Int) -> [NewItem]? {
+        condition.lock()
+        defer { condition.unlock() }
+        while madeChunks <= chunk && !done { condition.wait() }
+        guard problems.isEmpty, let items = ready.removeValue(forKey: chunk) else { return nil }
+        return items
+    }
+
+    /// Stops making chunks unless an input was found bad (then the rest is still checked, to name every bad one).
+    func stopUnlessBad() {
+        condition.lock()
+        if problems.isEmpty { stopped = true }
+        condition.unlock()
+    }
+
+    /// Waits until the maker is done; every bad input found, in input order.
+    func finish() -> [(index: Int, error: DataQueueError)] {
+        condition.lock()
+        defer { condition.unlock() }
+        while !done { condition.wait() }
+        ready = [:]
+        return problems
+    }
+
+    /// One slot per input of a chunk, each written by one worker (disjoint offsets) and read after all of them
+    /// finished: the reason the `@unchecked Sendable` is sound.
+    private final class Slots: @unchecked Sendable {
+        private let slots: UnsafeMutableBufferPointer<Result<NewItem, DataQueueError>?>
+        init(count: Int) {
+            slots = .allocate(capacity: count)
+            slots.initialize(repeating: nil)
+        }
+        deinit {
+            slots.deinitialize()
+            slots.deallocate()
+        }
+        func set(_ offset: Int, _ value: Result<NewItem, DataQueueError>) { slots[offset] = value }
+        func collect() -> [Result<NewItem, DataQueueError>] { slots.map { $0! } }
+    }
+}

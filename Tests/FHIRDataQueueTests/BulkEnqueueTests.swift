@@ -1,0 +1,109 @@
+import Foundation
+import Testing
+
+@testable import FHIRDataQueue
+
+/// `enqueue(count:entry:)`: entries made on every core while the chunks before them are written, in one
+/// transaction. On SQLite the chunks are inserted as they are made; on PostgreSQL they are collected first.
+@Suite("Bulk enqueue, checked while it is written")
+struct BulkEnqueueTests {
+    let directory: URL
+
+    init() throws {
+        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-bulk-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+    }
+
+    func queue(_ kind: StoreKind) throws -> DataQueue {
+        var configuration = DataQueue.Configuration(durability: .normal)
+        switch kind {
+        case .sqlite:
+            configuration.databasePath = directory.appendingPathComponent("q.sqlite").path
+        case .postgres, .postgresUnprepared:
+            var components = try #require(URLComponents(string: try StoreKind.freshDatabase()))
+            components.password = StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"]
+            configuration.databasePath = components.string! + (kind == .postgresUnprepared ? "&prepared_statements=off" : "")
+        }
+        return try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
+    }
+
+    static func observation(_ index: Int, subject: String? = nil) -> Data {
+        let reference = subject.map { #","subject":{"reference":"\#($0)"}"# } ?? ""
+        return Data(
+            #"{"resourceType":"Observation","status":"final","identifier":[{"system":"urn:bulk","value":"\#(index)"}],"code":{"text":"x"}\#(reference)}"#
+                .utf8)
+    }
+
+    /// The identifier values of every pending item, in queue order.
+    func pendingValues(_ queue: DataQueue) async throws -> [String] {
+        var values: [String] = []
+        for item in try await queue.store.pendingBatch(queue: queue.queueName, after: 0, maxCount: 100_000, maxBytes: .max) {
+            let text = String(decoding: item.body, as: UTF8.self)
+            let value = try #require(text.firstRange(of: #""value":""#).map { text[$0.upperBound...].prefix { $0 != "\"" } })
+            values.append(String(value))
+        }
+        return values
+    }
+
+    @Test("10,000 entries (three chunks) are all queued after what was there, in input order", arguments: StoreKind.available)
+    func ordered(kind: StoreKind) async throws {
+        let queue = try queue(kind)
+        try await queue.enqueue(try FHIRResource(json: Self.observation(-1)))
+        let items = try await queue.enqueue(count: 10_000) { index in QueueEntry(try FHIRResource(json: Self.observation(index))) }
+        #expect(items.count == 10_000)
+        #expect(zip(items, items.dropFirst()).allSatisfy { $0.sequence < $1.sequence })
+        let values = try await pendingValues(queue)
+        #expect(values.count == 10_001)
+        #expect(values == ["-1"] + (0..<10_000).map(String.init))
+        try await queue.shutdown()
+    }
+
+    @Test("A bad entry after whole chunks were written queues nothing; every bad entry is named", arguments: StoreKind.available)
+    func badEntries(kind: StoreKind) async throws {
+        let queue = try queue(kind)
+        try await queue.enqueue(try FHIRResource(json: Self.observation(-1)))
+        let bad: Set<Int> = [7, 9_500]
+        do {
+            try await queue.enqueue(count: 10_000) { index in
+                if bad.contains(index) { return QueueEntry(try FHIRResource(json: Data(#"{"resourceType":"x"}"#.utf8))) }
+                return QueueEntry(try FHIRResource(json: Self.observation(index)))
+            }
+            Issue.record("the enqueue succeeded")
+        } catch let error as EnqueueProblems {
+            #expect(error.problems.count == 2)
+            #expect(error.problems.map(\.index) == [7, 9_500])
+            #expect(error.problems.allSatisfy { $0.error.message.contains("resourceType") })
+        }
+        #expect(try await pendingValues(queue) == ["-1"])
+        try await queue.shutdown()
+    }
+
+    @Test("A reference reaches across chunks; a fullUrl declared twice or used before queues nothing", arguments: StoreKind.available)
+    func references(kind: StoreKind) async throws {
+        let queue = try queue(kind)
+        let patient = "urn:uuid:" + UUID().uuidString.lowercased()
+        let items = try await queue.enqueue(count: 6_001) { index in
+            switch index {
+            case 0: QueueEntry(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)), fullURL: patient)
+            case 6_000: QueueEntry(try FHIRResource(json: Self.observation(index, subject: patient)))
+            default: QueueEntry(try FHIRResource(json: Self.observation(index)))
+            }
+        }
+        #expect(items.count == 6_001)
+        let other = "urn:uuid:" + UUID().uuidString.lowercased()
+        for (declarations, message) in [([0, 5_000], "declared twice"), ([4_500], "already used")] {
+            await #expect {
+                try await queue.enqueue(count: 6_000) { index in
+                    let fullURL =
+                        index == declarations[0]
+                        ? (declarations.count == 1 ? patient : other) : declarations.dropFirst().contains(index) ? other : nil
+                    return QueueEntry(try FHIRResource(json: Self.observation(index)), fullURL: fullURL)
+                }
+            } throws: { error in
+                (error as? DataQueueError)?.message.contains(message) == true
+            }
+        }
+        #expect(try await queue.items(state: .pending, limit: 100_000).count == 6_001)
+        try await queue.shutdown()
+    }
+}
