@@ -71,6 +71,7 @@ extension DataQueue {
     ///   them are tried first); else a ``DataQueueError`` (a reference no item declares, storage).
     @discardableResult
     public func enqueue(count: Int, entry: @escaping @Sendable (Int) throws -> QueueEntry) async throws -> [QueuedItem] {
+        guard count > 0 else { return [] }
         let maker = ChunkMaker(count: count, chunkSize: 4096) { [self] index in
             do {
                 let made = try entry(index)
