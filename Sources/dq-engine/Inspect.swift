@@ -192,7 +192,7 @@ extension DQ {
         static let configuration = CommandConfiguration(
             commandName: "show", abstract: "Show one queued item and the server's last answer.")
         @OptionGroup var queueOptions: QueueOptions
-        @Argument(help: "The item's id, a unique prefix or suffix of it (4+ characters), or its sequence number.")
+        @Argument(help: "The item's id, a unique prefix or suffix of it (4+ characters), or its sequence number (#N: only the sequence).")
         var id: String
         @Flag(help: "Also print the stored body (may contain PHI).") var body = false
         @Flag(help: "Print as JSON.") var json = false
@@ -242,7 +242,7 @@ extension DQ {
         static let configuration = CommandConfiguration(
             commandName: "retry", abstract: "Put parked items back in line for the next flush.")
         @OptionGroup var queueOptions: QueueOptions
-        @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number.") var id: String?
+        @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N: only the sequence).") var id: String?
         @Flag(help: "Retry every parked item.") var allParked = false
         @Flag(
             inversion: .prefixedNo,
@@ -272,7 +272,7 @@ extension DQ {
             commandName: "drop",
             abstract: "Remove an item without sending it (recorded in the journal).")
         @OptionGroup var queueOptions: QueueOptions
-        @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number.") var id: String
+        @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N: only the sequence).") var id: String
 
         func run() async throws {
             try await withQueue(queueOptions) { queue in

@@ -28,8 +28,11 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
         case .sqlite:
             return try QueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
         case .postgres, .postgresUnprepared:
+            // The default lease (30 s): a shorter one can lapse while a loaded two-core CI machine runs the whole
+            // suite in parallel and the renewal round trips stall (no test here waits for an expiry; the fencing
+            // test makes one on the database's clock).
             return try PostgresQueueStore(
-                url: try Self.freshDatabase() + (self == .postgresUnprepared ? "&prepared_statements=off" : ""), leaseSeconds: 3,
+                url: try Self.freshDatabase() + (self == .postgresUnprepared ? "&prepared_statements=off" : ""), leaseSeconds: 30,
                 environment: ["PGPASSWORD": Self.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""],
                 logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
         }
@@ -168,6 +171,49 @@ struct StorageConformanceTests {
         await #expect(throws: DataQueueError.self) { try await store.item(String(ids[0].prefix(4))) }
         await #expect(throws: DataQueueError.self) { try await store.item("ffffffff") }
         await #expect(throws: DataQueueError.self) { try await store.item("x';--") }
+    }
+
+    @Test(
+        "A reference of digits alone is looked up as a sequence and as an id; two different items make it ambiguous, '#N' names the sequence",
+        arguments: StoreKind.available)
+    func digitReferences(kind: StoreKind) async throws {
+        let store = try kind.make(in: directory)
+        var first = item(0)
+        first.id = try #require(UUID(uuidString: "0193a1b2-c3d4-7e5f-8a9b-832911116327"))
+        let firstSequence = try #require(try await store.insert([first]).first)
+        var second = item(1)
+        second.id = try #require(UUID(uuidString: String(format: "0193a1b2-c3d4-7e5f-8a9b-%012lld", firstSequence)))
+        let secondSequence = try #require(try await store.insert([second]).first)
+        // Only an id ends in these digits, and no item has this sequence: the id's item, not "no queued item".
+        #expect(try await store.item("832911116327").info.sequence == firstSequence)
+        #expect(try await store.item("6327").info.sequence == firstSequence)
+        // The first item's sequence, zero-padded, is also the end of the second item's id.
+        let padded = String(format: "%012lld", firstSequence)
+        await #expect(throws: DataQueueError.self) { try await store.item(padded) }
+        do {
+            _ = try await store.item(padded)
+        } catch let error as DataQueueError {
+            #expect(error.message.contains("ambiguous") && error.message.contains("#\(padded)"))
+        }
+        #expect(try await store.item("#\(firstSequence)").info.id == first.id)
+        #expect(try await store.item("#\(secondSequence)").info.id == second.id)
+        await #expect(throws: DataQueueError.self) { try await store.item("#6327") }
+        // A sequence too short to be an id part is only a sequence.
+        #expect(try await store.item("\(secondSequence)").info.id == second.id)
+
+        let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        let recorder = DeliveryRecorder(store: store, owner: owner)
+        for (stored, serverID) in [
+            (try await store.item("#\(firstSequence)").info, "a"), (try await store.item("#\(secondSequence)").info, "b"),
+        ] {
+            try recorder.record(
+                CompletedDelivery(item: stored, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: serverID))
+        }
+        try await recorder.finish()
+        await owner.release()
+        #expect(try await store.journalLine("832911116327")?.serverID == "a")
+        #expect(try await store.journalLine("#\(firstSequence)")?.serverID == "a")
+        await #expect(throws: DataQueueError.self) { try await store.journalLine(padded) }
     }
 
     @Test("Delivery moves an item to the journal; park, retry and drop keep records", arguments: StoreKind.available)

@@ -343,7 +343,7 @@ open class DataQueue: @unchecked Sendable {
         if let outcome { return outcome }
         // Another flush (a service's, another process's) may have handled the item while this one waited for
         // the flush right: its journal line says so.
-        if let record = try await store.journalLine(String(item.sequence)) {
+        if let record = try await store.journalLine(ItemReference.sequence(item.sequence)) {
             switch record.event {
             case .delivered, .alreadyPresent: return .delivered(record)
             case .parked: return .parked(item, reason: record.note ?? "the server rejected it")
@@ -547,7 +547,8 @@ open class DataQueue: @unchecked Sendable {
         try await store.items(queue: queueName, state: state, limit: limit)
     }
 
-    /// One item by UUID (or a unique prefix of at least 4 characters) or by sequence number, with its body.
+    /// One item by UUID (or a unique prefix or suffix of at least 4 characters) or by sequence number, with its
+    /// body. Digits alone are tried both ways and throw when they name two different items; `#42` is sequence 42.
     public func item(_ reference: String) async throws -> (QueuedItem, Data) {
         let stored = try await store.item(reference)
         return (stored.info, stored.body)

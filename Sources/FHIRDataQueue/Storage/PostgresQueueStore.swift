@@ -756,21 +756,26 @@ final class PostgresQueueStore: QueueStorage {
     }
 
     func item(_ reference: String) async throws -> StoredItem {
+        let parsed = ItemReference(reference)
         let found = try await run("find an item") { [self] () -> [StoredItem] in
-            let query: PostgresQuery
-            if let sequence = Int64(reference) {
-                query = PostgresQuery(unsafeSQL: "SELECT \(Self.storedColumns) FROM dq_item WHERE seq = $1", binds: Self.binds(sequence))
-            } else {
-                guard let part = itemIDPart(reference) else { return [] }
-                query = PostgresQuery(
+            var found: [StoredItem] = []
+            if let sequence = parsed.sequence {
+                found = try await rows(
+                    PostgresQuery(unsafeSQL: "SELECT \(Self.storedColumns) FROM dq_item WHERE seq = $1", binds: Self.binds(sequence)),
+                    Self.storedItem)
+            }
+            if let part = parsed.idPart {
+                let query = PostgresQuery(
                     unsafeSQL:
                         "SELECT \(Self.storedColumns) FROM dq_item WHERE uuid::text LIKE $1 || '%' OR right(uuid::text, $2::int) = $3 LIMIT 2",
                     binds: Self.binds(part, Int64(part.count), part))
+                let byID = try await rows(query, Self.storedItem)
+                found += byID.filter { item in !found.contains { $0.info.sequence == item.info.sequence } }
             }
-            return try await rows(query, Self.storedItem)
+            return found
         }
         guard found.count == 1 else {
-            if found.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
+            if found.count > 1 { throw ItemReference.ambiguous(reference, bySequence: parsed.sequence != nil) }
             throw DataQueueError(.notFound, "no queued item \(reference)")
         }
         return found[0]
@@ -825,27 +830,30 @@ final class PostgresQueueStore: QueueStorage {
     }
 
     func journalLine(_ reference: String) async throws -> DeliveryRecord? {
-        try await run("read the delivery journal") { [self] () -> DeliveryRecord? in
-            let query: PostgresQuery
-            if let sequence = Int64(reference) {
-                query = PostgresQuery(
-                    unsafeSQL: "SELECT * FROM dq_delivery WHERE item_seq = $1 ORDER BY seq DESC LIMIT 1", binds: Self.binds(sequence))
-            } else {
-                guard let part = itemIDPart(reference) else { return nil }
-                var uuids: [UUID] = []
+        let parsed = ItemReference(reference)
+        return try await run("read the delivery journal") { [self] () -> DeliveryRecord? in
+            var uuids: [UUID] = []
+            if let sequence = parsed.sequence {
                 for try await uuid in try await client.query(
-                    "SELECT DISTINCT uuid FROM dq_delivery WHERE uuid::text LIKE \(part) || '%' OR uuid::text LIKE '%' || \(part) LIMIT 2",
-                    logger: logger
+                    "SELECT uuid FROM dq_delivery WHERE item_seq = \(sequence) LIMIT 1", logger: logger
                 ).decode(UUID.self) {
                     uuids.append(uuid)
                 }
-                guard uuids.count == 1 else {
-                    if uuids.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
-                    return nil
-                }
-                query = PostgresQuery(
-                    unsafeSQL: "SELECT * FROM dq_delivery WHERE uuid = $1 ORDER BY seq DESC LIMIT 1", binds: Self.binds(uuids[0]))
             }
+            if let part = parsed.idPart {
+                for try await uuid in try await client.query(
+                    "SELECT DISTINCT uuid FROM dq_delivery WHERE uuid::text LIKE \(part) || '%' OR uuid::text LIKE '%' || \(part) LIMIT 2",
+                    logger: logger
+                ).decode(UUID.self) where !uuids.contains(uuid) {
+                    uuids.append(uuid)
+                }
+            }
+            guard uuids.count == 1 else {
+                if uuids.count > 1 { throw ItemReference.ambiguous(reference, bySequence: parsed.sequence != nil) }
+                return nil
+            }
+            let query = PostgresQuery(
+                unsafeSQL: "SELECT * FROM dq_delivery WHERE uuid = $1 ORDER BY seq DESC LIMIT 1", binds: Self.binds(uuids[0]))
             return try await rows(query, Self.deliveryRecord).first
         }
     }

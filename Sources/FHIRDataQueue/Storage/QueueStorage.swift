@@ -121,12 +121,39 @@ protocol FlushOwnership: AnyObject, Sendable {
     func release() async
 }
 
-/// The part of an item id an operator typed (`dq show 1f3a`): lowercased, at least 4 characters of hex
-/// digits and dashes, else nil (nothing else can match, and nothing else reaches a query).
-func itemIDPart(_ reference: String) -> String? {
-    let part = reference.lowercased()
-    guard part.count >= 4, part.allSatisfy({ $0.isHexDigit || $0 == "-" }) else { return nil }
-    return part
+/// What an operator's item reference (`dq show 1f3a`, `dq show 42`, `dq show '#42'`) can name.
+///
+/// Digits alone are ambiguous by nature: `0042` is a sequence number and also the end of any id that ends in
+/// those digits. Such a reference is looked up both ways, and a store that finds two different items says the
+/// reference is ambiguous rather than pick one (a drop or retry must never reach the wrong item). `#42` names
+/// the sequence only.
+struct ItemReference: Sendable, Equatable {
+    /// The sequence number the reference may name.
+    var sequence: Int64?
+    /// The part of an item id it may name: lowercased, at least 4 characters of hex digits and dashes
+    /// (nothing else can match, and nothing else reaches a query).
+    var idPart: String?
+
+    init(_ reference: String) {
+        if reference.hasPrefix("#") {
+            let digits = reference.dropFirst()
+            sequence = digits.allSatisfy(\.isASCII) ? Int64(digits) : nil
+            idPart = nil
+            return
+        }
+        sequence = reference.allSatisfy({ $0.isASCII && $0.isNumber }) ? Int64(reference) : nil
+        let part = reference.lowercased()
+        idPart = part.count >= 4 && part.allSatisfy({ $0.isHexDigit || $0 == "-" }) ? part : nil
+    }
+
+    /// The sequence number `sequence` as a reference that names nothing else.
+    static func sequence(_ sequence: Int64) -> String { "#\(sequence)" }
+
+    /// The error for a reference that matched more than one item.
+    static func ambiguous(_ reference: String, bySequence: Bool) -> DataQueueError {
+        let hint = bySequence ? "write #\(reference) for the sequence number, or give more of the id" : "give more of the id"
+        return DataQueueError(.notFound, "item reference \(reference) is ambiguous; \(hint)")
+    }
 }
 
 /// A delivery to record in the journal.

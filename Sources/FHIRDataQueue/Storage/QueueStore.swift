@@ -674,28 +674,29 @@ final class QueueStore: QueueStorage {
         }
     }
 
-    /// Finds an item by UUID (full or a unique prefix) or by sequence number.
+    /// Finds an item by UUID (full, a unique prefix or suffix) or by sequence number (see ``ItemReference``).
     func item(_ reference: String) async throws -> StoredItem {
+        let parsed = ItemReference(reference)
         let found = try await read("find an item") { db -> [StoredItem] in
-            let rows: [Row]
-            if let sequence = Int64(reference) {
+            var rows: [Row] = []
+            if let sequence = parsed.sequence {
                 rows = try Row.fetchAll(db, sql: "SELECT * FROM item WHERE seq = ?", arguments: [sequence])
-            } else {
-                guard let part = itemIDPart(reference) else { return [] }
+            }
+            if let part = parsed.idPart {
                 // A prefix (from the index), else a suffix: item ids are time-ordered (UUIDv7), so ids queued
                 // together share their first characters and differ in their last ones.
-                rows = try Row.fetchAll(
+                var byID = try Row.fetchAll(
                     db, sql: "SELECT * FROM item WHERE uuid >= ? AND uuid < ? LIMIT 2", arguments: [part, part + "~"])
-                if rows.isEmpty {
-                    return try Row.fetchAll(
-                        db, sql: "SELECT * FROM item WHERE substr(uuid, -?) = ? LIMIT 2", arguments: [part.count, part]
-                    ).map(Self.storedItem)
+                if byID.isEmpty {
+                    byID = try Row.fetchAll(
+                        db, sql: "SELECT * FROM item WHERE substr(uuid, -?) = ? LIMIT 2", arguments: [part.count, part])
                 }
+                rows += byID.filter { row in !rows.contains { $0["seq"] as Int64 == row["seq"] as Int64 } }
             }
             return try rows.map(Self.storedItem)
         }
         guard found.count == 1 else {
-            if found.count > 1 { throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id") }
+            if found.count > 1 { throw ItemReference.ambiguous(reference, bySequence: parsed.sequence != nil) }
             throw DataQueueError(.notFound, "no queued item \(reference)")
         }
         return found[0]
@@ -744,28 +745,26 @@ final class QueueStore: QueueStorage {
     }
 
     /// The newest journal line of the item `reference` names (UUID, unique prefix or suffix, or sequence
-    /// number), or nil when the journal has none.
+    /// number: see ``ItemReference``), or nil when the journal has none.
     func journalLine(_ reference: String) async throws -> DeliveryRecord? {
-        try await read("read the delivery journal") { db in
-            let rows: [Row]
-            if let sequence = Int64(reference) {
-                rows = try Row.fetchAll(
-                    db, sql: "SELECT * FROM delivery WHERE item_seq = ? ORDER BY seq DESC LIMIT 1", arguments: [sequence])
-            } else {
-                guard let part = itemIDPart(reference) else { return nil }
-                let uuids = try String.fetchAll(
-                    db,
-                    sql: "SELECT DISTINCT uuid FROM delivery WHERE uuid LIKE ? OR uuid LIKE ? LIMIT 2",
-                    arguments: [part + "%", "%" + part])
-                guard uuids.count == 1 else {
-                    if uuids.count > 1 {
-                        throw DataQueueError(.notFound, "item reference \(reference) is ambiguous; give more of the id")
-                    }
-                    return nil
-                }
-                rows = try Row.fetchAll(
-                    db, sql: "SELECT * FROM delivery WHERE uuid = ? ORDER BY seq DESC LIMIT 1", arguments: [uuids[0]])
+        let parsed = ItemReference(reference)
+        return try await read("read the delivery journal") { db in
+            var uuids: [String] = []
+            if let sequence = parsed.sequence {
+                uuids = try String.fetchAll(db, sql: "SELECT uuid FROM delivery WHERE item_seq = ? LIMIT 1", arguments: [sequence])
             }
+            if let part = parsed.idPart {
+                let byID = try String.fetchAll(
+                    db, sql: "SELECT DISTINCT uuid FROM delivery WHERE uuid LIKE ? OR uuid LIKE ? LIMIT 2",
+                    arguments: [part + "%", "%" + part])
+                uuids += byID.filter { !uuids.contains($0) }
+            }
+            guard uuids.count == 1 else {
+                if uuids.count > 1 { throw ItemReference.ambiguous(reference, bySequence: parsed.sequence != nil) }
+                return nil
+            }
+            let rows = try Row.fetchAll(
+                db, sql: "SELECT * FROM delivery WHERE uuid = ? ORDER BY seq DESC LIMIT 1", arguments: [uuids[0]])
             return try rows.first.map(Self.deliveryRecord)
         }
     }
