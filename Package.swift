@@ -32,6 +32,7 @@ let package = Package(
             name: "FHIRDataQueue",
             dependencies: [
                 "FHIRDataQueueCore",
+                "CSQLite",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "AsyncHTTPClient", package: "async-http-client"),
                 .product(name: "NIOCore", package: "swift-nio"),

@@ -31,11 +31,22 @@ struct InputReader {
         return (inputs, problems, unreadable)
     }
 
+    /// One input document: a whole file, or one line of an NDJSON file (a view into the file's bytes).
+    struct Document {
+        /// The file's label (`<stdin>` for `-`).
+        var file: String
+        /// The 1-based line number in an NDJSON file.
+        var line: Int?
+        var data: Data
+        /// How errors name it: the file, and its line in NDJSON.
+        var label: String { line.map { "\(file):\($0)" } ?? file }
+    }
+
     /// Every input document, unchecked: a file is one document, an NDJSON file one per non-blank line,
     /// labelled with its line number. Also every file that could not be read, and whether one could not be
     /// read at all.
-    func documents(_ paths: [String]) -> (documents: [(label: String, data: Data)], problems: [String], unreadable: Bool) {
-        var documents: [(label: String, data: Data)] = []
+    func documents(_ paths: [String]) -> (documents: [Document], problems: [String], unreadable: Bool) {
+        var documents: [Document] = []
         var problems: [String] = []
         var unreadable = false
         for path in paths {
@@ -56,9 +67,12 @@ struct InputReader {
                 continue
             }
             if ndjson {
-                documents += Self.lines(of: data).map { (label: "\(label):\($0.0)", data: $0.1) }
+                // Slices share the file's bytes: no copy per line.
+                for (number, range) in Self.lines(of: data) {
+                    documents.append(Document(file: label, line: number, data: data[range]))
+                }
             } else {
-                documents.append((label: label, data: data))
+                documents.append(Document(file: label, data: data))
             }
         }
         return (documents, problems, unreadable)
@@ -69,11 +83,12 @@ struct InputReader {
         var reason: String
     }
 
-    /// The non-blank lines of `data` with their 1-based numbers, without line ends (LF or CRLF).
-    static func lines(of data: Data) -> [(Int, Data)] {
-        data.withUnsafeBytes { (raw: UnsafeRawBufferPointer) -> [(Int, Data)] in
+    /// The non-blank lines of `data` with their 1-based numbers, as ranges of `data`'s indices without the
+    /// line ends (LF or CRLF).
+    static func lines(of data: Data) -> [(Int, Range<Data.Index>)] {
+        data.withUnsafeBytes { (raw: UnsafeRawBufferPointer) -> [(Int, Range<Data.Index>)] in
             guard let base = raw.baseAddress else { return [] }
-            var lines: [(Int, Data)] = []
+            var lines: [(Int, Range<Data.Index>)] = []
             var start = 0
             var number = 0
             while start < raw.count {
@@ -91,7 +106,7 @@ struct InputReader {
                     blank = false
                     break
                 }
-                if !blank { lines.append((number, Data(bytes: base + start, count: stop - start))) }
+                if !blank { lines.append((number, (data.startIndex + start)..<(data.startIndex + stop))) }
                 start = end + 1
             }
             return lines
@@ -130,20 +145,24 @@ struct InputReader {
             throw Unreadable(reason: "permission denied")
         }
         let attributes = try? FileManager.default.attributesOfItem(atPath: path)
-        if attributes?[.type] as? FileAttributeType == .typeRegular, let size = (attributes?[.size] as? NSNumber)?.intValue,
-            size > fileLimit
-        {
-            throw DataQueueError(.invalidResource, "file is \(size) bytes, over the limit of \(maximumSize) bytes")
+        var expected: Int?
+        if attributes?[.type] as? FileAttributeType == .typeRegular, let size = (attributes?[.size] as? NSNumber)?.intValue {
+            if size > fileLimit {
+                throw DataQueueError(.invalidResource, "file is \(size) bytes, over the limit of \(maximumSize) bytes")
+            }
+            expected = size
         }
         // Read as a stream: a pipe or process substitution (`<(cat p.json)`, /dev/fd/63) has no size.
         guard let handle = FileHandle(forReadingAtPath: path) else { throw Unreadable(reason: "cannot be read") }
         defer { try? handle.close() }
-        return try readAll(handle, limit: fileLimit)
+        return try readAll(handle, limit: fileLimit, expected: expected)
     }
 
-    /// Reads to the end, refusing more than `limit` bytes.
-    private func readAll(_ handle: FileHandle, limit: Int) throws -> Data {
+    /// Reads to the end, refusing more than `limit` bytes; `expected` (a regular file's size) saves growing
+    /// the buffer as it fills.
+    private func readAll(_ handle: FileHandle, limit: Int, expected: Int? = nil) throws -> Data {
         var data = Data()
+        if let expected, expected <= limit { data.reserveCapacity(expected + 1) }
         do {
             while let chunk = try handle.read(upToCount: 1 << 20), !chunk.isEmpty {
                 data.append(chunk)

@@ -48,6 +48,29 @@ struct FHIRResourceTests {
         } throws: { ($0 as? DataQueueError)?.message.contains("over the limit of 50 bytes") == true }
     }
 
+    @Test("UTF-8 is checked at every position, past the eight-byte ASCII steps too; valid non-ASCII text is kept")
+    func utf8Check() throws {
+        let resource = { (text: [UInt8]) in Data(#"{"resourceType":"Patient","text":""#.utf8 + text + #""}"#.utf8) }
+        let bad: [[UInt8]] = [[0xFF], [0xC3], [0xC0, 0x80], [0xED, 0xA0, 0x80], [0xF4, 0x90, 0x80, 0x80], [0x80]]
+        for bytes in bad {
+            #expect(!FHIRResource.isValidUTF8(Data(bytes)), "\(bytes)")
+            for prefix in 0..<17 {
+                let data = resource(Array(repeating: UInt8(ascii: "a"), count: prefix) + bytes)
+                #expect(!FHIRResource.isValidUTF8(data), "\(bytes) after \(prefix)")
+                #expect {
+                    try FHIRResource(json: data)
+                } throws: { ($0 as? DataQueueError)?.message == "input is not valid UTF-8" }
+            }
+        }
+        for prefix in 0..<17 {
+            let text = Array(repeating: UInt8(ascii: "a"), count: prefix) + Array("é ✓ 🩺".utf8)
+            let data = resource(text)
+            #expect(FHIRResource.isValidUTF8(data))
+            #expect(try FHIRResource(json: data).data == data)
+        }
+        for length in 0..<20 { #expect(FHIRResource.isValidUTF8(Data(repeating: 0x7B, count: length))) }
+    }
+
     @Test("Nesting deeper than 512 levels is refused as invalid, naming the limit; 512 levels are accepted")
     func deepNesting() throws {
         /// A Patient with `arrays` nested arrays in one member: the resource's own object is one more level.

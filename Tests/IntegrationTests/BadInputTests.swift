@@ -97,6 +97,26 @@ struct BadInputTests {
         #expect(try snapshot().isEmpty)
     }
 
+    @Test("NDJSON with CRLF line ends and blank lines: lines are numbered as in the file and stored without the CR")
+    func ndjsonLineEnds() async throws {
+        let bad = try work.write(
+            "crlf.ndjson", "{\"resourceType\":\"Patient\"}\r\n \t\r\n\r\n{\"resourceType\":\"Patient\",}\r\n{\"resourceType\":\"Patient\"}")
+        let refused = try await dq(["enqueue", "--ndjson", bad], env)
+        #expect(refused.status == 65)
+        #expect(refused.stderr.contains("crlf.ndjson:4:") && !refused.stderr.contains("crlf.ndjson:1:"), "\(refused.stderr)")
+        #expect(try snapshot().isEmpty)
+
+        let good = try work.write(
+            "ok.ndjson",
+            "{\"resourceType\":\"Patient\",\"id\":\"a\"}\r\n\r\n  \n{\"resourceType\":\"Observation\"}\n{\"resourceType\":\"Basic\"}")
+        let queued = try await dq(["enqueue", "--ndjson", good], env)
+        #expect(queued.status == 0, "\(queued.stderr)")
+        let bodies = try await DatabaseQueue(path: work.file("queue.sqlite")).read { db in
+            try String.fetchAll(db, sql: "SELECT CAST(body AS TEXT) FROM item ORDER BY seq")
+        }
+        #expect(bodies == [#"{"resourceType":"Patient","id":"a"}"#, #"{"resourceType":"Observation"}"#, #"{"resourceType":"Basic"}"#])
+    }
+
     @Test("PUT without an id is rejected; standard input works")
     func putWithoutID() async throws {
         let result = try await dq(["enqueue", "--method", "PUT", "-"], env, stdin: Data(#"{"resourceType":"Patient"}"#.utf8))

@@ -84,23 +84,23 @@ extension DataQueue {
         }
         maker.start()
         let sequences: [Int64]
-        var items: [NewItem] = []
-        items.reserveCapacity(count)
+        var chunks: [[NewItem]] = []
         do {
             if let sqlite = store as? QueueStore {
-                // Each chunk is inserted as it is made; the items are kept to describe them afterwards.
-                let kept = ItemsKept()
+                // Each chunk is inserted as it is made; the chunks are kept to describe the items afterwards.
+                let kept = ChunksKept()
                 sequences = try await sqlite.insert(chunks: maker.chunks) { chunk in
                     guard let made = maker.take(chunk) else { return nil }
                     kept.append(made)
                     return made
                 }
-                items = kept.items
+                chunks = kept.chunks
             } else {
                 for chunk in 0..<maker.chunks {
                     guard let made = maker.take(chunk) else { throw EnqueueProblems(problems: maker.finish()) }
-                    items += made
+                    chunks.append(made)
                 }
+                let items = Array(chunks.joined())
                 try await checkReferences(items)
                 sequences = try await store.insert(items)
             }
@@ -110,17 +110,21 @@ extension DataQueue {
             if !problems.isEmpty { throw EnqueueProblems(problems: problems) }
             throw error
         }
-        metrics.enqueued.increment(by: items.count)
+        metrics.enqueued.increment(by: sequences.count)
         wakeUp.signal()
-        return zip(items, sequences).map { queuedItem($0, sequence: $1) }
+        let now = Date()
+        var queued: [QueuedItem] = []
+        queued.reserveCapacity(sequences.count)
+        for (item, sequence) in zip(chunks.joined(), sequences) { queued.append(queuedItem(item, sequence: sequence, at: now)) }
+        return queued
     }
 }
 
-/// The items a pipelined enqueue inserted, collected on the writer's thread and read after its transaction.
-private final class ItemsKept: @unchecked Sendable {
+/// The chunks a pipelined enqueue inserted, collected on the writer's thread and read after its transaction.
+private final class ChunksKept: @unchecked Sendable {
     // Written only by the writer's closure, which runs on one thread at a time; read after it returned.
-    private(set) var items: [NewItem] = []
-    func append(_ more: [NewItem]) { items += more }
+    private(set) var chunks: [[NewItem]] = []
+    func append(_ chunk: [NewItem]) { chunks.append(chunk) }
 }
 
 /// Makes the items of a bulk enqueue, chunk after chunk in input order, each chunk on every core, on a thread

@@ -59,7 +59,7 @@ public struct FHIRResource: Sendable, Hashable {
             // RFC 8259 forbids a BOM in JSON sent over a network; dq refuses it rather than change the bytes.
             throw invalid("input starts with a UTF-8 byte order mark (BOM); save it as UTF-8 without a BOM")
         }
-        if String(validating: json, as: UTF8.self) == nil {
+        if !Self.isValidUTF8(json) {
             throw invalid("input is not valid UTF-8")
         }
         let document: JSONScanner.Document
@@ -112,6 +112,24 @@ public struct FHIRResource: Sendable, Hashable {
     /// A transaction or batch Bundle, which is sent as one request to the base URL.
     public var isTransactionOrBatch: Bool {
         bundleType == "transaction" || bundleType == "batch"
+    }
+
+    /// Whether `json` is valid UTF-8: all ASCII (checked eight bytes at a time, without building a String),
+    /// else the standard library's check.
+    static func isValidUTF8(_ json: Data) -> Bool {
+        let ascii = json.withUnsafeBytes { raw -> Bool in
+            var index = 0
+            while index + 8 <= raw.count {
+                if raw.loadUnaligned(fromByteOffset: index, as: UInt64.self) & 0x8080_8080_8080_8080 != 0 { return false }
+                index += 8
+            }
+            while index < raw.count {
+                if raw[index] >= 0x80 { return false }
+                index += 1
+            }
+            return true
+        }
+        return ascii || String(validating: json, as: UTF8.self) != nil
     }
 
     /// A key for an error message: at most 40 characters, control characters as `?` (keys are not PHI, but
