@@ -185,19 +185,42 @@ struct OperatorTests {
         #expect(damaged.stderr.contains(".recover"), "\(damaged.stderr)")
     }
 
-    @Test("TLS failures are named in words: an untrusted issuer, a name mismatch")
-    func tlsInWords() async throws {
-        let server = try await FHIRServer.start()
+    /// A self-signed certificate and its key (made by the openssl CLI) in the work directory: their paths.
+    func certificate(name: String, alternativeNames: String) async throws -> (String, String) {
         let cert = work.file("tls.crt")
         let key = work.file("tls.key")
         let made = try await ChildProcess(
             "/usr/bin/openssl",
             [
                 "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj",
-                "/CN=elsewhere.example", "-addext", "subjectAltName=DNS:elsewhere.example",
+                "/CN=\(name)", "-addext", "subjectAltName=\(alternativeNames)",
             ]
         ).wait()
         #expect(made.status == 0, "\(made.stderr)")
+        return (cert, key)
+    }
+
+    @Test("Over TLS with a trusted certificate, items reach the server by IP address and by host name, in order")
+    func tlsDelivery() async throws {
+        let server = try await FHIRServer.start()
+        let (cert, key) = try await certificate(name: "localhost", alternativeNames: "DNS:localhost,IP:127.0.0.1")
+        let proxy = try await FaultProxy(upstreamPort: server.port, tls: (cert, key))
+        for (round, host) in ["127.0.0.1", "localhost"].enumerated() {
+            var env = environment("https://\(host):\(proxy.port)/fhir")
+            env["DQ_CA_BUNDLE"] = cert
+            let lines = (0..<3).map { resources.observation(round * 3 + $0) }
+            let file = try work.write("tls-\(round).ndjson", lines.joined(separator: "\n"))
+            #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+            let flushed = try await dq(["flush", "--now"], env)
+            #expect(flushed.status == 0, "\(flushed.stderr)")
+        }
+        #expect(try await server.values("Observation", system: resources.system) == (0..<6).map(String.init))
+    }
+
+    @Test("TLS failures are named in words: an untrusted issuer, a name mismatch")
+    func tlsInWords() async throws {
+        let server = try await FHIRServer.start()
+        let (cert, key) = try await certificate(name: "elsewhere.example", alternativeNames: "DNS:elsewhere.example")
         let proxy = try await FaultProxy(upstreamPort: server.port, tls: (cert, key))
         let env = environment("https://127.0.0.1:\(proxy.port)/fhir")
         let sample = try work.write("p.json", resources.observation(0))

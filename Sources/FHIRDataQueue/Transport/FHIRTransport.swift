@@ -75,13 +75,30 @@ final class FHIRTransport: Sendable {
         // dq retries with its own backoff; the pool must not spin on a refused connection until the deadline.
         configuration.connectionPool.retryConnectionEstablishment = false
         configuration.decompression = .enabled(limit: .ratio(100))
+        var tls = TLSConfiguration.makeClientConfiguration()
         if let caBundlePath {
-            var tls = TLSConfiguration.makeClientConfiguration()
             tls.trustRoots = .file(caBundlePath)
             configuration.tlsConfiguration = tls
         }
         self.configuration = configuration
+        self.tlsConfiguration = tls
+        self.connectTimeout = .milliseconds(Int64(connectTimeout * 1000))
         self.timeout = .milliseconds(Int64(timeout * 1000))
+    }
+
+    private let tlsConfiguration: TLSConfiguration
+    private let connectTimeout: TimeAmount
+    /// The flush's own HTTP/1.1 client (see ``HTTP1Sender``), made on first use; nil with a caller's client.
+    private let senderBox = NIOLockedValueBox<HTTP1Sender?>(nil)
+
+    private var sender: HTTP1Sender? {
+        guard external == nil else { return nil }
+        return senderBox.withLockedValue { sender in
+            if let sender { return sender }
+            let made = HTTP1Sender(loop: eventLoop, connectTimeout: connectTimeout, tlsConfiguration: tlsConfiguration)
+            sender = made
+            return made
+        }
     }
 
     private var client: HTTPClient {
@@ -111,6 +128,11 @@ final class FHIRTransport: Sendable {
             defer { client = nil }
             return client
         }
+        let sender = senderBox.withLockedValue { sender in
+            defer { sender = nil }
+            return sender
+        }
+        try? await sender?.shutdown().get()
         try await client?.shutdown()
     }
 
@@ -127,9 +149,30 @@ final class FHIRTransport: Sendable {
         if let ifNoneExist = request.ifNoneExist { headers.add(name: "If-None-Exist", value: ifNoneExist) }
         if request.isBundle { headers.add(name: "Prefer", value: "return=minimal") }
         if let authorization { headers.add(name: "Authorization", value: authorization) }
-        return try await execute(
-            url: request.url, method: request.method == .post ? .POST : .PUT, headers: headers,
-            body: request.body, limit: request.isBundle ? 16 * maximumResponseBytes : maximumResponseBytes, logger: logger)
+        let method: HTTPMethod = request.method == .post ? .POST : .PUT
+        let limit = request.isBundle ? 16 * maximumResponseBytes : maximumResponseBytes
+        if let sender, let (origin, target) = HTTP1Sender.target(of: request.url) {
+            do {
+                let (head, body) = try await sender.send(
+                    origin: origin, method: method, target: target, headers: headers, body: ByteBuffer(data: request.body),
+                    limit: limit, deadline: .now() + timeout
+                ).get()
+                return Self.response(head, body)
+            } catch {
+                throw TransportFailure(
+                    message: "no answer from \(Self.redacted(request.url)): \(Self.describe(error))",
+                    mayHaveArrived: !Self.neverSent(error))
+            }
+        }
+        return try await execute(url: request.url, method: method, headers: headers, body: request.body, limit: limit, logger: logger)
+    }
+
+    private static func response(_ head: HTTPResponseHead, _ body: ByteBuffer) -> TransportResponse {
+        TransportResponse(
+            status: Int(head.status.code),
+            location: head.headers.first(name: "Location") ?? head.headers.first(name: "Content-Location"),
+            retryAfter: ResponseClassification.parseRetryAfter(head.headers.first(name: "Retry-After")),
+            body: Data(buffer: body))
     }
 
     /// `GET url` (the CapabilityStatement): the answer, or ``TransportFailure``.
@@ -152,11 +195,7 @@ final class FHIRTransport: Sendable {
                 request: http, delegate: delegate, deadline: .now() + timeout,
                 logger: logger.logLevel <= .trace ? logger : Self.silent
             ).futureResult.get()
-            return TransportResponse(
-                status: Int(head.status.code),
-                location: head.headers.first(name: "Location") ?? head.headers.first(name: "Content-Location"),
-                retryAfter: ResponseClassification.parseRetryAfter(head.headers.first(name: "Retry-After")),
-                body: Data(buffer: body))
+            return Self.response(head, body)
         } catch {
             throw TransportFailure(
                 message: "no answer from \(Self.redacted(url)): \(Self.describe(error))",
@@ -202,6 +241,15 @@ final class FHIRTransport: Sendable {
             case .readTimeout: return "read timed out"
             default: break
             }
+        }
+        if let error = error as? HTTP1SenderError {
+            switch error {
+            case .timedOut: return "timed out"
+            case .closedByServer: return "connection closed by the server"
+            }
+        }
+        if let error = error as? IOError, [ECONNRESET, EPIPE].contains(error.errnoCode) {
+            return "connection closed by the server (reset)"
         }
         let text = String(reflecting: error)
         if let tls = describeTLS(text) { return tls }

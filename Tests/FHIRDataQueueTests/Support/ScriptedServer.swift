@@ -119,6 +119,9 @@ final class ScriptedServer: Sendable {
     /// Every request received so far, in arrival order (recorded before the handler is called).
     var requests: [Request] { state.withLock { $0.requests } }
 
+    /// How many connections were opened so far.
+    var connectionsOpened: Int { state.withLock { $0.nextID } }
+
     /// How many requests are currently stalled. A stalled request whose client closes the connection no longer counts.
     var stalledCount: Int { state.withLock { $0.stalled.count } }
 

@@ -1,0 +1,229 @@
+import Foundation
+import NIOCore
+import NIOHTTP1
+import NIOPosix
+import NIOSSL
+
+/// dq's own HTTP/1.1 client for the requests of a flush: one kept-alive connection per server, one request at
+/// a time, the head and the body handed to the socket in one write.
+///
+/// A flush waits for each answer before the next request (order), so it needs none of a general client's
+/// pooling, redirects or HTTP/2; what it pays per request is what decides how fast one-by-one delivery can be.
+/// async-http-client spent about 200 µs of CPU per request here and wrote the head and the body in two system
+/// calls (two packets the server must join). Requests other than a flush's (sign-in, the CapabilityStatement)
+/// and every request of a queue given its own `HTTPClient` still go through async-http-client.
+///
+/// Everything mutable lives on ``loop`` (the flush's own event loop), which is what makes it safe.
+final class HTTP1Sender: Sendable {
+    /// Where a connection goes.
+    struct Origin: Hashable, Sendable {
+        var tls: Bool
+        var host: String
+        var port: Int
+    }
+
+    let loop: any EventLoop
+    private let connectTimeout: TimeAmount
+    private let tlsConfiguration: TLSConfiguration
+    private let state = State()
+
+    /// The open connections (with when each was last used) and the TLS context (made on first use): used only
+    /// on ``loop``, the reason the `@unchecked Sendable` is sound.
+    private final class State: @unchecked Sendable {
+        /// Connections with no exchange under way, the most recently used last (encrypted items go several at a
+        /// time, each on a connection of its own).
+        var idle: [Origin: [(channel: any Channel, lastUsed: NIODeadline)]] = [:]
+        var tls: NIOSSLContext?
+    }
+
+    /// A connection idle longer than this is closed and a new one made: servers close idle connections after
+    /// a few seconds to a minute, and a request written just as the server closes may or may not have been
+    /// read (a delivery in doubt); dq's own limit (4 s by default) stays under theirs.
+    let idleLimit: TimeAmount
+
+    init(loop: any EventLoop, connectTimeout: TimeAmount, tlsConfiguration: TLSConfiguration, idleLimit: TimeAmount = .seconds(4)) {
+        self.loop = loop
+        self.idleLimit = idleLimit
+        self.connectTimeout = connectTimeout
+        self.tlsConfiguration = tlsConfiguration
+    }
+
+    /// The origin and request target of an `http` or `https` URL, or nil for anything else.
+    static func target(of url: String) -> (origin: Origin, target: String)? {
+        guard let components = URLComponents(string: url), let scheme = components.scheme?.lowercased(),
+            scheme == "http" || scheme == "https", let host = components.host, !host.isEmpty,
+            components.user == nil, components.password == nil
+        else { return nil }
+        let tls = scheme == "https"
+        var target = components.percentEncodedPath.isEmpty ? "/" : components.percentEncodedPath
+        if let query = components.percentEncodedQuery { target += "?" + query }
+        // An IPv6 address is written in brackets in a URL, and connected to without them.
+        let bare = host.hasPrefix("[") && host.hasSuffix("]") ? String(host.dropFirst().dropLast()) : host
+        return (Origin(tls: tls, host: bare, port: components.port ?? (tls ? 443 : 80)), target)
+    }
+
+    /// Sends one request to `origin` and completes with the answer's head and the first `limit` bytes of its
+    /// body (the rest is read and dropped), or fails: a connection that could not be made fails with the
+    /// connect error, anything after that with the error that ended it; `deadline` ends the whole exchange.
+    func send(
+        origin: Origin, method: HTTPMethod, target: String, headers: HTTPHeaders, body: ByteBuffer?, limit: Int,
+        deadline: NIODeadline
+    ) -> EventLoopFuture<(HTTPResponseHead, ByteBuffer)> {
+        loop.flatSubmit {
+            self.connection(to: origin, deadline: deadline).flatMap { channel in
+                var head = HTTPRequestHead(version: .http1_1, method: method, uri: target, headers: headers)
+                let defaultPort = origin.tls ? 443 : 80
+                let host = origin.host.contains(":") ? "[\(origin.host)]" : origin.host
+                head.headers.replaceOrAdd(name: "Host", value: origin.port == defaultPort ? host : "\(host):\(origin.port)")
+                if let body { head.headers.replaceOrAdd(name: "Content-Length", value: String(body.readableBytes)) }
+                let promise = self.loop.makePromise(of: (HTTPResponseHead, ByteBuffer).self)
+                let handler: ExchangeHandler
+                do {
+                    handler = try channel.pipeline.syncOperations.handler(type: ExchangeHandler.self)
+                } catch {
+                    promise.fail(error)
+                    return promise.futureResult
+                }
+                handler.start(promise: promise, limit: limit, deadline: deadline, channel: channel)
+                // One flush: the head, the body and the end leave in one write.
+                channel.write(HTTPClientRequestPart.head(head), promise: nil)
+                if let body { channel.write(HTTPClientRequestPart.body(.byteBuffer(body)), promise: nil) }
+                let written = self.loop.makePromise(of: Void.self)
+                channel.writeAndFlush(HTTPClientRequestPart.end(nil), promise: written)
+                let bound = NIOLoopBound(handler, eventLoop: self.loop)
+                written.futureResult.whenFailure { error in bound.value.fail(error) }
+                return promise.futureResult.always { result in
+                    // Kept for the next request only after a whole answer on a connection the server keeps open.
+                    if case .success = result, bound.value.reusable, channel.isActive {
+                        self.state.idle[origin, default: []].append((channel, .now()))
+                    } else {
+                        channel.close(promise: nil)
+                    }
+                }
+            }
+        }
+    }
+
+    /// The open connection to `origin`, or a new one.
+    private func connection(to origin: Origin, deadline: NIODeadline) -> EventLoopFuture<any Channel> {
+        loop.assertInEventLoop()
+        let now = NIODeadline.now()
+        while let open = state.idle[origin]?.popLast() {
+            if open.channel.isActive && now - open.lastUsed < idleLimit { return loop.makeSucceededFuture(open.channel) }
+            open.channel.close(promise: nil)
+        }
+        let sslContext: NIOSSLContext?
+        if origin.tls {
+            do {
+                if state.tls == nil { state.tls = try NIOSSLContext(configuration: tlsConfiguration) }
+                sslContext = state.tls
+            } catch {
+                return loop.makeFailedFuture(error)
+            }
+        } else {
+            sslContext = nil
+        }
+        let timeout = min(connectTimeout, deadline - .now())
+        let bootstrap = ClientBootstrap(group: loop)
+            .connectTimeout(timeout)
+            .channelOption(.socketOption(.tcp_nodelay), value: 1)
+            .channelInitializer { channel in
+                do {
+                    let pipeline = channel.pipeline.syncOperations
+                    if let sslContext {
+                        // An IP address is checked against the certificate's IP entries, and is sent as no SNI.
+                        let isAddress = (try? SocketAddress(ipAddress: origin.host, port: 0)) != nil
+                        try pipeline.addHandler(
+                            NIOSSLClientHandler(context: sslContext, serverHostname: isAddress ? nil : origin.host))
+                    }
+                    try pipeline.addHTTPClientHandlers()
+                    try pipeline.addHandler(ExchangeHandler())
+                    return channel.eventLoop.makeSucceededVoidFuture()
+                } catch {
+                    return channel.eventLoop.makeFailedFuture(error)
+                }
+            }
+        return bootstrap.connect(host: origin.host, port: origin.port)
+    }
+
+    /// Closes every connection.
+    func shutdown() -> EventLoopFuture<Void> {
+        loop.flatSubmit {
+            let channels = self.state.idle.values.flatMap { $0.map(\.channel) }
+            self.state.idle = [:]
+            let closed = channels.map { channel in channel.close().recover { _ in } }
+            return EventLoopFuture.andAllComplete(closed, on: self.loop)
+        }
+    }
+}
+
+/// The end of a connection's pipeline: one exchange at a time, its answer collected into a promise.
+private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHandler {
+    typealias InboundIn = HTTPClientResponsePart
+
+    private var promise: EventLoopPromise<(HTTPResponseHead, ByteBuffer)>?
+    private var head: HTTPResponseHead?
+    private var body = ByteBuffer()
+    private var limit = 0
+    private var timer: Scheduled<Void>?
+    /// Whether the last exchange ended with a whole answer and the server keeps the connection open.
+    private(set) var reusable = false
+
+    func start(
+        promise: EventLoopPromise<(HTTPResponseHead, ByteBuffer)>, limit: Int, deadline: NIODeadline, channel: any Channel
+    ) {
+        self.promise = promise
+        self.limit = limit
+        reusable = false
+        head = nil
+        body.clear()
+        timer = channel.eventLoop.assumeIsolated().scheduleTask(deadline: deadline) { [weak self] in
+            self?.fail(HTTP1SenderError.timedOut)
+            channel.close(promise: nil)
+        }
+    }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        switch unwrapInboundIn(data) {
+        case .head(let received):
+            head = received
+        case .body(var part):
+            let take = min(part.readableBytes, limit - body.readableBytes)
+            if take > 0, let slice = part.readSlice(length: take) { body.writeImmutableBuffer(slice) }
+        case .end:
+            guard let head, let promise else { return }
+            reusable = head.isKeepAlive
+            finish()
+            promise.succeed((head, body))
+        }
+    }
+
+    func channelInactive(context: ChannelHandlerContext) {
+        fail(HTTP1SenderError.closedByServer)
+        context.fireChannelInactive()
+    }
+
+    func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        fail(error)
+        context.close(promise: nil)
+    }
+
+    /// Fails the exchange under way, if any (an answer that already came is kept).
+    func fail(_ error: any Error) {
+        guard let promise else { return }
+        finish()
+        promise.fail(error)
+    }
+
+    private func finish() {
+        timer?.cancel()
+        timer = nil
+        promise = nil
+    }
+}
+
+/// How an exchange of ``HTTP1Sender`` ended without an answer (after its connection was made).
+enum HTTP1SenderError: Error, Sendable {
+    case timedOut
+    case closedByServer
+}

@@ -1,0 +1,154 @@
+import Foundation
+import Logging
+import NIOCore
+import NIOPosix
+import NIOSSL
+import Testing
+
+@testable import FHIRDataQueue
+
+/// dq's own HTTP/1.1 client for a flush's requests (``HTTP1Sender`` behind ``FHIRTransport``), against a real
+/// HTTP server on loopback that records what arrived.
+@Suite("The flush's HTTP/1.1 client")
+struct HTTP1SenderTests {
+    let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+
+    func request(_ url: String, body: String = #"{"resourceType":"Observation"}"#) -> OutgoingRequest {
+        OutgoingRequest(method: .post, url: url, contentType: "application/fhir+json", ifNoneExist: "identifier=a|b", body: Data(body.utf8))
+    }
+
+    @Test("Sequential sends share one kept-alive connection; the server gets each request as it was sent")
+    func keepAlive() async throws {
+        let server = try await ScriptedServer { request in .respond(.created(location: "Observation/\(request.bodyText.count)")) }
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        for index in 0..<5 {
+            let body = #"{"resourceType":"Observation","id":"\#(index)"}"#
+            let response = try await transport.send(
+                request(server.baseURL + "/fhir/Observation?_format=json", body: body), authorization: "Bearer t", logger: logger)
+            #expect(response.status == 201 && response.location == "Observation/\(body.utf8.count)")
+        }
+        let requests = server.requests
+        #expect(requests.count == 5)
+        #expect(requests.map(\.bodyText) == (0..<5).map { #"{"resourceType":"Observation","id":"\#($0)"}"# })
+        for received in requests {
+            #expect(received.method == "POST" && received.uri == "/fhir/Observation?_format=json")
+            #expect(received.header("Host") == "127.0.0.1:\(server.port)")
+            #expect(received.header("Content-Length") == String(received.body.count))
+            #expect(received.header("Content-Type") == "application/fhir+json")
+            #expect(received.header("Authorization") == "Bearer t" && received.header("If-None-Exist") == "identifier=a|b")
+            #expect(received.header("Transfer-Encoding") == nil)
+        }
+        #expect(server.connectionsOpened == 1)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("An answer with Connection: close is read whole and the next send opens a new connection")
+    func connectionClose() async throws {
+        let server = try await ScriptedServer { _ in
+            .respond(.init(status: 200, headers: [("Connection", "close")], body: #"{"resourceType":"OperationOutcome"}"#))
+        }
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        for _ in 0..<3 {
+            let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+            #expect(response.status == 200)
+            #expect(String(decoding: response.body, as: UTF8.self) == #"{"resourceType":"OperationOutcome"}"#)
+        }
+        #expect(server.requests.count == 3 && server.connectionsOpened == 3)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("A connection closed without an answer, and one that times out, may have delivered; the next send gets through")
+    func noAnswer() async throws {
+        let script = ScriptLine()
+        let server = try await ScriptedServer { _ in script.next() }
+        let transport = try FHIRTransport(timeout: 3, connectTimeout: 5, caBundlePath: nil)
+        script.set([.close, .stall, .respond(.created(location: "Observation/1"))])
+        let closed = await #expect(throws: TransportFailure.self) {
+            try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(
+            closed?.mayHaveArrived == true && closed?.message.contains("connection closed by the server") == true,
+            "\(closed?.message ?? "")")
+        let stalled = await #expect(throws: TransportFailure.self) {
+            try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(stalled?.mayHaveArrived == true && stalled?.message.contains("timed out") == true, "\(stalled?.message ?? "")")
+        let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        #expect(response.status == 201)
+        #expect(server.requests.count == 3 && server.connectionsOpened == 3)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("A refused connection is a failure that never left; an answer longer than the limit is cut at the limit")
+    func refusedAndLong() async throws {
+        let unused = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
+        let port = try #require(unused.localAddress?.port)
+        try await unused.close()
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        let refused = await #expect(throws: TransportFailure.self) {
+            try await transport.send(request("http://127.0.0.1:\(port)/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(refused?.mayHaveArrived == false)
+
+        let long = Data(repeating: UInt8(ascii: "x"), count: transport.maximumResponseBytes + 12345)
+        let server = try await ScriptedServer { _ in .respond(.init(status: 422, data: long)) }
+        for _ in 0..<2 {
+            let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+            #expect(response.status == 422 && response.body == long.prefix(transport.maximumResponseBytes))
+        }
+        #expect(server.connectionsOpened == 1, "the rest of a long answer is read, so the connection is kept")
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("A connection idle past the idle limit is replaced before the next request")
+    func idleLimit() async throws {
+        let server = try await ScriptedServer { _ in .respond(.created(location: "Observation/1")) }
+        let loop = MultiThreadedEventLoopGroup.singleton.next()
+        let sender = HTTP1Sender(
+            loop: loop, connectTimeout: .seconds(5), tlsConfiguration: .makeClientConfiguration(), idleLimit: .seconds(3))
+        let (origin, target) = try #require(HTTP1Sender.target(of: server.baseURL + "/fhir/Observation"))
+        func send() async throws -> Int {
+            let (head, _) = try await sender.send(
+                origin: origin, method: .POST, target: target, headers: [:], body: ByteBuffer(string: "{}"), limit: 100,
+                deadline: .now() + .seconds(5)
+            ).get()
+            return Int(head.status.code)
+        }
+        #expect(try await send() == 201)
+        #expect(try await send() == 201)
+        #expect(server.connectionsOpened == 1)
+        try await Task.sleep(for: .milliseconds(3500))
+        #expect(try await send() == 201)
+        #expect(server.connectionsOpened == 2)
+        try await sender.shutdown().get()
+        try await server.shutdown()
+    }
+
+    @Test("URLs: the origin and the request target, default ports, IPv6 hosts; other schemes and user info are not for it")
+    func targets() throws {
+        let plain = try #require(HTTP1Sender.target(of: "http://fhir.example/base/Patient?x=1%202"))
+        #expect(plain.origin == .init(tls: false, host: "fhir.example", port: 80) && plain.target == "/base/Patient?x=1%202")
+        let tls = try #require(HTTP1Sender.target(of: "HTTPS://fhir.example:8443"))
+        #expect(tls.origin == .init(tls: true, host: "fhir.example", port: 8443) && tls.target == "/")
+        let v6 = try #require(HTTP1Sender.target(of: "http://[::1]:8080/fhir"))
+        #expect(v6.origin.host == "::1" && v6.origin.port == 8080)
+        #expect(HTTP1Sender.target(of: "ftp://fhir.example/x") == nil)
+        #expect(HTTP1Sender.target(of: "http://user:secret@fhir.example/x") == nil)
+    }
+}
+
+/// The actions a scripted server takes, one per request, in order.
+private final class ScriptLine: @unchecked Sendable {
+    private let lock = NSLock()
+    private var actions: [ScriptedServer.Action] = []
+
+    func set(_ actions: [ScriptedServer.Action]) { lock.withLock { self.actions = actions } }
+
+    func next() -> ScriptedServer.Action {
+        lock.withLock { actions.isEmpty ? .respond(.init(status: 500)) : actions.removeFirst() }
+    }
+}
