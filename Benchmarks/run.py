@@ -187,15 +187,13 @@ def case_enqueue(args, work):
     def raw_bulk():
         return sqlite_bulk(os.path.join(work, "rb-%f.sqlite" % time.time()), lines)
 
-    bulk_value = median_of(dq_bulk, args.repeat)
-    row("3 dq enqueue --ndjson %d (items/s)" % k, bulk_value, "items/s",
-        "raw SQLite batched insert", median_of(raw_bulk, args.repeat), ">= 0.5")
-
     def schema_bulk():
         return sqlite_bulk(os.path.join(work, "sb-%f.sqlite" % time.time()), lines, ddl, DQ_INSERT, dq_row)
 
+    bulk_value, raw_value, schema_value = interleaved([dq_bulk, raw_bulk, schema_bulk], args.repeat)
+    row("3 dq enqueue --ndjson %d (items/s)" % k, bulk_value, "items/s", "raw SQLite batched insert", raw_value, ">= 0.5")
     row("3 dq enqueue --ndjson %d (items/s)" % k, bulk_value, "items/s", "the same insert into dq's table",
-        median_of(schema_bulk, args.repeat), "-", "(dq also reads, validates and names each item)")
+        schema_value, "-", "(dq also reads, validates and names each item)")
 
 
 def start_nginx(work):

@@ -38,6 +38,42 @@ struct InputHardeningTests {
         #expect(error.message.contains("\"\(key)\" appears twice"), "\(error.message)")
     }
 
+    @Test("Repeats are found among many keys, after an escaped key, and for the empty key")
+    func duplicateKeysBeyondTheFirstFew() throws {
+        let many = (0..<40).map { "\"k\($0)\":\($0)" }.joined(separator: ",")
+        let cases: [(String, String)] = [
+            // The repeat comes after more keys than are compared one by one.
+            (#"{"resourceType":"Patient","k3":"x","# + many + "}", "k3"),
+            (#"{"resourceType":"Patient","# + many + #","k39":0}"#, "k39"),
+            // An escaped key first, then the same key plainly.
+            (#"{"i\u0064":"a","resourceType":"Patient","id":"b"}"#, "id"),
+            (#"{"":1,"resourceType":"Patient","":2}"#, ""),
+        ]
+        for (json, key) in cases {
+            let error = try #require(throws: DataQueueError.self) { try FHIRResource(json: Data(json.utf8)) }
+            #expect(error.message.contains("\"\(key)\" appears twice"), "\(error.message)")
+        }
+        // As many different keys are accepted, and the wanted members are still found past the first few.
+        let resource = try FHIRResource(json: Data((#"{"# + many + #","resourceType":"Patient","id":"p-9"}"#).utf8))
+        #expect(resource.resourceType == "Patient")
+        #expect(resource.id == "p-9")
+        // Keys that are canonically equivalent but different code points are different keys (as JSON parsers
+        // compare them): "é" precomposed and "e" + combining acute.
+        _ = try FHIRResource(json: Data(#"{"resourceType":"Patient","\u00e9":1,"e\u0301":2}"#.utf8))
+        _ = try FHIRResource(json: Data("{\"resourceType\":\"Patient\",\"\u{E9}\":1,\"e\u{301}\":2}".utf8))
+    }
+
+    @Test("A UUID's lowercase form is the one Foundation prints, lowercased")
+    func lowercaseUUID() {
+        for _ in 0..<200 {
+            let id = UUID.timeOrdered()
+            var bytes: [UInt8] = [1, 2]
+            id.appendLowercased(to: &bytes)
+            #expect(id.lowercasedString == id.uuidString.lowercased())
+            #expect(bytes == [1, 2] + Array(id.uuidString.lowercased().utf8))
+        }
+    }
+
     @Test("A repeated key inside a nested object is not a top-level duplicate")
     func nestedRepeatsAreLeftAlone() throws {
         // Only the top level routes a resource; deeper members are the server's to judge.

@@ -18,9 +18,8 @@ struct ReferenceCheck {
             if !declaredHere.insert(fullURL).inserted { declaredTwice.append((index, fullURL)) }
             declared.append((index, fullURL))
         }
-        guard !item.encrypted else { return }
-        for reference in TransactionBundle.references(in: item.body) where !declaredHere.contains(reference.fullURL) {
-            unknown.append((index, reference.fullURL))
+        for reference in item.references where !declaredHere.contains(reference) {
+            unknown.append((index, reference))
         }
     }
 

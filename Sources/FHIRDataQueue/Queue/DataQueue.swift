@@ -226,7 +226,8 @@ open class DataQueue: @unchecked Sendable {
         return NewItem(
             id: id, queue: queueName, method: request.method, url: request.path, resourceType: request.resourceType,
             resourceID: request.resourceID, encrypted: request.encrypted, contentType: request.contentType,
-            body: request.body, fullURL: declared)
+            body: request.body, fullURL: declared,
+            references: request.encrypted ? [] : TransactionBundle.references(in: request.body).map(\.fullURL))
     }
 
     /// Refuses references to `urn:uuid` fullUrls that no earlier entry of `items` and no queued or delivered
@@ -261,7 +262,7 @@ open class DataQueue: @unchecked Sendable {
         async throws -> QueuedItem
     {
         let item = try newItem(for: resource, method: method, fullURL: fullURL)
-        if item.fullURL != nil || !TransactionBundle.references(in: item.body).isEmpty {
+        if item.fullURL != nil || !item.references.isEmpty {
             try await checkReferences([item])
         }
         let sequence = try await store.insertGrouped(item)

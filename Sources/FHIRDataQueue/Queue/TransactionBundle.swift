@@ -104,17 +104,23 @@ enum TransactionBundle {
     /// Where `"reference": "urn:uuid:…"` values are in `body`: the range of each string token (quotes
     /// included) and the `urn:uuid:…` it names. Only `reference` members count, never identifiers.
     static func references(in body: Data) -> [(range: Range<Int>, fullURL: String)] {
-        let key = Array(#""reference""#.utf8)
-        let prefix = Array("urn:uuid:".utf8)
         var found: [(Range<Int>, String)] = []
         body.withUnsafeBytes { (raw: UnsafeRawBufferPointer) in
             let bytes = raw.bindMemory(to: UInt8.self)
+            // Most resources reference no fullUrl at all: one search for the prefix settles them.
+            guard firstIndex(of: uuidPrefix, in: bytes, from: 0) != nil else { return }
+            let key = referenceKey
             var index = 0
             while index + key.count < bytes.count {
                 guard let hit = firstIndex(of: key, in: bytes, from: index) else { break }
                 var cursor = hit + key.count
                 func skipSpace() {
-                    while cursor < bytes.count, [0x20, 0x09, 0x0A, 0x0D].contains(bytes[cursor]) { cursor += 1 }
+                    while cursor < bytes.count {
+                        switch bytes[cursor] {
+                        case 0x20, 0x09, 0x0A, 0x0D: cursor += 1
+                        default: return
+                        }
+                    }
                 }
                 skipSpace()
                 index = hit + key.count
@@ -124,8 +130,8 @@ enum TransactionBundle {
                 guard cursor < bytes.count, bytes[cursor] == UInt8(ascii: "\"") else { continue }
                 let start = cursor
                 let valueStart = cursor + 1
-                guard valueStart + prefix.count <= bytes.count,
-                    Array(bytes[valueStart..<(valueStart + prefix.count)]) == prefix
+                guard valueStart + uuidPrefix.count <= bytes.count,
+                    uuidPrefix.withUnsafeBufferPointer({ memcmp(bytes.baseAddress! + valueStart, $0.baseAddress!, $0.count) }) == 0
                 else { continue }
                 var end = valueStart
                 while end < bytes.count, bytes[end] != UInt8(ascii: "\""), bytes[end] != UInt8(ascii: "\\") { end += 1 }
@@ -138,22 +144,24 @@ enum TransactionBundle {
         return found
     }
 
+    private static let referenceKey = Array(#""reference""#.utf8)
+    private static let uuidPrefix = Array("urn:uuid:".utf8)
+
+    /// Where `needle` first occurs in `bytes` at or after `start` (Glibc's `memmem` is not imported).
     private static func firstIndex(of needle: [UInt8], in bytes: UnsafeBufferPointer<UInt8>, from start: Int) -> Int? {
-        guard let first = needle.first, start < bytes.count else { return nil }
-        var index = start
-        while index + needle.count <= bytes.count {
-            guard let base = bytes.baseAddress,
-                let hit = memchr(base + index, Int32(first), bytes.count - index)
-            else { return nil }
-            let position = base.distance(to: hit.assumingMemoryBound(to: UInt8.self))
-            if position + needle.count <= bytes.count,
-                memcmp(base + position, needle, needle.count) == 0
-            {
-                return position
+        guard let base = bytes.baseAddress, let first = needle.first, start < bytes.count else { return nil }
+        return needle.withUnsafeBufferPointer { needle -> Int? in
+            var index = start
+            while index + needle.count <= bytes.count {
+                guard let hit = memchr(base + index, Int32(first), bytes.count - index) else { return nil }
+                let position = UnsafeRawPointer(base).distance(to: UnsafeRawPointer(hit))
+                if position + needle.count <= bytes.count, memcmp(base + position, needle.baseAddress!, needle.count) == 0 {
+                    return position
+                }
+                index = position + 1
             }
-            index = position + 1
+            return nil
         }
-        return nil
     }
 
     /// `body` with each reference to a fullUrl in `locations` replaced by its location (`Type/id`).

@@ -65,7 +65,7 @@ public struct FHIRResource: Sendable, Hashable {
         let document: JSONScanner.Document
         do {
             document = try json.withUnsafeBytes { raw in
-                try JSONScanner.scan(raw.bindMemory(to: UInt8.self), keys: ["resourceType", "id", "type", "identifier"])
+                try JSONScanner.scan(raw.bindMemory(to: UInt8.self), keys: Self.scannedMembers)
             }
         } catch JSONScanner.Failure.tooDeep {
             throw invalid("JSON is nested deeper than \(JSONScanner.maximumDepth) levels")
@@ -151,4 +151,9 @@ public struct FHIRResource: Sendable, Hashable {
             ("A"..."Z").contains($0) || ("a"..."z").contains($0) || ("0"..."9").contains($0) || $0 == "-" || $0 == "."
         }
     }
+}
+
+extension FHIRResource {
+    /// The top-level members a resource is read for (made once, not for every resource).
+    fileprivate static let scannedMembers: Set<String> = ["resourceType", "id", "type", "identifier"]
 }

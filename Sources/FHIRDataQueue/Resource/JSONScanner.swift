@@ -78,8 +78,12 @@ struct JSONScanner {
         var stack: [UInt8] = []  // "{" or "["
         var members: [String: Range<Int>] = [:]
         var elements: [Range<Int>] = []
-        /// Every top-level key seen, to refuse a repeated one.
-        var seenKeys: Set<String> = []
+        /// The top-level keys seen, to refuse a repeated one: where they lie while all are few and written
+        /// without escapes (compared byte for byte, no String made); past that, a set of the decoded keys'
+        /// bytes. Keys are the same when their code points are (as JSON parsers compare them), not when they
+        /// are canonically equivalent.
+        var seenRanges: [Range<Int>] = []
+        var seenKeys: Set<[UInt8]>?
         var currentKey: String?
         var valueStart = 0
 
@@ -192,18 +196,38 @@ struct JSONScanner {
             guard index < bytes.count, bytes[index] == UInt8(ascii: "\"") else { throw .invalid }
             let start = index + 1
             let escaped = try string()
-            if stack.count == 1 {
-                let raw = UnsafeBufferPointer(rebasing: bytes[start..<(index - 1)])
-                // A key written with escapes (`"resource\u0054ype"`) is the same key to every receiver.
-                guard let name = escaped ? JSONScanner.unescape(raw) : String(decoding: raw, as: UTF8.self) else {
-                    throw .invalid
-                }
-                guard seenKeys.insert(name).inserted else { throw .duplicateKey(name) }
-                currentKey = keys.contains(name) ? name : nil
-            }
+            if stack.count == 1 { try topLevelKey(start..<(index - 1), escaped: escaped) }
             skipWhitespace()
             guard index < bytes.count, bytes[index] == UInt8(ascii: ":") else { throw .invalid }
             index += 1
+        }
+
+        /// How many keys are compared byte for byte before a set of them is built.
+        static let linearKeyLimit = 32
+
+        /// Refuses a repeated top-level key and remembers where the value of a wanted one starts.
+        mutating func topLevelKey(_ range: Range<Int>, escaped: Bool) throws(Failure) {
+            let raw = UnsafeBufferPointer(rebasing: bytes[range])
+            if !escaped && seenKeys == nil && seenRanges.count < Self.linearKeyLimit {
+                for seen in seenRanges where seen.count == raw.count {
+                    if raw.isEmpty || memcmp(bytes.baseAddress! + seen.lowerBound, raw.baseAddress!, raw.count) == 0 {
+                        throw .duplicateKey(String(decoding: raw, as: UTF8.self))
+                    }
+                }
+                seenRanges.append(range)
+                currentKey = nil
+                for key in keys where key.utf8.count == raw.count {
+                    if key.utf8.elementsEqual(raw) { currentKey = key }
+                }
+                return
+            }
+            // A key written with escapes (`"resource\u0054ype"`) is the same key to every receiver.
+            guard let name = escaped ? JSONScanner.unescape(raw) : String(decoding: raw, as: UTF8.self) else {
+                throw .invalid
+            }
+            if seenKeys == nil { seenKeys = Set(seenRanges.map { Array(bytes[$0]) }) }
+            guard seenKeys!.insert(Array(name.utf8)).inserted else { throw .duplicateKey(name) }
+            currentKey = keys.contains(name) ? name : nil
         }
 
         /// Reads a string; returns whether it held an escape.

@@ -7,9 +7,6 @@ import GRDB
     import Glibc
 #endif
 
-/// SQLite's `SQLITE_TRANSIENT`: the value is copied at once (a macro Swift does not import).
-private let sqliteTransient = unsafeBitCast(-1, to: sqlite3_destructor_type.self)
-
 /// A request to store, before it has a sequence number.
 struct NewItem: Sendable {
     var id: UUID
@@ -23,6 +20,9 @@ struct NewItem: Sendable {
     var body: Data
     /// The producer's `fullUrl` for the resource (`urn:uuid:…`), which later items may reference.
     var fullURL: String? = nil
+    /// The `urn:uuid` fullUrls the body references (lowercased, in order; none for an encrypted item), found
+    /// once when the item is made: a bulk enqueue finds them on the threads that make items, not on the writer.
+    var references: [String] = []
 }
 
 /// A stored item with what is needed to send it.
@@ -422,35 +422,61 @@ final class QueueStore: QueueStorage {
         }
         var sequences: [Int64] = []
         sequences.reserveCapacity(items.count)
+        // A row's text values, one after another in one reused buffer, bound where they lie (SQLITE_STATIC,
+        // lengths given): no C string made per value, no strlen, no copy into SQLite's own buffers.
+        var texts: [UInt8] = []
+        texts.reserveCapacity(1024)
+        var spans = [Range<Int>?](repeating: nil, count: 12)
+        func append(_ column: Int, _ value: String?) {
+            guard var value else { return spans[column] = nil }
+            let start = texts.count
+            value.withUTF8 { texts.append(contentsOf: $0) }
+            spans[column] = start..<texts.count
+        }
         for item in items {
+            texts.removeAll(keepingCapacity: true)
+            let start = texts.count
+            item.id.appendLowercased(to: &texts)
+            spans[1] = start..<texts.count
+            append(2, item.queue)
+            append(3, item.method.rawValue)
+            append(4, item.url)
+            append(5, item.resourceType)
+            append(6, item.resourceID)
+            append(8, item.contentType)
+            append(11, item.fullURL)
             let code = item.body.withUnsafeBytes { body -> Int32 in
-                var bound = SQLITE_OK
-                func check(_ code: Int32) { if bound == SQLITE_OK { bound = code } }
-                func text(_ index: Int32, _ value: String?) {
-                    guard let value else { return check(sqlite3_bind_null(handle, index)) }
-                    check(sqlite3_bind_text(handle, index, value, -1, sqliteTransient))
+                texts.withUnsafeBufferPointer { texts -> Int32 in
+                    var bound = SQLITE_OK
+                    func check(_ code: Int32) { if bound == SQLITE_OK { bound = code } }
+                    func text(_ index: Int32) {
+                        guard let span = spans[Int(index)] else { return check(sqlite3_bind_null(handle, index)) }
+                        // A zero-length value still needs a non-null pointer, or SQLite stores NULL.
+                        let base = texts.baseAddress.map { UnsafeRawPointer($0 + span.lowerBound) } ?? UnsafeRawPointer(handle)
+                        check(sqlite3_bind_text(handle, index, base.assumingMemoryBound(to: CChar.self), Int32(span.count), nil))
+                    }
+                    text(1)
+                    text(2)
+                    text(3)
+                    text(4)
+                    text(5)
+                    text(6)
+                    text(8)
+                    text(11)
+                    check(sqlite3_bind_int(handle, 7, item.encrypted ? 1 : 0))
+                    // The bytes stay where they are (SQLITE_STATIC) until the step below has read them.
+                    if let base = body.baseAddress, body.count > 0 {
+                        check(sqlite3_bind_blob64(handle, 9, base, sqlite3_uint64(body.count), nil))
+                    } else {
+                        check(sqlite3_bind_zeroblob(handle, 9, 0))
+                    }
+                    check(sqlite3_bind_double(handle, 10, now))
+                    guard bound == SQLITE_OK else { return bound }
+                    let stepped = sqlite3_step(handle)
+                    // Reset for the next row's bindings (after a failure, once its message was read: see `defer`).
+                    if stepped == SQLITE_DONE { sqlite3_reset(handle) }
+                    return stepped
                 }
-                text(1, item.id.lowercasedString)
-                text(2, item.queue)
-                text(3, item.method.rawValue)
-                text(4, item.url)
-                text(5, item.resourceType)
-                text(6, item.resourceID)
-                check(sqlite3_bind_int(handle, 7, item.encrypted ? 1 : 0))
-                text(8, item.contentType)
-                // The bytes stay where they are (SQLITE_STATIC) until the step below has read them.
-                if let base = body.baseAddress, body.count > 0 {
-                    check(sqlite3_bind_blob64(handle, 9, base, sqlite3_uint64(body.count), nil))
-                } else {
-                    check(sqlite3_bind_zeroblob(handle, 9, 0))
-                }
-                check(sqlite3_bind_double(handle, 10, now))
-                text(11, item.fullURL)
-                guard bound == SQLITE_OK else { return bound }
-                let stepped = sqlite3_step(handle)
-                // Reset for the next row's bindings (after a failure, once its message was read: see `defer`).
-                if stepped == SQLITE_DONE { sqlite3_reset(handle) }
-                return stepped
             }
             guard code == SQLITE_DONE else {
                 throw DatabaseError(

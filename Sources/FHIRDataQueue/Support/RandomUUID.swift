@@ -28,20 +28,32 @@ extension UUID {
     ///
     /// Equal to `uuidString.lowercased()`, without the `sprintf` and the second string that it costs.
     var lowercasedString: String {
+        String(unsafeUninitializedCapacity: 36) { buffer in
+            writeLowercased(to: buffer.baseAddress!)
+            return 36
+        }
+    }
+
+    /// Appends the canonical lowercase form's 36 bytes to `bytes`.
+    func appendLowercased(to bytes: inout [UInt8]) {
+        let start = bytes.count
+        bytes.append(contentsOf: repeatElement(0, count: 36))
+        bytes.withUnsafeMutableBufferPointer { writeLowercased(to: $0.baseAddress! + start) }
+    }
+
+    /// Writes the canonical lowercase form's 36 bytes at `out`.
+    private func writeLowercased(to out: UnsafeMutablePointer<UInt8>) {
         let digits: StaticString = "0123456789abcdef"
-        return withUnsafeBytes(of: uuid) { raw in
-            String(unsafeUninitializedCapacity: 36) { buffer in
-                var out = 0
-                for (index, byte) in raw.enumerated() {
-                    if index == 4 || index == 6 || index == 8 || index == 10 {
-                        buffer[out] = UInt8(ascii: "-")
-                        out += 1
-                    }
-                    buffer[out] = digits.utf8Start[Int(byte >> 4)]
-                    buffer[out + 1] = digits.utf8Start[Int(byte & 0x0F)]
-                    out += 2
+        withUnsafeBytes(of: uuid) { raw in
+            var position = 0
+            for (index, byte) in raw.enumerated() {
+                if index == 4 || index == 6 || index == 8 || index == 10 {
+                    out[position] = UInt8(ascii: "-")
+                    position += 1
                 }
-                return out
+                out[position] = digits.utf8Start[Int(byte >> 4)]
+                out[position + 1] = digits.utf8Start[Int(byte & 0x0F)]
+                position += 2
             }
         }
     }
