@@ -183,6 +183,42 @@ struct FlushHardeningTests {
         #expect(try FileLock(path: path).inFlight()?.sequence == 42)
     }
 
+    @Test("The marker is written once per window, not twice per request; release clears a cleared one, not a kept one")
+    func markerOncePerWindow() throws {
+        let path = databasePath + ".window.lock"
+        let lock = try FileLock(path: path)
+        let before = Date()
+        for sequence in 1...100 {
+            lock.markInFlight(sequence: Int64(sequence))
+            lock.clearInFlight()
+        }
+        #expect(lock.markerWrites == 1, "one write covers the window's sends and answers")
+        #expect(lock.inFlight() == nil, "the holder sees its own answers")
+        // A holder that dies now (no release) leaves the marker, timed at the end of the window.
+        let left = try #require(try FileLock(path: path).inFlight(), "the file still holds the marker")
+        #expect(left.sequence == 1)
+        #expect(left.sentAt >= before.addingTimeInterval(FileLock.noteWindow - 0.001))
+        lock.release()
+        #expect(lock.markerWrites == 2)
+        #expect(try FileLock(path: path).inFlight() == nil, "a cleared marker is cleared on release")
+        // A send whose answer never came keeps the marker through the release.
+        lock.markInFlight(sequence: 200)
+        lock.release()
+        #expect(try FileLock(path: path).inFlight()?.sequence == 200)
+    }
+
+    @Test("A flush of many items leaves no marker behind")
+    func flushLeavesNoMarker() async throws {
+        let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/x/_history/1")) }
+        let queue = try queue(server)
+        for index in 1...20 { try await queue.enqueue(try Self.patient(index)) }
+        let report = try await queue.flush()
+        #expect(report.delivered == 20)
+        #expect(try FileLock(path: queue.flushLockPath).inFlight() == nil)
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
     @Test("Cancelling a flush stops it before its next item; what was delivered is journaled")
     func cancelledFlushStops() async throws {
         let server = try await ScriptedServer { request in

@@ -1,4 +1,5 @@
 import Foundation
+import Synchronization
 
 #if canImport(Glibc)
     import Glibc
@@ -60,25 +61,66 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
 
     func unlock() { flock(descriptor, LOCK_UN) }
 
-    /// Unlocks (the flush right of ``FlushOwnership``).
-    func release() { unlock() }
+    /// Unlocks (the flush right of ``FlushOwnership``), first clearing a marker that was cleared lazily.
+    func release() {
+        let clear = note.withLock { note in
+            defer { note = Note() }
+            return note.cleared
+        }
+        if clear { writeMarker("") }
+        unlock()
+    }
 
     // MARK: - The in-flight marker
+
+    /// What this holder last wrote to the marker, so that a flush writes it about once a second rather than
+    /// twice per request.
+    private struct Note {
+        /// The marker written covers sends until then (its time is that moment).
+        var coveredUntil: ContinuousClock.Instant?
+        /// The answer came: the marker is stale and is cleared on ``release()`` unless a send renews it.
+        var cleared = false
+    }
+    private let note = Mutex(Note())
+    /// How many times the marker was written (for tests of how often a flush writes it).
+    var markerWrites: Int { writes.withLock { $0 } }
+    private let writes = Mutex(0)
+
+    /// How long one written marker covers the sends after it, in seconds.
+    static let noteWindow: TimeInterval = 1
 
     /// Notes in the lock file that the item `sequence` is being sent now (for a later flusher to see if
     /// this one dies before the answer). A small write to the page cache: no fsync, no SQLite.
     ///
     /// The marker is one fixed-width record at the start of the file, overwritten in place by one `pwrite`
     /// (a truncation per item cost more than the write: it is a metadata change in the file system's journal).
-    func markInFlight(sequence: Int64) { markInFlight(sequence: sequence, at: Date()) }
+    /// Its time is the end of a window (``noteWindow``) and covers every send until then, as the PostgreSQL
+    /// store's note does: a send inside the window writes nothing. After a crash the next flusher lets the
+    /// server settle until that time plus the settle delay, at most a window longer than it had to; the
+    /// sequence names the first item sent in the window.
+    func markInFlight(sequence: Int64) {
+        let now = ContinuousClock.now
+        let covered = note.withLock { note -> Bool in
+            guard let until = note.coveredUntil, now < until else { return false }
+            note.cleared = false
+            return true
+        }
+        if covered { return }
+        writeMarker("\(sequence) \(Date().addingTimeInterval(Self.noteWindow).timeIntervalSince1970)")
+        note.withLock { $0 = Note(coveredUntil: now + .milliseconds(Int64(Self.noteWindow * 1000))) }
+    }
 
     /// Notes `sequence` as sent at `date`.
     func markInFlight(sequence: Int64, at date: Date) {
         writeMarker("\(sequence) \(date.timeIntervalSince1970)")
+        note.withLock { $0 = Note() }
     }
 
-    /// Clears the marker: the answer came (or the request was given up) while this flusher was alive.
-    func clearInFlight() { writeMarker("") }
+    /// Clears the marker, lazily: the answer came (or the request was given up) while this flusher was alive.
+    /// The next ``markInFlight(sequence:)`` renews it and ``release()`` clears it, so a flush writes nothing
+    /// per answer. A flusher that dies between an answer and its next send leaves the marker: the next one
+    /// waits out the rest of its settle delay, which costs time, never a resource.
+    func clearInFlight() { note.withLock { $0.cleared = true } }
 
     /// The width of the marker record (the text, padded with spaces, and a newline).
     static let markerWidth = 64
@@ -87,10 +129,12 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
         var record = Array(text.utf8.prefix(Self.markerWidth - 1))
         record += [UInt8](repeating: UInt8(ascii: " "), count: Self.markerWidth - 1 - record.count) + [UInt8(ascii: "\n")]
         _ = record.withUnsafeBytes { pwrite(descriptor, $0.baseAddress, $0.count, 0) }
+        writes.withLock { $0 += 1 }
     }
 
     /// The marker a flusher left behind: the item it was sending and when.
     func inFlight() -> (sequence: Int64, sentAt: Date)? {
+        if note.withLock({ $0.cleared }) { return nil }
         var buffer = [UInt8](repeating: 0, count: Self.markerWidth)
         let count = buffer.withUnsafeMutableBytes { pread(descriptor, $0.baseAddress, $0.count, 0) }
         guard count > 0 else { return nil }

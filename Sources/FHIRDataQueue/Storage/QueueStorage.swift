@@ -113,7 +113,8 @@ protocol QueueStorage: AnyObject, Sendable {
 protocol FlushOwnership: AnyObject, Sendable {
     /// Notes that the item `sequence` is being sent now; the note is kept before this returns.
     func markInFlight(sequence: Int64) async throws
-    /// Clears the note: the answer came.
+    /// Clears the note: the answer came. A store may clear it lazily (on the next send or on ``release()``):
+    /// a stale note costs the next flusher a settle delay, never a resource.
     func clearInFlight() async throws
     /// The note a flusher left: the item it was sending and when.
     func inFlight() async throws -> (sequence: Int64, sentAt: Date)?
