@@ -266,7 +266,7 @@ def case_flush_fhir(args, work):
     bench_venv = os.path.join(ROOT, ".peers", "bench")
     server, _, base = start_sekmet(work, "sekmet")
     try:
-        n = args.scale(300)
+        n = args.scale(1000)
         lines = os.path.join(work, "fhir.ndjson")
         write_ndjson(lines, n, 512)
         peer = os.path.join(ROOT, "Benchmarks", "peers_fhir.py")
@@ -275,11 +275,18 @@ def case_flush_fhir(args, work):
             out = run([os.path.join(bench_venv, "bin", "python"), peer, name, base, lines]).stdout
             return float(out.strip().splitlines()[-1])
 
-        # One request per item, as the peers do (case 10 measures Bundles).
-        dq_value = median_of(lambda: batched_flush(args, work, base, lines, n, batch=1), args.repeat)
-        for name in ("fhirclient", "fhirpy", "requests"):
+        # One request per item, as the peers do (case 10 measures Bundles); dq and the peers take turns, so that
+        # the server's growing store weighs on all of them alike.
+        names = ("fhirclient", "fhirpy", "requests")
+        rounds = []
+        for _ in range(args.repeat):
+            rounds.append([batched_flush(args, work, base, lines, n, batch=1)] + [peer_rate(name) for name in names])
+        dq_value = statistics.median(r[0] for r in rounds)
+        for index, name in enumerate(names, start=1):
+            worst = min(r[0] / r[index] for r in rounds)
             row("5 flush to sekmet-fhir (items/s)", dq_value, "items/s", "%s, sequential creates" % name,
-                median_of(lambda: peer_rate(name), args.repeat), ">= 1.0")
+                statistics.median(r[index] for r in rounds), ">= 1.1" if name == "fhirclient" else ">= 1.0",
+                "(lowest round %.2f)" % worst)
     finally:
         server.terminate()
         server.wait()

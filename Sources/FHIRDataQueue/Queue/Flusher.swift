@@ -1,5 +1,6 @@
 import Foundation
 import Logging
+import NIOCore
 
 /// One flush of one queue, once its lock is held: the loop that sends items in order, alone or as the entries
 /// of transaction Bundles, records what the server answered, and stops at the first transient failure.
@@ -22,8 +23,12 @@ final class Flusher: @unchecked Sendable {
 
     private(set) var report = FlushReport()
     private(set) var tracked: SendOutcome?
-    /// Pending items after the last one handled, in order; fetched ahead.
-    private var prefetched: [StoredItem] = []
+    /// Pending items after the last one handled, in order; fetched ahead (a ring: the handled ones leave
+    /// its head without moving the rest).
+    private var prefetched = CircularBuffer<StoredItem>()
+    /// How many items one read fetches ahead at least: a read waits while a journal commit holds the
+    /// database, so fewer reads are fewer waits.
+    static let prefetchCount = 256
     private var lastFetched: Int64 = 0
     private var exhausted = false
     /// The items of the current step that were delivered or parked (they leave the prefetched ones).
@@ -101,7 +106,10 @@ final class Flusher: @unchecked Sendable {
                 let run = try await compose(maximum: min(batchSize, left))
                 step = run.count == 1 ? try await sendSingle(run[0]) : try await sendBundle(run)
             }
-            prefetched.removeAll { handled.contains($0.info.sequence) }
+            // The handled items are the head, save after a split Bundle.
+            let leading = prefetched.prefix { handled.contains($0.info.sequence) }.count
+            prefetched.removeFirst(leading)
+            if leading < handled.count { prefetched.removeAll { handled.contains($0.info.sequence) } }
             if case .stop = step { return }
         }
     }
@@ -112,7 +120,7 @@ final class Flusher: @unchecked Sendable {
         var bytes = prefetched.reduce(0) { $0 + $1.body.count }
         while prefetched.count < count && !exhausted && (prefetched.isEmpty || bytes < queue.configuration.batchMaxBytes) {
             let batch = try await queue.store.pendingBatch(
-                queue: queue.queueName, after: lastFetched, maxCount: max(16, count - prefetched.count),
+                queue: queue.queueName, after: lastFetched, maxCount: max(Self.prefetchCount, count - prefetched.count),
                 maxBytes: max(4 << 20, queue.configuration.batchMaxBytes))
             guard let last = batch.last else {
                 exhausted = true
