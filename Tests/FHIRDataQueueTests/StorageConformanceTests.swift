@@ -306,7 +306,10 @@ struct StorageConformanceTests {
         let url = try StoreKind.freshDatabase()
         let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
         let environment = ["PGPASSWORD": StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""]
-        let first = try PostgresQueueStore(url: url, leaseSeconds: 30, environment: environment, logger: logger)
+        // The stalled holder's lease would be renewed a third of its lifetime after it was taken, by its own
+        // renewer, which a stalled process does not run: 300 s keeps the renewer out of the test however slowly
+        // a loaded machine runs it (with 30 s, a run that took 20 s saw the renewal undo the expiry below).
+        let first = try PostgresQueueStore(url: url, leaseSeconds: 300, environment: environment, logger: logger)
         let second = try PostgresQueueStore(url: url, leaseSeconds: 30, environment: environment, logger: logger)
         let sequences = try await first.insert([item(0), item(1)])
         let stale = try #require(try await first.acquireFlush(queue: Self.server, until: .now))
