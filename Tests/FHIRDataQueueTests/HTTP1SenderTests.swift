@@ -139,6 +139,48 @@ struct HTTP1SenderTests {
         #expect(HTTP1Sender.target(of: "ftp://fhir.example/x") == nil)
         #expect(HTTP1Sender.target(of: "http://user:secret@fhir.example/x") == nil)
     }
+
+    @Test("The transport's remembered base gives every URL the target a full parse gives, in any order")
+    func rememberedBase() throws {
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        let urls = [
+            "http://fhir.example/base/Patient", "http://fhir.example/base/Observation", "http://fhir.example/base/Patient/p-1.2",
+            "http://fhir.example/base/", "http://fhir.example/base", "http://fhir.example/base/Patient?x=1%202",
+            "http://fhir.example/base/Patient/%41", "http://fhir.example/base/Pat%20ient", "http://fhir.example/base/a b",
+            "http://fhir.example/base/Patient#frag", "http://FHIR.example:8080/base/Patient", "https://fhir.example/base/Patient",
+            "http://fhir.example", "http://fhir.example/", "http://fhir.example/Patient", "http://[::1]:8080/fhir/Patient",
+            "http://[::1]:8080/fhir/Observation/o-1", "http://user:secret@fhir.example/base/Patient",
+            "http://fhir.example/base/Patient/../x", "http://fhir.example/base//Patient", "ftp://fhir.example/base/Patient",
+        ]
+        // Each URL after each other one, so that each is looked up against every remembered base.
+        for first in urls {
+            for url in urls {
+                _ = transport.target(of: first)
+                let expected = HTTP1Sender.target(of: url)
+                let got = transport.target(of: url)
+                #expect(got?.origin == expected?.origin && got?.target == expected?.target, "\(url) after \(first)")
+            }
+        }
+    }
+
+    @Test("Stored request paths: a type, a type and an id, or empty for a Bundle; nothing else is sent")
+    func storedPaths() {
+        let valid: [(String, FHIRMethod, Bool)] = [
+            ("Patient", .post, false), ("Patient", .post, true), ("Patient/p-1.2", .put, false), ("", .post, false),
+        ]
+        for (path, method, encrypted) in valid {
+            #expect(DataQueue.isValidPath(path, method: method, encrypted: encrypted), "\(path) \(method)")
+        }
+        let invalid: [(String, FHIRMethod, Bool)] = [
+            ("", .put, false), ("", .post, true), ("Patient", .put, false), ("Patient/p1", .post, false),
+            ("Patient/p1", .put, true), ("Patient/p1/x", .put, false), ("Patient/", .put, false), ("/p1", .put, false),
+            ("patient", .post, false), ("Patient/p 1", .put, false), ("Patient/../x", .put, false),
+            ("Patient/" + String(repeating: "a", count: 65), .put, false), ("Patient?x=1", .post, false),
+        ]
+        for (path, method, encrypted) in invalid {
+            #expect(!DataQueue.isValidPath(path, method: method, encrypted: encrypted), "\(path) \(method)")
+        }
+    }
 }
 
 /// The actions a scripted server takes, one per request, in order.

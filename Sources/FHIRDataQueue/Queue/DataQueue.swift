@@ -201,13 +201,12 @@ open class DataQueue: @unchecked Sendable {
     /// The paths dq stores: `Type` (create), `Type/id` (update), empty (a Bundle to the base).
     static func isValidPath(_ path: String, method: FHIRMethod, encrypted: Bool) -> Bool {
         if path.isEmpty { return method == .post && !encrypted }
-        let parts = path.split(separator: "/", omittingEmptySubsequences: false).map(String.init)
-        guard FHIRResource.isValidTypeName(parts[0]) else { return false }
-        switch (method, parts.count) {
-        case (.post, 1): return true
-        case (.put, 2): return !encrypted && FHIRResource.isValidID(parts[1])
-        default: return false
+        guard let slash = path.firstIndex(of: "/") else {
+            return method == .post && FHIRResource.isValidTypeName(path)
         }
+        let id = path[path.index(after: slash)...]
+        return method == .put && !encrypted && !id.contains("/") && FHIRResource.isValidTypeName(String(path[..<slash]))
+            && FHIRResource.isValidID(String(id))
     }
 
     func newItem(for resource: FHIRResource, method: FHIRMethod, fullURL: String? = nil) throws -> NewItem {

@@ -151,7 +151,7 @@ final class FHIRTransport: Sendable {
         if let authorization { headers.add(name: "Authorization", value: authorization) }
         let method: HTTPMethod = request.method == .post ? .POST : .PUT
         let limit = request.isBundle ? 16 * maximumResponseBytes : maximumResponseBytes
-        if let sender, let (origin, target) = HTTP1Sender.target(of: request.url) {
+        if let sender, let (origin, target) = target(of: request.url) {
             do {
                 let (head, body) = try await sender.send(
                     origin: origin, method: method, target: target, headers: headers, body: ByteBuffer(data: request.body),
@@ -165,6 +165,41 @@ final class FHIRTransport: Sendable {
             }
         }
         return try await execute(url: request.url, method: method, headers: headers, body: request.body, limit: limit, logger: logger)
+    }
+
+    /// The URL parsed last, up to its last `/`, with its origin and request target up to there: a flush's URLs
+    /// differ only after the base (`base/Type`, `base/Type/id`), so the rest of them is not parsed again.
+    private let lastParsed = NIOLockedValueBox<(prefix: String, origin: HTTP1Sender.Origin, target: String)?>(nil)
+
+    /// ``HTTP1Sender/target(of:)``, without parsing the part of `url` it shares with the URL parsed last when what
+    /// follows is plain (letters, digits, `-`, `.`, `_`, `/`: nothing a parser would encode or read as more).
+    func target(of url: String) -> (origin: HTTP1Sender.Origin, target: String)? {
+        if let last = lastParsed.withLockedValue({ $0 }), url.hasPrefix(last.prefix) {
+            let rest = url.utf8.dropFirst(last.prefix.utf8.count)
+            if rest.allSatisfy(Self.isPlain) { return (last.origin, last.target + String(Substring(rest))) }
+        }
+        guard let parsed = HTTP1Sender.target(of: url) else { return nil }
+        // Remember the base when a "/" follows the authority, the part after the last one is plain and the
+        // target ends with that part unchanged.
+        if let authority = url.range(of: "://")?.upperBound, let slash = url[authority...].lastIndex(of: "/") {
+            let prefix = String(url[...slash])
+            let rest = url[url.index(after: slash)...]
+            if rest.utf8.allSatisfy(Self.isPlain), parsed.target.hasSuffix("/" + rest) {
+                let base = String(parsed.target.dropLast(rest.count))
+                lastParsed.withLockedValue { $0 = (prefix, parsed.origin, base) }
+            }
+        }
+        return parsed
+    }
+
+    private static func isPlain(_ byte: UInt8) -> Bool {
+        switch byte {
+        case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"), UInt8(ascii: "0")...UInt8(ascii: "9"),
+            UInt8(ascii: "-"), UInt8(ascii: "."), UInt8(ascii: "_"), UInt8(ascii: "/"):
+            return true
+        default:
+            return false
+        }
     }
 
     private static func response(_ head: HTTPResponseHead, _ body: ByteBuffer) -> TransportResponse {
