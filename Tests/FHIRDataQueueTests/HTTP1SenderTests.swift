@@ -151,6 +151,8 @@ struct HTTP1SenderTests {
             "http://fhir.example", "http://fhir.example/", "http://fhir.example/Patient", "http://[::1]:8080/fhir/Patient",
             "http://[::1]:8080/fhir/Observation/o-1", "http://user:secret@fhir.example/base/Patient",
             "http://fhir.example/base/Patient/../x", "http://fhir.example/base//Patient", "ftp://fhir.example/base/Patient",
+            // The same prefix in two Unicode forms (precomposed and decomposed), of different byte lengths.
+            "http://fhir.example/caf\u{E9}/Patient", "http://fhir.example/cafe\u{301}/Patient",
         ]
         // Each URL after each other one, so that each is looked up against every remembered base.
         for first in urls {

@@ -174,7 +174,8 @@ final class FHIRTransport: Sendable {
     /// ``HTTP1Sender/target(of:)``, without parsing the part of `url` it shares with the URL parsed last when what
     /// follows is plain (letters, digits, `-`, `.`, `_`, `/`: nothing a parser would encode or read as more).
     func target(of url: String) -> (origin: HTTP1Sender.Origin, target: String)? {
-        if let last = lastParsed.withLockedValue({ $0 }), url.hasPrefix(last.prefix) {
+        // Byte for byte: `hasPrefix` would also take a canonically equivalent prefix of another length.
+        if let last = lastParsed.withLockedValue({ $0 }), url.utf8.starts(with: last.prefix.utf8) {
             let rest = url.utf8.dropFirst(last.prefix.utf8.count)
             if rest.allSatisfy(Self.isPlain) { return (last.origin, last.target + String(Substring(rest))) }
         }
