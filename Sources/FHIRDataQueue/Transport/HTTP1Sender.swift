@@ -73,7 +73,7 @@ final class HTTP1Sender: Sendable {
             self.connection(to: origin, deadline: deadline).flatMap { channel in
                 var head = HTTPRequestHead(version: .http1_1, method: method, uri: target, headers: headers)
                 let defaultPort = origin.tls ? 443 : 80
-                let host = origin.host.contains(":") ? "[\(origin.host)]" : origin.host
+                let host = origin.host.utf8.contains(UInt8(ascii: ":")) ? "[\(origin.host)]" : origin.host
                 head.headers.replaceOrAdd(name: "Host", value: origin.port == defaultPort ? host : "\(host):\(origin.port)")
                 if let body { head.headers.replaceOrAdd(name: "Content-Length", value: String(body.readableBytes)) }
                 let promise = self.loop.makePromise(of: (HTTPResponseHead, ByteBuffer).self)
