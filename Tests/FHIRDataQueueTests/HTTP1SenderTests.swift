@@ -128,6 +128,55 @@ struct HTTP1SenderTests {
         try await server.shutdown()
     }
 
+    @Test("An unasked 100 Continue before the answer is skipped, and the next request on the connection gets its own answer")
+    func informationalAnswer() async throws {
+        let server = try await RawServer { request, _ in
+            let body = #"{"n":\#(request)}"#
+            return (
+                "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nLocation: Observation/\(request)\r\n"
+                    + "Content-Length: \(body.utf8.count)\r\n\r\n\(body)", false
+            )
+        }
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        for index in 0..<3 {
+            let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+            #expect(response.status == 201 && response.location == "Observation/\(index)")
+            #expect(String(decoding: response.body, as: UTF8.self) == #"{"n":\#(index)}"#)
+        }
+        #expect(server.connectionsOpened == 1 && server.requestsReceived == 3)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("An HTTP/1.0 answer without a length is read until the server closes, and its connection is not reused")
+    func answerUntilClose() async throws {
+        let server = try await RawServer { _, connection in
+            ("HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"connection\":\(connection)}", true)
+        }
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        for index in 0..<2 {
+            let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+            #expect(response.status == 200)
+            #expect(String(decoding: response.body, as: UTF8.self) == #"{"connection":\#(index)}"#)
+        }
+        #expect(server.connectionsOpened == 2)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("A 204 without a body ends the exchange and keeps the connection")
+    func noContent() async throws {
+        let server = try await RawServer { _, _ in ("HTTP/1.1 204 No Content\r\nLocation: Observation/x\r\n\r\n", false) }
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        for _ in 0..<3 {
+            let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+            #expect(response.status == 204 && response.body.isEmpty && response.location == "Observation/x")
+        }
+        #expect(server.connectionsOpened == 1 && server.requestsReceived == 3)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
     @Test("URLs: the origin and the request target, default ports, IPv6 hosts; other schemes and user info are not for it")
     func targets() throws {
         let plain = try #require(HTTP1Sender.target(of: "http://fhir.example/base/Patient?x=1%202"))
