@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import NIOCore
+import NIOHTTP1
 import NIOPosix
 import NIOSSL
 import Testing
@@ -173,6 +174,62 @@ struct HTTP1SenderTests {
             #expect(response.status == 204 && response.body.isEmpty && response.location == "Observation/x")
         }
         #expect(server.connectionsOpened == 1 && server.requestsReceived == 3)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("An answer cut short after its status line still counts: the server decided (a 201 is not sent again)")
+    func answerCutShort() async throws {
+        let server = try await RawServer { request, _ in
+            request == 0
+                ? ("HTTP/1.1 201 Created\r\nLocation: Observation/9\r\nContent-Length: 100\r\n\r\n{\"partial", true)
+                : ("HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n", false)
+        }
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        let cut = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        #expect(cut.status == 201 && cut.location == "Observation/9")
+        #expect(String(decoding: cut.body, as: UTF8.self) == #"{"partial"#)
+        let next = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        #expect(next.status == 201 && next.location == "Observation/9", "a new connection, whose first answer is cut too")
+        #expect(server.connectionsOpened == 2, "the cut connection is not reused")
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("A connection is reused only before the server's Keep-Alive timeout (less a second)")
+    func serverKeepAliveTimeout() async throws {
+        // The server closes a connection at its second request, as one whose keep-alive timeout has passed does.
+        let server = try await RawServer { request, _ in
+            request == 0
+                ? ("HTTP/1.1 201 Created\r\nKeep-Alive: timeout=2\r\nLocation: Observation/1\r\nContent-Length: 0\r\n\r\n", false)
+                : ("", true)
+        }
+        let transport = try FHIRTransport(timeout: 5, connectTimeout: 5, caBundlePath: nil)
+        _ = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        try await Task.sleep(for: .milliseconds(1200))
+        let second = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        #expect(second.status == 201)
+        #expect(server.connectionsOpened == 2)
+        #expect(HTTP1Sender.keepAliveLimit(HTTPHeaders([("Keep-Alive", "timeout=5, max=100")])) == .seconds(4))
+        #expect(HTTP1Sender.keepAliveLimit(HTTPHeaders([("Keep-Alive", "max=100")])) == .hours(1))
+        #expect(HTTP1Sender.keepAliveLimit(HTTPHeaders([("Keep-Alive", "timeout=1")])) == nil)
+        try await transport.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("A server that answers before reading the whole body: the connection is not reused while the body is unsent")
+    func answerBeforeBody() async throws {
+        let server = try await RawServer(answerEarly: true) { _, _ in
+            ("HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n", false)
+        }
+        let transport = try FHIRTransport(timeout: 3, connectTimeout: 5, caBundlePath: nil)
+        // 32 MiB: more than the socket buffers take while the server reads nothing.
+        let large = String(repeating: "a", count: 32 << 20)
+        let first = try await transport.send(request(server.baseURL + "/fhir", body: large), authorization: nil, logger: logger)
+        #expect(first.status == 401)
+        let second = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+        #expect(second.status == 401, "answered on a new connection, not queued behind the unsent body")
+        #expect(server.connectionsOpened == 2)
         try await transport.shutdown()
         try await server.shutdown()
     }

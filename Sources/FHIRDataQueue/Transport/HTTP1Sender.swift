@@ -32,8 +32,10 @@ final class HTTP1Sender: Sendable {
     private final class State: @unchecked Sendable {
         /// Connections with no exchange under way, the most recently used last (encrypted items go several at a
         /// time, each on a connection of its own).
-        var idle: [Origin: [(channel: any Channel, lastUsed: NIODeadline)]] = [:]
+        var idle: [Origin: [(channel: any Channel, reuseBefore: NIODeadline)]] = [:]
         var tls: NIOSSLContext?
+        /// Set by ``shutdown()``: an exchange that ends later closes its connection instead of keeping it.
+        var shutDown = false
     }
 
     /// A connection idle longer than this is closed and a new one made: servers close idle connections after
@@ -91,11 +93,20 @@ final class HTTP1Sender: Sendable {
                 let written = self.loop.makePromise(of: Void.self)
                 channel.writeAndFlush(HTTPClientRequestPart.end(nil), promise: written)
                 let bound = NIOLoopBound(handler, eventLoop: self.loop)
-                written.futureResult.whenFailure { error in bound.value.fail(error) }
+                written.futureResult.whenComplete { write in
+                    switch write {
+                    case .success: bound.value.requestWritten = true
+                    case .failure(let error): bound.value.fail(error)
+                    }
+                }
                 return promise.futureResult.always { result in
-                    // Kept for the next request only after a whole answer on a connection the server keeps open.
-                    if case .success = result, bound.value.reusable, channel.isActive {
-                        self.state.idle[origin, default: []].append((channel, .now()))
+                    // Kept for the next request only after a whole answer on a connection the server keeps open,
+                    // and once the whole request is written (a server may answer before it read the body: the
+                    // rest of the body must not sit in front of the next request).
+                    if case .success = result, let keep = bound.value.reusable, bound.value.requestWritten, channel.isActive,
+                        !self.state.shutDown
+                    {
+                        self.state.idle[origin, default: []].append((channel, .now() + min(self.idleLimit, keep)))
                     } else {
                         channel.close(promise: nil)
                     }
@@ -109,7 +120,7 @@ final class HTTP1Sender: Sendable {
         loop.assertInEventLoop()
         let now = NIODeadline.now()
         while let open = state.idle[origin]?.popLast() {
-            if open.channel.isActive && now - open.lastUsed < idleLimit { return loop.makeSucceededFuture(open.channel) }
+            if open.channel.isActive && now < open.reuseBefore { return loop.makeSucceededFuture(open.channel) }
             open.channel.close(promise: nil)
         }
         let sslContext: NIOSSLContext?
@@ -149,6 +160,7 @@ final class HTTP1Sender: Sendable {
     /// Closes every connection.
     func shutdown() -> EventLoopFuture<Void> {
         loop.flatSubmit {
+            self.state.shutDown = true
             let channels = self.state.idle.values.flatMap { $0.map(\.channel) }
             self.state.idle = [:]
             let closed = channels.map { channel in channel.close().recover { _ in } }
@@ -166,17 +178,22 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
     private var body = ByteBuffer()
     private var limit = 0
     private var timer: Scheduled<Void>?
-    /// Whether the last exchange ended with a whole answer and the server keeps the connection open.
-    private(set) var reusable = false
+    /// How long the connection may wait for its next request, when the last exchange ended with a whole answer
+    /// and the server keeps the connection open (its `Keep-Alive: timeout=`, less a margin, when it gives one).
+    private(set) var reusable: TimeAmount?
+    /// Whether the whole request of the exchange was handed to the socket.
+    var requestWritten = false
 
     func start(
         promise: EventLoopPromise<(HTTPResponseHead, ByteBuffer)>, limit: Int, deadline: NIODeadline, channel: any Channel
     ) {
         self.promise = promise
         self.limit = limit
-        reusable = false
+        reusable = nil
+        requestWritten = false
         head = nil
-        body.clear()
+        // A large answer's buffer is not kept for the connection's next, usually small, one.
+        if body.capacity > 1 << 16 { body = ByteBuffer() } else { body.clear() }
         timer = channel.eventLoop.assumeIsolated().scheduleTask(deadline: deadline) { [weak self] in
             self?.fail(HTTP1SenderError.timedOut)
             channel.close(promise: nil)
@@ -184,6 +201,11 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
     }
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        // An answer nobody asked for (a server's 408 on an idle connection) leaves the connection out of step.
+        guard promise != nil else {
+            context.close(promise: nil)
+            return
+        }
         switch unwrapInboundIn(data) {
         case .head(let received):
             head = received
@@ -191,8 +213,12 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
             let take = min(part.readableBytes, limit - body.readableBytes)
             if take > 0, let slice = part.readSlice(length: take) { body.writeImmutableBuffer(slice) }
         case .end:
-            guard let head, let promise else { return }
-            reusable = head.isKeepAlive
+            guard let head, let promise else {
+                fail(HTTP1SenderError.closedByServer)
+                context.close(promise: nil)
+                return
+            }
+            reusable = head.isKeepAlive ? HTTP1Sender.keepAliveLimit(head.headers) : nil
             finish()
             promise.succeed((head, body))
         }
@@ -208,9 +234,18 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
         context.close(promise: nil)
     }
 
-    /// Fails the exchange under way, if any (an answer that already came is kept).
+    /// Ends the exchange under way, if any, that `error` cut short. Once the answer's status line has come, the
+    /// server has decided, and that answer is what counts (with the part of the body that came, and a connection
+    /// that is not reused): a 201 whose body was cut by a reset was still created, and saying "no answer" would
+    /// send it again.
     func fail(_ error: any Error) {
         guard let promise else { return }
+        if let head {
+            reusable = nil
+            finish()
+            promise.succeed((head, body))
+            return
+        }
         finish()
         promise.fail(error)
     }
@@ -219,6 +254,22 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
         timer?.cancel()
         timer = nil
         promise = nil
+    }
+}
+
+extension HTTP1Sender {
+    /// How long a connection may be kept idle for a server that sends `Keep-Alive: timeout=N`: N less a second
+    /// (so that a request does not meet its close), nil (not kept) when that leaves nothing; an hour, so that the
+    /// sender's own limit holds, when the server says nothing.
+    static func keepAliveLimit(_ headers: HTTPHeaders) -> TimeAmount? {
+        for value in headers["Keep-Alive"] {
+            for parameter in value.split(separator: ",") {
+                let pair = parameter.split(separator: "=", maxSplits: 1).map { $0.trimmingCharacters(in: .whitespaces) }
+                guard pair.count == 2, pair[0].lowercased() == "timeout", let seconds = Int(pair[1]), seconds >= 0 else { continue }
+                return seconds > 1 ? .seconds(Int64(seconds - 1)) : nil
+            }
+        }
+        return .hours(1)
     }
 }
 

@@ -9,6 +9,8 @@ import NIOPosix
 ///
 /// A request is taken as complete at the end of its head plus `Content-Length` bytes. `answer` gets the request's
 /// index on its connection and the connection's index, and returns the bytes to write and whether to close after.
+/// With `answerEarly`, the first request of a connection is answered as soon as its head arrived, and nothing more
+/// is read from that connection (a server that answers before it read the body, and stalls).
 final class RawServer: Sendable {
     let port: Int
     var baseURL: String { "http://127.0.0.1:\(port)" }
@@ -20,7 +22,9 @@ final class RawServer: Sendable {
     /// How many whole requests arrived so far.
     var requestsReceived: Int { counts.withLockedValue { $0.requests } }
 
-    init(answer: @escaping @Sendable (_ request: Int, _ connection: Int) -> (bytes: String, close: Bool)) async throws {
+    init(
+        answerEarly: Bool = false, answer: @escaping @Sendable (_ request: Int, _ connection: Int) -> (bytes: String, close: Bool)
+    ) async throws {
         let counts = self.counts
         let bootstrap = ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton)
             .serverChannelOption(.socketOption(.so_reuseaddr), value: 1)
@@ -31,7 +35,7 @@ final class RawServer: Sendable {
                 }
                 return channel.eventLoop.makeCompletedFuture {
                     try channel.pipeline.syncOperations.addHandler(
-                        RawConnectionHandler(connection: connection, counts: counts, answer: answer))
+                        RawConnectionHandler(connection: connection, counts: counts, answerEarly: answerEarly, answer: answer))
                 }
             }
         channel = try await bootstrap.bind(host: "127.0.0.1", port: 0).get()
@@ -51,13 +55,15 @@ private final class RawConnectionHandler: ChannelInboundHandler {
     private let answer: @Sendable (Int, Int) -> (bytes: String, close: Bool)
     private var pending = ByteBuffer()
     private var requests = 0
+    private let answerEarly: Bool
 
     init(
-        connection: Int, counts: NIOLockedValueBox<(connections: Int, requests: Int)>,
+        connection: Int, counts: NIOLockedValueBox<(connections: Int, requests: Int)>, answerEarly: Bool,
         answer: @escaping @Sendable (Int, Int) -> (bytes: String, close: Bool)
     ) {
         self.connection = connection
         self.counts = counts
+        self.answerEarly = answerEarly
         self.answer = answer
     }
 
@@ -72,6 +78,14 @@ private final class RawConnectionHandler: ChannelInboundHandler {
                 head.split(separator: "\r\n").first { $0.hasPrefix("content-length:") }
                 .flatMap { Int($0.dropFirst("content-length:".count).trimmingCharacters(in: .whitespaces)) } ?? 0
             let headBytes = text.utf8.distance(from: text.utf8.startIndex, to: end.upperBound.samePosition(in: text.utf8)!)
+            if answerEarly && requests == 0 {
+                counts.withLockedValue { $0.requests += 1 }
+                requests += 1
+                context.writeAndFlush(wrapOutboundOut(ByteBuffer(string: answer(0, connection).bytes)), promise: nil)
+                context.channel.setOption(ChannelOptions.autoRead, value: false).whenComplete { _ in }
+                pending.clear()
+                return
+            }
             guard pending.readableBytes >= headBytes + length else { return }
             pending.moveReaderIndex(forwardBy: headBytes + length)
             counts.withLockedValue { $0.requests += 1 }
