@@ -317,9 +317,14 @@ def shared_queue(work, rng, per_producer, events, failover=False):
     runners = [None, None]
     kills = faults = 0
 
+    started_at = time.time()
+    timeline = []  # (seconds, what): disruptions and acknowledgements, printed when the run fails
+
     def start_runner(index):
-        runners[index] = spawn([DQ, "run", "--poll-interval", "0.3"], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+        log = open(os.path.join(root, "runner-%d.log" % index), "a")
+        runners[index] = spawn([DQ, "run", "--poll-interval", "0.3", "--verbose"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=log)
+        log.close()
 
     for index in range(2):
         start_runner(index)
@@ -342,12 +347,14 @@ def shared_queue(work, rng, per_producer, events, failover=False):
                 process.kill()
             if process.wait() == 0:
                 acknowledged[producer].add(value)
+                timeline.append((time.time() - started_at, "acknowledged %s" % value))
             else:
                 # Not acknowledged (killed, or the database restarting): a real producer retries the same value.
                 for _ in range(100):
                     retry = spawn([DQ, "enqueue", path], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     if retry.wait() == 0:
                         acknowledged[producer].add(value)
+                        timeline.append((time.time() - started_at, "acknowledged %s on retry" % value))
                         break
                     time.sleep(0.2)
         producers_done[producer] = True
@@ -359,6 +366,7 @@ def shared_queue(work, rng, per_producer, events, failover=False):
     rng.shuffle(plan)
     for event in plan:
         time.sleep(0.5 + rng.random())
+        timeline.append((time.time() - started_at, "begin " + event))
         if event == "kill-runner":
             index = rng.randrange(2)
             runners[index].kill()
@@ -381,13 +389,16 @@ def shared_queue(work, rng, per_producer, events, failover=False):
             time.sleep(5)  # past the 3 s lease: the other runner takes over
             runners[index].send_signal(signal.SIGCONT)
             faults += 1
+        timeline.append((time.time() - started_at, "end " + event))
     for thread in threads:
         thread.join()
     # Let the runners drain, then stop them.
     deadline = time.time() + 120
+    drained = False
     while time.time() < deadline:
         status = dq(["status", "--json"], env)
         if status.returncode == 0 and json.loads(status.stdout).get("pending") == 0:
+            drained = True
             break
         time.sleep(0.5)
     for runner in runners:
@@ -396,6 +407,17 @@ def shared_queue(work, rng, per_producer, events, failover=False):
     actual = fhir.values("Observation", system)
     expected = [v for values in attempted for v in values]
     never_acked = [v for producer in range(3) for v in attempted[producer] if v not in acknowledged[producer]]
+    missing = [v for v in expected if v not in set(actual) and v not in set(never_acked)]
+    if missing:
+        # Say where the missing values went: the queue's counts, its items, the runners' logs and when each
+        # missing value was acknowledged relative to the disruptions. The folder is kept for a post-mortem.
+        print("  missing: %s; drained: %s; runner exits: %s" % (", ".join(missing), drained, codes), flush=True)
+        print("  status: %s" % dq(["status", "--json"], env).stdout.strip(), flush=True)
+        print("  queue: %s" % dq(["list", "--json"], env).stdout.strip()[:4000], flush=True)
+        for seconds, what in sorted(timeline):
+            if not what.startswith("acknowledged") or any(v in what for v in missing):
+                print("  %7.2f s %s" % (seconds, what), flush=True)
+        print("  runner logs and clusters kept in %s" % root, flush=True)
     if failover:
         check("failover to a synchronous standby (3 producers, 2 dq run, via PgBouncer)", len(plan), kills, faults,
               expected, actual, all(c == 0 for c in codes),
@@ -408,7 +430,8 @@ def shared_queue(work, rng, per_producer, events, failover=False):
               all(c == 0 for c in codes), "PostgreSQL restarted once, a runner paused past its lease once; order per producer",
               groups=attempted, may_miss=never_acked)
     postgres_stop(pg_dir)
-    shutil.rmtree(root, ignore_errors=True)
+    if not missing:
+        shutil.rmtree(root, ignore_errors=True)
     fhir.kill()
 
 

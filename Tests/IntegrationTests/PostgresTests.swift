@@ -20,19 +20,25 @@ struct PostgresTests {
         let base = try #require(environment["DQ_TEST_POSTGRES_URL"], "no PostgreSQL for the tests: run make test")
         var components = try #require(URLComponents(string: base))
         let name = "dq_it_" + UUID().uuidString.prefix(12).lowercased().replacingOccurrences(of: "-", with: "")
+        try psql(base, "CREATE DATABASE \(name)")
+        components.path = "/" + name
+        components.query = "sslmode=disable"
+        return components.string!
+    }
+
+    /// Runs `sql` with `psql` on the test server's database `url`.
+    static func psql(_ url: String, _ sql: String) throws {
+        let components = try #require(URLComponents(string: url))
         let psql = Process()
         psql.executableURL = URL(fileURLWithPath: "/usr/bin/psql")
         psql.arguments = [
             "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
-            String(components.path.dropFirst()), "-qc", "CREATE DATABASE \(name)",
+            String(components.path.dropFirst()), "-v", "ON_ERROR_STOP=1", "-qc", sql,
         ]
-        psql.environment = ["PGPASSWORD": environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        psql.environment = ["PGPASSWORD": Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
         try psql.run()
         psql.waitUntilExit()
-        try #require(psql.terminationStatus == 0, "psql could not create a test database")
-        components.path = "/" + name
-        components.query = "sslmode=disable"
-        return components.string!
+        try #require(psql.terminationStatus == 0, "psql failed: \(sql.prefix(80))")
     }
 
     func environment(_ server: String, database: String) -> [String: String] {
@@ -79,6 +85,52 @@ struct PostgresTests {
         let shown = try await dq(["status"], secretEnv)
         #expect(shown.status == 0, "\(shown.stderr)")
         #expect(!(shown.stdout + shown.stderr).contains(password), "the password never appears")
+    }
+
+    /// The server answers a statement outside a transaction block (CommandComplete) before it commits it,
+    /// and a synchronous standby's acknowledgement comes later still: a commit refused after that answer
+    /// (here by deferred constraint triggers; in the failover torture run by a primary stopped while it
+    /// waited for its standby) must be a failure, never a success. Each step reported success before the
+    /// fix: the enqueue exited 0 and was not stored, the lease was "taken" and an item sent under a token
+    /// the database never kept, the retry said done and the item stayed parked.
+    @Test("A commit PostgreSQL refuses after answering the statement is a failure: enqueue, the flush lease and retry")
+    func refusedCommit() async throws {
+        let server = try await FHIRServer.start()
+        let database = try Self.freshDatabase()
+        let env = environment(server.base, database: database)
+        #expect(try await dq(["send", try work.write("o0.json", resources.observation(0))], env).status == 0)
+        #expect(try await dq(["send", try work.write("bad.json", resources.invalid(1))], env).status == 65)
+        #expect(try await dq(["enqueue", try work.write("o2.json", resources.observation(2))], env).status == 0)
+        let parked = try await dq(["list", "--parked", "--json"], env)
+        let items = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [[String: Any]])
+        try #require(items.count == 1)
+        let id = try #require(items[0]["id"] as? String)
+        try Self.psql(
+            database,
+            """
+            CREATE FUNCTION dq_test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'refused at commit'; END$$;
+            CREATE CONSTRAINT TRIGGER refuse_item AFTER INSERT OR UPDATE ON dq_item
+              DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION dq_test_refuse();
+            CREATE CONSTRAINT TRIGGER refuse_lease AFTER INSERT OR UPDATE ON dq_lease
+              DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION dq_test_refuse();
+            """)
+
+        let flushed = try await dq(["flush"], env)
+        #expect(flushed.status == 75, "the lease was not taken: \(flushed.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0"], "nothing sent without a lease")
+        let queued = try await dq(["enqueue", try work.write("o3.json", resources.observation(3))], env)
+        #expect(queued.status == 75, "not stored, so not acknowledged: \(queued.stderr)")
+        let retried = try await dq(["retry", id], env)
+        #expect(retried.status == 75, "\(retried.stderr)")
+        let status = try await dq(["status", "--json"], env)
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(object["pending"] as? Int == 1 && object["parked"] as? Int == 1, "\(status.stdout)")
+
+        try Self.psql(database, "DROP TRIGGER refuse_item ON dq_item; DROP TRIGGER refuse_lease ON dq_lease")
+        #expect(try await dq(["enqueue", try work.write("o4.json", resources.observation(4))], env).status == 0)
+        let after = try await dq(["flush"], env)
+        #expect(after.status == 0, "\(after.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "2", "4"])
     }
 
     @Test("two dq run processes and three producers on one PostgreSQL queue: every item exactly once, each producer's in order")

@@ -306,6 +306,9 @@ final class PostgresQueueStore: QueueStorage {
         if let error = error as? PostgresTransactionError {
             if let inner = error.closureError ?? error.beginError ?? error.commitError { return map(inner, doing: what) }
         }
+        if error is CommitNotConfirmed {
+            return DataQueueError(.transport, "cannot \(what): the connection to PostgreSQL was lost before it confirmed the commit")
+        }
         if let error = error as? PSQLError {
             let state = error.serverInfo?[.sqlState] ?? ""
             switch error.code {
@@ -783,32 +786,38 @@ final class PostgresQueueStore: QueueStorage {
 
     func retry(sequence: Int64, conditionalCreate: Bool?) async throws -> Bool {
         try await run("retry an item") { [self] in
-            var changed = false
             let plain: Bool? = conditionalCreate.map { $0 ? nil : false } ?? nil
             let keep = conditionalCreate == nil
-            for try await _ in try await client.query(
-                """
-                UPDATE dq_item SET state = 'pending', outcome = NULL,
-                  conditional_create = CASE WHEN \(keep) THEN conditional_create ELSE \(plain)::bool END
-                WHERE seq = \(sequence) AND state = 'parked' RETURNING seq
-                """, logger: logger)
-            {
-                changed = true
+            return try await client.withConnection { connection in
+                var changed = false
+                for try await _ in try await connection.query(
+                    """
+                    UPDATE dq_item SET state = 'pending', outcome = NULL,
+                      conditional_create = CASE WHEN \(keep) THEN conditional_create ELSE \(plain)::bool END
+                    WHERE seq = \(sequence) AND state = 'parked' RETURNING seq
+                    """, logger: logger)
+                {
+                    changed = true
+                }
+                try await connection.confirmCommit(logger: logger)
+                return changed
             }
-            return changed
         }
     }
 
     func retryAllParked(queue: String) async throws -> Int {
         try await run("retry parked items") { [self] in
-            var count = 0
-            for try await _ in try await client.query(
-                "UPDATE dq_item SET state = 'pending', outcome = NULL WHERE queue = \(queue) AND state = 'parked' RETURNING seq",
-                logger: logger)
-            {
-                count += 1
+            try await client.withConnection { connection in
+                var count = 0
+                for try await _ in try await connection.query(
+                    "UPDATE dq_item SET state = 'pending', outcome = NULL WHERE queue = \(queue) AND state = 'parked' RETURNING seq",
+                    logger: logger)
+                {
+                    count += 1
+                }
+                try await connection.confirmCommit(logger: logger)
+                return count
             }
-            return count
         }
     }
 
@@ -1054,26 +1063,33 @@ final class PostgresLease: FlushOwnership {
     /// Takes the lease of `queue` if it is free (never held, released, or expired on the database's clock).
     static func take(store: PostgresQueueStore, queue: String) async throws -> PostgresLease? {
         let start = ContinuousClock.now
-        for try await token in try await store.client.query(
-            """
-            WITH taken AS (
-              INSERT INTO dq_lease (queue, holder, token, expires_at)
-              VALUES (\(queue), \(store.holder), 1, now() + make_interval(secs => \(store.leaseSeconds)))
-              ON CONFLICT (queue) DO UPDATE SET holder = EXCLUDED.holder, token = dq_lease.token + 1,
-                expires_at = EXCLUDED.expires_at
-              WHERE dq_lease.expires_at <= now()
-              RETURNING token),
-            fenced AS (
-              INSERT INTO dq_note (queue, token) SELECT \(queue), token FROM taken
-              ON CONFLICT (queue) DO UPDATE SET token = EXCLUDED.token)
-            SELECT token FROM taken
-            """, logger: store.logger
-        ).decode(Int64.self) {
-            let lease = PostgresLease(store: store, queue: queue, token: token, since: start)
-            lease.startRenewing()
-            return lease
+        let taken = try await store.client.withConnection { connection -> Int64? in
+            var taken: Int64?
+            for try await token in try await connection.query(
+                """
+                WITH taken AS (
+                  INSERT INTO dq_lease (queue, holder, token, expires_at)
+                  VALUES (\(queue), \(store.holder), 1, now() + make_interval(secs => \(store.leaseSeconds)))
+                  ON CONFLICT (queue) DO UPDATE SET holder = EXCLUDED.holder, token = dq_lease.token + 1,
+                    expires_at = EXCLUDED.expires_at
+                  WHERE dq_lease.expires_at <= now()
+                  RETURNING token),
+                fenced AS (
+                  INSERT INTO dq_note (queue, token) SELECT \(queue), token FROM taken
+                  ON CONFLICT (queue) DO UPDATE SET token = EXCLUDED.token)
+                SELECT token FROM taken
+                """, logger: store.logger
+            ).decode(Int64.self) {
+                taken = token
+            }
+            // A token whose commit is not confirmed could be handed out again after a failover: two holders.
+            try await connection.confirmCommit(logger: store.logger)
+            return taken
         }
-        return nil
+        guard let taken else { return nil }
+        let lease = PostgresLease(store: store, queue: queue, token: taken, since: start)
+        lease.startRenewing()
+        return lease
     }
 
     private func startRenewing() {
@@ -1084,14 +1100,18 @@ final class PostgresLease: FlushOwnership {
                 guard let self, !Task.isCancelled else { return }
                 let start = ContinuousClock.now
                 do {
-                    var renewed = false
-                    for try await _ in try await store.client.query(
-                        """
-                        UPDATE dq_lease SET expires_at = now() + make_interval(secs => \(store.leaseSeconds))
-                        WHERE queue = \(queue) AND token = \(token) RETURNING token
-                        """, logger: store.logger)
-                    {
-                        renewed = true
+                    let renewed = try await store.client.withConnection { connection in
+                        var renewed = false
+                        for try await _ in try await connection.query(
+                            """
+                            UPDATE dq_lease SET expires_at = now() + make_interval(secs => \(store.leaseSeconds))
+                            WHERE queue = \(queue) AND token = \(token) RETURNING token
+                            """, logger: store.logger)
+                        {
+                            renewed = true
+                        }
+                        try await connection.confirmCommit(logger: store.logger)
+                        return renewed
                     }
                     if !renewed {
                         lost()
@@ -1203,7 +1223,53 @@ final class PostgresLease: FlushOwnership {
     }
 }
 
-/// The one continuation of ``PostgresQueueStore/withDeadline(seconds:what:_:)``: the first result wins.
+/// The commit of a statement run outside a transaction block was not confirmed: the connection closed
+/// before the server said it was ready for the next query (see ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``).
+struct CommitNotConfirmed: Error {}
+
+extension PostgresConnection {
+    /// Returns once the server has committed the statement just run on this connection outside a
+    /// transaction block, and throws if it did not.
+    ///
+    /// postgres-nio ends a statement's rows at its CommandComplete message, and for a statement outside
+    /// `BEGIN`/`COMMIT` the server sends that *before* it commits: the commit, and a synchronous standby's
+    /// acknowledgement of it, come at the protocol's Sync, answered by ReadyForQuery. A commit that fails
+    /// then (a deferred constraint), or a server stopped while it waits for its standby (it flushes the
+    /// CommandComplete it holds as it dies), would look like success: an enqueue reported as stored could
+    /// be missing after a failover. The next query on a connection runs only after that ReadyForQuery, and
+    /// an error or a lost connection before it fails the query, so one `SELECT 1` settles it. (A `COMMIT`
+    /// statement needs none of this: the server commits before it answers.)
+    ///
+    /// postgres-nio never answers a query written to a connection that has just closed (it drops the write),
+    /// so the close is watched too: it fails the confirmation, which can then no longer come.
+    func confirmCommit(logger: Logger) async throws {
+        if isClosed { throw CommitNotConfirmed() }
+        let race = DeadlineRace<Void>()
+        try await withCheckedThrowingContinuation { continuation in
+            race.continuation.withLock { $0 = continuation }
+            // The watcher is in place before the query starts, so that the query's end always cancels it.
+            race.timer.withLock {
+                $0 = Task {
+                    while true {
+                        try await Task.sleep(for: .milliseconds(20))
+                        if self.isClosed { return race.finish(.failure(CommitNotConfirmed())) }
+                    }
+                }
+            }
+            Task {
+                do {
+                    _ = try await self.query("SELECT 1", logger: logger).collect()
+                    race.finish(.success(()))
+                } catch {
+                    race.finish(.failure(error))
+                }
+            }
+        }
+    }
+}
+
+/// The one continuation of ``PostgresQueueStore/withDeadline(seconds:what:_:)`` (and of
+/// ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``): the first result wins.
 private final class DeadlineRace<T: Sendable>: Sendable {
     let continuation = Mutex<CheckedContinuation<T, any Error>?>(nil)
     /// The deadline's timer, cancelled when the work finishes first (so that no sleeping task outlives it).

@@ -3,7 +3,8 @@ import Logging
 import PostgresNIO
 import Synchronization
 
-/// Runs the store's hot statements as named prepared statements, which the server parses and plans once per
+/// Runs the store's hot statements (each its own transaction, confirmed by
+/// ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``) as named prepared statements, which the server parses and plans once per
 /// connection (an enqueue's CTE costs about as much to plan as to run), and falls back to unnamed ones for
 /// good when they cannot work: with `prepared_statements=off` in the URL, or the first time the server says
 /// a prepared statement is missing (26000) or already exists (42P05), as it does behind PgBouncer before
@@ -34,6 +35,7 @@ final class PreparedStatements: Sendable {
                     do {
                         var last: Statement.Row?
                         for try await row in try await connection.execute(statement, logger: logger) { last = row }
+                        try await connection.confirmCommit(logger: logger)
                         return last
                     } catch let error as PSQLError where error.code == .server && !Self.isPoolerRefusal(error) {
                         // postgres-nio keeps a failed preparation (a lock timeout while an operator alters the
@@ -51,10 +53,13 @@ final class PreparedStatements: Sendable {
                 }
             }
         }
-        var last: Statement.Row?
         let query = PostgresQuery(unsafeSQL: Statement.sql, binds: try statement.makeBindings())
-        for try await row in try await client.query(query, logger: logger) { last = try statement.decodeRow(row) }
-        return last
+        return try await client.withConnection { connection in
+            var last: Statement.Row?
+            for try await row in try await connection.query(query, logger: logger) { last = try statement.decodeRow(row) }
+            try await connection.confirmCommit(logger: logger)
+            return last
+        }
     }
 
     /// Whether the server answered invalid_sql_statement_name (26000) or duplicate_prepared_statement (42P05).
