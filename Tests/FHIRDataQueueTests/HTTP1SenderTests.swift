@@ -64,7 +64,9 @@ struct HTTP1SenderTests {
     func noAnswer() async throws {
         let script = ScriptLine()
         let server = try await ScriptedServer { _ in script.next() }
-        let transport = try FHIRTransport(timeout: 3, connectTimeout: 5, caBundlePath: nil)
+        // Long enough that the close and the answer come in time while a loaded `make test` starves this
+        // process for seconds (a 3 s timeout made the close a timeout there); the stall waits it out.
+        let transport = try FHIRTransport(timeout: 8, connectTimeout: 5, caBundlePath: nil)
         script.set([.close, .stall, .respond(.created(location: "Observation/1"))])
         let closed = await #expect(throws: TransportFailure.self) {
             try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
@@ -222,7 +224,7 @@ struct HTTP1SenderTests {
         let server = try await RawServer(answerEarly: true) { _, _ in
             ("HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n", false)
         }
-        let transport = try FHIRTransport(timeout: 3, connectTimeout: 5, caBundlePath: nil)
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, caBundlePath: nil)
         // 32 MiB: more than the socket buffers take while the server reads nothing.
         let large = String(repeating: "a", count: 32 << 20)
         let first = try await transport.send(request(server.baseURL + "/fhir", body: large), authorization: nil, logger: logger)
