@@ -291,6 +291,107 @@ struct HTTP1SenderTests {
             #expect(!DataQueue.isValidPath(path, method: method, encrypted: encrypted), "\(path) \(method)")
         }
     }
+
+    /// Until its TLS handshake completes, a connection holds the request back: an exchange that ends then sent
+    /// nothing, and saying so lets the next flush go on at once instead of waiting for a request to settle.
+    @Test("TLS that never completes sends nothing: a name mismatch, a stalled handshake, an unreadable CA bundle")
+    func tlsNotSent() async throws {
+        let work = FileManager.default.temporaryDirectory.appendingPathComponent("dq-tls-\(UUID().uuidString)").path
+        try FileManager.default.createDirectory(atPath: work, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(atPath: work) }
+        // Two self-signed certificates (openssl's): one naming another host, one naming 127.0.0.1. Each is the
+        // CA bundle of its transport, so that only the name can be wrong.
+        let elsewhere = try makeCertificate(in: work, name: "elsewhere", subjectAltName: "DNS:elsewhere.example")
+        let here = try makeCertificate(in: work, name: "here", subjectAltName: "IP:127.0.0.1")
+        // openssl's own TLS server; it never answers a request, so one sent after a good handshake times out.
+        let (mismatchServer, mismatchPort) = try await startOpenSSLServer(elsewhere)
+        defer { mismatchServer.terminate() }
+        let (goodServer, goodPort) = try await startOpenSSLServer(here)
+        defer { goodServer.terminate() }
+
+        let trusting = try FHIRTransport(timeout: 3, connectTimeout: 5, caBundlePath: elsewhere.cert)
+        let mismatch = await #expect(throws: TransportFailure.self) {
+            try await trusting.send(request("https://127.0.0.1:\(mismatchPort)/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(
+            mismatch?.mayHaveArrived == false && mismatch?.message.contains("does not name this host") == true,
+            "\(mismatch?.message ?? "")")
+        try await trusting.shutdown()
+
+        // A TCP server that reads the ClientHello and never answers it.
+        let silent = try await RawServer { _, _ in ("", false) }
+        let waiting = try FHIRTransport(timeout: 1, connectTimeout: 5, caBundlePath: here.cert)
+        let stalled = await #expect(throws: TransportFailure.self) {
+            try await waiting.send(request("https://127.0.0.1:\(silent.port)/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(
+            stalled?.mayHaveArrived == false && stalled?.message.contains("TLS handshake") == true, "\(stalled?.message ?? "")")
+        try await waiting.shutdown()
+
+        let unreadable = try FHIRTransport(timeout: 2, connectTimeout: 5, caBundlePath: work + "/missing.pem")
+        let noBundle = await #expect(throws: TransportFailure.self) {
+            try await unreadable.send(request("https://127.0.0.1:\(silent.port)/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(noBundle?.mayHaveArrived == false && noBundle?.message.contains("CA bundle") == true, "\(noBundle?.message ?? "")")
+        #expect(silent.connectionsOpened == 1, "the unreadable bundle stopped it before connecting")
+        try await unreadable.shutdown()
+        try await silent.shutdown()
+
+        // The other side of the line: after a good handshake, a request without an answer may have arrived.
+        let good = try FHIRTransport(timeout: 2, connectTimeout: 5, caBundlePath: here.cert)
+        let unanswered = await #expect(throws: TransportFailure.self) {
+            try await good.send(request("https://127.0.0.1:\(goodPort)/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(
+            unanswered?.mayHaveArrived == true && unanswered?.message.contains("timed out") == true
+                && unanswered?.message.contains("handshake") == false, "\(unanswered?.message ?? "")")
+        try await good.shutdown()
+    }
+
+    /// A self-signed certificate and its key, made by the openssl CLI in `directory`.
+    func makeCertificate(in directory: String, name: String, subjectAltName: String) throws -> (cert: String, key: String) {
+        let (cert, key) = (directory + "/\(name).crt", directory + "/\(name).key")
+        try runOpenSSL([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj",
+            "/CN=\(name)", "-addext", "subjectAltName=\(subjectAltName)",
+        ])
+        return (cert, key)
+    }
+
+    func runOpenSSL(_ arguments: [String]) throws {
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/openssl")
+        process.arguments = arguments
+        process.standardOutput = FileHandle.nullDevice
+        process.standardError = FileHandle.nullDevice
+        try process.run()
+        process.waitUntilExit()
+        try #require(process.terminationStatus == 0, "openssl \(arguments[0]) failed")
+    }
+
+    /// `openssl s_server` on a free loopback port, once it accepts connections.
+    func startOpenSSLServer(_ certificate: (cert: String, key: String)) async throws -> (Process, Int) {
+        let probe = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
+        let port = try #require(probe.localAddress?.port)
+        try await probe.close()
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/openssl")
+        process.arguments = ["s_server", "-accept", "127.0.0.1:\(port)", "-cert", certificate.cert, "-key", certificate.key, "-quiet"]
+        process.standardInput = Pipe()  // kept open: the server waits on it and never answers
+        process.standardOutput = FileHandle.nullDevice
+        process.standardError = FileHandle.nullDevice
+        try process.run()
+        for _ in 0..<100 {
+            if (try? await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton).connect(host: "127.0.0.1", port: port).get()
+                .close()) != nil
+            {
+                return (process, port)
+            }
+            try await Task.sleep(for: .milliseconds(50))
+        }
+        process.terminate()
+        throw TransportFailure(message: "openssl s_server did not start", mayHaveArrived: false)
+    }
 }
 
 /// The actions a scripted server takes, one per request, in order.

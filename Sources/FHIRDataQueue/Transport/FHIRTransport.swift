@@ -239,8 +239,10 @@ final class FHIRTransport: Sendable {
         }
     }
 
-    /// Whether `error` means the request never left this machine: no connection was made.
+    /// Whether `error` means the request never left this machine: no connection was made, or (for the flush's
+    /// own client) the connection's TLS handshake did not complete.
     static func neverSent(_ error: any Error) -> Bool {
+        if case HTTP1SenderError.notSent = error { return true }
         if let error = error as? HTTPClientError {
             return error == .connectTimeout || error == .invalidURL || error == .emptyHost
         }
@@ -282,6 +284,13 @@ final class FHIRTransport: Sendable {
             switch error {
             case .timedOut: return "timed out"
             case .closedByServer: return "connection closed by the server"
+            case .notSent(HTTP1SenderError.timedOut): return "timed out before the TLS handshake completed (nothing was sent)"
+            case .notSent(HTTP1SenderError.closedByServer):
+                return "connection closed by the server during the TLS handshake (nothing was sent)"
+            case .notSent(let setup as TLSSetupFailure):
+                if case NIOSSLError.noSuchFilesystemObject = setup.underlying { return "TLS: the CA bundle (\"ca_bundle\") does not exist" }
+                return "TLS: the CA bundle (\"ca_bundle\") could not be loaded (not a PEM certificate file?)"
+            case .notSent(let underlying): return describe(underlying)
             }
         }
         if let error = error as? IOError, [ECONNRESET, EPIPE].contains(error.errnoCode) {

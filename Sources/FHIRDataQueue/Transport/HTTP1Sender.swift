@@ -3,6 +3,7 @@ import NIOCore
 import NIOHTTP1
 import NIOPosix
 import NIOSSL
+import NIOTLS
 
 /// dq's own HTTP/1.1 client for the requests of a flush: one kept-alive connection per server, one request at
 /// a time, the head and the body handed to the socket in one write.
@@ -129,7 +130,7 @@ final class HTTP1Sender: Sendable {
                 if state.tls == nil { state.tls = try NIOSSLContext(configuration: tlsConfiguration) }
                 sslContext = state.tls
             } catch {
-                return loop.makeFailedFuture(error)
+                return loop.makeFailedFuture(HTTP1SenderError.notSent(TLSSetupFailure(underlying: error)))
             }
         } else {
             sslContext = nil
@@ -148,13 +149,16 @@ final class HTTP1Sender: Sendable {
                             NIOSSLClientHandler(context: sslContext, serverHostname: isAddress ? nil : origin.host))
                     }
                     try pipeline.addHTTPClientHandlers()
-                    try pipeline.addHandler(ExchangeHandler())
+                    try pipeline.addHandler(ExchangeHandler(awaitingHandshake: sslContext != nil))
                     return channel.eventLoop.makeSucceededVoidFuture()
                 } catch {
                     return channel.eventLoop.makeFailedFuture(error)
                 }
             }
-        return bootstrap.connect(host: origin.host, port: origin.port)
+        // No connection, no request: whatever ended the attempt, nothing reached the server.
+        return bootstrap.connect(host: origin.host, port: origin.port).flatMapErrorThrowing { error in
+            throw HTTP1SenderError.notSent(error)
+        }
     }
 
     /// Closes every connection.
@@ -183,6 +187,19 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
     private(set) var reusable: TimeAmount?
     /// Whether the whole request of the exchange was handed to the socket.
     var requestWritten = false
+    /// Whether the connection's TLS handshake has yet to complete. Until it does, the TLS handler holds the
+    /// request back (no early data), so an exchange that ends then (a certificate refused, a name mismatch,
+    /// a server that never answers the handshake) sent nothing.
+    private var awaitingHandshake: Bool
+
+    init(awaitingHandshake: Bool) {
+        self.awaitingHandshake = awaitingHandshake
+    }
+
+    func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        if case .handshakeCompleted = event as? TLSUserEvent { awaitingHandshake = false }
+        context.fireUserInboundEventTriggered(event)
+    }
 
     func start(
         promise: EventLoopPromise<(HTTPResponseHead, ByteBuffer)>, limit: Int, deadline: NIODeadline, channel: any Channel
@@ -247,7 +264,7 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
             return
         }
         finish()
-        promise.fail(error)
+        promise.fail(awaitingHandshake ? HTTP1SenderError.notSent(error) : error)
     }
 
     private func finish() {
@@ -273,8 +290,16 @@ extension HTTP1Sender {
     }
 }
 
-/// How an exchange of ``HTTP1Sender`` ended without an answer (after its connection was made).
+/// How an exchange of ``HTTP1Sender`` ended without an answer.
 enum HTTP1SenderError: Error, Sendable {
     case timedOut
     case closedByServer
+    /// The exchange ended, with `underlying`, before any of the request could reach the server: no connection
+    /// was made, or its TLS handshake did not complete.
+    case notSent(any Error)
+}
+
+/// The TLS settings could not be loaded (the CA bundle missing or not a PEM file).
+struct TLSSetupFailure: Error {
+    let underlying: any Error
 }
