@@ -207,6 +207,34 @@ struct FlushHardeningTests {
         #expect(try FileLock(path: path).inFlight()?.sequence == 200)
     }
 
+    @Test("The note window both stores keep: covers sends until its end, a send renews a cleared note, release says what to clear")
+    func noteWindow() {
+        let start = ContinuousClock.now
+        var note = InFlightNoteWindow()
+        var covered = note.covers(start)
+        #expect(!covered, "nothing written yet")
+        note.wrote(at: start, covering: .seconds(1))
+        covered = note.covers(start + .milliseconds(999))
+        #expect(covered)
+        covered = note.covers(start + .seconds(1))
+        #expect(!covered, "the window ends")
+        note.clear()
+        #expect(note.cleared)
+        covered = note.covers(start + .milliseconds(500))
+        #expect(covered && !note.cleared, "a send in the window makes the note current again")
+        note.clear()
+        var clear = note.release()
+        #expect(clear, "an answered note is cleared on release")
+        covered = note.covers(start)
+        #expect(!note.cleared && !covered, "release forgets the window")
+        note.wrote(at: start, covering: .seconds(1))
+        clear = note.release()
+        #expect(!clear, "a note whose answer never came is kept")
+        note.wrote(at: start, covering: nil)
+        covered = note.covers(start)
+        #expect(!covered, "a note for one send covers no other")
+    }
+
     @Test("A flush of many items leaves no marker behind")
     func flushLeavesNoMarker() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/x/_history/1")) }

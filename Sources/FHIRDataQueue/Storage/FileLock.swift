@@ -63,25 +63,14 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
 
     /// Unlocks (the flush right of ``FlushOwnership``), first clearing a marker that was cleared lazily.
     func release() {
-        let clear = note.withLock { note in
-            defer { note = Note() }
-            return note.cleared
-        }
-        if clear { writeMarker("") }
+        if note.withLock({ $0.release() }) { writeMarker("") }
         unlock()
     }
 
     // MARK: - The in-flight marker
 
-    /// What this holder last wrote to the marker, so that a flush writes it about once a second rather than
-    /// twice per request.
-    private struct Note {
-        /// The marker written covers sends until then (its time is that moment).
-        var coveredUntil: ContinuousClock.Instant?
-        /// The answer came: the marker is stale and is cleared on ``release()`` unless a send renews it.
-        var cleared = false
-    }
-    private let note = Mutex(Note())
+    /// What this holder last wrote to the marker (its time is the end of the window it covers).
+    private let note = Mutex(InFlightNoteWindow())
     /// How many times the marker was written (for tests of how often a flush writes it).
     var markerWrites: Int { writes.withLock { $0 } }
     private let writes = Mutex(0)
@@ -100,27 +89,22 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
     /// sequence names the first item sent in the window.
     func markInFlight(sequence: Int64) {
         let now = ContinuousClock.now
-        let covered = note.withLock { note -> Bool in
-            guard let until = note.coveredUntil, now < until else { return false }
-            note.cleared = false
-            return true
-        }
-        if covered { return }
+        if note.withLock({ $0.covers(now) }) { return }
         writeMarker("\(sequence) \(Date().addingTimeInterval(Self.noteWindow).timeIntervalSince1970)")
-        note.withLock { $0 = Note(coveredUntil: now + .milliseconds(Int64(Self.noteWindow * 1000))) }
+        note.withLock { $0.wrote(at: now, covering: .milliseconds(Int64(Self.noteWindow * 1000))) }
     }
 
     /// Notes `sequence` as sent at `date`.
     func markInFlight(sequence: Int64, at date: Date) {
         writeMarker("\(sequence) \(date.timeIntervalSince1970)")
-        note.withLock { $0 = Note() }
+        note.withLock { $0.wrote(at: .now, covering: nil) }
     }
 
     /// Clears the marker, lazily: the answer came (or the request was given up) while this flusher was alive.
     /// The next ``markInFlight(sequence:)`` renews it and ``release()`` clears it, so a flush writes nothing
     /// per answer. A flusher that dies between an answer and its next send leaves the marker: the next one
     /// waits out the rest of its settle delay, which costs time, never a resource.
-    func clearInFlight() { note.withLock { $0.cleared = true } }
+    func clearInFlight() { note.withLock { $0.clear() } }
 
     /// The width of the marker record (the text, padded with spaces, and a newline).
     static let markerWidth = 64

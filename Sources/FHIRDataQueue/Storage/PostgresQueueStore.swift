@@ -1047,10 +1047,8 @@ final class PostgresLease: FlushOwnership {
     private let store: PostgresQueueStore
     private let validUntil: Mutex<ContinuousClock.Instant>
     private let renewer: Mutex<Task<Void, Never>?>
-    /// The note was cleared here but not yet in the row (see ``clearInFlight()``).
-    private let noteCleared = Mutex(false)
-    /// Until when (on this host's monotonic clock) the note in the row covers sends (see ``markInFlight(sequence:)``).
-    private let notedUntil = Mutex<ContinuousClock.Instant?>(nil)
+    /// What this holder last wrote to the note row (see ``markInFlight(sequence:)`` and ``clearInFlight()``).
+    private let note = Mutex(InFlightNoteWindow())
 
     private init(store: PostgresQueueStore, queue: String, token: Int64, since start: ContinuousClock.Instant) {
         self.store = store
@@ -1156,10 +1154,7 @@ final class PostgresLease: FlushOwnership {
     func markInFlight(sequence: Int64) async throws {
         try checkHeld()
         let start = ContinuousClock.now
-        if let until = notedUntil.withLock({ $0 }), start < until {
-            noteCleared.withLock { $0 = false }
-            return
-        }
+        if note.withLock({ $0.covers(start) }) { return }
         let window = noteWindow
         let coveredUntil = Date().addingTimeInterval(noteWindowSeconds)
         let (queue, token, client, logger) = (queue, token, store.client, store.logger)
@@ -1180,12 +1175,8 @@ final class PostgresLease: FlushOwnership {
             }
             return held
         }
-        noteCleared.withLock { $0 = false }
-        if !held {
-            lost()
-        } else {
-            notedUntil.withLock { $0 = start + window }
-        }
+        note.withLock { $0.wrote(at: start, covering: held ? window : nil) }
+        if !held { lost() }
         try checkHeld()
     }
 
@@ -1194,11 +1185,11 @@ final class PostgresLease: FlushOwnership {
     /// next send leaves the answered item's note: the next holder waits out the rest of its settle delay,
     /// which costs time, never a resource.
     func clearInFlight() async throws {
-        noteCleared.withLock { $0 = true }
+        note.withLock { $0.clear() }
     }
 
     func inFlight() async throws -> (sequence: Int64, sentAt: Date)? {
-        if noteCleared.withLock({ $0 }) { return nil }
+        if note.withLock({ $0.cleared }) { return nil }
         let (queue, client, logger) = (queue, store.client, store.logger)
         return try await store.run("read the in-flight note") {
             for try await (sequence, at) in try await client.query(
@@ -1212,8 +1203,7 @@ final class PostgresLease: FlushOwnership {
 
     func release() async {
         renewer.withLock { $0?.cancel() }
-        notedUntil.withLock { $0 = nil }
-        if noteCleared.withLock({ $0 }) {
+        if note.withLock({ $0.release() }) {
             _ = try? await store.client.query(
                 "UPDATE dq_note SET in_flight_seq = NULL, in_flight_at = NULL WHERE queue = \(queue) AND token = \(token)",
                 logger: store.logger)

@@ -122,6 +122,41 @@ protocol FlushOwnership: AnyObject, Sendable {
     func release() async
 }
 
+/// What a flush holder last wrote to its in-flight note (the SQLite lock file's marker, PostgreSQL's `dq_note`
+/// row), so that a flush writes the note about once per window rather than twice per request.
+///
+/// A written note covers every send until the end of its window. An answer clears the note only here
+/// (lazily): the next send inside the window makes it current again, and ``release()`` says whether the
+/// stored note must still be cleared.
+struct InFlightNoteWindow: Sendable {
+    /// The note written covers sends until then.
+    private var coveredUntil: ContinuousClock.Instant?
+    /// The answer came: the stored note is stale, and is cleared on release unless a send renews it.
+    private(set) var cleared = false
+
+    /// Whether the note already written covers a send at `now`; if so, that send makes it current again.
+    mutating func covers(_ now: ContinuousClock.Instant) -> Bool {
+        guard let until = coveredUntil, now < until else { return false }
+        cleared = false
+        return true
+    }
+
+    /// A note was written for a send at `start`, covering sends for `window` after it (nil: only that send).
+    mutating func wrote(at start: ContinuousClock.Instant, covering window: Duration?) {
+        coveredUntil = window.map { start + $0 }
+        cleared = false
+    }
+
+    /// The answer came (or the request was given up).
+    mutating func clear() { cleared = true }
+
+    /// Forgets the window; returns whether the stored note must still be cleared.
+    mutating func release() -> Bool {
+        defer { self = InFlightNoteWindow() }
+        return cleared
+    }
+}
+
 /// What an operator's item reference (`dq show 1f3a`, `dq show 42`, `dq show '#42'`) can name.
 ///
 /// Digits alone are ambiguous by nature: `0042` is a sequence number and also the end of any id that ends in
