@@ -212,6 +212,42 @@ final class PostgresQueueStore: QueueStorage {
         CREATE TABLE IF NOT EXISTS dq_note (
           queue text PRIMARY KEY, token bigint NOT NULL, in_flight_seq bigint, in_flight_at double precision)
         """,
+        // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
+        // that a start does not rewrite the catalog and two dq versions sharing a database each call their own.
+        """
+        DO $do$ BEGIN
+          IF to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NULL THEN
+            CREATE PROCEDURE dq_enqueue_one_v1(p_uuid uuid, p_queue text, p_method text, p_url text, p_type text, p_id text,
+              p_encrypted bool, p_content_type text, p_body bytea, p_full_url text, p_at double precision,
+              INOUT o_first bigint DEFAULT NULL)
+            LANGUAGE plpgsql AS $proc$
+            BEGIN
+              UPDATE dq_meta SET next_seq = next_seq + 1 WHERE id = 1 RETURNING next_seq INTO o_first;
+              INSERT INTO dq_item (\(itemInsertColumns))
+              VALUES (o_first, p_uuid, p_queue, p_method, p_url, p_type, NULLIF(p_id, ''), p_encrypted, p_content_type, p_body,
+                      NULLIF(p_full_url, ''), p_at);
+              PERFORM pg_notify('dq_enqueue', p_queue);
+              COMMIT;
+            END $proc$;
+          END IF;
+          IF to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NULL THEN
+            CREATE PROCEDURE dq_enqueue_many_v1(p_count bigint, p_uuid uuid[], p_queue text[], p_method text[], p_url text[],
+              p_type text[], p_id text[], p_encrypted bool[], p_content_type text[], p_body bytea[], p_full_url text[],
+              p_at double precision, INOUT o_first bigint DEFAULT NULL)
+            LANGUAGE plpgsql AS $proc$
+            BEGIN
+              UPDATE dq_meta SET next_seq = next_seq + p_count WHERE id = 1 RETURNING next_seq - p_count + 1 INTO o_first;
+              INSERT INTO dq_item (\(itemInsertColumns))
+              SELECT o_first + v.o - 1, v.uuid, v.queue, v.method, v.url, v.resource_type, NULLIF(v.resource_id, ''),
+                     v.encrypted, v.content_type, v.body, NULLIF(v.full_url, ''), p_at
+              FROM unnest(p_uuid, p_queue, p_method, p_url, p_type, p_id, p_encrypted, p_content_type, p_body, p_full_url)
+                   WITH ORDINALITY AS v(uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, o);
+              PERFORM pg_notify('dq_enqueue', q) FROM (SELECT DISTINCT unnest(p_queue) AS q) d;
+              COMMIT;
+            END $proc$;
+          END IF;
+        END $do$
+        """,
         // Notes left in the lease row by dq before the note had its table.
         """
         INSERT INTO dq_note (queue, token, in_flight_seq, in_flight_at)

@@ -3,8 +3,7 @@ import Logging
 import PostgresNIO
 import Synchronization
 
-/// Runs the store's hot statements (each its own transaction, confirmed by
-/// ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``) as named prepared statements, which the server parses and plans once per
+/// Runs the store's hot statements (procedures that commit before they answer) as named prepared statements, which the server parses and plans once per
 /// connection (an enqueue's CTE costs about as much to plan as to run), and falls back to unnamed ones for
 /// good when they cannot work: with `prepared_statements=off` in the URL, or the first time the server says
 /// a prepared statement is missing (26000) or already exists (42P05), as it does behind PgBouncer before
@@ -35,7 +34,6 @@ final class PreparedStatements: Sendable {
                     do {
                         var last: Statement.Row?
                         for try await row in try await connection.execute(statement, logger: logger) { last = row }
-                        try await connection.confirmCommit(logger: logger)
                         return last
                     } catch let error as PSQLError where error.code == .server && !Self.isPoolerRefusal(error) {
                         // postgres-nio keeps a failed preparation (a lock timeout while an operator alters the
@@ -53,13 +51,10 @@ final class PreparedStatements: Sendable {
                 }
             }
         }
+        var last: Statement.Row?
         let query = PostgresQuery(unsafeSQL: Statement.sql, binds: try statement.makeBindings())
-        return try await client.withConnection { connection in
-            var last: Statement.Row?
-            for try await row in try await connection.query(query, logger: logger) { last = try statement.decodeRow(row) }
-            try await connection.confirmCommit(logger: logger)
-            return last
-        }
+        for try await row in try await client.query(query, logger: logger) { last = try statement.decodeRow(row) }
+        return last
     }
 
     /// Whether the server answered invalid_sql_statement_name (26000) or duplicate_prepared_statement (42P05).
@@ -79,16 +74,19 @@ final class PreparedStatements: Sendable {
     }
 }
 
-/// One item's enqueue: the counter row, the row and its server's notification in one statement. The
-/// counter row stays locked until the commit, so sequences rise in commit order.
+/// One item's enqueue: the counter row, the row and its server's notification, committed by the procedure
+/// itself (`dq_enqueue_one_v1`, made with the schema) before it answers.
+///
+/// The commit inside the procedure is the point. For a statement outside `BEGIN`/`COMMIT` the server answers
+/// (CommandComplete) before it commits, at the protocol's Sync, and postgres-nio counts a statement done at
+/// that answer: a commit refused then, or a primary stopped while it waited for its synchronous standby (it
+/// flushes the answer it holds as it dies), looked like success, and an enqueue reported stored could be
+/// missing after a failover. A `CALL` answers after the procedure returns, so after its `COMMIT` (and the
+/// standby's acknowledgement of it): one round trip, where confirming a plain statement costs a second one
+/// (see ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``). The counter row stays locked until that
+/// commit, so sequences rise in commit order.
 struct EnqueueOne: PostgresPreparedStatement {
-    static let sql = """
-        WITH counter AS (UPDATE dq_meta SET next_seq = next_seq + 1 WHERE id = 1 RETURNING next_seq AS first),
-        stored AS (
-          INSERT INTO dq_item (\(PostgresQueueStore.itemInsertColumns))
-          SELECT first, $1, $2, $3, $4, $5, NULLIF($6, ''), $7, $8, $9, NULLIF($10, ''), $11 FROM counter)
-        SELECT first, (SELECT count(pg_notify('dq_enqueue', $2))) FROM counter
-        """
+    static let sql = "CALL dq_enqueue_one_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL)"
     static let bindingDataTypes: [PostgresDataType] = [
         .uuid, .text, .text, .text, .text, .text, .bool, .text, .bytea, .text, .float8,
     ]
@@ -113,18 +111,14 @@ struct EnqueueOne: PostgresPreparedStatement {
         return bindings
     }
 
-    func decodeRow(_ row: PostgresRow) throws -> Int64 { try row.decode((Int64, Int64).self).0 }
+    func decodeRow(_ row: PostgresRow) throws -> Int64 { try row.decode(Int64.self) }
 }
 
 /// Several items' enqueue (up to ``PostgresQueueStore/statementRows``): one array per column, numbered in
-/// their order from the counter, and one notification per server.
+/// their order from the counter, and one notification per server, committed by the procedure
+/// (`dq_enqueue_many_v1`) before it answers, as ``EnqueueOne`` is.
 struct EnqueueMany: PostgresPreparedStatement {
-    static let sql = """
-        WITH counter AS (UPDATE dq_meta SET next_seq = next_seq + $1 WHERE id = 1 RETURNING next_seq - $1 + 1 AS first),
-        stored AS (\(PostgresQueueStore.itemInsertSQL(base: 1, first: "(SELECT first FROM counter)")) RETURNING queue)
-        SELECT counter.first, (SELECT count(pg_notify('dq_enqueue', q)) FROM (SELECT DISTINCT queue AS q FROM stored) d)
-        FROM counter
-        """
+    static let sql = "CALL dq_enqueue_many_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, NULL)"
     static let bindingDataTypes: [PostgresDataType] = [
         .int8, .uuidArray, .textArray, .textArray, .textArray, .textArray, .textArray, .boolArray, .textArray, .byteaArray,
         .textArray, .float8,
@@ -141,5 +135,5 @@ struct EnqueueMany: PostgresPreparedStatement {
         return bindings
     }
 
-    func decodeRow(_ row: PostgresRow) throws -> Int64 { try row.decode((Int64, Int64).self).0 }
+    func decodeRow(_ row: PostgresRow) throws -> Int64 { try row.decode(Int64.self) }
 }
