@@ -14,13 +14,13 @@ struct BulkEnqueueTests {
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
     }
 
-    func queue(_ kind: StoreKind) throws -> DataQueue {
+    func queue(_ kind: StoreKind) async throws -> DataQueue {
         var configuration = DataQueue.Configuration(durability: .normal)
         switch kind {
         case .sqlite:
             configuration.databasePath = directory.appendingPathComponent("q.sqlite").path
         case .postgres, .postgresUnprepared:
-            var components = try #require(URLComponents(string: try StoreKind.freshDatabase()))
+            var components = try #require(URLComponents(string: try await StoreKind.freshDatabase()))
             components.password = StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"]
             configuration.databasePath = components.string! + (kind == .postgresUnprepared ? "&prepared_statements=off" : "")
         }
@@ -47,7 +47,7 @@ struct BulkEnqueueTests {
 
     @Test("10,000 entries (three chunks) are all queued after what was there, in input order", arguments: StoreKind.available)
     func ordered(kind: StoreKind) async throws {
-        let queue = try queue(kind)
+        let queue = try await queue(kind)
         try await queue.enqueue(try FHIRResource(json: Self.observation(-1)))
         let items = try await queue.enqueue(count: 10_000) { index in QueueEntry(try FHIRResource(json: Self.observation(index))) }
         #expect(items.count == 10_000)
@@ -60,7 +60,7 @@ struct BulkEnqueueTests {
 
     @Test("A bad entry after whole chunks were written queues nothing; every bad entry is named", arguments: StoreKind.available)
     func badEntries(kind: StoreKind) async throws {
-        let queue = try queue(kind)
+        let queue = try await queue(kind)
         try await queue.enqueue(try FHIRResource(json: Self.observation(-1)))
         let bad: Set<Int> = [7, 9_500]
         do {
@@ -80,7 +80,7 @@ struct BulkEnqueueTests {
 
     @Test("A reference reaches across chunks; a fullUrl declared twice or used before queues nothing", arguments: StoreKind.available)
     func references(kind: StoreKind) async throws {
-        let queue = try queue(kind)
+        let queue = try await queue(kind)
         let patient = "urn:uuid:" + UUID().uuidString.lowercased()
         let items = try await queue.enqueue(count: 6_001) { index in
             switch index {

@@ -312,8 +312,8 @@ struct HTTP1SenderTests {
         defer { try? FileManager.default.removeItem(atPath: work) }
         // Two self-signed certificates (openssl's): one naming another host, one naming 127.0.0.1. Each is the
         // CA bundle of its transport, so that only the name can be wrong.
-        let elsewhere = try makeCertificate(in: work, name: "elsewhere", subjectAltName: "DNS:elsewhere.example")
-        let here = try makeCertificate(in: work, name: "here", subjectAltName: "IP:127.0.0.1")
+        let elsewhere = try await makeCertificate(in: work, name: "elsewhere", subjectAltName: "DNS:elsewhere.example")
+        let here = try await makeCertificate(in: work, name: "here", subjectAltName: "IP:127.0.0.1")
         // openssl's own TLS server; it never answers a request, so one sent after a good handshake times out.
         let (mismatchServer, mismatchPort) = try await startOpenSSLServer(elsewhere)
         defer { mismatchServer.terminate() }
@@ -360,24 +360,22 @@ struct HTTP1SenderTests {
     }
 
     /// A self-signed certificate and its key, made by the openssl CLI in `directory`.
-    func makeCertificate(in directory: String, name: String, subjectAltName: String) throws -> (cert: String, key: String) {
+    func makeCertificate(in directory: String, name: String, subjectAltName: String) async throws -> (cert: String, key: String) {
         let (cert, key) = (directory + "/\(name).crt", directory + "/\(name).key")
-        try runOpenSSL([
+        try await runOpenSSL([
             "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj",
             "/CN=\(name)", "-addext", "subjectAltName=\(subjectAltName)",
         ])
         return (cert, key)
     }
 
-    func runOpenSSL(_ arguments: [String]) throws {
+    func runOpenSSL(_ arguments: [String]) async throws {
         let process = Process()
         process.executableURL = URL(fileURLWithPath: "/usr/bin/openssl")
         process.arguments = arguments
         process.standardOutput = FileHandle.nullDevice
         process.standardError = FileHandle.nullDevice
-        try process.run()
-        process.waitUntilExit()
-        try #require(process.terminationStatus == 0, "openssl \(arguments[0]) failed")
+        try #require(try await runToExit(process) == 0, "openssl \(arguments[0]) failed")
     }
 
     /// `openssl s_server` on a free loopback port, once it accepts connections.

@@ -23,7 +23,7 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
         return [.sqlite]
     }
 
-    func make(in directory: URL) throws -> any QueueStorage {
+    func make(in directory: URL) async throws -> any QueueStorage {
         switch self {
         case .sqlite:
             return try QueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
@@ -32,14 +32,14 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
             // suite in parallel and the renewal round trips stall (no test here waits for an expiry; the fencing
             // test makes one on the database's clock).
             return try PostgresQueueStore(
-                url: try Self.freshDatabase() + (self == .postgresUnprepared ? "&prepared_statements=off" : ""), leaseSeconds: 30,
+                url: try await Self.freshDatabase() + (self == .postgresUnprepared ? "&prepared_statements=off" : ""), leaseSeconds: 30,
                 environment: ["PGPASSWORD": Self.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""],
                 logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
         }
     }
 
     /// A new, empty database on the test server (one per test: the tests run in parallel).
-    static func freshDatabase() throws -> String {
+    static func freshDatabase() async throws -> String {
         let base = try #require(environment["DQ_TEST_POSTGRES_URL"], "no PostgreSQL for the tests: run make test")
         var components = try #require(URLComponents(string: base))
         let name = "dq_t_" + UUID().uuidString.prefix(12).lowercased().replacingOccurrences(of: "-", with: "")
@@ -50,9 +50,7 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
             String(components.path.dropFirst()), "-qc", "CREATE DATABASE \(name)",
         ]
         psql.environment = ["PGPASSWORD": environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
-        try psql.run()
-        psql.waitUntilExit()
-        try #require(psql.terminationStatus == 0, "psql could not create a test database")
+        try #require(try await runToExit(psql) == 0, "psql could not create a test database")
         components.path = "/" + name
         components.query = "sslmode=disable"
         return components.string!
@@ -92,7 +90,7 @@ struct StorageConformanceTests {
 
     @Test("Items come back per server, in enqueue order, with their bodies", arguments: StoreKind.available)
     func order(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         let first = try await store.insert((0..<4).map { item($0) } + [item(99, queue: "http://h/other")])
         let second = try await store.insert([item(4)])
         #expect(first.count == 5 && second.count == 1)
@@ -106,7 +104,7 @@ struct StorageConformanceTests {
 
     @Test("A large insert (several statements' worth) keeps order, every column and its NULLs", arguments: StoreKind.available)
     func largeInsert(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         var items = (0..<2500).map { item($0, fullURL: $0 % 2 == 0 ? "urn:uuid:\(UUID())" : nil) }
         items[7].resourceID = "p7"
         items[7].method = .put
@@ -132,7 +130,7 @@ struct StorageConformanceTests {
 
     @Test("A batch holds at most maxCount items and maxBytes, but always its first item", arguments: StoreKind.available)
     func batchLimits(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         _ = try await store.insert((0..<5).map { item($0) })
         let two = try await store.pendingBatch(queue: Self.server, after: 0, maxCount: 2, maxBytes: 1 << 20)
         #expect(two.count == 2)
@@ -144,7 +142,7 @@ struct StorageConformanceTests {
 
     @Test("Concurrent grouped enqueues each get their own sequence and are all durable", arguments: StoreKind.available)
     func concurrentEnqueues(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         let sequences = try await withThrowingTaskGroup(of: Int64.self) { group in
             for index in 0..<200 { group.addTask { try await store.insertGrouped(item(index)) } }
             return try await group.reduce(into: [Int64]()) { $0.append($1) }
@@ -159,7 +157,7 @@ struct StorageConformanceTests {
         "An item is found by its id, a unique prefix or suffix, or its sequence; a shared prefix is ambiguous",
         arguments: StoreKind.available)
     func references(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         let items = (0..<3).map { item($0) }
         let sequences = try await store.insert(items)
         let ids = items.map(\.id.lowercasedString)
@@ -177,7 +175,7 @@ struct StorageConformanceTests {
         "A reference of digits alone is looked up as a sequence and as an id; two different items make it ambiguous, '#N' names the sequence",
         arguments: StoreKind.available)
     func digitReferences(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         var first = item(0)
         first.id = try #require(UUID(uuidString: "0193a1b2-c3d4-7e5f-8a9b-832911116327"))
         let firstSequence = try #require(try await store.insert([first]).first)
@@ -218,7 +216,7 @@ struct StorageConformanceTests {
 
     @Test("Delivery moves an item to the journal; park, retry and drop keep records", arguments: StoreKind.available)
     func lifecycle(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         let sequences = try await store.insert([item(0, fullURL: "urn:uuid:a"), item(1), item(2), item(3)])
         #expect(try await store.knownFullURLs(["urn:uuid:a", "urn:uuid:b"]) == ["urn:uuid:a"])
         let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
@@ -254,7 +252,7 @@ struct StorageConformanceTests {
 
     @Test("Failures set the server's backoff; a delivery clears it; Bundle support is remembered", arguments: StoreKind.available)
     func serverState(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         let sequences = try await store.insert([item(0), item(1)])
         let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
         let first = try await store.item(String(sequences[0])).info
@@ -281,7 +279,7 @@ struct StorageConformanceTests {
 
     @Test("One flusher at a time per server; the in-flight note outlives its owner", arguments: StoreKind.available)
     func flushOwnership(kind: StoreKind) async throws {
-        let store = try kind.make(in: directory)
+        let store = try await kind.make(in: directory)
         let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
         #expect(try await store.acquireFlush(queue: Self.server, until: .now + .milliseconds(50)) == nil, "held")
         let other = try #require(try await store.acquireFlush(queue: "http://h/other", until: .now), "another server is free")
@@ -310,7 +308,7 @@ struct StorageConformanceTests {
         "PostgreSQL: a flusher whose lease expired and was taken over can neither send nor write (the fence)",
         .enabled(if: StoreKind.available.contains(.postgres)))
     func fencing() async throws {
-        let url = try StoreKind.freshDatabase()
+        let url = try await StoreKind.freshDatabase()
         let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
         let environment = ["PGPASSWORD": StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""]
         // The stalled holder's lease would be renewed a third of its lifetime after it was taken, by its own

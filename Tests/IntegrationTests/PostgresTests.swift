@@ -15,30 +15,30 @@ struct PostgresTests {
     init() throws { work = try TemporaryDirectory() }
 
     /// A new database on the test server.
-    static func freshDatabase() throws -> String {
+    static func freshDatabase() async throws -> String {
         let environment = Peers.environment
         let base = try #require(environment["DQ_TEST_POSTGRES_URL"], "no PostgreSQL for the tests: run make test")
         var components = try #require(URLComponents(string: base))
         let name = "dq_it_" + UUID().uuidString.prefix(12).lowercased().replacingOccurrences(of: "-", with: "")
-        try psql(base, "CREATE DATABASE \(name)")
+        try await psql(base, "CREATE DATABASE \(name)")
         components.path = "/" + name
         components.query = "sslmode=disable"
         return components.string!
     }
 
-    /// Runs `sql` with `psql` on the test server's database `url`.
-    static func psql(_ url: String, _ sql: String) throws {
+    /// Runs `sql` with `psql` on the test server's database `url`, waiting without holding a thread of the
+    /// cooperative pool.
+    static func psql(_ url: String, _ sql: String) async throws {
         let components = try #require(URLComponents(string: url))
-        let psql = Process()
-        psql.executableURL = URL(fileURLWithPath: "/usr/bin/psql")
-        psql.arguments = [
+        let arguments = [
             "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
             String(components.path.dropFirst()), "-v", "ON_ERROR_STOP=1", "-qc", sql,
         ]
-        psql.environment = ["PGPASSWORD": Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
-        try psql.run()
-        psql.waitUntilExit()
-        try #require(psql.terminationStatus == 0, "psql failed: \(sql.prefix(80))")
+        let result = try await ChildProcess(
+            "/usr/bin/psql", arguments,
+            environment: ["PGPASSWORD": Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        ).wait()
+        try #require(result.status == 0, "psql failed: \(sql.prefix(80)): \(result.stderr.prefix(300))")
     }
 
     func environment(_ server: String, database: String) -> [String: String] {
@@ -51,7 +51,7 @@ struct PostgresTests {
     @Test("enqueue, flush, status, list, show, retry, drop and log work on a PostgreSQL queue; the password is never shown")
     func commands() async throws {
         let server = try await FHIRServer.start()
-        let database = try Self.freshDatabase()
+        let database = try await Self.freshDatabase()
         let env = environment(server.base, database: database)
         for index in 0..<3 {
             let queued = try await dq(["enqueue", try work.write("o\(index).json", resources.observation(index))], env)
@@ -97,7 +97,7 @@ struct PostgresTests {
     @Test("A commit PostgreSQL refuses after answering the statement is a failure: enqueue, the flush lease and retry")
     func refusedCommit() async throws {
         let server = try await FHIRServer.start()
-        let database = try Self.freshDatabase()
+        let database = try await Self.freshDatabase()
         let env = environment(server.base, database: database)
         #expect(try await dq(["send", try work.write("o0.json", resources.observation(0))], env).status == 0)
         #expect(try await dq(["send", try work.write("bad.json", resources.invalid(1))], env).status == 65)
@@ -106,7 +106,7 @@ struct PostgresTests {
         let items = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [[String: Any]])
         try #require(items.count == 1)
         let id = try #require(items[0]["id"] as? String)
-        try Self.psql(
+        try await Self.psql(
             database,
             """
             CREATE FUNCTION dq_test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'refused at commit'; END$$;
@@ -127,7 +127,7 @@ struct PostgresTests {
         let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
         #expect(object["pending"] as? Int == 1 && object["parked"] as? Int == 1, "\(status.stdout)")
 
-        try Self.psql(database, "DROP TRIGGER refuse_item ON dq_item; DROP TRIGGER refuse_lease ON dq_lease")
+        try await Self.psql(database, "DROP TRIGGER refuse_item ON dq_item; DROP TRIGGER refuse_lease ON dq_lease")
         #expect(try await dq(["enqueue", try work.write("o4.json", resources.observation(4))], env).status == 0)
         let after = try await dq(["flush"], env)
         #expect(after.status == 0, "\(after.stderr)")
@@ -137,7 +137,7 @@ struct PostgresTests {
     @Test("two dq run processes and three producers on one PostgreSQL queue: every item exactly once, each producer's in order")
     func sharedQueue() async throws {
         let server = try await FHIRServer.start()
-        let database = try Self.freshDatabase()
+        let database = try await Self.freshDatabase()
         let env = environment(server.base, database: database)
         var runners: [ChildProcess] = []
         for _ in 0..<2 {
@@ -181,7 +181,7 @@ struct PostgresTests {
         let server = try await FHIRServer.start()
         let bouncer = try #require(
             Peers.environment["DQ_TEST_PGBOUNCER_URL"].flatMap(URLComponents.init(string:)), "no PgBouncer: run make test")
-        var components = try #require(URLComponents(string: try Self.freshDatabase()))
+        var components = try #require(URLComponents(string: try await Self.freshDatabase()))
         components.port = bouncer.port
         let database = try #require(components.string)
         let env = environment(server.base, database: database)
@@ -210,7 +210,7 @@ struct PostgresTests {
     @Test("dq run wakes on another process's enqueue through LISTEN/NOTIFY, without waiting for its poll interval")
     func notifyWakesRun() async throws {
         let server = try await FHIRServer.start()
-        let database = try Self.freshDatabase()
+        let database = try await Self.freshDatabase()
         let env = environment(server.base, database: database)
         // The queue exists (schema and one delivered item) before the long-polling runner starts.
         #expect(try await dq(["send", try work.write("o0.json", resources.observation(0))], env).status == 0)
@@ -230,7 +230,7 @@ struct PostgresTests {
     @Test("dq migrate moves a SQLite queue into PostgreSQL in order, with its parked items and journal; running it again adds nothing")
     func migrate() async throws {
         let server = try await FHIRServer.start()
-        let database = try Self.freshDatabase()
+        let database = try await Self.freshDatabase()
         let pg = environment(server.base, database: database)
         var lite = pg
         lite["DQ_DATABASE"] = work.file("queue.sqlite")
