@@ -289,32 +289,4 @@ struct InputHardeningTests {
         }
         #expect(rows == [["http://h/fhir", "Patient"], ["http://h/fhir", "Patient"], ["http://h/fhir", "http://evil/Patient/x"]])
     }
-
-    /// `dq show 42`, the journal's `item_seq` and `dq migrate`'s cursor rely on it; a schema without
-    /// AUTOINCREMENT (SQLite's default would hand out the newest deleted number again) fails it.
-    @Test("A sequence number is never used twice: deleting the newest items, or all, does not hand their numbers out again")
-    func sequenceNeverReused() async throws {
-        let store = try QueueStore(path: path("seq.sqlite"), durability: .full)
-        #expect(try await store.insert([item(), item(), item()]) == [1, 2, 3])
-        try await store.database.write { db in try db.execute(sql: "DELETE FROM item WHERE seq = 3") }
-        #expect(try await store.insert([item()]) == [4])
-        // An older item's deletion changes nothing.
-        try await store.database.write { db in try db.execute(sql: "DELETE FROM item WHERE seq = 1") }
-        #expect(try await store.insertGrouped(item()) == 5)
-        // Every item gone, in any order: the next is still past all of them, also after reopening.
-        try await store.database.write { db in try db.execute(sql: "DELETE FROM item") }
-        #expect(try await store.insert([item(), item()]) == [6, 7])
-        try await store.database.write { db in
-            try db.execute(sql: "DELETE FROM item WHERE seq = 6")
-            try db.execute(sql: "DELETE FROM item WHERE seq = 7")
-        }
-        let reopened = try QueueStore(path: path("seq.sqlite"), durability: .full)
-        #expect(try await reopened.insert([item()]) == [8])
-    }
-
-    func item() -> NewItem {
-        NewItem(
-            id: UUID(), queue: "http://h/fhir", method: .post, url: "Patient", resourceType: "Patient", resourceID: nil,
-            encrypted: false, contentType: "application/fhir+json", body: Data(#"{"resourceType":"Patient"}"#.utf8))
-    }
 }
