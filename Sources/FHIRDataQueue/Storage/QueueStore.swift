@@ -351,13 +351,18 @@ final class QueueStore: QueueStorage {
             .mapError { QueueStore.mapError($0, doing: what) }
     }
 
+    /// `BEGIN IMMEDIATE`, `body`, `COMMIT` through statements prepared once per connection (GRDB's
+    /// `inTransaction` prepares both anew each time); on any error, a rollback if a transaction is still open.
     private static func inImmediateTransaction<T>(_ db: Database, _ body: (Database) throws -> T) throws -> T {
-        var result: T?
-        try db.inTransaction(.immediate) {
-            result = try body(db)
-            return .commit
+        try db.cachedStatement(sql: "BEGIN IMMEDIATE").execute()
+        do {
+            let result = try body(db)
+            try db.cachedStatement(sql: "COMMIT").execute()
+            return result
+        } catch {
+            if db.isInsideTransaction { try? db.cachedStatement(sql: "ROLLBACK").execute() }
+            throw error
         }
-        return result!
     }
 
     private func read<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
