@@ -30,7 +30,7 @@ package enum StatusQueries {
 /// The schema a SQLite queue must have to be read: GRDB's migration identifiers, in order.
 package enum QueueSchema {
     /// The migrations of the current schema (the store registers exactly these).
-    package static let migrations = ["v1", "v2", "v3"]
+    package static let migrations = ["v1", "v2", "v3", "v4"]
 }
 
 /// How `dq status` prints, for the command line and its fast front alike.

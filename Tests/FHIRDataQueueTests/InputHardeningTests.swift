@@ -289,4 +289,82 @@ struct InputHardeningTests {
         }
         #expect(rows == [["http://h/fhir", "Patient"], ["http://h/fhir", "Patient"], ["http://h/fhir", "http://evil/Patient/x"]])
     }
+
+    @Test("Migration v4 keeps every item and column, drops AUTOINCREMENT, and numbers on after the highest number ever used")
+    func migrationV4() async throws {
+        let file = path("v3.sqlite")
+        let old = try DatabaseQueue(path: file)
+        try QueueStore.migrator.migrate(old, upTo: "v3")
+        let columns = """
+            (uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, if_none_exist, body, state, \
+            attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, conditional_create, full_url)
+            """
+        try await old.write { db in
+            for index in 1...4 {
+                try db.execute(
+                    sql:
+                        "INSERT INTO item \(columns) VALUES (?, 'http://h/fhir', 'PUT', ?, 'Patient', ?, ?, 'application/fhir+json', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    arguments: [
+                        UUID().uuidString.lowercased(), "Patient/p\(index)", "p\(index)", index % 2, index == 2 ? "identifier=x" : nil,
+                        Data("{\"n\":\(index)}".utf8), index == 3 ? "parked" : "pending", index, Double(index), Double(index) + 0.5,
+                        index == 3 ? 422 : nil, index == 3 ? "the server rejected it" : nil, nil, index == 1 ? 0 : nil,
+                        index == 4 ? "urn:uuid:\(UUID().uuidString.lowercased())" : nil,
+                    ])
+            }
+            // The newest number (4) was used and its item is gone: it must not be handed out again.
+            try db.execute(sql: "DELETE FROM item WHERE seq = 4")
+        }
+        let before = try old.read { db in try Row.fetchAll(db, sql: "SELECT * FROM item ORDER BY seq") }
+        try old.close()
+
+        let store = try QueueStore(path: file, durability: .full)
+        let (after, schema, indexes, floor) = try store.database.read { db in
+            (
+                try Row.fetchAll(db, sql: "SELECT * FROM item ORDER BY seq"),
+                try String.fetchOne(db, sql: "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'item'") ?? "",
+                try String.fetchAll(
+                    db, sql: "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'item' AND sql IS NOT NULL ORDER BY name"),
+                try Int64.fetchOne(db, sql: "SELECT floor FROM item_sequence_floor")
+            )
+        }
+        #expect(before.count == 3)
+        #expect(after == before, "every column of every item, in order")
+        #expect(!schema.uppercased().contains("AUTOINCREMENT"), "\(schema)")
+        #expect(indexes == ["item_by_full_url", "item_by_queue"])
+        #expect(floor == 4)
+        let next = NewItem(
+            id: UUID(), queue: "http://h/fhir", method: .post, url: "Patient", resourceType: "Patient", resourceID: nil,
+            encrypted: false, contentType: "application/fhir+json", body: Data("{}".utf8))
+        #expect(try await store.insert([next]) == [5], "4 was used before the migration")
+        // The uuid stays unique.
+        let uuid: String = try #require(before.first?["uuid"])
+        await #expect(throws: (any Error).self) {
+            try await store.database.write { db in
+                try db.execute(
+                    sql:
+                        "INSERT INTO item (uuid, queue, method, url, resource_type, content_type, body, enqueued_at) VALUES (?, 'q', 'POST', '', 'Patient', 'x', x'00', 0)",
+                    arguments: [uuid])
+            }
+        }
+    }
+
+    @Test("A queue database upgraded by a newer dq is refused, for writing and for reading, and left as it was")
+    func newerSchemaRefused() throws {
+        let file = path("newer.sqlite")
+        _ = try QueueStore(path: file, durability: .full)
+        let newer = try DatabaseQueue(path: file)
+        try newer.write { db in try db.execute(sql: "INSERT INTO grdb_migrations (identifier) VALUES ('v99')") }
+        try newer.close()
+        for readOnly in [false, true] {
+            let error = try #require(throws: DataQueueError.self) {
+                try QueueStore(path: file, durability: .full, readOnly: readOnly)
+            }
+            #expect(error.code == .storage)
+            #expect(error.message.contains("newer dq"), "\(error.message)")
+        }
+        let identifiers = try DatabaseQueue(path: file).read { db in
+            try String.fetchAll(db, sql: "SELECT identifier FROM grdb_migrations ORDER BY identifier")
+        }
+        #expect(identifiers == QueueStore.migrator.migrations + ["v99"])
+    }
 }

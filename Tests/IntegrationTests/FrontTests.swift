@@ -114,7 +114,8 @@ struct FrontTests {
         try database.close()
         front = try await dq(["status"], env.merging(Self.noEngine) { $1 })
         #expect(front.status == 69, "a newer schema is the engine's to judge")
-        #expect(try await dq(["status"], env).status == 0)
+        let newer = try await dq(["status"], env)
+        #expect(newer.status != 0 && newer.stderr.contains("newer dq"), "\(newer.stderr)")
     }
 
     @Test("Without its engine, dq says where it looked and exits 69")

@@ -177,11 +177,18 @@ final class QueueStore: QueueStorage {
         do {
             database = try DatabaseQueue(path: path, configuration: configuration)
             let migrator = Self.migrator
-            let (isQueue, complete) = try database.read { db -> (Bool, Bool) in
-                (try db.tableExists("item") && db.tableExists("grdb_migrations"), try migrator.hasCompletedMigrations(db))
+            let (isQueue, complete, newer) = try database.read { db -> (Bool, Bool, Bool) in
+                let isQueue = try db.tableExists("item") && db.tableExists("grdb_migrations")
+                return (isQueue, try isQueue && migrator.hasCompletedMigrations(db), try isQueue && migrator.hasBeenSuperseded(db))
             }
             guard isQueue else {
                 throw DataQueueError(.storage, "\(path) is a SQLite database but not a dq queue; refusing to change it")
+            }
+            guard !newer else {
+                // Its schema has changes this dq does not know (how it numbers items, say): writing or reading
+                // it with the older rules could break them.
+                throw DataQueueError(
+                    .storage, "the queue database \(path) was made or upgraded by a newer dq; use that dq (or newer) with it")
             }
             if !complete {
                 if readOnly {
@@ -304,7 +311,74 @@ final class QueueStore: QueueStorage {
                     ALTER TABLE server_state ADD COLUMN batch_limit INTEGER;
                     """)
         }
+        migrator.registerMigration("v4") { db in
+            // Sequence numbers without AUTOINCREMENT, which updated `sqlite_sequence` (a b-tree of its own, one
+            // more page in the WAL) in every enqueue's commit: one enqueue per commit is 1.11x as fast with
+            // `durability: normal` without it. A number is still never used twice (`dq show 42`, the journal's
+            // `item_seq` and `dq migrate`'s cursor rely on it): the trigger keeps the highest number deleted, and
+            // an enqueue takes the next after it and after every item still queued (``nextSequence(_:)``).
+            // The table is copied (SQLite cannot drop AUTOINCREMENT in place), in the migration's transaction.
+            let floor = try Int64.fetchOne(db, sql: "SELECT seq FROM sqlite_sequence WHERE name = 'item'") ?? 0
+            let columns = """
+                seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, if_none_exist, body, \
+                state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, conditional_create, full_url
+                """
+            try db.execute(
+                sql: """
+                    CREATE TABLE item_v4 (
+                      seq INTEGER PRIMARY KEY,
+                      uuid TEXT NOT NULL UNIQUE,
+                      queue TEXT NOT NULL,
+                      method TEXT NOT NULL,
+                      url TEXT NOT NULL,
+                      resource_type TEXT NOT NULL,
+                      resource_id TEXT,
+                      encrypted INTEGER NOT NULL DEFAULT 0,
+                      content_type TEXT NOT NULL,
+                      if_none_exist TEXT,
+                      body BLOB NOT NULL,
+                      state TEXT NOT NULL DEFAULT 'pending',
+                      attempts INTEGER NOT NULL DEFAULT 0,
+                      enqueued_at REAL NOT NULL,
+                      last_attempt_at REAL,
+                      last_status INTEGER,
+                      last_error TEXT,
+                      outcome TEXT,
+                      conditional_create INTEGER,
+                      full_url TEXT
+                    );
+                    INSERT INTO item_v4 (\(columns)) SELECT \(columns) FROM item ORDER BY seq;
+                    DROP TABLE item;
+                    ALTER TABLE item_v4 RENAME TO item;
+                    CREATE INDEX item_by_queue ON item(queue, state, seq);
+                    CREATE INDEX item_by_full_url ON item(full_url) WHERE full_url IS NOT NULL;
+                    DELETE FROM sqlite_sequence WHERE name = 'item';
+                    CREATE TABLE item_sequence_floor (floor INTEGER NOT NULL);
+                    CREATE TRIGGER item_sequence_kept AFTER DELETE ON item
+                    WHEN old.seq > coalesce((SELECT max(seq) FROM item), 0)
+                    BEGIN
+                      UPDATE item_sequence_floor SET floor = old.seq WHERE floor < old.seq;
+                    END;
+                    """)
+            try db.execute(sql: "INSERT INTO item_sequence_floor (floor) VALUES (?)", arguments: [floor])
+        }
         return migrator
+    }
+
+    /// The sequence number of an item being inserted: one past both the newest item queued and the newest
+    /// ever deleted, so that no number is used twice, while an enqueue writes no page beyond the item's own
+    /// and its indexes' (the floor changes only when the newest item is deleted).
+    static func nextSequence(_ db: Database) throws -> Int64 {
+        // Prepared once per connection and stepped through the C API: this runs in every enqueue's transaction.
+        let statement = try db.cachedStatement(
+            sql: "SELECT max(coalesce((SELECT max(seq) FROM item), 0), coalesce((SELECT floor FROM item_sequence_floor), 0)) + 1")
+        let handle = statement.sqliteStatement
+        defer { sqlite3_reset(handle) }
+        let code = sqlite3_step(handle)
+        guard code == SQLITE_ROW else {
+            throw DatabaseError(resultCode: ResultCode(rawValue: code), message: "cannot read the next sequence number", sql: statement.sql)
+        }
+        return sqlite3_column_int64(handle, 0)
     }
 
     static func mapError(_ error: any Error, doing what: String) -> DataQueueError {
@@ -414,9 +488,12 @@ final class QueueStore: QueueStorage {
         let statement = try db.cachedStatement(
             sql: """
                 INSERT INTO item (uuid, queue, method, url, resource_type, resource_id, encrypted, content_type,
-                                  body, enqueued_at, full_url)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                  body, enqueued_at, full_url, seq)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                 """)
+        // The transaction's first number, read once and given to the first row; SQLite gives each later row
+        // the number after the newest (a row given its number costs SQLite a lookup that a new one does not).
+        let first = try Self.nextSequence(db)
         // Bound and stepped through SQLite's C API: GRDB's StatementArguments box each value of each row (an
         // array of existentials per row), which took a fifth of a bulk enqueue's writer thread.
         let handle = statement.sqliteStatement
@@ -476,6 +553,7 @@ final class QueueStore: QueueStorage {
                         check(sqlite3_bind_zeroblob(handle, 9, 0))
                     }
                     check(sqlite3_bind_double(handle, 10, now))
+                    check(sequences.isEmpty ? sqlite3_bind_int64(handle, 12, first) : sqlite3_bind_null(handle, 12))
                     guard bound == SQLITE_OK else { return bound }
                     let stepped = sqlite3_step(handle)
                     // Reset for the next row's bindings (after a failure, once its message was read: see `defer`).
