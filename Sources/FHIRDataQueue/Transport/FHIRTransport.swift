@@ -66,8 +66,14 @@ final class FHIRTransport: Sendable {
         }
     }
 
-    init(timeout: TimeInterval, connectTimeout: TimeInterval, caBundlePath: String?, client: HTTPClient? = nil) throws {
+    /// - Parameter idleLimit: how long dq's own client keeps an idle connection (tests of reuse on a loaded
+    ///   machine give more than the default).
+    init(
+        timeout: TimeInterval, connectTimeout: TimeInterval, caBundlePath: String?, client: HTTPClient? = nil,
+        idleLimit: TimeAmount = HTTP1Sender.defaultIdleLimit
+    ) throws {
         external = client
+        self.idleLimit = idleLimit
         var configuration = HTTPClient.Configuration()
         configuration.timeout = .init(
             connect: .milliseconds(Int64(connectTimeout * 1000)), read: .milliseconds(Int64(timeout * 1000)))
@@ -88,6 +94,7 @@ final class FHIRTransport: Sendable {
 
     private let tlsConfiguration: TLSConfiguration
     private let connectTimeout: TimeAmount
+    private let idleLimit: TimeAmount
     /// The flush's own HTTP/1.1 client (see ``HTTP1Sender``), made on first use; nil with a caller's client.
     private let senderBox = NIOLockedValueBox<HTTP1Sender?>(nil)
 
@@ -95,7 +102,8 @@ final class FHIRTransport: Sendable {
         guard external == nil else { return nil }
         return senderBox.withLockedValue { sender in
             if let sender { return sender }
-            let made = HTTP1Sender(loop: eventLoop, connectTimeout: connectTimeout, tlsConfiguration: tlsConfiguration)
+            let made = HTTP1Sender(
+                loop: eventLoop, connectTimeout: connectTimeout, tlsConfiguration: tlsConfiguration, idleLimit: idleLimit)
             sender = made
             return made
         }

@@ -43,8 +43,10 @@ final class HTTP1Sender: Sendable {
     /// a few seconds to a minute, and a request written just as the server closes may or may not have been
     /// read (a delivery in doubt); dq's own limit (4 s by default) stays under theirs.
     let idleLimit: TimeAmount
+    /// dq's idle limit: 4 s.
+    static let defaultIdleLimit: TimeAmount = .seconds(4)
 
-    init(loop: any EventLoop, connectTimeout: TimeAmount, tlsConfiguration: TLSConfiguration, idleLimit: TimeAmount = .seconds(4)) {
+    init(loop: any EventLoop, connectTimeout: TimeAmount, tlsConfiguration: TLSConfiguration, idleLimit: TimeAmount = defaultIdleLimit) {
         self.loop = loop
         self.idleLimit = idleLimit
         self.connectTimeout = connectTimeout
@@ -212,7 +214,10 @@ private final class ExchangeHandler: ChannelInboundHandler, RemovableChannelHand
         // A large answer's buffer is not kept for the connection's next, usually small, one.
         if body.capacity > 1 << 16 { body = ByteBuffer() } else { body.clear() }
         timer = channel.eventLoop.assumeIsolated().scheduleTask(deadline: deadline) { [weak self] in
-            self?.fail(HTTP1SenderError.timedOut)
+            // Only the exchange it was set for: a timer that fires after its exchange ended (cancelled too late)
+            // must not end the connection's next one.
+            guard let self, self.promise?.futureResult === promise.futureResult else { return }
+            self.fail(HTTP1SenderError.timedOut)
             channel.close(promise: nil)
         }
     }
