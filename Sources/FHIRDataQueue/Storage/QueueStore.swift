@@ -175,7 +175,7 @@ final class QueueStore: QueueStorage {
         }
         let database: DatabaseQueue
         do {
-            database = try DatabaseQueue(path: path, configuration: configuration)
+            database = try DatabaseQueue(path: readOnly ? path : WALWrites.location(for: path), configuration: configuration)
             let migrator = Self.migrator
             let (isQueue, complete, newer) = try database.read { db -> (Bool, Bool, Bool) in
                 let isQueue = try db.tableExists("item") && db.tableExists("grdb_migrations")
