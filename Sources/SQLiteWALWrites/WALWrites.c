@@ -7,8 +7,8 @@
 
 const char *const dq_wal_writes_vfs_name = "dq-wal";
 
-/// The size of a WAL frame's header; bytes 4-7 hold the database size after a commit frame, 0 in any other.
-enum { frameHeaderSize = 24, bufferCapacity = 128 * 1024 };
+/// A WAL frame's header is 24 bytes; a page is at most 65,536.
+enum { frameHeaderSize = 24, largestPage = 65536 };
 /// The file control that reads a WAL file's write count (an opcode SQLite does not use).
 enum { countControl = 0x64710001 };
 
@@ -16,12 +16,13 @@ typedef struct WALFile {
     sqlite3_file base;
     /// The default VFS's file, in the memory right after this struct (see szOsFile).
     sqlite3_file *real;
-    unsigned char *buffer;
-    int length;
-    /// The file offset of buffer[0].
-    sqlite3_int64 start;
-    /// The last write was a commit frame's header: the page write that follows ends the transaction.
-    int commitHeaderWritten;
+    /// A frame header held back (its first 24 bytes), then the header and its page, written as one.
+    unsigned char *frame;
+    /// Whether `frame` holds a header not yet written, and where it goes.
+    int held;
+    sqlite3_int64 heldOffset;
+    /// Where the last write ended (-1 before the first).
+    sqlite3_int64 end;
     /// Writes handed to the default VFS.
     sqlite3_int64 writes;
 } WALFile;
@@ -37,42 +38,47 @@ static int writeThrough(WALFile *file, const void *bytes, int amount, sqlite3_in
     return file->real->pMethods->xWrite(file->real, bytes, amount, offset);
 }
 
-/// Hands the buffered bytes to the default VFS. The buffer is emptied whatever the outcome: after a failed
-/// write SQLite abandons the transaction, and its frames are never published.
+/// Writes a header held back, if any. Every call on the file but the page write that completes the frame
+/// comes here first, so a header is never held past the call after it.
 static int flush(WALFile *file) {
-    if (file->length == 0) return SQLITE_OK;
-    int length = file->length;
-    file->length = 0;
-    return writeThrough(file, file->buffer, length, file->start);
+    if (!file->held) return SQLITE_OK;
+    file->held = 0;
+    return writeThrough(file, file->frame, frameHeaderSize, file->heldOffset);
 }
 
 static int walWrite(sqlite3_file *handle, const void *bytes, int amount, sqlite3_int64 offset) {
     WALFile *file = (WALFile *)handle;
-    int wasCommitHeader = file->commitHeaderWritten;
-    file->commitHeaderWritten = 0;
-    if (file->length > 0 && (offset != file->start + file->length || file->length + amount > bufferCapacity)) {
+    if (file->held) {
+        if (offset == file->heldOffset + frameHeaderSize && amount <= largestPage) {
+            // The page of the header held back: both in one write.
+            file->held = 0;
+            memcpy(file->frame + frameHeaderSize, bytes, (size_t)amount);
+            file->end = offset + amount;
+            return writeThrough(file, file->frame, frameHeaderSize + amount, file->heldOffset);
+        }
         int rc = flush(file);
         if (rc != SQLITE_OK) return rc;
     }
-    if (amount > bufferCapacity) return writeThrough(file, bytes, amount, offset);
-    if (file->length == 0) file->start = offset;
-    memcpy(file->buffer + file->length, bytes, (size_t)amount);
-    file->length += amount;
-    if (amount == frameHeaderSize) {
-        const unsigned char *header = bytes;
-        file->commitHeaderWritten = (header[4] | header[5] | header[6] | header[7]) != 0;
+    // A frame header appended where the last write ended is held until the next call, which SQLite makes
+    // the write of its page. Headers written anywhere else (SQLite rewriting the checksums of frames already
+    // in the log) go through at once.
+    if (amount == frameHeaderSize && offset == file->end) {
+        memcpy(file->frame, bytes, frameHeaderSize);
+        file->held = 1;
+        file->heldOffset = offset;
+        file->end = offset + amount;
         return SQLITE_OK;
     }
-    // The commit frame's page: the transaction's frames go to the file now, before SQLite publishes them.
-    return wasCommitHeader ? flush(file) : SQLITE_OK;
+    file->end = offset + amount;
+    return writeThrough(file, bytes, amount, offset);
 }
 
 static int walClose(sqlite3_file *handle) {
     WALFile *file = (WALFile *)handle;
     int rc = flush(file);
     int closed = file->real->pMethods->xClose(file->real);
-    sqlite3_free(file->buffer);
-    file->buffer = 0;
+    sqlite3_free(file->frame);
+    file->frame = 0;
     return rc != SQLITE_OK ? rc : closed;
 }
 
@@ -142,13 +148,14 @@ static int vfsOpen(sqlite3_vfs *self, const char *name, sqlite3_file *handle, in
     WALFile *file = (WALFile *)handle;
     memset(file, 0, sizeof *file);
     file->real = (sqlite3_file *)(file + 1);
-    file->buffer = sqlite3_malloc(bufferCapacity);
-    if (!file->buffer) return SQLITE_NOMEM;
+    file->end = -1;
+    file->frame = sqlite3_malloc(frameHeaderSize + largestPage);
+    if (!file->frame) return SQLITE_NOMEM;
     int rc = parent->xOpen(parent, name, file->real, flags, outFlags);
     if (rc != SQLITE_OK) {
         // SQLite calls xClose only when pMethods is set; the default VFS cleans up its own failed open.
-        sqlite3_free(file->buffer);
-        file->buffer = 0;
+        sqlite3_free(file->frame);
+        file->frame = 0;
         return rc;
     }
     file->base.pMethods = &methods;
@@ -234,10 +241,9 @@ static void registerOnce(void) {
         .xSectorSize = walSectorSize,
         .xDeviceCharacteristics = walDeviceCharacteristics,
     };
-    int size = (int)sizeof(WALFile) + parent->szOsFile;
     vfs = (sqlite3_vfs){
         .iVersion = 2,
-        .szOsFile = size > parent->szOsFile ? size : parent->szOsFile,
+        .szOsFile = (int)sizeof(WALFile) + parent->szOsFile,
         .mxPathname = parent->mxPathname,
         .zName = dq_wal_writes_vfs_name,
         .xOpen = vfsOpen,

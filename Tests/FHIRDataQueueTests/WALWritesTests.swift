@@ -5,8 +5,8 @@ import Testing
 
 @testable import FHIRDataQueue
 
-/// The `dq-wal` VFS (``WALWrites``): one write per transaction's WAL frames, in the file before the commit
-/// returns, checked through connections of SQLite's default VFS.
+/// The `dq-wal` VFS (``WALWrites``): one write per WAL frame, with what reaches the file and when it is
+/// there unchanged, checked through connections of SQLite's default VFS and copies taken as a kill leaves them.
 @Suite("WAL writes through the dq-wal VFS")
 struct WALWritesTests {
     let directory: URL
@@ -33,7 +33,7 @@ struct WALWritesTests {
         let reader = try DatabaseQueue(path: path)
         var expected: [Int64: Data] = [:]
         for index in 0..<400 {
-            // One row, rows that overflow onto other pages, a group bigger than the VFS's buffer, a 300 KB row.
+            // One row, rows that overflow onto other pages, a group of 150, a 300 KB row.
             let items: [NewItem] =
                 switch index % 10 {
                 case 3: [item(index, size: 9000)]
@@ -61,10 +61,11 @@ struct WALWritesTests {
         #expect(pages > 1000)
     }
 
-    @Test("A one-row commit is one write of its frames (SQLite makes two per frame)")
-    func oneWritePerCommit() async throws {
+    @Test("Each WAL frame is one write (SQLite makes two: its header, then its page)")
+    func oneWritePerFrame() async throws {
         try #require(WALWrites.available)
-        let store = try QueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
+        let path = directory.appendingPathComponent("q.sqlite").path
+        let store = try QueueStore(path: path, durability: .normal)
         _ = try await store.insert([item(0)])
         func writes() -> Int64 {
             store.database.writeWithoutTransaction { db in
@@ -73,10 +74,115 @@ struct WALWritesTests {
                 return count
             }
         }
-        let before = writes()
-        #expect(before >= 1)
+        // Frames are 24 + 4,096 bytes after the WAL's 32-byte header; no checkpoint runs below 1,000 frames.
+        func frames() throws -> Int64 {
+            let size = try FileManager.default.attributesOfItem(atPath: path + "-wal")[.size] as? Int64 ?? 0
+            return (size - 32) / (24 + 4096)
+        }
+        let (writesBefore, framesBefore) = (writes(), try frames())
+        #expect(writesBefore >= 1)
         for index in 1...100 { _ = try await store.insertGrouped(item(index)) }
-        #expect(writes() - before == 100)
+        let (written, appended) = (writes() - writesBefore, try frames() - framesBefore)
+        #expect(appended >= 300 && appended < 1000, "\(appended) frames for 100 one-row commits")
+        #expect(written == appended)
+    }
+
+    /// Opens `path` through the VFS (`extra` appended to the URI), or through the default VFS.
+    func connection(_ path: String, viaVFS: Bool, extra: String = "") throws -> DatabaseQueue {
+        try DatabaseQueue(path: viaVFS ? WALWrites.location(for: path) + extra : path)
+    }
+
+    @Test("A rolled-back transaction that spilled frames leaves nothing to be written over another connection's commit")
+    func rollbackThenAnotherWriter() async throws {
+        try #require(WALWrites.available)
+        let path = directory.appendingPathComponent("r.sqlite").path
+        let first = try connection(path, viaVFS: true)
+        try await first.writeWithoutTransaction { db in
+            try db.execute(sql: "PRAGMA journal_mode = WAL")
+            try db.execute(sql: "PRAGMA wal_autocheckpoint = 0; CREATE TABLE t (x); CREATE TABLE u (x); PRAGMA cache_size = 10")
+            try db.execute(sql: "PRAGMA wal_checkpoint(TRUNCATE)")
+            // 125 KB: more than the page cache, so SQLite writes frames to the log before the rollback.
+            try db.execute(sql: "BEGIN")
+            try db.execute(
+                sql:
+                    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 250) INSERT INTO u SELECT randomblob(500) FROM n"
+            )
+            try db.execute(sql: "ROLLBACK")
+        }
+        // Another connection appends its commit where the rolled-back frames were; then the first one closes.
+        let second = try connection(path, viaVFS: false)
+        try await second.write { db in
+            try db.execute(
+                sql:
+                    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 20) INSERT INTO t SELECT zeroblob(1500) FROM n"
+            )
+        }
+        try first.close()
+        try second.close()
+        let reader = try connection(path, viaVFS: false)
+        let (count, zeros, check) = try await reader.read { db in
+            (
+                try Int.fetchOne(db, sql: "SELECT count(*) FROM t"),
+                try Int.fetchOne(db, sql: "SELECT count(*) FROM t WHERE x = zeroblob(1500)"),
+                try String.fetchOne(db, sql: "PRAGMA integrity_check")
+            )
+        }
+        #expect(check == "ok")
+        #expect(count == 20 && zeros == 20)
+    }
+
+    @Test("A commit whose checksums SQLite rewrites (a page spilled, then changed again) is whole in a copy taken as it returns")
+    func rewrittenChecksums() async throws {
+        try #require(WALWrites.available)
+        let path = directory.appendingPathComponent("s.sqlite").path
+        let writer = try connection(path, viaVFS: true)
+        try await writer.writeWithoutTransaction { db in
+            try db.execute(sql: "PRAGMA journal_mode = WAL")
+            try db.execute(
+                sql:
+                    "PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = 0; CREATE TABLE t (x); CREATE INDEX tx ON t (x); PRAGMA cache_size = 10"
+            )
+            try db.execute(sql: "BEGIN")
+            try db.execute(
+                sql:
+                    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3000) INSERT INTO t SELECT randomblob(500) FROM n"
+            )
+            try db.execute(sql: "COMMIT")
+        }
+        // What a kill of the process right now would leave on disk (no further call on the connection).
+        let copy = directory.appendingPathComponent("copy")
+        try FileManager.default.createDirectory(at: copy, withIntermediateDirectories: true)
+        for suffix in ["", "-wal"] {
+            try FileManager.default.copyItem(atPath: path + suffix, toPath: copy.appendingPathComponent("s.sqlite" + suffix).path)
+        }
+        let recovered = try connection(copy.appendingPathComponent("s.sqlite").path, viaVFS: false)
+        let (count, check) = try await recovered.read { db in
+            (try Int.fetchOne(db, sql: "SELECT count(*) FROM t"), try String.fetchOne(db, sql: "PRAGMA integrity_check"))
+        }
+        #expect(check == "ok")
+        #expect(count == 3000)
+        try writer.close()
+    }
+
+    @Test("Without powersafe overwrite (psow=0) and with synchronous=FULL, the padding frames are in the file at each commit")
+    func paddingFrames() async throws {
+        try #require(WALWrites.available)
+        let path = directory.appendingPathComponent("p.sqlite").path
+        let writer = try connection(path, viaVFS: true, extra: "&psow=0")
+        try await writer.writeWithoutTransaction { db in
+            try db.execute(sql: "PRAGMA journal_mode = WAL")
+            try db.execute(sql: "PRAGMA synchronous = FULL; CREATE TABLE t (x)")
+        }
+        let reader = try connection(path, viaVFS: false)
+        var problems: [String] = []
+        for index in 1...200 {
+            try await writer.write { db in try db.execute(sql: "INSERT INTO t VALUES (randomblob(300))") }
+            let (count, check) = try await reader.read { db in
+                (try Int.fetchOne(db, sql: "SELECT count(*) FROM t"), try String.fetchOne(db, sql: "PRAGMA quick_check"))
+            }
+            if count != index || check != "ok" { problems.append("commit \(index): \(count ?? -1) rows, \(check ?? "?")") }
+        }
+        #expect(problems.isEmpty, "\(problems.prefix(5))")
     }
 
     @Test("A queue path with URI characters is opened at that very path, and a relative one stays relative")
@@ -96,5 +202,7 @@ struct WALWritesTests {
         #expect(count == 1)
         #expect(WALWrites.location(for: "queue dir/q.sqlite") == "file:queue%20dir/q.sqlite?vfs=dq-wal")
         #expect(WALWrites.location(for: "//srv/q.sqlite") == "file:////srv/q.sqlite?vfs=dq-wal")
+        // A file whose name starts with `file:` is that file, not a URI.
+        #expect(WALWrites.location(for: "file:q.sqlite") == "file:file%3Aq.sqlite?vfs=dq-wal")
     }
 }

@@ -1,9 +1,9 @@
 import CSQLite
 import SQLiteWALWrites
 
-/// How dq opens a queue database for writing: through the `dq-wal` VFS, which hands SQLite's writes of a
-/// transaction's WAL frames to the system as one `pwrite` at the commit frame instead of two per frame
-/// (header, page), with the default VFS for everything else (see `SQLiteWALWrites.h`).
+/// How dq opens a queue database: through the `dq-wal` VFS, which writes each WAL frame (SQLite's 24-byte
+/// header and its page) with one `pwrite` instead of two, with the default VFS for everything else (see
+/// `SQLiteWALWrites.h`).
 ///
 /// One durable enqueue writes four or five frames: eight to ten `pwrite` calls of 24 and 4,096 bytes at
 /// unaligned offsets, each a few microseconds of kernel time on a virtual machine. What reaches the file,
@@ -13,8 +13,9 @@ enum WALWrites {
     /// the VFS is registered; without either, queues are opened by their plain path, with the default VFS.
     static let available: Bool = sqlite3_compileoption_used("USE_URI") == 1 && dq_wal_writes_register() == SQLITE_OK
 
-    /// What to hand to `sqlite3_open_v2` for the queue database at `path`: a `file:` URI naming the VFS, or
-    /// `path` itself when the VFS is not available.
+    /// What to hand to `sqlite3_open_v2` for the database file at `path`: a `file:` URI naming the VFS, or
+    /// `path` itself when the VFS is not available. Every queue file dq opens goes through here, so that a
+    /// path that itself starts with `file:` is that file, not a URI.
     static func location(for path: String) -> String {
         guard available else { return path }
         // A URI's path: `%`, `?` and `#` (and anything outside the unreserved set) percent-encoded. A relative

@@ -3,18 +3,17 @@
 
 #include <sqlite3.h>
 
-/// A SQLite VFS that writes each transaction's WAL frames with one write(2) where SQLite makes two per frame
-/// (its 24-byte header, then the page), and is otherwise the default VFS ("unix").
+/// A SQLite VFS that writes each WAL frame with one write(2) where SQLite makes two (the frame's 24-byte
+/// header, then its page), and is otherwise the default VFS ("unix").
 ///
-/// SQLite appends a transaction's frames at consecutive offsets of the -wal file. This VFS keeps those
-/// writes in a buffer of the file's own and hands them to the default VFS as one write when the
-/// transaction's commit frame is complete, before SQLite publishes the frames to other connections (in the
-/// wal-index, after the writes return), and before any other operation on the file: a read, a sync, a
-/// size, a truncation, a file control, a close, or a write elsewhere. What reaches the disk, and when it is
-/// synced, is what the default VFS would do; only the number of system calls changes (about eight per
-/// single-row commit become one).
+/// A frame header that SQLite appends where its last write to the -wal file ended is held back until the
+/// next call on the file, which SQLite makes the write of that frame's page (walWriteOneFrame); the two are
+/// then written together. Any other call (a write elsewhere, a read, a sync, a size, a truncation, a file
+/// control, a close) writes the held header first. Nothing is held past the call after the header, so the
+/// bytes in the file, their order, when they are synced and when other connections can see them are what
+/// the default VFS gives; a one-row commit of four frames makes four write calls instead of eight.
 ///
-/// Only files SQLite opens as write-ahead logs (`SQLITE_OPEN_WAL`) are buffered; the database file and
+/// Only files SQLite opens as write-ahead logs (`SQLITE_OPEN_WAL`) are wrapped; the database file and
 /// everything else is the default VFS's own file.
 
 /// The name the VFS is registered under (`file:…?vfs=dq-wal`).
