@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Durable put rate of a peer queue: peers_queue.py persist-queue|litequeue WORKDIR COUNT -> items/s.
+"""Durable put rate of a peer queue: peers_queue.py persist-queue|litequeue WORKDIR COUNT [FULL|NORMAL] -> items/s.
 
-Both are SQLite queues; each put is its own commit with synchronous=FULL and WAL where the library lets us
-set it, matching dq's default durability.
+Both are SQLite queues; each put is its own commit with synchronous=FULL (or NORMAL when asked) and WAL where
+the library lets us set it, matching dq's default durability.
 """
 import os
 import sys
@@ -16,17 +16,19 @@ def resource(i, size=1024):
 
 def main():
     name, work, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    synchronous = sys.argv[4] if len(sys.argv) > 4 else "FULL"
+    assert synchronous in ("FULL", "NORMAL")
     bodies = [resource(i) for i in range(count)]
     path = os.path.join(work, "%s-%f" % (name, time.time()))
     if name == "persist-queue":
         import persistqueue
         queue = persistqueue.SQLiteAckQueue(path, auto_commit=True, multithreading=False)
-        queue._putter.execute("PRAGMA synchronous=FULL") if hasattr(queue, "_putter") else None
+        queue._putter.execute("PRAGMA synchronous=%s" % synchronous) if hasattr(queue, "_putter") else None
         put = queue.put
     else:
         import litequeue
         queue = litequeue.LiteQueue(path + ".sqlite")
-        queue.conn.execute("PRAGMA synchronous=FULL")
+        queue.conn.execute("PRAGMA synchronous=%s" % synchronous)
         put = queue.put
     start = time.perf_counter()
     for body in bodies:
