@@ -1,5 +1,6 @@
 import Foundation
 import GRDB
+import NIOPosix
 import Synchronization
 import Testing
 
@@ -72,16 +73,18 @@ struct QueueStoreTests {
         #expect(store.groupedCommits >= 1 && store.groupedCommits <= 500, "\(store.groupedCommits) commits")
     }
 
-    @Test("Group commit: an uncontended enqueue commits alone, at once; those that arrive during a commit share the next")
+    @Test("Group commit: enqueues that arrive during a commit share the next; every commit runs on the writer thread")
     func leaderFollower() async throws {
         let gate = DispatchSemaphore(value: 0)
         let batches = Mutex<[[String]]>([])
+        let threads = Mutex<Set<pthread_t>>([])
         let batcher = EnqueueBatcher { items in
+            threads.withLock { _ = $0.insert(pthread_self()) }
             let first = batches.withLock { batches in
                 batches.append(items.map { String(decoding: $0.body, as: UTF8.self) })
                 return batches.count == 1
             }
-            if first { gate.wait() }  // the first commit is slow: the others arrive while it runs
+            if first { gate.wait() }  // the first commit is slow: the others arrive while it runs (on the writer thread)
             let base = Int64(batches.withLock { $0.flatMap { $0 }.count - items.count })
             return .success(items.indices.map { base + Int64($0) + 1 })
         }
@@ -101,9 +104,35 @@ struct QueueStoreTests {
         #expect(committed.count == 2, "two commits for eleven enqueues: \(committed.map(\.count))")
         #expect(committed.last?.count == 10)
         #expect(batcher.commits == 2)
-        // Uncontended again: the next enqueue commits alone, at once.
+        // Uncontended again: the next enqueue commits alone.
         #expect(try await batcher.submit(item(11)) == 12)
         #expect(batches.withLock { $0.last?.count } == 1)
+        #expect(threads.withLock { $0.count } == 1, "the three commits ran on one thread, the writer's")
+    }
+
+    /// A durable enqueue must not hold a thread of the caller's executor in its commit: from a task whose
+    /// executor has one thread, the enqueue's commit runs on another thread. (Before, an uncontended enqueue
+    /// committed, with its fsync, on the calling thread: with two pool threads, two such enqueues stopped
+    /// everything else the process did.)
+    @Test("A durable enqueue commits off the calling task's thread")
+    func enqueueCommitsOffCaller() async throws {
+        let commitThreads = Mutex<[pthread_t]>([])
+        let store = try QueueStore(path: path, durability: .full)
+        let batcher = EnqueueBatcher { items in
+            commitThreads.withLock { $0.append(pthread_self()) }
+            return QueueStore.immediateNow(store.database, "enqueue") { db in try QueueStore.insert(items, db: db) }
+        }
+        let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
+        let executor = EventLoopTaskExecutor(loop.next())
+        let callerThread = try await Task(executorPreference: executor) { () async throws -> pthread_t in
+            for index in 0..<3 { _ = try await batcher.submit(item(index)) }
+            return pthread_self()
+        }.value
+        #expect(try await store.status(queue: "http://h/fhir").pending == 3)
+        try await loop.shutdownGracefully()
+        let threads = commitThreads.withLock { $0 }
+        #expect(threads.count == 3)
+        #expect(!threads.contains(callerThread), "a commit ran on the calling task's thread")
     }
 
     /// Polls `condition` (yielding) for up to 10 s.
@@ -145,7 +174,8 @@ struct QueueStoreTests {
             // Each opener hands back its store or its error, so every failed open is reported.
             let results: [Result<QueueStore, any Error>] = await withTaskGroup(of: Result<QueueStore, any Error>.self) { group in
                 for _ in 0..<openers {
-                    group.addTask { Result { try QueueStore(path: shared, durability: .full) } }
+                    // Each on a thread of its own: an open waits for the file's lock, blocking its thread.
+                    group.addTask { await onThreadOfItsOwn { Result { try QueueStore(path: shared, durability: .full) } } }
                 }
                 var all: [Result<QueueStore, any Error>] = []
                 for await result in group { all.append(result) }

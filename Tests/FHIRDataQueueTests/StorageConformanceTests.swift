@@ -344,10 +344,14 @@ struct StorageConformanceTests {
             try await first.recordFailure(
                 queue: Self.server, item: item0, status: 503, error: "x", nextAttemptAt: nil, owner: stale)
         }
-        if case .success = first.markDelivered(
-            [CompletedDelivery(item: item0, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: nil, versionID: nil)],
-            owner: stale)
-        {
+        // markDelivered blocks its caller until the database answers (the journal's writer thread calls it): called
+        // from this task it would hold a thread of the two-thread pool that its own work needs.
+        let staleDelivery = await onThreadOfItsOwn {
+            first.markDelivered(
+                [CompletedDelivery(item: item0, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: nil, versionID: nil)],
+                owner: stale)
+        }
+        if case .success = staleDelivery {
             Issue.record("a delivery was recorded under a lost lease")
         }
         await #expect(throws: DataQueueError.self) { try await stale.markInFlight(sequence: sequences[1]) }
@@ -389,5 +393,12 @@ struct PostgresURLTests {
         #expect(PreparedStatements.name("s", sql: "SELECT 1") != PreparedStatements.name("s", sql: "SELECT 2"))
         #expect(EnqueueOne.name != EnqueueMany.name)
         #expect(EnqueueOne.name.hasPrefix("dq_enqueue_one_"))
+    }
+}
+
+/// `body`'s result, run on a thread of its own: for the store calls that block their caller.
+func onThreadOfItsOwn<T: Sendable>(_ body: @escaping @Sendable () -> T) async -> T {
+    await withCheckedContinuation { continuation in
+        Thread { continuation.resume(returning: body()) }.start()
     }
 }

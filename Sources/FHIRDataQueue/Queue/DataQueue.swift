@@ -245,8 +245,8 @@ open class DataQueue: @unchecked Sendable {
     /// Returns after the item is committed to SQLite (with ``Durability/full``, on disk). Enqueues from
     /// many tasks at once share commits.
     ///
-    /// It runs on the caller's executor (`nonisolated(nonsending)`): an enqueue that finds no commit running
-    /// commits on the calling thread, with no hop to another thread and back.
+    /// The commit and its `fsync` run on the store's own writer thread, never on the calling task's thread:
+    /// the caller is suspended, holding no thread of Swift's cooperative pool, until its item is durable.
     ///
     /// - Parameters:
     ///   - resource: the resource.

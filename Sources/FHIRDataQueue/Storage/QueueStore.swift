@@ -418,7 +418,7 @@ final class QueueStore: QueueStorage {
     }
 
     /// ``immediate(_:_:)`` for the writer threads, which may block: a synchronous write transaction.
-    fileprivate static func immediateNow<T>(
+    static func immediateNow<T>(
         _ database: DatabaseQueue, _ what: String, _ body: (Database) throws -> T
     ) -> Result<T, DataQueueError> {
         Result { try database.writeWithoutTransaction { db in try inImmediateTransaction(db, body) } }
@@ -483,7 +483,7 @@ final class QueueStore: QueueStorage {
         try await batcher.submit(item)
     }
 
-    fileprivate static func insert(_ items: [NewItem], db: Database) throws -> [Int64] {
+    static func insert(_ items: [NewItem], db: Database) throws -> [Int64] {
         let now = Date().timeIntervalSince1970
         let statement = try db.cachedStatement(
             sql: """
@@ -1007,23 +1007,21 @@ final class QueueStore: QueueStorage {
     }
 }
 
-/// Group commit for single enqueues: an enqueue that finds no commit running commits its item at once on its
-/// own thread (no hand-off, no wake-up: the path of a single producer); enqueues that arrive while a commit
-/// runs wait, and the commits that carry them (up to ``maximumBatch`` items each) run on a writer thread for as
-/// long as enqueues keep arriving, so that under concurrency no thread of Swift's cooperative pool waits in
-/// `fsync` while the producers have work for it. One commit runs at a time; each caller returns only after the
-/// commit that holds its item.
-final class EnqueueBatcher: @unchecked Sendable {
+/// Group commit for single enqueues, on a writer thread of its own: an enqueue hands its item over and waits
+/// (suspended, holding no thread) for the commit that carries it. The thread commits whatever waits, up to
+/// ``maximumBatch`` items in one transaction, for as long as enqueues keep arriving, and exits after
+/// ``idleTimeout`` without work. No thread of Swift's cooperative pool ever runs a commit or waits in its
+/// `fsync`: in a service with two pool threads, a durable commit on one of them stalled everything else that
+/// process did (HTTP answers, PostgreSQL round trips) for as long as the disk took. One commit runs at a time;
+/// each caller returns only after the commit that holds its item.
+final class EnqueueBatcher: @unchecked Sendable {  // state guarded by `condition`
     private struct Waiter {
         let item: NewItem
-        let continuation: CheckedContinuation<Int64?, any Error>
+        let continuation: CheckedContinuation<Int64, any Error>
     }
 
     private let condition = NSCondition()
     // Guarded by `condition`.
-    private var committing = false
-    /// The writer thread owns the commits (waiting enqueues are its work); cleared when it runs out of work.
-    private var writerTurn = false
     private var threadRunning = false
     private var waiting: [Waiter] = []
     private var commitCount = 0
@@ -1033,7 +1031,7 @@ final class EnqueueBatcher: @unchecked Sendable {
     /// How long the writer thread waits for more work before it exits.
     let idleTimeout: TimeInterval = 0.5
 
-    /// - Parameter commit: stores a batch in one transaction, synchronously.
+    /// - Parameter commit: stores a batch in one transaction, synchronously (called on the writer thread).
     init(commit: @escaping @Sendable ([NewItem]) -> Result<[Int64], DataQueueError>) {
         self.commit = commit
     }
@@ -1052,55 +1050,27 @@ final class EnqueueBatcher: @unchecked Sendable {
         return commitCount
     }
 
-    nonisolated(nonsending) func submit(_ item: NewItem) async throws -> Int64 {
-        let committed = try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Int64?, any Error>) in
+    /// Stores `item` in the next commit of the writer thread and returns its sequence number.
+    func submit(_ item: NewItem) async throws -> Int64 {
+        try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Int64, any Error>) in
             condition.lock()
-            if committing {
-                waiting.append(Waiter(item: item, continuation: continuation))
-                condition.unlock()
+            waiting.append(Waiter(item: item, continuation: continuation))
+            if threadRunning {
+                condition.signal()
             } else {
-                committing = true
-                condition.unlock()
-                continuation.resume(returning: nil)  // resumed before it suspends: no hop
+                threadRunning = true
+                let thread = Thread { [self] in self.writerLoop() }
+                thread.name = "dq-enqueue"
+                thread.start()
             }
-        }
-        if let committed { return committed }
-        // No commit was running: this enqueue commits its own item, here.
-        let result = commit([item])
-        finishOwnCommit()
-        return try result.get()[0]
-    }
-
-    /// After an enqueue committed its own item: the way is free again, or, when others arrived meanwhile, the
-    /// writer thread commits them (and whoever follows).
-    private func finishOwnCommit() {
-        condition.lock()
-        defer { condition.unlock() }
-        commitCount += 1
-        if waiting.isEmpty {
-            committing = false
-        } else {
-            writerTurn = true
-            wakeWriter()
-        }
-    }
-
-    /// Starts the writer thread or wakes it. Called with `condition` locked.
-    private func wakeWriter() {
-        if threadRunning {
-            condition.signal()
-        } else {
-            threadRunning = true
-            let thread = Thread { [self] in self.writerLoop() }
-            thread.name = "dq-enqueue"
-            thread.start()
+            condition.unlock()
         }
     }
 
     private func writerLoop() {
         condition.lock()
         while true {
-            if writerTurn, !waiting.isEmpty {
+            if !waiting.isEmpty {
                 let group = Array(waiting.prefix(maximumBatch))
                 waiting.removeFirst(group.count)
                 condition.unlock()
@@ -1117,12 +1087,7 @@ final class EnqueueBatcher: @unchecked Sendable {
                 condition.lock()
                 continue
             }
-            if writerTurn {
-                // Out of work: the next enqueue commits on its own thread again.
-                writerTurn = false
-                committing = false
-            }
-            if !condition.wait(until: Date(timeIntervalSinceNow: idleTimeout)) && !writerTurn {
+            if !condition.wait(until: Date(timeIntervalSinceNow: idleTimeout)) && waiting.isEmpty {
                 threadRunning = false
                 condition.unlock()
                 return

@@ -3,12 +3,14 @@ import NIOCore
 import NIOHTTP1
 import NIOPosix
 
+@testable import FHIRDataQueue
+
 /// A real HTTP/1.1 server on 127.0.0.1 (kernel-chosen port) whose answers each test scripts.
 ///
 /// Every request is recorded when its last byte arrives, before `handler` decides its fate: an answer, a stall (no
 /// answer until `releaseStalled()` or `shutdown()`, which then close the connection), or an immediate close. A
 /// connection carries one request at a time: NIO's pipelining assistance holds a pipelined request back until the
-/// previous one is answered. The server does not depend on the library, so it also checks what goes on the wire.
+/// previous one is answered. The server uses nothing of the library but its event-loop task executor, so it also checks what goes on the wire.
 final class ScriptedServer: Sendable {
     /// A request as it arrived.
     struct Request: Sendable {
@@ -248,7 +250,12 @@ private final class ScriptedConnectionHandler: ChannelInboundHandler, RemovableC
             body = ByteBuffer()
             state.withLock { $0.requests.append(request) }
             let handler = self.handler
-            context.eventLoop.makeFutureWithTask { await handler(request) }
+            // The handler runs on this connection's event loop, not on Swift's cooperative pool: the code under
+            // test shares that pool, and a server whose answers wait for a free pool thread turns any stall of
+            // the code under test into a timeout the test did not script.
+            let promise = context.eventLoop.makePromise(of: ScriptedServer.Action.self)
+            Task(executorPreference: EventLoopTaskExecutor(context.eventLoop)) { promise.succeed(await handler(request)) }
+            promise.futureResult
                 .assumeIsolated()
                 .whenSuccess { action in self.perform(action, for: head, context: context) }
         }
