@@ -82,7 +82,20 @@ extension DQ {
     struct Enqueue: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
             commandName: "enqueue",
-            abstract: "Queue resources without sending them (all inputs, or none when one is bad).")
+            abstract: "Queue resources without sending them (all inputs, or none when one is bad).",
+            discussion: """
+                A transaction or batch Bundle is queued as one item and sent as it is; references between its \
+                entries (their urn:uuid fullUrls) are the server's to resolve. To let separate items reference each \
+                other, write each input (or NDJSON line) as a Bundle entry, {"fullUrl": "urn:uuid:...", \
+                "resource": {...}}, and reference that urn:uuid from later items: dq sends them together in a \
+                transaction Bundle where it can, and otherwise rewrites the reference to where the server stored \
+                the resource. A reference to a urn:uuid that neither the Bundle nor an earlier item declares is \
+                refused (exit 65).
+
+                With --idempotent (or "idempotent": true), a create whose resource has no identifier gets one \
+                (system urn:ietf:rfc:3986, the item's urn:uuid), sent as If-None-Exist, so that a retry after a \
+                lost answer does not create it twice.
+                """)
 
         @OptionGroup var queueOptions: QueueOptions
         @OptionGroup var sending: SendingOptions
@@ -106,7 +119,9 @@ extension DQ {
             commandName: "send",
             abstract: "Queue resources, then flush the queue up to them (older items go first).",
             discussion: """
-                Exit 0 when all were delivered, 75 when some stay queued, 65 when the server rejected some (parked),                 77 on an authentication failure; the first of 77, 75, 65 wins.
+                Exit 0 when all were delivered, 75 when some stay queued, 65 when some were parked (rejected by \
+                the server, or held back unsent because a reference cannot be resolved), 77 on an authentication \
+                failure; the first of 77, 75, 65 wins.
                 """
         )
 
@@ -127,7 +142,10 @@ extension DQ {
                 for item in items {
                     let state: String
                     switch try await queue.state(of: item.id) {
-                    case .parked: parked += 1; state = "parked"
+                    case .parked:
+                        parked += 1
+                        // Parked without an answer of the server: dq held it back unsent.
+                        state = try await queue.item(item.id.uuidString.lowercased()).0.lastStatus == nil ? "held" : "parked"
                     case .pending: queued += 1; state = "queued"
                     case nil: delivered += 1; state = "delivered"
                     }

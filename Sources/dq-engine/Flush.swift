@@ -54,8 +54,9 @@ extension DQ {
             abstract: "Send queued items in order (for cron).",
             discussion: """
                 Exit 0 when nothing pending remains, 75 when items stay queued (a transient failure, backoff, \
-                another flusher, --limit), 65 when the server rejected items in this run (now parked), 77 on an \
-                authentication failure; the first of 77, 75, 65 wins. A run with nothing to do prints nothing.
+                another flusher, --limit), 65 when items were parked in this run (rejected by the server, or held \
+                back unsent because a reference cannot be resolved), 77 on an authentication failure; the first of 77, \
+                75, 65 wins. A run with nothing to do prints nothing.
                 """
         )
 
@@ -91,7 +92,7 @@ extension DQ {
                 if json {
                     struct Summary: Encodable {
                         var queue: String
-                        var delivered, parked, remaining, parkedTotal: Int
+                        var delivered, parked, rejected, held, remaining, parkedTotal: Int
                         var stopped: String?
                         var exitCode: Int32
                         var otherQueuesPending: [String: Int]
@@ -101,22 +102,27 @@ extension DQ {
                     try printJSON(
                         Summary(
                             queue: queue.queueName, delivered: report.delivered, parked: report.parked,
-                            remaining: report.remaining, parkedTotal: report.parkedTotal, stopped: stopText, exitCode: code,
+                            rejected: report.rejected, held: report.held, remaining: report.remaining, parkedTotal: report.parkedTotal, stopped: stopText, exitCode: code,
                             otherQueuesPending: Dictionary(uniqueKeysWithValues: elsewhere.map { ($0.queue, $0.pending) }),
                             requests: report.requests, bundleEntries: report.bundleEntries))
                     return code
                 }
                 let happened = report.delivered + report.parked + report.remaining > 0 || report.stop != nil
                 if !quiet && (happened || queueOptions.verbose) {
-                    let requests = report.bundleEntries > 0 ? " (\(report.requests) requests, with Bundles)" : ""
+                    let requests =
+                        report.bundleEntries > 0
+                        ? " (\(report.requests) requests, \(report.bundleEntries) item(s) as entries of transaction Bundles)" : ""
                     print(
                         "flushed \(queue.queueName): \(report.delivered) delivered, \(report.parked) parked, \(report.remaining) pending, \(report.parkedTotal) parked in total\(requests)"
                     )
                 }
                 if let stopText { printError("dq: \(stopText)") }
-                if report.parked > 0 {
-                    printError("dq: the server rejected \(report.parked) item(s); see dq list --parked")
-                } else if report.parkedTotal > 0 && !quiet {
+                if report.rejected > 0 { printError("dq: the server rejected \(report.rejected) item(s); see dq list --parked") }
+                if report.held > 0 {
+                    printError(
+                        "dq: \(report.held) item(s) held back unsent: a reference cannot be resolved; see dq list --parked")
+                }
+                if report.parked == 0 && report.parkedTotal > 0 && !quiet {
                     printError("dq: \(report.parkedTotal) parked item(s) need an operator: dq list --parked")
                 }
                 for other in elsewhere {

@@ -267,6 +267,30 @@ extension DQ {
         }
     }
 
+    struct Resolve: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            commandName: "resolve",
+            abstract: "Say where the server stored a delivered item whose answer did not (for the items that reference it).",
+            discussion: """
+                A server that answers a create without Location, Content-Location or the created resource leaves dq \
+                unable to rewrite later references to it: those items are held back (parked) with a reason naming \
+                the delivered item. Give its location (TYPE/ID, or TYPE/ID/_history/VERSION, as found on the \
+                server), then dq retry the held items; the next flush rewrites their references to it.
+                """)
+        @OptionGroup var queueOptions: QueueOptions
+        @Argument(help: "The delivered item's id, a unique prefix or suffix of it, or its sequence number.") var id: String
+        @Argument(help: "Where the server stored it: TYPE/ID or TYPE/ID/_history/VERSION.") var location: String
+
+        func run() async throws {
+            try await withQueue(queueOptions) { queue in
+                let record = try await queue.resolveLocation(of: id, at: location)
+                print(
+                    "item \(record.id.uuidString.lowercased()) is \(record.resourceType)/\(record.serverID ?? ""); "
+                        + "dq retry the items held for it (dq list --parked)")
+            }
+        }
+    }
+
     struct Drop: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
             commandName: "drop",

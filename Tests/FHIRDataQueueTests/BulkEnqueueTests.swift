@@ -106,4 +106,39 @@ struct BulkEnqueueTests {
         #expect(try await queue.items(state: .pending, limit: 100_000).count == 6_001)
         try await queue.shutdown()
     }
+
+    /// A transaction Bundle whose Observation references the Bundle's own Patient entry, and `other` (when given).
+    static func transaction(patient: String, observation: String, other: String? = nil) -> Data {
+        let extra = other.map { #","performer":[{"reference":"\#($0)"}]"# } ?? ""
+        return Data(
+            """
+            {"resourceType":"Bundle","type":"transaction","entry":[
+             {"fullUrl":"\(patient)","resource":{"resourceType":"Patient","identifier":[{"system":"urn:example:mrn","value":"MINI-1"}]},"request":{"method":"POST","url":"Patient"}},
+             {"fullUrl":"\(observation)","resource":{"resourceType":"Observation","status":"final","code":{"text":"HR"},"subject":{"reference":"\(patient.uppercased().replacingOccurrences(of: "URN:UUID:", with: "urn:uuid:"))"}\(extra)},"request":{"method":"POST","url":"Observation"}}]}
+            """.utf8)
+    }
+
+    @Test(
+        "A transaction Bundle's references to its own entries are accepted, alone and in bulk; a reference to neither its entries nor an earlier item is refused",
+        arguments: StoreKind.available)
+    func bundleReferencesItsOwnEntries(kind: StoreKind) async throws {
+        let queue = try await queue(kind)
+        let urn: @Sendable () -> String = { "urn:uuid:" + UUID().uuidString.lowercased() }
+        try await queue.enqueue(try FHIRResource(json: Self.transaction(patient: urn(), observation: urn())))
+        let bulk = try await queue.enqueue(count: 3) { _ in
+            QueueEntry(try FHIRResource(json: Self.transaction(patient: urn(), observation: urn())))
+        }
+        #expect(bulk.count == 3)
+        let stranger = urn()
+        let refused = await #expect(throws: DataQueueError.self) {
+            try await queue.enqueue(try FHIRResource(json: Self.transaction(patient: urn(), observation: urn(), other: stranger)))
+        }
+        #expect(refused?.message.contains(stranger) == true, "\(refused?.message ?? "")")
+        // An earlier item's fullUrl may be referenced from a Bundle.
+        let earlier = urn()
+        try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Practitioner"}"#.utf8)), fullURL: earlier)
+        try await queue.enqueue(try FHIRResource(json: Self.transaction(patient: urn(), observation: urn(), other: earlier)))
+        #expect(try await queue.items(state: .pending, limit: 100).count == 6)
+        try await queue.shutdown()
+    }
 }

@@ -208,8 +208,14 @@ public enum FlushStop: Sendable, Equatable {
 public struct FlushReport: Sendable, Equatable {
     /// Items the server accepted in this flush.
     public var delivered = 0
-    /// Items the server rejected for good in this flush (now parked).
+    /// Items parked in this flush: rejected for good by the server, or held back unsent by dq (``held``).
     public var parked = 0
+    /// Of ``parked``, the items dq parked without sending them: a reference to a resource whose location is not
+    /// known (the server did not say where it stored it, or its item was not delivered), or a body dq cannot send.
+    /// The server never saw them.
+    public var held = 0
+    /// Items the server rejected for good in this flush: ``parked`` less ``held``.
+    public var rejected: Int { parked - held }
     /// Items still pending after the flush.
     public var remaining = 0
     /// Parked items in the queue after the flush (from this and earlier flushes).

@@ -226,7 +226,8 @@ open class DataQueue: @unchecked Sendable {
             id: id, queue: queueName, method: request.method, url: request.path, resourceType: request.resourceType,
             resourceID: request.resourceID, encrypted: request.encrypted, contentType: request.contentType,
             body: request.body, fullURL: declared,
-            references: request.encrypted ? [] : TransactionBundle.references(in: request.body).map(\.fullURL))
+            references: request.encrypted
+                ? [] : TransactionBundle.externalReferences(in: request.body, isBundle: request.path.isEmpty))
     }
 
     /// Refuses references to `urn:uuid` fullUrls that no earlier entry of `items` and no queued or delivered
@@ -505,7 +506,7 @@ open class DataQueue: @unchecked Sendable {
             }
             switch ResponseClassification.classify(
                 status: response.status, body: response.body, retryAfter: response.retryAfter,
-                envelope: encrypted, location: response.location)
+                envelope: encrypted, location: response.location ?? response.contentLocation)
             {
             case .success:
                 return .delivered(response, conditional: request.ifNoneExist != nil)
@@ -523,6 +524,38 @@ open class DataQueue: @unchecked Sendable {
                 return .authentication(status: response.status, message: message)
             }
         }
+    }
+
+    /// Where the server stored a created or updated resource, and what said so: `Location`, else
+    /// `Content-Location`, else the answer's own resource (`id` and `meta.versionId`, when the server answers
+    /// with the representation and it is of `resourceType`), else, for an update, the id it was sent to.
+    struct ServerIdentity: Equatable {
+        var id: String?
+        var version: String?
+        /// A PHI-free note for the journal when the id did not come from `Location`.
+        var note: String?
+    }
+
+    static func serverIdentity(
+        location: String?, contentLocation: String?, etag: String?, answer: Data?, resourceType: String, method: FHIRMethod,
+        resourceID: String?
+    ) -> ServerIdentity {
+        let version = TransactionBundle.version(fromETag: etag)
+        for (header, note) in [(location, nil), (contentLocation, "server id from Content-Location (the answer had no Location)")] {
+            let (id, headerVersion) = parseLocation(header)
+            if let id, FHIRResource.isValidID(id) { return ServerIdentity(id: id, version: headerVersion ?? version, note: note) }
+        }
+        if let answer, !answer.isEmpty, let object = (try? JSONSerialization.jsonObject(with: answer)) as? [String: Any],
+            object["resourceType"] as? String == resourceType, let id = object["id"] as? String, FHIRResource.isValidID(id)
+        {
+            let bodyVersion = (object["meta"] as? [String: Any])?["versionId"] as? String
+            return ServerIdentity(
+                id: id, version: bodyVersion ?? version, note: "server id from the answer's resource (the answer had no Location)")
+        }
+        if method == .put, let resourceID { return ServerIdentity(id: resourceID, version: version, note: nil) }
+        return ServerIdentity(
+            id: nil, version: version,
+            note: "the server did not say where it stored it (no Location, Content-Location or resource id in its answer)")
     }
 
     /// Splits `[base]/[type]/[id]/_history/[vid]` into id and version id.
@@ -577,6 +610,44 @@ open class DataQueue: @unchecked Sendable {
             throw DataQueueError(.notFound, "item \(stored.info.id.lowercasedString) is not parked")
         }
         return stored.info
+    }
+
+    /// Records where the server stored a delivered item whose answer did not say (no `Location`,
+    /// `Content-Location` or resource id), so that the items referencing its `fullUrl` can be sent: retry them
+    /// after this.
+    ///
+    /// - Parameters:
+    ///   - reference: the delivered item's UUID, a unique prefix or suffix of it, or its sequence number.
+    ///   - location: `Type/id` or `Type/id/_history/version`, of the item's resource type.
+    /// - Returns: the journal line, updated.
+    /// - Throws: `.notFound` when no delivered item matches; `.invalidResource` when `location` is not of that form
+    ///   or type, or the journal already knows where the item is.
+    public func resolveLocation(of reference: String, at location: String) async throws -> DeliveryRecord {
+        guard let record = try await store.journalLine(reference), [.delivered, .alreadyPresent].contains(record.event) else {
+            throw DataQueueError(.notFound, "no delivered item matches \(reference)")
+        }
+        let parts = location.split(separator: "/", omittingEmptySubsequences: false).map(String.init)
+        guard parts.count == 2 || (parts.count == 4 && parts[2] == "_history" && FHIRResource.isValidID(parts[3])),
+            parts[0] == record.resourceType, FHIRResource.isValidID(parts[1])
+        else {
+            throw DataQueueError(
+                .invalidResource, "the location must be \(record.resourceType)/ID or \(record.resourceType)/ID/_history/VERSION")
+        }
+        if let known = record.serverID {
+            throw DataQueueError(.invalidResource, "the journal already has item \(record.id.lowercasedString) at \(record.resourceType)/\(known)")
+        }
+        guard
+            try await store.resolveLocation(
+                itemID: record.id, location: location, serverID: parts[1], versionID: parts.count == 4 ? parts[3] : nil,
+                note: "location given by an operator (dq resolve)")
+        else {
+            throw DataQueueError(.notFound, "no delivered item matches \(reference)")
+        }
+        guard let updated = try await store.journalLine(record.id.lowercasedString) else {
+            throw DataQueueError(.notFound, "no delivered item matches \(reference)")
+        }
+        logger.notice("location given by an operator", metadata: ["item": "\(record.id.lowercasedString)"])
+        return updated
     }
 
     /// Puts every parked item of this queue back in line. Returns how many.

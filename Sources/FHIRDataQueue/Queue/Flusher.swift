@@ -37,6 +37,8 @@ final class Flusher: @unchecked Sendable {
     /// Where this flush's deliveries with a fullUrl went (`Type/id`): their journal commits may still be on
     /// the way when a later item references them.
     private var deliveredHere: [String: String] = [:]
+    /// This flush's deliveries with a fullUrl whose server did not say where it stored them.
+    private var unlocatedHere: [String: UUID] = [:]
 
     /// One item ready to send.
     struct Prepared {
@@ -190,7 +192,8 @@ final class Flusher: @unchecked Sendable {
         var wanted: Set<String> = []
         var referencesOf: [[String]] = []
         for prepared in run {
-            let external = TransactionBundle.references(in: prepared.body).map(\.fullURL).filter { !declared.contains($0) }
+            let external = TransactionBundle.externalReferences(in: prepared.body, isBundle: prepared.item.url.isEmpty)
+                .filter { !declared.contains($0) }
             referencesOf.append(external)
             wanted.formUnion(external)
         }
@@ -200,12 +203,26 @@ final class Flusher: @unchecked Sendable {
         if !rest.isEmpty {
             locations.merge(try await queue.store.deliveredLocations(fullURLs: Array(rest).sorted())) { here, _ in here }
         }
+        var unlocated: [String: UUID] = [:]
+        let missing = Array(wanted.subtracting(locations.keys)).sorted()
+        if !missing.isEmpty {
+            unlocated = unlocatedHere.filter { missing.contains($0.key) }
+            let rest = missing.filter { unlocated[$0] == nil }
+            if !rest.isEmpty { unlocated.merge(try await queue.store.unlocatedDeliveries(fullURLs: rest)) { here, _ in here } }
+        }
         var resolved: [Prepared] = []
         for (index, var prepared) in run.enumerated() {
             if prepared.failure == nil, let missing = referencesOf[index].first(where: { locations[$0] == nil }) {
                 if !resolved.isEmpty { break }
-                prepared.failure =
-                    "it references \(missing), whose item was not delivered (parked or dropped); retry that item first, then this one"
+                if let delivered = unlocated[missing] {
+                    prepared.failure =
+                        "it references \(missing), but the server did not say where it stored item \(delivered.lowercasedString) "
+                        + "(no Location, Content-Location or resource id in its answer), so the reference cannot be resolved; "
+                        + "give it with dq resolve \(delivered.lowercasedString) TYPE/ID, then dq retry this item"
+                } else {
+                    prepared.failure =
+                        "it references \(missing), whose item was not delivered (parked or dropped); retry that item first, then this one"
+                }
             } else if !referencesOf[index].isEmpty {
                 prepared.body = TransactionBundle.rewritingReferences(prepared.body, locations)
             }
@@ -256,7 +273,7 @@ final class Flusher: @unchecked Sendable {
 
     private func sendSingle(_ prepared: Prepared) async throws -> Step {
         if let failure = prepared.failure {
-            try await park(prepared, status: nil, message: failure, outcome: nil)
+            try await park(prepared, status: nil, message: failure, outcome: nil, sent: false)
             return .next
         }
         let request = OutgoingRequest(
@@ -273,7 +290,8 @@ final class Flusher: @unchecked Sendable {
                 entries = String(decoding: json, as: UTF8.self)
             }
             try record(
-                prepared, status: response.status, location: response.location, etag: nil, conditional: conditional,
+                prepared, status: response.status, location: response.location, contentLocation: response.contentLocation,
+                etag: response.etag, answer: prepared.item.url.isEmpty ? nil : response.body, conditional: conditional,
                 bundle: nil, entries: entries)
             return .next
         case .rejected(let status, let message, let outcome):
@@ -324,9 +342,9 @@ final class Flusher: @unchecked Sendable {
                 for (index, prepared) in part.enumerated() {
                     let answer = matched?[index]
                     try record(
-                        prepared, status: answer?.status ?? response.status, location: answer?.location,
-                        etag: answer?.etag, conditional: prepared.ifNoneExist != nil && answer != nil, bundle: bundleID,
-                        entries: nil)
+                        prepared, status: answer?.status ?? response.status, location: answer?.location, contentLocation: nil,
+                        etag: answer?.etag, answer: answer?.resource, conditional: prepared.ifNoneExist != nil && answer != nil,
+                        bundle: bundleID, entries: nil)
                 }
                 queue.logger.debug("delivered a Bundle", metadata: ["entries": "\(part.count)", "bundle": "\(bundleID)"])
             case .rejected(let status, let message, let outcome):
@@ -389,8 +407,8 @@ final class Flusher: @unchecked Sendable {
             switch result {
             case .delivered(let response, _):
                 try record(
-                    prepared, status: response.status, location: response.location, etag: nil, conditional: false,
-                    bundle: nil, entries: nil)
+                    prepared, status: response.status, location: response.location, contentLocation: response.contentLocation,
+                    etag: response.etag, answer: nil, conditional: false, bundle: nil, entries: nil)
             case .rejected(let status, let message, let outcome):
                 try await park(prepared, status: status, message: message, outcome: outcome)
             case .transient(let status, let message, let retryAfter, let mayHaveArrived):
@@ -432,21 +450,32 @@ final class Flusher: @unchecked Sendable {
 
     // MARK: - Recording
 
+    /// Journals a delivery. The server id comes from `location`, else `contentLocation`, else the resource in
+    /// `answer` (see ``DataQueue/serverIdentity(location:contentLocation:etag:answer:resourceType:method:resourceID:)``);
+    /// the journal line's note says when it did not come from `Location`.
     private func record(
-        _ prepared: Prepared, status: Int, location: String?, etag: String?, conditional: Bool, bundle: String?,
-        entries: String?
+        _ prepared: Prepared, status: Int, location: String?, contentLocation: String?, etag: String?, answer: Data?,
+        conditional: Bool, bundle: String?, entries: String?
     ) throws {
         let item = prepared.item
-        var (serverID, versionID) = DataQueue.parseLocation(location)
-        versionID = versionID ?? TransactionBundle.version(fromETag: etag)
-        if serverID == nil, item.method == .put, let id = item.resourceID { serverID = id }
+        let identity = DataQueue.serverIdentity(
+            location: location, contentLocation: contentLocation, etag: etag, answer: answer, resourceType: item.resourceType,
+            method: item.method, resourceID: item.resourceID)
+        let (serverID, versionID) = (identity.id, identity.version)
+        let location = location ?? (identity.id != nil ? contentLocation : nil)
+        if serverID == nil, let fullURL = prepared.stored.fullURL {
+            unlocatedHere[fullURL] = item.id
+            queue.logger.warning(
+                "the server did not say where it stored an item that others may reference",
+                metadata: ["item": "\(item.id.lowercasedString)"])
+        }
         // A conditional create answered 200 found the resource already there (an earlier attempt whose answer
         // was lost, or the same data sent before).
         let event: DeliveryRecord.Event = conditional && status == 200 ? .alreadyPresent : .delivered
         try recorder.record(
             CompletedDelivery(
                 item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,
-                versionID: versionID, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
+                versionID: versionID, note: identity.note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
         handled.insert(item.sequence)
         report.delivered += 1
         queue.metrics.delivered.increment()
@@ -465,13 +494,15 @@ final class Flusher: @unchecked Sendable {
         progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
     }
 
-    private func park(_ prepared: Prepared, status: Int?, message: String, outcome: String?) async throws {
+    /// Parks an item: one the server rejected, or (`sent: false`) one dq holds back without sending it.
+    private func park(_ prepared: Prepared, status: Int?, message: String, outcome: String?, sent: Bool = true) async throws {
         // Earlier deliveries reach the journal before this item's state changes.
         try await recorder.finish()
         let item = prepared.item
         try await queue.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome, owner: lock)
         handled.insert(item.sequence)
         report.parked += 1
+        if !sent { report.held += 1 }
         queue.metrics.parked.increment()
         queue.logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
         if item.sequence == tracking { tracked = .parked(item, reason: message) }

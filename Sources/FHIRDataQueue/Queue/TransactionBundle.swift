@@ -22,6 +22,8 @@ enum TransactionBundle {
         var status: Int
         var location: String?
         var etag: String?
+        /// The entry's `resource`, re-serialized, when the server answered with it.
+        var resource: Data? = nil
     }
 
     /// The Bundle's JSON: `{"resourceType":"Bundle","type":"transaction","entry":[…]}`.
@@ -79,7 +81,8 @@ enum TransactionBundle {
             let statusText = response["status"] as? String ?? ""
             let status = Int(statusText.prefix { $0.isNumber }) ?? 0
             return EntryResponse(
-                status: status, location: response["location"] as? String, etag: response["etag"] as? String)
+                status: status, location: response["location"] as? String, etag: response["etag"] as? String,
+                resource: (entry["resource"] as? [String: Any]).flatMap { try? JSONSerialization.data(withJSONObject: $0) })
         }
     }
 
@@ -100,6 +103,24 @@ enum TransactionBundle {
     }
 
     // MARK: - References
+
+    /// The `urn:uuid` fullUrls `body` references and does not declare itself (lowercased, in order): every
+    /// reference of a resource; for a transaction or batch Bundle (`isBundle`), those that none of its own
+    /// entries declares as its `fullUrl` (the server resolves those within the Bundle).
+    static func externalReferences(in body: Data, isBundle: Bool) -> [String] {
+        let all = references(in: body).map(\.fullURL)
+        guard isBundle, !all.isEmpty else { return all }
+        let own = entryFullURLs(in: body)
+        return all.filter { !own.contains($0) }
+    }
+
+    /// The `urn:uuid` fullUrls the entries of the Bundle `body` declare, lowercased.
+    static func entryFullURLs(in body: Data) -> Set<String> {
+        guard let object = (try? JSONSerialization.jsonObject(with: body)) as? [String: Any],
+            let entries = object["entry"] as? [[String: Any]]
+        else { return [] }
+        return Set(entries.compactMap { ($0["fullUrl"] as? String)?.lowercased() }.filter { $0.hasPrefix("urn:uuid:") })
+    }
 
     /// Where `"reference": "urn:uuid:…"` values are in `body`: the range of each string token (quotes
     /// included) and the `urn:uuid:…` it names. Only `reference` members count, never identifiers.

@@ -566,12 +566,12 @@ final class PostgresQueueStore: QueueStorage {
         }
         let lines = deliveries.filter { deleted.remove($0.item.sequence) != nil }  // once each, in delivery order
         for start in stride(from: 0, to: lines.count, by: 1000) {
-            var bindings = PostgresBindings(capacity: 17 * min(1000, lines.count - start))
+            var bindings = PostgresBindings(capacity: 18 * min(1000, lines.count - start))
             var rows: [String] = []
             for delivery in lines[start..<min(start + 1000, lines.count)] {
                 let item = delivery.item
                 let base = bindings.count
-                rows.append("(" + (1...17).map { "$\(base + $0)" }.joined(separator: ", ") + ")")
+                rows.append("(" + (1...18).map { "$\(base + $0)" }.joined(separator: ", ") + ")")
                 bindings.append(item.sequence)
                 bindings.append(item.id)
                 bindings.append(delivery.event.rawValue)
@@ -589,12 +589,13 @@ final class PostgresQueueStore: QueueStorage {
                 bindings.append(delivery.fullURL)
                 bindings.append(delivery.bundle)
                 bindings.append(delivery.entries)
+                bindings.append(delivery.note)
             }
             try await connection.query(
                 PostgresQuery(
                     unsafeSQL: """
                         INSERT INTO dq_delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
-                                                 server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries)
+                                                 server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries, note)
                         VALUES \(rows.joined(separator: ", "))
                         """, binds: bindings),
                 logger: logger)
@@ -733,6 +734,43 @@ final class PostgresQueueStore: QueueStorage {
                 found[fullURL] = type + "/" + id
             }
             return found
+        }
+    }
+
+    func unlocatedDeliveries(fullURLs: [String]) async throws -> [String: UUID] {
+        guard !fullURLs.isEmpty else { return [:] }
+        return try await run("read the delivery journal") { [self] in
+            var found: [String: UUID] = [:]
+            for try await (fullURL, id, serverID) in try await client.query(
+                """
+                SELECT DISTINCT ON (full_url) full_url, uuid, server_id FROM dq_delivery
+                WHERE full_url = ANY(\(fullURLs)) AND event IN ('delivered', 'already-present')
+                ORDER BY full_url, seq DESC
+                """, logger: logger
+            ).decode((String, UUID, String?).self) where serverID == nil {
+                found[fullURL] = id
+            }
+            return found
+        }
+    }
+
+    func resolveLocation(itemID: UUID, location: String, serverID: String, versionID: String?, note: String) async throws -> Bool {
+        try await run("record a location") { [self] in
+            var changed = false
+            try await client.withConnection { connection in
+                for try await _ in try await connection.query(
+                    """
+                    UPDATE dq_delivery SET location = \(location), server_id = \(serverID), version_id = \(versionID), note = \(note)
+                    WHERE seq = (SELECT max(seq) FROM dq_delivery WHERE uuid = \(itemID) AND event IN ('delivered', 'already-present'))
+                      AND server_id IS NULL
+                    RETURNING seq
+                    """, logger: logger)
+                {
+                    changed = true
+                }
+                try await connection.confirmCommit(logger: logger)
+            }
+            return changed
         }
     }
 

@@ -62,6 +62,14 @@ protocol QueueStorage: AnyObject, Sendable {
     /// The server locations of delivered items by their producer `fullUrl`.
     func deliveredLocations(fullURLs: [String]) async throws -> [String: String]
 
+    /// The items among `fullURLs`' newest deliveries whose server did not say where it stored them (no
+    /// server id in the journal), by `fullUrl`.
+    func unlocatedDeliveries(fullURLs: [String]) async throws -> [String: UUID]
+
+    /// Records where the server stored the delivered item `itemID` (an operator's `dq resolve`), on its newest
+    /// delivery line when that line has no server id yet; returns whether a line changed.
+    func resolveLocation(itemID: UUID, location: String, serverID: String, versionID: String?, note: String) async throws -> Bool
+
     // MARK: Operators
 
     /// Counts and backoff of one server's queue.
@@ -203,6 +211,8 @@ struct CompletedDelivery: Sendable {
     var location: String?
     var serverID: String?
     var versionID: String?
+    /// Where the server id came from when not from `Location`, or that the server did not say (PHI-free).
+    var note: String? = nil
     /// The item's producer-given fullUrl (so later references to it can be rewritten).
     var fullURL: String? = nil
     /// The id of the Bundle request it travelled in, when it did.

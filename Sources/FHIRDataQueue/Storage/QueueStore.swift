@@ -605,8 +605,8 @@ final class QueueStore: QueueStorage {
         let insert = try db.cachedStatement(
             sql: """
                 INSERT INTO delivery (item_seq, uuid, event, queue, method, url, resource_type, status, location,
-                                      server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                                      server_id, version_id, attempts, enqueued_at, at, full_url, bundle, entries, note)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                 """)
         for delivery in deliveries {
             let item = delivery.item
@@ -616,7 +616,7 @@ final class QueueStore: QueueStorage {
                 item.sequence, item.id.lowercasedString, delivery.event.rawValue, item.queue, item.method.rawValue, delivery.url,
                 item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
                 item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now, delivery.fullURL, delivery.bundle,
-                delivery.entries,
+                delivery.entries, delivery.note,
             ])
         }
         try db.cachedStatement(
@@ -742,6 +742,40 @@ final class QueueStore: QueueStorage {
                 }
             }
             return found
+        }
+    }
+
+    func unlocatedDeliveries(fullURLs: [String]) async throws -> [String: UUID] {
+        guard !fullURLs.isEmpty else { return [:] }
+        return try await read("read the delivery journal") { db in
+            var found: [String: UUID] = [:]
+            for fullURL in fullURLs {
+                if let row = try Row.fetchOne(
+                    db,
+                    sql: """
+                        SELECT uuid, server_id FROM delivery WHERE full_url = ? AND event IN ('delivered', 'already-present')
+                        ORDER BY seq DESC LIMIT 1
+                        """,
+                    arguments: [fullURL]),
+                    (row["server_id"] as String?) == nil, let id = UUID(uuidString: row["uuid"])
+                {
+                    found[fullURL] = id
+                }
+            }
+            return found
+        }
+    }
+
+    func resolveLocation(itemID: UUID, location: String, serverID: String, versionID: String?, note: String) async throws -> Bool {
+        try await immediate("record a location") { db in
+            try db.execute(
+                sql: """
+                    UPDATE delivery SET location = ?, server_id = ?, version_id = ?, note = ?
+                    WHERE seq = (SELECT max(seq) FROM delivery WHERE uuid = ? AND event IN ('delivered', 'already-present'))
+                      AND server_id IS NULL
+                    """,
+                arguments: [location, serverID, versionID, note, itemID.lowercasedString])
+            return db.changesCount == 1
         }
     }
 

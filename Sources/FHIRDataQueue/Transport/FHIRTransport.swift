@@ -22,7 +22,12 @@ struct OutgoingRequest: Sendable {
 /// What came back from the server.
 struct TransportResponse: Sendable {
     var status: Int
+    /// The `Location` header.
     var location: String?
+    /// The `Content-Location` header (some servers name a created resource only there).
+    var contentLocation: String? = nil
+    /// The `ETag` header (`W/"1"`).
+    var etag: String? = nil
     var retryAfter: TimeInterval?
     var body: Data
 }
@@ -214,7 +219,8 @@ final class FHIRTransport: Sendable {
     private static func response(_ head: HTTPResponseHead, _ body: ByteBuffer) -> TransportResponse {
         TransportResponse(
             status: Int(head.status.code),
-            location: head.headers.first(name: "Location") ?? head.headers.first(name: "Content-Location"),
+            location: head.headers.first(name: "Location"), contentLocation: head.headers.first(name: "Content-Location"),
+            etag: head.headers.first(name: "ETag"),
             retryAfter: ResponseClassification.parseRetryAfter(head.headers.first(name: "Retry-After")),
             body: Data(buffer: body))
     }
