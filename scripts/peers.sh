@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs and runs the real servers dq is tested against, on free loopback ports.
 #
-#   scripts/peers.sh install          create .peers/venv (sekmet-fhir, cryptography) and .peers/canaille (idempotent)
+#   scripts/peers.sh install          create .peers/venv (sekmet-fhir, cryptography, fhirkit-rs) and .peers/canaille (idempotent)
 #   scripts/peers.sh bench            also .peers/bench with the benchmark peers (fhirclient, fhirpy, queues)
 #   scripts/peers.sh start            start a shared sekmet-fhir, a PostgreSQL server and PgBouncer in front of it (scripts/postgres.sh);
 #                                     writes .peers/env (DQ_TEST_FHIR_BASE, DQ_TEST_POSTGRES_URL, ...)
@@ -17,10 +17,11 @@ free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)
 
 install() {
   mkdir -p "$peers"
-  if [ ! -f "$venv/.installed-v3" ]; then
+  if [ ! -f "$venv/.installed-v4" ]; then
     "$PY" -m venv "$venv"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1" "cryptography==50.0.2" "PyJWT==2.15.1"
-    touch "$venv/.installed-v3"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1" "cryptography==50.0.2" "PyJWT==2.15.1" \
+      "fhirkit-rs==0.1.0"
+    touch "$venv/.installed-v4"
   fi
   # Canaille (OAuth2 with RFC 7591 registration) in its own venv: its Flask stack is not sekmet's.
   if [ ! -f "$peers/canaille/.installed-v1" ]; then

@@ -6,7 +6,9 @@ import Foundation
 ///
 /// The condition names the resource's first `identifier` that has both `system` and `value`. A resource with
 /// no such identifier gets one that names its queue item (`urn:ietf:rfc:3986|urn:uuid:<item id>`), inserted
-/// into the bytes without re-serializing anything else. The same item always gets the same identifier, so
+/// into the bytes without re-serializing anything else: a list of one, or a single object where the type's
+/// `identifier` is 0..1 in R4 (``IdentifierCardinality``). A type without an `identifier` element is sent as a
+/// plain create (nothing to search by). The same item always gets the same identifier, so
 /// every retry carries the same condition. In a transaction or batch Bundle each `POST` entry gets a
 /// `request.ifNoneExist` in the same way (generated identifiers name the item and the entry's position).
 ///
@@ -27,7 +29,8 @@ enum ConditionalCreate {
             if isBundle {
                 try planBundle(body, itemID: itemID, into: &insertions)
             } else {
-                let (condition, insertion) = try plan(resource: body, 0..<body.count, generatedValue: "urn:uuid:\(itemID.lowercasedString)")
+                let (condition, insertion) = try plan(
+                    resource: body, 0..<body.count, generatedValue: "urn:uuid:\(itemID.lowercasedString)")
                 ifNoneExist = condition
                 if let insertion { insertions.append(insertion) }
             }
@@ -52,21 +55,25 @@ enum ConditionalCreate {
 
     /// The condition for the resource object at `range`, and the insertion of a generated identifier when it has
     /// no usable one.
+    /// The condition is nil for a type without an `identifier` element (sent as a plain create).
     private static func plan(resource data: Data, _ range: Range<Int>, generatedValue: String) throws
-        -> (String, (offset: Int, bytes: [UInt8])?)
+        -> (String?, (offset: Int, bytes: [UInt8])?)
     {
-        let document = try JSONScanner.scan(data, range, keys: ["identifier"])
+        let document = try JSONScanner.scan(data, range, keys: ["identifier", "resourceType"])
         let generated = #"{"system":"\#(generatedSystem)","value":"\#(generatedValue)"}"#
         let condition = Self.condition(system: generatedSystem, value: generatedValue)
         guard let identifier = document.members["identifier"] else {
-            // No identifier: add one right after the opening brace.
+            let type = document.members["resourceType"].flatMap { JSONScanner.string(in: data, $0) } ?? ""
+            if IdentifierCardinality.none.contains(type) { return (nil, nil) }
+            // No identifier: add one right after the opening brace, a list or a single one as R4 has it.
             let slice = data[(data.startIndex + range.lowerBound)..<(data.startIndex + range.upperBound)]
             guard let brace = slice.firstIndex(of: UInt8(ascii: "{")) else {
                 throw DataQueueError(.invalidResource, "idempotent mode needs the resource to be a JSON object")
             }
             let rest = slice[(brace + 1)...].first { ![0x20, 0x09, 0x0A, 0x0D].contains($0) }
             let separator = rest == UInt8(ascii: "}") ? "" : ","
-            return (condition, (brace - data.startIndex + 1, Array(#""identifier":[\#(generated)]\#(separator)"#.utf8)))
+            let value = IdentifierCardinality.single.contains(type) ? generated : "[" + generated + "]"
+            return (condition, (brace - data.startIndex + 1, Array(#""identifier":\#(value)\#(separator)"#.utf8)))
         }
         let list = try JSONScanner.scan(data, identifier, keys: [])
         let first = data[data.startIndex + identifier.lowerBound]
@@ -118,7 +125,7 @@ enum ConditionalCreate {
             let (condition, insertion) = try plan(
                 resource: data, resourceRange, generatedValue: "urn:uuid:" + entryID(itemID: itemID, index: index))
             if let insertion { insertions.append(insertion) }
-            insertions.append((requestRange.lowerBound + 1, Array(#""ifNoneExist":"\#(condition)","#.utf8)))
+            if let condition { insertions.append((requestRange.lowerBound + 1, Array(#""ifNoneExist":"\#(condition)","#.utf8))) }
         }
     }
 
