@@ -28,14 +28,11 @@ let package = Package(
         // Settings, errors and status: Foundation's essentials only, for the library and the `dq` front.
         .target(name: "FHIRDataQueueCore"),
         .systemLibrary(name: "CSQLite"),
-        // A VFS that writes a transaction's WAL frames with one system call (see its header).
-        .target(name: "SQLiteWALWrites", dependencies: ["CSQLite"]),
         .target(
             name: "FHIRDataQueue",
             dependencies: [
                 "FHIRDataQueueCore",
                 "CSQLite",
-                "SQLiteWALWrites",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "AsyncHTTPClient", package: "async-http-client"),
                 .product(name: "NIOCore", package: "swift-nio"),
@@ -81,7 +78,6 @@ let package = Package(
             name: "FHIRDataQueueTests",
             dependencies: [
                 "FHIRDataQueue",
-                "SQLiteWALWrites",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "Crypto", package: "swift-crypto"),
                 .product(name: "_CryptoExtras", package: "swift-crypto"),

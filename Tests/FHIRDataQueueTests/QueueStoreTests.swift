@@ -135,6 +135,30 @@ struct QueueStoreTests {
         #expect(!threads.contains(callerThread), "a commit ran on the calling task's thread")
     }
 
+    @Test("A queue path with URI characters is opened at that very path, and a relative one stays relative")
+    func uriCharacters() async throws {
+        let folder = directory.appendingPathComponent("a b?c#d%e&f=ü")
+        try FileManager.default.createDirectory(at: folder, withIntermediateDirectories: true)
+        let path = folder.appendingPathComponent("q?vfs=unix#x.sqlite").path
+        let store = try QueueStore(path: path, durability: .full)
+        #expect(try await store.insert([item(1)]) == [1])
+        #expect(
+            try FileManager.default.contentsOfDirectory(atPath: folder.path).sorted() == [
+                "q?vfs=unix#x.sqlite", "q?vfs=unix#x.sqlite-shm", "q?vfs=unix#x.sqlite-wal", "q?vfs=unix#x.sqlite.lock",
+            ])
+        var configuration = Configuration()
+        configuration.readonly = true
+        let count = try await DatabaseQueue(path: SQLiteFileName.location(for: path), configuration: configuration).read { db in
+            try Int.fetchOne(db, sql: "SELECT count(*) FROM item")
+        }
+        #expect(count == 1)
+        try #require(SQLiteFileName.readsURIs, "Debian's SQLite reads URI filenames")
+        #expect(SQLiteFileName.location(for: "queue dir/q.sqlite") == "file:queue%20dir/q.sqlite")
+        #expect(SQLiteFileName.location(for: "//srv/q.sqlite") == "file:////srv/q.sqlite")
+        // A file whose name starts with `file:` is that file, not a URI.
+        #expect(SQLiteFileName.location(for: "file:q.sqlite") == "file:file%3Aq.sqlite")
+    }
+
     /// Polls `condition` (yielding) for up to 10 s.
     func waitFor(_ condition: () -> Bool) async throws -> Bool {
         for _ in 0..<10_000 {

@@ -148,7 +148,7 @@ final class QueueStore: QueueStorage {
         close(fd)
         do {
             // Closed at the end of the scope: SQLite checkpoints and removes the new file's WAL.
-            let database = try DatabaseQueue(path: WALWrites.location(for: temporary), configuration: configuration)
+            let database = try DatabaseQueue(path: SQLiteFileName.location(for: temporary), configuration: configuration)
             try migrator.migrate(database)
             try database.close()
         } catch {
@@ -175,7 +175,7 @@ final class QueueStore: QueueStorage {
         }
         let database: DatabaseQueue
         do {
-            database = try DatabaseQueue(path: WALWrites.location(for: path), configuration: configuration)
+            database = try DatabaseQueue(path: SQLiteFileName.location(for: path), configuration: configuration)
             let migrator = Self.migrator
             let (isQueue, complete, newer) = try database.read { db -> (Bool, Bool, Bool) in
                 let isQueue = try db.tableExists("item") && db.tableExists("grdb_migrations")
