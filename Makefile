@@ -30,14 +30,12 @@ gateway: deps
 RELEASE_FLAGS := -c release --static-swift-stdlib -Xlinker -s
 
 release: deps
-	$(SWIFT) build $(RELEASE_FLAGS) --product dq-engine
 	$(SWIFT) build $(RELEASE_FLAGS) --product dq
 
-# dq (the front that answers `dq status` itself) and dq-engine (every other command) go side by side.
 PREFIX ?= /usr/local
 install: release
 	install -d $(DESTDIR)$(PREFIX)/bin
-	install -m 755 .build/release/dq .build/release/dq-engine $(DESTDIR)$(PREFIX)/bin/
+	install -m 755 .build/release/dq $(DESTDIR)$(PREFIX)/bin/
 
 peers:
 	scripts/peers.sh install
@@ -62,7 +60,6 @@ bench: deps peers
 	@missing=""; for p in $(BENCH_APT); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 	scripts/peers.sh bench
-	$(SWIFT) build $(RELEASE_FLAGS) --product dq-engine
 	$(SWIFT) build $(RELEASE_FLAGS) --product dq
 	$(SWIFT) build $(RELEASE_FLAGS) --product dq-bench
 	python3 Benchmarks/run.py $(BENCH_ARGS)

@@ -7,7 +7,6 @@ let package = Package(
     products: [
         .library(name: "FHIRDataQueue", targets: ["FHIRDataQueue"]),
         .executable(name: "dq", targets: ["dq"]),
-        .executable(name: "dq-engine", targets: ["dq-engine"]),
     ],
     dependencies: [
         .package(url: "https://github.com/groue/GRDB.swift", from: "7.10.0"),
@@ -25,13 +24,10 @@ let package = Package(
         .package(url: "https://github.com/vapor/postgres-nio", from: "1.33.2"),
     ],
     targets: [
-        // Settings, errors and status: Foundation's essentials only, for the library and the `dq` front.
-        .target(name: "FHIRDataQueueCore"),
         .systemLibrary(name: "CSQLite"),
         .target(
             name: "FHIRDataQueue",
             dependencies: [
-                "FHIRDataQueueCore",
                 "CSQLite",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "AsyncHTTPClient", package: "async-http-client"),
@@ -52,10 +48,9 @@ let package = Package(
                 .product(name: "PostgresNIO", package: "postgres-nio"),
             ]
         ),
-        // `dq`: a small front that answers `dq status` itself and hands every other command to `dq-engine`.
-        .executableTarget(name: "dq", dependencies: ["FHIRDataQueueCore", "CSQLite"]),
+        // `dq`, the command line: parses, calls the library, maps errors to exit codes.
         .executableTarget(
-            name: "dq-engine",
+            name: "dq",
             dependencies: [
                 "FHIRDataQueue",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),

@@ -1,18 +1,11 @@
-import FHIRDataQueueCore
 import Foundation
 import Testing
 
 @testable import FHIRDataQueue
 
-/// The pieces the library and the `dq` front share must agree with what the library does.
-@Suite("Shared core")
+/// Where settings and queues live.
+@Suite("Settings files and queue paths")
 struct CoreTests {
-    @Test("The front's schema check names exactly the migrations the store registers")
-    func migrationsAgree() {
-        #expect(QueueStore.migrator.migrations.count == 4)
-        #expect(QueueStore.migrator.migrations == QueueSchema.migrations)
-    }
-
     @Test(
         "A config file's directory is what NSString.deletingLastPathComponent gives",
         arguments: [

@@ -1,4 +1,3 @@
-import FHIRDataQueueCore
 import Foundation
 
 extension DataQueue {

@@ -1,5 +1,4 @@
 import CSQLite
-import FHIRDataQueueCore
 import Foundation
 import GRDB
 

@@ -4,7 +4,7 @@
     import Foundation
 #endif
 
-/// Where a queue lives and what it is called: the rules both the library and the `dq` front follow.
+/// Where a queue lives and what it is called.
 package enum QueuePaths {
     /// The default database: `$XDG_DATA_HOME/dq/queue.sqlite`, else `~/.local/share/dq/queue.sqlite`.
     package static func defaultDatabasePath(environment: [String: String]) -> String {

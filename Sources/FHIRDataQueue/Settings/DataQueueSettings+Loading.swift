@@ -1,0 +1,308 @@
+import Foundation
+import Logging
+
+extension DataQueueSettings {
+    // MARK: - Loading
+
+    /// Reads and decodes a settings file; relative paths in it are relative to its directory.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when the file cannot be read, is not a JSON
+    ///   object, or has an unknown key or a value of the wrong type.
+    public static func load(contentsOf path: String) throws -> DataQueueSettings {
+        try load(contentsOf: path) { data in try decode(data, source: path) }
+    }
+
+    /// Decodes settings from JSON bytes; `source` names them in errors.
+    public static func decode(_ data: Data, source: String = "the settings") throws -> DataQueueSettings {
+        do {
+            return try JSONDecoder().decode(DataQueueSettings.self, from: data)
+        } catch let error as DataQueueError {
+            throw error
+        } catch DecodingError.typeMismatch(_, let context) where !context.codingPath.isEmpty {
+            throw configError("\(SettingsKeys.name(context.codingPath)) has the wrong type")
+        } catch DecodingError.dataCorrupted {
+            // Where the JSON breaks (never the text around it): Foundation's parser names a character offset.
+            if let at = errorOffset(in: data) {
+                let before = data.prefix(at)
+                let line = before.reduce(1) { $1 == UInt8(ascii: "\n") ? $0 + 1 : $0 }
+                let column = at - (before.lastIndex(of: UInt8(ascii: "\n")).map { $0 - data.startIndex + 1 } ?? 0) + 1
+                throw configError("\(source) is not a JSON object: invalid JSON at line \(line), column \(column)")
+            }
+            throw configError("\(source) is not a JSON object")
+        } catch {
+            throw configError("\(source) is not a JSON object")
+        }
+    }
+
+    /// The byte offset where `data` stops being JSON, as Foundation's parser reports it.
+    private static func errorOffset(in data: Data) -> Int? {
+        do {
+            _ = try JSONSerialization.jsonObject(with: data)
+            return nil
+        } catch {
+            let text = (error as NSError).userInfo[NSDebugDescriptionErrorKey] as? String ?? ""
+            guard let range = text.range(of: #"character \d+"#, options: String.CompareOptions.regularExpression),
+                let offset = Int(text[range].dropFirst("character ".count))
+            else { return nil }
+            return min(offset, data.count)
+        }
+    }
+
+    // MARK: - Resolving
+
+    /// What the settings make: the pieces of a queue, each value checked.
+    public struct Resolved: Sendable {
+        /// The FHIR base URL.
+        public var server: URL
+        /// The queue's configuration.
+        public var configuration: DataQueue.Configuration
+        /// How requests are authorized, if at all.
+        public var authorization: (any AuthorizationProvider)?
+        /// The encrypted endpoint, if any.
+        public var encryption: ResolvedEncryption?
+    }
+
+    /// The `encryption` object, resolved.
+    public struct ResolvedEncryption: Sendable {
+        /// Where envelopes go.
+        public var endpoint: URL
+        /// The sealer with the receiver's key.
+        public var sealer: EnvelopeSealer
+        /// The types to encrypt; nil: every resource.
+        public var resourceTypes: Set<String>?
+    }
+
+    /// Checks every value and builds the queue's pieces. No file other than the certificate and keys named
+    /// in the settings is read, and nothing is written.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the key of the first bad value.
+    public func resolve() throws -> Resolved {
+        let values = try checkedValues()
+        var configuration = DataQueue.Configuration()
+        if let value = values.database { configuration.databasePath = value }
+        if let value = values.durability { configuration.durability = value }
+        if let idempotent { configuration.idempotent = idempotent }
+        if let value = values.maximumResourceSize { configuration.maximumResourceSize = value }
+        if let value = values.batchSize { configuration.batchSize = value }
+        if let value = values.batchMaxBytes { configuration.batchMaxBytes = value }
+        if let value = values.requestTimeout { configuration.requestTimeout = value }
+        if let value = values.connectTimeout { configuration.connectTimeout = value }
+        if let value = values.leaseDuration { configuration.leaseDuration = value }
+        if let value = values.settleDelay { configuration.settleDelay = value }
+        if let value = values.retryInitialDelay { configuration.retryPolicy.initialDelay = value }
+        if let value = values.retryMaximumDelay { configuration.retryPolicy.maximumDelay = value }
+        if let value = values.retryJitter { configuration.retryPolicy.jitter = value }
+        configuration.caBundlePath = values.caBundlePath
+        let serverURL = values.server
+        var authorization: (any AuthorizationProvider)?
+        if let auth {
+            if let token = auth.bearerToken {
+                guard !token.isEmpty else { throw Self.configError("\"auth.bearer_token\" is empty") }
+                authorization = StaticBearerToken(token)
+            } else if auth.authorizeType == "authorization_code" {
+                authorization = try resolveAuthorizationCode(auth, server: serverURL, caBundle: configuration.caBundlePath)
+            } else if auth.authorizeType != nil || auth.clientID != nil || auth.registrationURI != nil {
+                authorization = try resolveOAuth2(auth, server: serverURL, caBundle: configuration.caBundlePath)
+            }
+        }
+        if let value = encryption?.inFlight {
+            guard value.isFinite, value.rounded() == value, (1...64).contains(value) else {
+                throw Self.configError("\"encryption.in_flight\" must be a whole number from 1 to 64")
+            }
+            configuration.encryptedInFlight = Int(value)
+        }
+        return Resolved(
+            server: serverURL, configuration: configuration, authorization: authorization,
+            encryption: try encryption.map(resolveEncryption))
+    }
+
+    /// Builds the queue the settings describe: an ``EncryptedDataQueue`` when `encryption` is set, else a
+    /// ``DataQueue``.
+    ///
+    /// - Parameters:
+    ///   - readOnly: open an existing queue for reading only (see ``DataQueue/Configuration/readOnly``).
+    ///     The default is `false`.
+    ///   - logger: where the queue logs.
+    /// - Throws: ``DataQueueError``: `.invalidConfiguration` for a bad setting, `.storage` when the database
+    ///   cannot be opened.
+    public func makeQueue(readOnly: Bool = false, logger: Logger) throws -> DataQueue {
+        var resolved = try resolve()
+        resolved.configuration.readOnly = readOnly
+        if let encryption = resolved.encryption {
+            let types = encryption.resourceTypes
+            return try EncryptedDataQueue(
+                baseURL: resolved.server, encryptedBaseURL: encryption.endpoint, sealer: encryption.sealer,
+                shouldEncrypt: { resource in types?.contains(resource.resourceType) ?? true },
+                configuration: resolved.configuration, authorization: resolved.authorization, logger: logger)
+        }
+        return try DataQueue(
+            baseURL: resolved.server, configuration: resolved.configuration, authorization: resolved.authorization,
+            logger: logger)
+    }
+
+    // MARK: - Pieces
+
+    private func relative(_ path: String) -> String {
+        if path.hasPrefix("/") { return path }
+        guard let baseDirectory, !baseDirectory.isEmpty else { return path }
+        return (baseDirectory as NSString).appendingPathComponent(path)
+    }
+
+    /// An `auth` URL key's value: nil when absent, else an http(s) URL with a host.
+    private static func authURL(_ text: String?, _ key: String) throws -> URL? {
+        guard let text else { return nil }
+        guard let url = URL(string: text), let scheme = url.scheme?.lowercased(), scheme == "http" || scheme == "https",
+            url.host != nil
+        else { throw configError("\"auth.\(key)\" must be an http(s) URL") }
+        return url
+    }
+
+    /// `token_endpoint_auth_method`, `private_key`, `key_id` and `key_alg`, checked.
+    private func clientAuthentication(_ auth: Auth, allowNone: Bool) throws -> (TokenEndpointAuthMethod?, ClientAssertionKey?) {
+        var method: TokenEndpointAuthMethod?
+        if let text = auth.tokenEndpointAuthMethod {
+            guard let parsed = TokenEndpointAuthMethod(rawValue: text), allowNone || parsed != .none else {
+                throw Self.configError(
+                    "\"auth.token_endpoint_auth_method\" must be client_secret_basic, client_secret_post\(allowNone ? ", none" : "") or private_key_jwt"
+                )
+            }
+            method = parsed
+        }
+        var keyAlgorithm: ClientAssertionKey.Algorithm?
+        if let name = auth.keyAlgorithm {
+            guard let parsed = ClientAssertionKey.Algorithm(rawValue: name.uppercased()) else {
+                throw Self.configError("\"auth.key_alg\" must be RS256, RS384, ES256 or ES384")
+            }
+            keyAlgorithm = parsed
+        }
+        var key: ClientAssertionKey?
+        if let path = auth.privateKey {
+            key = try ClientAssertionKey(pemFile: relative(path), keyID: auth.keyID, algorithm: keyAlgorithm)
+        } else if keyAlgorithm != nil {
+            throw Self.configError("\"auth.key_alg\" is set but \"auth.private_key\" is not")
+        }
+        return (method, key)
+    }
+
+    private func resolveAuthorizationCode(_ auth: Auth, server: URL, caBundle: String?) throws -> AuthorizationCodeClient {
+        for (key, set) in [("registration_uri", auth.registrationURI != nil), ("registration_fields", auth.registrationFields != nil)]
+        where set {
+            throw Self.configError("\"auth.\(key)\" is for client_credentials; with authorization_code give \"auth.client_id\"")
+        }
+        guard let clientID = auth.clientID, !clientID.isEmpty else {
+            throw Self.configError("\"auth.client_id\" is missing (authorization_code needs the client id the server registered)")
+        }
+        var configuration = AuthorizationCodeConfiguration(fhirBaseURL: server, clientID: clientID)
+        configuration.clientSecret = auth.clientSecret
+        (configuration.authMethod, configuration.assertionKey) = try clientAuthentication(auth, allowNone: true)
+        switch configuration.effectiveAuthMethod {
+        case .privateKeyJWT where configuration.assertionKey == nil:
+            throw Self.configError("\"auth.private_key\" is missing (needed for private_key_jwt)")
+        case .clientSecretBasic, .clientSecretPost:
+            if configuration.clientSecret == nil {
+                throw Self.configError(
+                    "\"auth.client_secret\" is missing (or set DQ_CLIENT_SECRET) for \(configuration.effectiveAuthMethod.rawValue)")
+            }
+        default: break
+        }
+        if let scope = auth.scope {
+            guard !scope.trimmingCharacters(in: .whitespaces).isEmpty else { throw Self.configError("\"auth.scope\" is empty") }
+            configuration.scope = scope
+        }
+        configuration.authorizationURL = try Self.authURL(auth.authorizeURI, "authorize_uri")
+        configuration.tokenURL = try Self.authURL(auth.tokenURI, "token_uri")
+        configuration.revocationURL = try Self.authURL(auth.revocationURI, "revocation_uri")
+        if let issuer = auth.issuer {
+            _ = try Self.authURL(issuer, "issuer")
+            configuration.issuer = issuer
+        }
+        if let directory = auth.credentialsDirectory { configuration.credentialsDirectory = relative(directory) }
+        configuration.caBundlePath = caBundle
+        return AuthorizationCodeClient(configuration: configuration)
+    }
+
+    private func resolveOAuth2(_ auth: Auth, server: URL, caBundle: String?) throws -> OAuth2ClientCredentials {
+        if auth.issuer != nil || auth.revocationURI != nil {
+            throw Self.configError("\"auth.issuer\" and \"auth.revocation_uri\" belong to \"authorize_type\": \"authorization_code\"")
+        }
+        if let type = auth.authorizeType, type != "client_credentials" {
+            throw Self.configError(
+                "\"auth.authorize_type\" must be \"client_credentials\" or \"authorization_code\", not \"\(type)\"")
+        }
+        let url = Self.authURL
+        var oauth = OAuth2Configuration(fhirBaseURL: server)
+        oauth.clientID = auth.clientID
+        oauth.clientSecret = auth.clientSecret
+        oauth.tokenURL = try url(auth.tokenURI, "token_uri") ?? url(auth.authorizeURI, "authorize_uri")
+        oauth.registrationURI = try url(auth.registrationURI, "registration_uri")
+        if let name = auth.clientName { oauth.clientName = name }
+        oauth.scope = auth.scope
+        oauth.caBundlePath = caBundle
+        (oauth.authMethod, oauth.assertionKey) = try clientAuthentication(auth, allowNone: false)
+        if oauth.effectiveAuthMethod == .privateKeyJWT && oauth.assertionKey == nil {
+            throw Self.configError("\"auth.private_key\" is missing (needed for private_key_jwt)")
+        }
+        if oauth.effectiveAuthMethod != .privateKeyJWT && oauth.clientID != nil && oauth.clientSecret == nil {
+            throw Self.configError("\"auth.client_secret\" is missing (or set DQ_CLIENT_SECRET, or \"auth.private_key\")")
+        }
+        for (key, value) in auth.registrationFields ?? [:] {
+            switch value {
+            case .bool(let flag): oauth.registrationFlags[key] = flag
+            case .string(let text): oauth.registrationFields[key] = text
+            }
+        }
+        if let headers = auth.registrationHeaders { oauth.registrationHeaders = headers }
+        if let directory = auth.credentialsDirectory {
+            oauth.credentialStore = CredentialStore(directory: relative(directory))
+        }
+        if oauth.clientID == nil && oauth.registrationURI == nil && oauth.tokenURL != nil {
+            throw Self.configError("\"auth.client_id\" is missing (or set \"auth.registration_uri\" to register dynamically)")
+        }
+        return try OAuth2ClientCredentials(configuration: oauth)
+    }
+
+    private func resolveEncryption(_ object: Encryption) throws -> ResolvedEncryption {
+        func text(_ value: String?, _ key: String, required: Bool) throws -> String? {
+            guard let value else {
+                if required { throw Self.configError("\"encryption.\(key)\" is missing") }
+                return nil
+            }
+            guard !value.isEmpty else { throw Self.configError("\"encryption.\(key)\" must be a non-empty string") }
+            return value
+        }
+        let endpointText = try text(object.endpoint, "endpoint", required: true)!
+        guard let endpoint = URL(string: endpointText) else {
+            throw Self.configError("\"encryption.endpoint\" must be an http(s) URL with a host")
+        }
+        do {
+            _ = try DataQueue.queueName(for: endpoint, setting: "\"encryption.endpoint\"")
+        } catch let error as DataQueueError {
+            throw Self.configError(error.message)
+        }
+        let certificatePath = relative(try text(object.certificate, "certificate", required: true)!)
+        let keyID = try text(object.keyID, "key_id", required: true)!
+        let version = try text(object.fhirVersion, "fhir_version", required: false) ?? "1.0.2"
+        let modeText = try text(object.mode, "mode", required: false) ?? "c3pro"
+        guard let format = EnvelopeFormat(rawValue: modeText) else {
+            throw Self.configError("\"encryption.mode\" must be \"c3pro\" or \"authenticated\"")
+        }
+        var types: Set<String>?
+        if let list = object.resourceTypes {
+            guard !list.isEmpty else {
+                throw Self.configError("\"encryption.resource_types\" must be a non-empty list of resource type names")
+            }
+            types = Set(list)
+        }
+        let recipient: RecipientKey
+        do {
+            recipient = try RecipientKey(contentsOfFile: certificatePath)
+        } catch let error as DataQueueError {
+            throw Self.configError(error.message.replacingOccurrences(of: "encryption: ", with: "\"encryption.certificate\": "))
+        }
+        return ResolvedEncryption(
+            endpoint: endpoint,
+            sealer: EnvelopeSealer(recipient: recipient, keyID: keyID, fhirVersion: version, format: format),
+            resourceTypes: types)
+    }
+
+}
