@@ -83,8 +83,14 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
 
     /// The HTTP client, made on first use: reading the stored sign-in (`dq status`) starts no threads.
     private var http: OAuth2HTTP {
+        get throws {
+            try makeHTTP()
+        }
+    }
+
+    private func makeHTTP() throws -> OAuth2HTTP {
         if let httpClient { return httpClient }
-        let made = OAuth2HTTP(caBundlePath: configuration.caBundlePath, timeout: configuration.timeout)
+        let made = try OAuth2HTTP(network: configuration.network, timeout: configuration.timeout)
         httpClient = made
         return made
     }
@@ -379,7 +385,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
                 .invalidConfiguration,
                 "configuration: the ID token cannot be checked: the server names no issuer and jwks_uri (set \"auth.issuer\")")
         }
-        let http = self.http
+        let http = try self.http
         let made = IDTokenVerifier(jwksURL: jwks) { url in
             var request = HTTPClientRequest(url: url.absoluteString)
             request.headers.add(name: "Accept", value: "application/json, application/jwk-set+json")

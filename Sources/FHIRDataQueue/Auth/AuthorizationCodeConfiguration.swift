@@ -38,8 +38,14 @@ public struct AuthorizationCodeConfiguration: Sendable {
     public var credentialsDirectory: String
     /// The deadline of each request to the authorization server, in seconds. The default is 30.
     public var timeout: TimeInterval
-    /// A PEM file of CA certificates to trust (private PKI). The default is nil (the system's).
-    public var caBundlePath: String?
+    /// Proxies, trust and the client certificate for requests to the authorization server. The default is
+    /// direct connections with the system's trust store.
+    public var network = NetworkConfiguration()
+    /// A PEM file of CA certificates trusted in addition to the system's (private PKI). The default is nil.
+    public var caBundlePath: String? {
+        get { network.caBundlePath }
+        set { network.caBundlePath = newValue }
+    }
 
     /// Creates a configuration; every other property has the default stated on it.
     public init(fhirBaseURL: URL, clientID: String) {

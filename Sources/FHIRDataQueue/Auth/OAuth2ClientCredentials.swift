@@ -40,7 +40,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
             throw DataQueueError(.invalidConfiguration, "configuration: client_credentials needs a client secret or key, not \"none\"")
         }
         self.configuration = configuration
-        self.http = OAuth2HTTP(caBundlePath: configuration.caBundlePath, timeout: configuration.timeout)
+        self.http = try OAuth2HTTP(network: configuration.network, timeout: configuration.timeout)
         if let id = configuration.clientID { credentials = (id, configuration.clientSecret) }
     }
 

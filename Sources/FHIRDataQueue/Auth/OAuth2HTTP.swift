@@ -10,23 +10,18 @@ import NIOSSL
 /// 1 MiB; a request that gets no answer becomes a ``DataQueueError/Code/transport`` error naming the URL
 /// without its query.
 struct OAuth2HTTP: Sendable {
-    let client: HTTPClient
+    /// The process's clients for the network configuration (shared with the queues that use it).
+    let clients: HTTPClients
     let timeout: TimeInterval
 
-    init(caBundlePath: String?, timeout: TimeInterval) {
-        var http = HTTPClient.Configuration()
-        http.redirectConfiguration = .disallow
-        http.connectionPool.retryConnectionEstablishment = false
-        if let ca = caBundlePath {
-            var tls = TLSConfiguration.makeClientConfiguration()
-            tls.trustRoots = .file(ca)
-            http.tlsConfiguration = tls
-        }
-        self.client = HTTPClient(eventLoopGroupProvider: .singleton, configuration: http)
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a certificate, key or CA bundle that cannot be read.
+    init(network: NetworkConfiguration, timeout: TimeInterval) throws {
+        clients = try HTTPClients.shared(for: network)
         self.timeout = timeout
     }
 
-    func shutdown() async throws { try await client.shutdown() }
+    /// The shared clients stay for the process.
+    func shutdown() async throws {}
 
     /// A JSON document by GET: nil for any status but 200 or for a body that is not a JSON object; a 5xx,
     /// 408 or 429 throws a temporary error (discovery must not mistake a sick server for a missing document).
@@ -55,11 +50,16 @@ struct OAuth2HTTP: Sendable {
 
     func execute(_ request: HTTPClientRequest) async throws -> (Int, Data) {
         do {
-            let response = try await client.execute(request, timeout: .seconds(Int64(timeout)))
+            guard let url = URL(string: request.url) else { throw HTTPClientError.invalidURL }
+            let response = try await clients.client(for: url).execute(request, timeout: .seconds(Int64(timeout)))
             let body = try await response.body.collect(upTo: 1 << 20)
             return (Int(response.status.code), Data(buffer: body))
+        } catch let error as DataQueueError {
+            throw error
         } catch {
-            throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(FHIRTransport.describe(error))")
+            let description = FHIRTransport.describe(
+                error, proxy: clients.network, clientCertificate: clients.network.clientCertificatePath != nil)
+            throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(description)")
         }
     }
 

@@ -37,9 +37,15 @@ extension DataQueue {
         /// renews it (every third of it). A flusher that dies is replaced after at most this long; a shorter
         /// lease costs more renewals. The default is 30 seconds.
         public var leaseDuration: TimeInterval = 30
-        /// A PEM file of CA certificates to trust instead of the system's (private PKI). TLS
-        /// verification is always on. The default is `nil` (the system trust store).
-        public var caBundlePath: String?
+        /// Proxies, trust and the client certificate for every request (see ``NetworkConfiguration``). The
+        /// default is direct connections with the system's trust store.
+        public var network = NetworkConfiguration()
+        /// A PEM file of CA certificates trusted in addition to the system's (private PKI; see
+        /// ``NetworkConfiguration/caBundleOnly``). TLS verification is always on. The default is `nil`.
+        public var caBundlePath: String? {
+            get { network.caBundlePath }
+            set { network.caBundlePath = newValue }
+        }
         /// The most items one request carries, as the entries of a transaction Bundle. `1` sends one request
         /// per item. The default, nil, is automatic: dq reads the server's CapabilityStatement (at most once
         /// per ``capabilityLifetime``, cached in the database) and sends Bundles of up to
@@ -86,11 +92,11 @@ extension DataQueue {
             self.retryPolicy = retryPolicy
             self.lockWait = lockWait
             self.settleDelay = settleDelay
-            self.caBundlePath = caBundlePath
             self.readOnly = readOnly
             self.batchSize = batchSize
             self.batchMaxBytes = batchMaxBytes
             self.capabilityLifetime = capabilityLifetime
+            self.network.caBundlePath = caBundlePath
         }
 
         /// The Bundle size automatic batching uses with a server that takes transactions: 100 entries.

@@ -115,7 +115,7 @@ open class DataQueue: @unchecked Sendable {
             leaseDuration: configuration.leaseDuration, logger: logger)
         self.transport = try FHIRTransport(
             timeout: configuration.requestTimeout, connectTimeout: configuration.connectTimeout,
-            caBundlePath: configuration.caBundlePath, client: httpClient)
+            network: configuration.network, client: httpClient)
     }
 
     /// Releases what the queue owns: its HTTP client (unless the caller passed one) and the authorization

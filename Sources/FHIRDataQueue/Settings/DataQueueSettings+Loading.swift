@@ -92,7 +92,7 @@ extension DataQueueSettings {
         if let value = values.retryInitialDelay { configuration.retryPolicy.initialDelay = value }
         if let value = values.retryMaximumDelay { configuration.retryPolicy.maximumDelay = value }
         if let value = values.retryJitter { configuration.retryPolicy.jitter = value }
-        configuration.caBundlePath = values.caBundlePath
+        configuration.network = values.network
         let serverURL = values.server
         var authorization: (any AuthorizationProvider)?
         if let auth {
@@ -100,9 +100,9 @@ extension DataQueueSettings {
                 guard !token.isEmpty else { throw Self.configError("\"auth.bearer_token\" is empty") }
                 authorization = StaticBearerToken(token)
             } else if auth.authorizeType == "authorization_code" {
-                authorization = try resolveAuthorizationCode(auth, server: serverURL, caBundle: configuration.caBundlePath)
+                authorization = try resolveAuthorizationCode(auth, server: serverURL, network: configuration.network)
             } else if auth.authorizeType != nil || auth.clientID != nil || auth.registrationURI != nil {
-                authorization = try resolveOAuth2(auth, server: serverURL, caBundle: configuration.caBundlePath)
+                authorization = try resolveOAuth2(auth, server: serverURL, network: configuration.network)
             }
         }
         if let value = encryption?.inFlight {
@@ -184,7 +184,7 @@ extension DataQueueSettings {
         return (method, key)
     }
 
-    private func resolveAuthorizationCode(_ auth: Auth, server: URL, caBundle: String?) throws -> AuthorizationCodeClient {
+    private func resolveAuthorizationCode(_ auth: Auth, server: URL, network: NetworkConfiguration) throws -> AuthorizationCodeClient {
         for (key, set) in [("registration_uri", auth.registrationURI != nil), ("registration_fields", auth.registrationFields != nil)]
         where set {
             throw Self.configError("\"auth.\(key)\" is for client_credentials; with authorization_code give \"auth.client_id\"")
@@ -217,11 +217,11 @@ extension DataQueueSettings {
             configuration.issuer = issuer
         }
         if let directory = auth.credentialsDirectory { configuration.credentialsDirectory = relative(directory) }
-        configuration.caBundlePath = caBundle
+        configuration.network = network
         return AuthorizationCodeClient(configuration: configuration)
     }
 
-    private func resolveOAuth2(_ auth: Auth, server: URL, caBundle: String?) throws -> OAuth2ClientCredentials {
+    private func resolveOAuth2(_ auth: Auth, server: URL, network: NetworkConfiguration) throws -> OAuth2ClientCredentials {
         if auth.issuer != nil || auth.revocationURI != nil {
             throw Self.configError("\"auth.issuer\" and \"auth.revocation_uri\" belong to \"authorize_type\": \"authorization_code\"")
         }
@@ -237,7 +237,7 @@ extension DataQueueSettings {
         oauth.registrationURI = try url(auth.registrationURI, "registration_uri")
         if let name = auth.clientName { oauth.clientName = name }
         oauth.scope = auth.scope
-        oauth.caBundlePath = caBundle
+        oauth.network = network
         (oauth.authMethod, oauth.assertionKey) = try clientAuthentication(auth, allowNone: false)
         if oauth.effectiveAuthMethod == .privateKeyJWT && oauth.assertionKey == nil {
             throw Self.configError("\"auth.private_key\" is missing (needed for private_key_jwt)")

@@ -44,8 +44,18 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var batchMaxBytes: Double?
     /// `retry`: the backoff after failures.
     public var retry: Retry?
-    /// `ca_bundle`: PEM CAs to trust instead of the system's.
+    /// `ca_bundle`: PEM CAs to trust in addition to the system's (also `tls.ca_bundle`).
     public var caBundle: String?
+    /// `proxy`: the proxy for every request (`http://[user:password@]host:port`, or `socks5://host:port`); over
+    /// `HTTPS_PROXY` and `HTTP_PROXY`.
+    public var proxy: String?
+    /// `no_proxy`: hosts reached without the proxy (curl's `NO_PROXY` rules); over `NO_PROXY`.
+    public var noProxy: String?
+    /// `tls`: the client certificate and trust.
+    public var tls: TLS?
+    /// The proxy variables of the environment (`HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY`), set by
+    /// ``apply(environment:)``. Not read from the file.
+    public var environmentNetwork = NetworkConfiguration()
     /// `auth`: how requests are authorized.
     public var auth: Auth?
     /// `encryption`: the encrypted endpoint (see ``EncryptedDataQueue``).
@@ -132,6 +142,21 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
     }
 
+    /// The `tls` object.
+    public struct TLS: Sendable, Decodable {
+        /// `client_certificate`: a PEM certificate (chain) for servers that require one.
+        public var clientCertificate: String?
+        /// `client_key`: its PEM private key.
+        public var clientKey: String?
+        /// `ca_bundle`: PEM CAs trusted in addition to the system's.
+        public var caBundle: String?
+        /// `ca_bundle_only`: trust only `ca_bundle`, not the system's CAs.
+        public var caBundleOnly: Bool?
+
+        /// Empty `tls` settings.
+        public init() {}
+    }
+
     /// The `encryption` object.
     public struct Encryption: Sendable, Decodable {
         /// `endpoint`: where envelopes are posted.
@@ -154,7 +179,8 @@ public struct DataQueueSettings: Sendable, Decodable {
     public init() {}
 
     /// Applies the `DQ_*` environment variables over the file: `DQ_SERVER`, `DQ_DATABASE`, `DQ_DURABILITY`,
-    /// `DQ_IDEMPOTENT`, `DQ_CA_BUNDLE`, `DQ_TOKEN`, `DQ_CLIENT_SECRET`.
+    /// `DQ_IDEMPOTENT`, `DQ_CA_BUNDLE`, `DQ_TOKEN`, `DQ_CLIENT_SECRET`, `DQ_PROXY`, `DQ_CLIENT_CERTIFICATE`,
+    /// `DQ_CLIENT_KEY`; and the usual `HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY` (see ``environmentNetwork``).
     ///
     /// - Throws: ``DataQueueError`` for a `DQ_IDEMPOTENT` that is not a boolean.
     public mutating func apply(environment: [String: String]) throws {
@@ -168,6 +194,16 @@ public struct DataQueueSettings: Sendable, Decodable {
             idempotent = flag
         }
         if let value = environment["DQ_CA_BUNDLE"] { caBundle = value }
+        if let value = environment["DQ_PROXY"] { proxy = value }
+        if let value = environment["DQ_CLIENT_CERTIFICATE"] {
+            tls = tls ?? TLS()
+            tls?.clientCertificate = value
+        }
+        if let value = environment["DQ_CLIENT_KEY"] {
+            tls = tls ?? TLS()
+            tls?.clientKey = value
+        }
+        environmentNetwork.apply(environment: environment)
         if let text = environment["DQ_BATCH_SIZE"] {
             guard let value = Double(text) else { throw Self.configError("DQ_BATCH_SIZE must be a whole number") }
             batchSize = value
@@ -235,6 +271,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         package var retryMaximumDelay: Double?
         package var retryJitter: Double?
         package var caBundlePath: String?
+        package var network = NetworkConfiguration()
     }
 
     /// Checks the plain values: a server URL dq can name a queue by, a database path, sizes and durations in
@@ -302,13 +339,57 @@ public struct DataQueueSettings: Sendable, Decodable {
                 values.retryJitter = value
             }
         }
-        if let path = caBundle {
+        if caBundle != nil && tls?.caBundle != nil {
+            throw Self.configError("\"ca_bundle\" and \"tls.ca_bundle\" are the same setting: give one")
+        }
+        if let path = caBundle ?? tls?.caBundle {
+            let path = inBaseDirectory(path)
             guard FileManager.default.isReadableFile(atPath: path) else {
                 throw Self.configError("\"ca_bundle\" file \(path) cannot be read")
             }
             values.caBundlePath = path
         }
+        values.network = try checkedNetwork(caBundle: values.caBundlePath)
         return values
+    }
+
+    /// The network settings: the environment's proxies, then `proxy` and `no_proxy`; `tls`.
+    private func checkedNetwork(caBundle: String?) throws -> NetworkConfiguration {
+        var network = environmentNetwork
+        if let proxy {
+            network.httpsProxy = proxy.isEmpty ? nil : proxy
+            network.httpProxy = proxy.isEmpty ? nil : proxy
+        }
+        if let noProxy { network.noProxy = noProxy }
+        for proxy in Set([network.httpsProxy, network.httpProxy].compactMap { $0 }) {
+            try Self.checked { _ = try HTTPClients.proxy(proxy) }
+        }
+        network.caBundlePath = caBundle
+        network.caBundleOnly = tls?.caBundleOnly ?? false
+        if network.caBundleOnly && caBundle == nil {
+            throw Self.configError("\"tls.ca_bundle_only\" needs \"ca_bundle\"")
+        }
+        switch (tls?.clientCertificate, tls?.clientKey) {
+        case (nil, nil):
+            break
+        case (let certificate?, let key?):
+            for (path, name) in [(certificate, "tls.client_certificate"), (key, "tls.client_key")] {
+                guard FileManager.default.isReadableFile(atPath: inBaseDirectory(path)) else {
+                    throw Self.configError("\"\(name)\" file \(inBaseDirectory(path)) cannot be read")
+                }
+            }
+            network.clientCertificatePath = inBaseDirectory(certificate)
+            network.clientKeyPath = inBaseDirectory(key)
+        default:
+            throw Self.configError("\"tls.client_certificate\" and \"tls.client_key\" go together")
+        }
+        return network
+    }
+
+    /// `path`, relative to the settings file's directory when it is relative.
+    package func inBaseDirectory(_ path: String) -> String {
+        guard !path.hasPrefix("/"), let baseDirectory else { return path }
+        return baseDirectory.hasSuffix("/") ? baseDirectory + path : baseDirectory + "/" + path
     }
 
     package static func configError(_ message: String) -> DataQueueError {
@@ -339,6 +420,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         case settleSeconds = "settle_seconds"
         case leaseSeconds = "lease_seconds"
         case caBundle = "ca_bundle"
+        case proxy, tls
+        case noProxy = "no_proxy"
         case batchSize = "batch_size"
         case batchMaxBytes = "batch_max_bytes"
     }
@@ -360,6 +443,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
         retry = try SettingsKeys.value(container, .retry, "must be an object")
         caBundle = try SettingsKeys.value(container, .caBundle, "must be a string")
+        proxy = try SettingsKeys.value(container, .proxy, "must be a string (http://host:port)")
+        noProxy = try SettingsKeys.value(container, .noProxy, "must be a string (a comma-separated list of hosts)")
+        tls = try SettingsKeys.value(container, .tls, "must be an object")
         auth = try SettingsKeys.value(container, .auth, "must be an object")
         encryption = try SettingsKeys.value(container, .encryption, "must be an object")
     }
@@ -427,6 +513,25 @@ extension DataQueueSettings.Auth {
         registrationFields = try SettingsKeys.value(container, .registrationFields, "must be an object")
         registrationHeaders = try SettingsKeys.value(container, .registrationHeaders, "must be an object of strings")
         credentialsDirectory = try SettingsKeys.value(container, .credentialsDirectory, string)
+    }
+}
+
+extension DataQueueSettings.TLS {
+    private enum CodingKeys: String, CodingKey, CaseIterable {
+        case clientCertificate = "client_certificate"
+        case clientKey = "client_key"
+        case caBundle = "ca_bundle"
+        case caBundleOnly = "ca_bundle_only"
+    }
+
+    /// Decodes the `tls` object, refusing unknown keys.
+    public init(from decoder: any Decoder) throws {
+        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        clientCertificate = try SettingsKeys.value(container, .clientCertificate, "must be a string (a PEM file)")
+        clientKey = try SettingsKeys.value(container, .clientKey, "must be a string (a PEM file)")
+        caBundle = try SettingsKeys.value(container, .caBundle, "must be a string (a PEM file)")
+        caBundleOnly = try SettingsKeys.value(container, .caBundleOnly, "must be true or false")
     }
 }
 

@@ -7,6 +7,7 @@ import NIOFoundationCompat
 import NIOHTTP1
 import NIOPosix
 import NIOSSL
+import Synchronization
 
 /// One HTTP request as dq sends it.
 struct OutgoingRequest: Sendable {
@@ -41,13 +42,13 @@ struct TransportFailure: Error, Sendable {
     var mayHaveArrived: Bool
 }
 
-/// The HTTP side of dq: sends requests with a deadline and reports the answer; knows nothing of SQLite.
+/// The HTTP side of dq: sends requests with a deadline through async-http-client and reports the answer, and
+/// whether a request that got none may have reached the server; knows nothing of SQLite.
 final class FHIRTransport: Sendable {
-    /// Made on first use, so commands that only read the queue start no event loop.
-    private let box = NIOLockedValueBox<HTTPClient?>(nil)
-    private let configuration: HTTPClient.Configuration
-    /// A client the caller owns (never shut down here), or nil for dq's own.
+    /// A client the caller owns (never shut down here), or nil for the process's shared ones.
     private let external: HTTPClient?
+    /// The process's clients for this network configuration (nil with a caller's client).
+    private let clients: HTTPClients?
     let timeout: TimeAmount
     /// The largest response body read; the rest is discarded (responses are only summarized).
     let maximumResponseBytes = 1 << 20
@@ -55,7 +56,7 @@ final class FHIRTransport: Sendable {
     /// starts the group's threads, which commands that only read the queue never need.
     private let loop = NIOLockedValueBox<(any EventLoop, EventLoopTaskExecutor)?>(nil)
 
-    /// The event loop dq's own client runs on.
+    /// The event loop a flush's requests run on.
     var eventLoop: any EventLoop { ownLoop.0 }
 
     /// Runs a flush's code on ``eventLoop`` too (see ``EventLoopTaskExecutor``); nil with a caller's client.
@@ -64,96 +65,41 @@ final class FHIRTransport: Sendable {
     private var ownLoop: (any EventLoop, EventLoopTaskExecutor) {
         loop.withLockedValue { chosen in
             if let chosen { return chosen }
-            let next = MultiThreadedEventLoopGroup.singleton.next()
+            let next = clients?.eventLoop ?? external?.eventLoopGroup.next() ?? MultiThreadedEventLoopGroup.singleton.next()
             let made = (next, EventLoopTaskExecutor(next))
             chosen = made
             return made
         }
     }
 
-    /// - Parameter idleLimit: how long dq's own client keeps an idle connection (tests of reuse on a loaded
-    ///   machine give more than the default).
+    /// - Parameters:
+    ///   - network: proxies, trust and the client certificate.
+    ///   - client: a client of the caller's (its own configuration applies), or nil for dq's.
+    ///   - idleLimit: how long an idle connection is kept (tests of reuse on a loaded machine give more).
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a certificate, key or CA bundle that cannot be read.
     init(
-        timeout: TimeInterval, connectTimeout: TimeInterval, caBundlePath: String?, client: HTTPClient? = nil,
-        idleLimit: TimeAmount = HTTP1Sender.defaultIdleLimit
+        timeout: TimeInterval, connectTimeout: TimeInterval, network: NetworkConfiguration = NetworkConfiguration(),
+        client: HTTPClient? = nil, idleLimit: TimeAmount = .seconds(4)
     ) throws {
         external = client
-        self.idleLimit = idleLimit
-        var configuration = HTTPClient.Configuration()
-        configuration.timeout = .init(
-            connect: .milliseconds(Int64(connectTimeout * 1000)), read: .milliseconds(Int64(timeout * 1000)))
-        configuration.redirectConfiguration = .disallow
-        // dq retries with its own backoff; the pool must not spin on a refused connection until the deadline.
-        configuration.connectionPool.retryConnectionEstablishment = false
-        configuration.decompression = .enabled(limit: .ratio(100))
-        var tls = TLSConfiguration.makeClientConfiguration()
-        if let caBundlePath {
-            tls.trustRoots = .file(caBundlePath)
-            configuration.tlsConfiguration = tls
-        }
-        self.configuration = configuration
-        self.tlsConfiguration = tls
-        self.connectTimeout = .milliseconds(Int64(connectTimeout * 1000))
+        clients =
+            client == nil
+            ? try HTTPClients.shared(
+                for: network, connectTimeout: .milliseconds(Int64(connectTimeout * 1000)), idleLimit: idleLimit) : nil
         self.timeout = .milliseconds(Int64(timeout * 1000))
     }
 
-    private let tlsConfiguration: TLSConfiguration
-    private let connectTimeout: TimeAmount
-    private let idleLimit: TimeAmount
-    /// The flush's own HTTP/1.1 client (see ``HTTP1Sender``), made on first use; nil with a caller's client.
-    private let senderBox = NIOLockedValueBox<HTTP1Sender?>(nil)
+    /// The shared clients stay for the process; a caller's client is the caller's to shut down.
+    func shutdown() async throws {}
 
-    private var sender: HTTP1Sender? {
-        guard external == nil else { return nil }
-        return senderBox.withLockedValue { sender in
-            if let sender { return sender }
-            let made = HTTP1Sender(
-                loop: eventLoop, connectTimeout: connectTimeout, tlsConfiguration: tlsConfiguration, idleLimit: idleLimit)
-            sender = made
-            return made
-        }
-    }
-
-    private var client: HTTPClient {
+    /// The client for `url`: the caller's, or the shared one for its proxy.
+    private func client(for url: String) throws -> HTTPClient {
         if let external { return external }
-        return box.withLockedValue { client in
-            if let client { return client }
-            // One event loop of the shared group, not the group: a flush sends one request at a time, and
-            // with the whole group each request hopped between loop threads (a wake-up per hop).
-            let made = HTTPClient(eventLoopGroup: eventLoop, configuration: configuration)
-            client = made
-            return made
-        }
-    }
-
-    /// A queue released without ``DataQueue/shutdown()``: its own client is shut down in the background rather
-    /// than left to crash the process in its own deinit.
-    deinit {
-        let client = box.withLockedValue { client in
-            defer { client = nil }
-            return client
-        }
-        client?.shutdown(queue: .global()) { _ in }
-    }
-
-    func shutdown() async throws {
-        let client = box.withLockedValue { client in
-            defer { client = nil }
-            return client
-        }
-        let sender = senderBox.withLockedValue { sender in
-            defer { sender = nil }
-            return sender
-        }
-        try? await sender?.shutdown().get()
-        try await client?.shutdown()
+        guard let clients, let parsed = URL(string: url) else { throw HTTPClientError.invalidURL }
+        return try clients.client(for: parsed)
     }
 
     /// Sends `request`; throws ``TransportFailure`` when no answer came.
-    ///
-    /// It uses the client's event-loop API with a delegate that keeps the head and the first
-    /// ``maximumResponseBytes`` of the body on the event loop: one hand-over to the caller per request,
-    /// where the async API costs a task, a scheduled timeout and a hop per body chunk.
     func send(_ request: OutgoingRequest, authorization: String?, logger: Logger) async throws -> TransportResponse {
         var headers = HTTPHeaders()
         headers.add(name: "Content-Type", value: request.contentType)
@@ -164,56 +110,7 @@ final class FHIRTransport: Sendable {
         if let authorization { headers.add(name: "Authorization", value: authorization) }
         let method: HTTPMethod = request.method == .post ? .POST : .PUT
         let limit = request.isBundle ? 16 * maximumResponseBytes : maximumResponseBytes
-        if let sender, let (origin, target) = target(of: request.url) {
-            do {
-                let (head, body) = try await sender.send(
-                    origin: origin, method: method, target: target, headers: headers, body: ByteBuffer(data: request.body),
-                    limit: limit, deadline: .now() + timeout
-                ).get()
-                return Self.response(head, body)
-            } catch {
-                throw TransportFailure(
-                    message: "no answer from \(Self.redacted(request.url)): \(Self.describe(error))",
-                    mayHaveArrived: !Self.neverSent(error))
-            }
-        }
         return try await execute(url: request.url, method: method, headers: headers, body: request.body, limit: limit, logger: logger)
-    }
-
-    /// The URL parsed last, up to its last `/`, with its origin and request target up to there: a flush's URLs
-    /// differ only after the base (`base/Type`, `base/Type/id`), so the rest of them is not parsed again.
-    private let lastParsed = NIOLockedValueBox<(prefix: String, origin: HTTP1Sender.Origin, target: String)?>(nil)
-
-    /// ``HTTP1Sender/target(of:)``, without parsing the part of `url` it shares with the URL parsed last when what
-    /// follows is plain (letters, digits, `-`, `.`, `_`, `/`: nothing a parser would encode or read as more).
-    func target(of url: String) -> (origin: HTTP1Sender.Origin, target: String)? {
-        // Byte for byte: `hasPrefix` would also take a canonically equivalent prefix of another length.
-        if let last = lastParsed.withLockedValue({ $0 }), url.utf8.starts(with: last.prefix.utf8) {
-            let rest = url.utf8.dropFirst(last.prefix.utf8.count)
-            if rest.allSatisfy(Self.isPlain) { return (last.origin, last.target + String(Substring(rest))) }
-        }
-        guard let parsed = HTTP1Sender.target(of: url) else { return nil }
-        // Remember the base when a "/" follows the authority, the part after the last one is plain and the
-        // target ends with that part unchanged.
-        if let authority = url.range(of: "://")?.upperBound, let slash = url[authority...].lastIndex(of: "/") {
-            let prefix = String(url[...slash])
-            let rest = url[url.index(after: slash)...]
-            if rest.utf8.allSatisfy(Self.isPlain), parsed.target.hasSuffix("/" + rest) {
-                let base = String(parsed.target.dropLast(rest.count))
-                lastParsed.withLockedValue { $0 = (prefix, parsed.origin, base) }
-            }
-        }
-        return parsed
-    }
-
-    private static func isPlain(_ byte: UInt8) -> Bool {
-        switch byte {
-        case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"), UInt8(ascii: "0")...UInt8(ascii: "9"),
-            UInt8(ascii: "-"), UInt8(ascii: "."), UInt8(ascii: "_"), UInt8(ascii: "/"):
-            return true
-        default:
-            return false
-        }
     }
 
     private static func response(_ head: HTTPResponseHead, _ body: ByteBuffer) -> TransportResponse {
@@ -234,42 +131,71 @@ final class FHIRTransport: Sendable {
         return try await execute(url: url, method: .GET, headers: headers, body: nil, limit: 4 * maximumResponseBytes, logger: logger)
     }
 
+    /// One exchange with the event-loop API and a delegate that keeps the head and the first `limit` bytes of
+    /// the body (one hand-over to the caller per request) and knows whether the request head was written.
+    ///
+    /// What the server may have seen decides what a failure means: before the head was written (no
+    /// connection, a refused proxy tunnel, a TLS handshake that did not complete) nothing was sent; after it,
+    /// the request may have arrived. An answer whose status line came counts even when the connection then
+    /// fails: the server decided.
     private func execute(
         url: String, method: HTTPMethod, headers: HTTPHeaders, body: Data?, limit: Int, logger: Logger
     ) async throws -> TransportResponse {
-        do {
-            let http = try HTTPClient.Request(
-                url: url, method: method, headers: headers, body: body.map { .byteBuffer(ByteBuffer(data: $0)) })
-            let delegate = ResponseSummary(limit: limit)
-            let (head, body) = try await client.execute(
-                request: http, delegate: delegate, deadline: .now() + timeout,
-                logger: logger.logLevel <= .trace ? logger : Self.silent
-            ).futureResult.get()
-            return Self.response(head, body)
-        } catch {
-            throw TransportFailure(
-                message: "no answer from \(Self.redacted(url)): \(Self.describe(error))",
-                mayHaveArrived: !Self.neverSent(error))
+        // On the requests' event loop (a flush is there already: no hop): the answer resumes this code after the
+        // client has put its connection back in the pool, so the next request reuses it instead of opening
+        // another while the first is still being released.
+        guard let executor = taskExecutor else {
+            return try await exchange(url: url, method: method, headers: headers, body: body, limit: limit, logger: logger)
+        }
+        return try await withTaskExecutorPreference(executor) {
+            try await exchange(url: url, method: method, headers: headers, body: body, limit: limit, logger: logger)
         }
     }
 
-    /// Whether `error` means the request never left this machine: no connection was made, or (for the flush's
-    /// own client) the connection's TLS handshake did not complete.
+    private func exchange(
+        url: String, method: HTTPMethod, headers: HTTPHeaders, body: Data?, limit: Int, logger: Logger
+    ) async throws -> TransportResponse {
+        let delegate = ResponseSummary(limit: limit)
+        do {
+            let client = try client(for: url)
+            let http = try HTTPClient.Request(
+                url: url, method: method, headers: headers, body: body.map { .byteBuffer(ByteBuffer(data: $0)) })
+            let task = client.execute(
+                request: http, delegate: delegate, eventLoop: .delegate(on: eventLoop), deadline: .now() + timeout,
+                logger: logger.logLevel <= .trace ? logger : Self.silent)
+            let (head, body) = try await task.futureResult.get()
+            // Answered before its body was all sent (a 401 or 413 for a large body): the client closes that
+            // connection, but its pool can stay held by the unsent body when the server reads no more; the
+            // next request gets a client of its own.
+            if !delegate.requestSent {
+                task.cancel()
+                clients?.retire(client, after: timeout)
+            }
+            return Self.response(head, body)
+        } catch let error as DataQueueError {
+            throw error
+        } catch {
+            if let (head, body) = delegate.partial { return Self.response(head, body) }
+            throw TransportFailure(
+                message: "no answer from \(Self.redacted(url)): \(describe(error))",
+                mayHaveArrived: delegate.requestHeadSent && !Self.neverSent(error))
+        }
+    }
+
+    /// Whether `error` by itself means the request never left this machine (no connection was made).
     static func neverSent(_ error: any Error) -> Bool {
-        if case HTTP1SenderError.notSent = error { return true }
         if let error = error as? HTTPClientError {
-            return error == .connectTimeout || error == .invalidURL || error == .emptyHost
+            return [
+                .connectTimeout, .invalidURL, .emptyHost, .proxyAuthenticationRequired, .invalidProxyResponse,
+                .httpProxyHandshakeTimeout, .socksHandshakeTimeout,
+            ].contains(error)
         }
         if error is NIOConnectionError { return true }
-        // A refused handshake: no request bytes were written (a TLS error later in the exchange may be after).
-        if let error = error as? NIOSSLError, case .handshakeFailed = error { return true }
         if let error = error as? IOError {
             return [ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EADDRNOTAVAIL].contains(error.errnoCode)
         }
         if let error = error as? ChannelError, case .connectTimeout = error { return true }
-        let text = String(describing: error)
-        return text.contains("connectionRefused") || text.contains("Connection refused")
-            || text.contains("NIOConnectionError")
+        return false
     }
 
     /// The HTTP client's own request logs are internals: shown only at trace level.
@@ -284,34 +210,31 @@ final class FHIRTransport: Sendable {
         return components.string ?? "the server"
     }
 
-    static func describe(_ error: any Error) -> String {
+    /// `error` in words, naming the proxy a request went through where it is the proxy's doing.
+    func describe(_ error: any Error) -> String {
+        Self.describe(error, proxy: clients?.network, clientCertificate: clients?.network.clientCertificatePath != nil)
+    }
+
+    static func describe(_ error: any Error, proxy network: NetworkConfiguration? = nil, clientCertificate: Bool = false) -> String {
+        let proxies = [network?.httpsProxy, network?.httpProxy].compactMap { $0 }.map(NetworkConfiguration.redacted)
+        let proxyName = proxies.first.map { "the proxy \($0)" } ?? "the proxy"
         if let error = error as? HTTPClientError {
             switch error {
             case .deadlineExceeded: return "timed out"
             case .connectTimeout: return "connect timed out"
             case .remoteConnectionClosed: return "connection closed by the server"
             case .readTimeout: return "read timed out"
+            case .proxyAuthenticationRequired: return "\(proxyName) wants credentials (407; give them in the proxy URL)"
+            case .invalidProxyResponse: return "\(proxyName) refused the tunnel (CONNECT was not answered 200)"
+            case .httpProxyHandshakeTimeout, .socksHandshakeTimeout: return "\(proxyName) did not answer in time"
             default: break
-            }
-        }
-        if let error = error as? HTTP1SenderError {
-            switch error {
-            case .timedOut: return "timed out"
-            case .closedByServer: return "connection closed by the server"
-            case .notSent(HTTP1SenderError.timedOut): return "timed out before the TLS handshake completed (nothing was sent)"
-            case .notSent(HTTP1SenderError.closedByServer):
-                return "connection closed by the server during the TLS handshake (nothing was sent)"
-            case .notSent(let setup as TLSSetupFailure):
-                if case NIOSSLError.noSuchFilesystemObject = setup.underlying { return "TLS: the CA bundle (\"ca_bundle\") does not exist" }
-                return "TLS: the CA bundle (\"ca_bundle\") could not be loaded (not a PEM certificate file?)"
-            case .notSent(let underlying): return describe(underlying)
             }
         }
         if let error = error as? IOError, [ECONNRESET, EPIPE].contains(error.errnoCode) {
             return "connection closed by the server (reset)"
         }
         let text = String(reflecting: error)
-        if let tls = describeTLS(text) { return tls }
+        if let tls = describeTLS(text, clientCertificate: clientCertificate) { return tls }
         if text.contains("connectionRefused") || text.contains("Connection refused") { return "connection refused" }
         if text.contains("getaddrinfo") || text.contains("NXDOMAIN") || text.contains("unknownHost") {
             return "the server's host name could not be resolved"
@@ -324,8 +247,18 @@ final class FHIRTransport: Sendable {
     ///
     /// dq treats these as temporary (the item stays queued and the server backs off): an expired or wrong
     /// certificate is fixed at the server, without any change on dq's side. The words tell the operator.
-    static func describeTLS(_ text: String) -> String? {
+    static func describeTLS(_ text: String, clientCertificate: Bool = false) -> String? {
         let lowered = text.lowercased()
+        if lowered.contains("certificate_required") || lowered.contains("certificate required")
+            || (!clientCertificate && lowered.contains("sslv3_alert_handshake_failure"))
+        {
+            return clientCertificate
+                ? "TLS: the server refused dq's client certificate"
+                : "TLS: the server wants a client certificate (set \"tls.client_certificate\" and \"tls.client_key\")"
+        }
+        if lowered.contains("bad_certificate") || lowered.contains("unknown_ca") && clientCertificate {
+            return "TLS: the server refused dq's client certificate"
+        }
         if lowered.contains("failedtovalidatehostname") || lowered.contains("hostname mismatch")
             || (lowered.contains("couldn't find") && lowered.contains("in certificate"))
         {
@@ -366,11 +299,33 @@ private final class ResponseSummary: HTTPClientResponseDelegate, @unchecked Send
     private let limit: Int
     private var head: HTTPResponseHead?
     private var body = ByteBuffer()
+    /// Read by the caller after the exchange ended, from another thread.
+    private let outcome = Mutex<(headSent: Bool, sent: Bool, head: HTTPResponseHead?)>((false, false, nil))
 
     init(limit: Int) { self.limit = limit }
 
+    /// Whether the request head was written to the connection (after which the request may have arrived).
+    var requestHeadSent: Bool { outcome.withLock { $0.headSent } }
+
+    /// The head and the body so far of an answer whose connection failed after its status line came.
+    var partial: Response? {
+        outcome.withLock { $0.head }.map { ($0, body) }
+    }
+
+    /// Whether the whole request (head and body) was written.
+    var requestSent: Bool { outcome.withLock { $0.sent } }
+
+    func didSendRequestHead(task: HTTPClient.Task<Response>, _ head: HTTPRequestHead) {
+        outcome.withLock { $0.headSent = true }
+    }
+
+    func didSendRequest(task: HTTPClient.Task<Response>) {
+        outcome.withLock { $0.sent = true }
+    }
+
     func didReceiveHead(task: HTTPClient.Task<Response>, _ head: HTTPResponseHead) -> EventLoopFuture<Void> {
         self.head = head
+        outcome.withLock { $0.head = head }
         return task.eventLoop.makeSucceededVoidFuture()
     }
 

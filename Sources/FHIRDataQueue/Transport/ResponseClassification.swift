@@ -16,7 +16,8 @@ enum ResponseClassification: Equatable, Sendable {
     /// - 2xx is success, except on the encrypted endpoint where a C3-PRO receiver may answer 200 with an
     ///   error body (`{'error':…}`): that is a failure. An empty body or a bare `"OK"` is success.
     /// - 401 and 403 are authentication failures.
-    /// - 408, 429 and 5xx are transient (with `Retry-After` when given).
+    /// - 408, 429 and 5xx are transient (with `Retry-After` when given), and so is 407: a proxy on the way
+    ///   wants credentials (the server never saw the request).
     /// - Every other status (other 4xx, 3xx, 1xx) is permanent for that request.
     static func classify(
         status: Int, body: Data, retryAfter: TimeInterval?, envelope: Bool, location: String? = nil
@@ -29,6 +30,8 @@ enum ResponseClassification: Equatable, Sendable {
             return .success
         case 401, 403:
             return .authentication("server answered \(status) \(reason(status))")
+        case 407:
+            return .transient("the proxy wants credentials (407 Proxy Authentication Required; give them in the proxy URL)", retryAfter: retryAfter)
         case 408, 429, 500..<600:
             let name = reason(status)
             return .transient("server answered \(status)\(name.isEmpty ? "" : " " + name)", retryAfter: retryAfter)

@@ -1,0 +1,165 @@
+import AsyncHTTPClient
+import Foundation
+import NIOCore
+import NIOPosix
+import NIOSSL
+import Synchronization
+
+/// dq's HTTP clients: async-http-client, one client per proxy (and one for direct connections) for each
+/// ``NetworkConfiguration``, shared by every queue and OAuth2 client of the process that uses it, as
+/// `HTTPClient.shared` is. They live as long as the process and are never shut down.
+///
+/// Each client: no redirects followed, no connection retries of its own (dq has its backoff), HTTP/2 where the
+/// server offers it by ALPN, decompression, TLS 1.2 at least, the configured trust and client certificate.
+final class HTTPClients: Sendable {
+    let network: NetworkConfiguration
+    /// The one event loop these clients run on (of NIO's shared group): a flush sends one request at a time,
+    /// and its code runs there too (see ``FHIRTransport/taskExecutor``), so an answer needs no thread hop.
+    let eventLoop: any EventLoop
+    private let tls: TLSConfiguration
+    private let connectTimeout: TimeAmount
+    private let idleLimit: TimeAmount
+    private let clients = Mutex<[String: HTTPClient]>([:])
+
+    private static let registry = Mutex<[Key: HTTPClients]>([:])
+
+    private struct Key: Hashable {
+        var network: NetworkConfiguration
+        var connectTimeout: Int64
+        var idleLimit: Int64
+    }
+
+    /// The process's clients for `network`.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when a certificate, key or CA bundle cannot be read.
+    static func shared(
+        for network: NetworkConfiguration, connectTimeout: TimeAmount = .seconds(10), idleLimit: TimeAmount = .seconds(4)
+    ) throws -> HTTPClients {
+        let key = Key(network: network, connectTimeout: connectTimeout.nanoseconds, idleLimit: idleLimit.nanoseconds)
+        if let found = registry.withLock({ $0[key] }) { return found }
+        let made = try HTTPClients(network: network, connectTimeout: connectTimeout, idleLimit: idleLimit)
+        return registry.withLock { registry in
+            if let found = registry[key] { return found }
+            registry[key] = made
+            return made
+        }
+    }
+
+    private init(network: NetworkConfiguration, connectTimeout: TimeAmount, idleLimit: TimeAmount) throws {
+        self.network = network
+        self.connectTimeout = connectTimeout
+        self.idleLimit = idleLimit
+        tls = try Self.tlsConfiguration(network)
+        eventLoop = MultiThreadedEventLoopGroup.singleton.next()
+    }
+
+    /// The TLS settings of `network`: system trust plus the CA bundle (or the bundle alone), the client
+    /// certificate and key, TLS 1.2 at least.
+    static func tlsConfiguration(_ network: NetworkConfiguration) throws -> TLSConfiguration {
+        var tls = TLSConfiguration.makeClientConfiguration()
+        tls.minimumTLSVersion = .tlsv12
+        if let path = network.caBundlePath {
+            let certificates: [NIOSSLCertificate]
+            do {
+                certificates = try NIOSSLCertificate.fromPEMFile(path)
+            } catch {
+                throw DataQueueError(.invalidConfiguration, "configuration: cannot read the CA bundle \(path) (a PEM file of certificates)")
+            }
+            guard !certificates.isEmpty else {
+                throw DataQueueError(.invalidConfiguration, "configuration: the CA bundle \(path) holds no certificate")
+            }
+            if network.caBundleOnly {
+                tls.trustRoots = .certificates(certificates)
+            } else {
+                tls.additionalTrustRoots = [.certificates(certificates)]
+            }
+        }
+        switch (network.clientCertificatePath, network.clientKeyPath) {
+        case (nil, nil):
+            break
+        case (let certificate?, let key?):
+            do {
+                tls.certificateChain = try NIOSSLCertificate.fromPEMFile(certificate).map { .certificate($0) }
+            } catch {
+                throw DataQueueError(
+                    .invalidConfiguration, "configuration: cannot read the client certificate \(certificate) (a PEM certificate)")
+            }
+            guard !tls.certificateChain.isEmpty else {
+                throw DataQueueError(.invalidConfiguration, "configuration: the client certificate \(certificate) holds no certificate")
+            }
+            do {
+                tls.privateKey = .privateKey(try NIOSSLPrivateKey(file: key, format: .pem))
+            } catch {
+                throw DataQueueError(.invalidConfiguration, "configuration: cannot read the client key \(key) (an unencrypted PEM key)")
+            }
+        default:
+            throw DataQueueError(
+                .invalidConfiguration, "configuration: \"tls.client_certificate\" and \"tls.client_key\" go together")
+        }
+        return tls
+    }
+
+    /// The client for a request to `url`: through its proxy, or direct.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a proxy URL dq cannot use.
+    func client(for url: URL) throws -> HTTPClient {
+        let proxy = network.proxy(for: url)
+        let key = proxy ?? ""
+        if let found = clients.withLock({ $0[key] }) { return found }
+        var configuration = HTTPClient.Configuration()
+        configuration.tlsConfiguration = tls
+        configuration.timeout = .init(connect: connectTimeout)
+        configuration.redirectConfiguration = .disallow
+        // dq retries with its own backoff; the pool must not spin on a refused connection until the deadline.
+        configuration.connectionPool.retryConnectionEstablishment = false
+        configuration.connectionPool.idleTimeout = idleLimit
+        configuration.decompression = .enabled(limit: .ratio(100))
+        if let proxy { configuration.proxy = try Self.proxy(proxy) }
+        return clients.withLock { clients in
+            if let found = clients[key] { return found }
+            let made = HTTPClient(eventLoopGroup: eventLoop, configuration: configuration)
+            clients[key] = made
+            return made
+        }
+    }
+
+    /// Takes `client` out of use: the next request makes a new one. It is shut down once the requests already
+    /// on it (other queues' too) have passed their deadlines, `after` from now.
+    func retire(_ client: HTTPClient, after: TimeAmount) {
+        let removed = clients.withLock { clients in
+            guard let key = clients.first(where: { $0.value === client })?.key else { return false }
+            clients[key] = nil
+            return true
+        }
+        guard removed else { return }
+        eventLoop.scheduleTask(in: after + .seconds(5)) { client.shutdown { _ in } }
+    }
+
+    /// async-http-client's proxy for a proxy URL: `http://[user:password@]host[:port]` or `socks5://host[:port]`.
+    static func proxy(_ text: String) throws -> HTTPClient.Configuration.Proxy {
+        let shown = NetworkConfiguration.redacted(text)
+        guard let components = URLComponents(string: text.contains("://") ? text : "http://" + text),
+            let host = components.host, !host.isEmpty
+        else {
+            throw DataQueueError(.invalidConfiguration, "configuration: the proxy \(shown) is not a URL (http://host:port)")
+        }
+        switch components.scheme?.lowercased() {
+        case "http":
+            var authorization: HTTPClient.Authorization?
+            if let user = components.user {
+                authorization = .basic(
+                    username: user.removingPercentEncoding ?? user,
+                    password: (components.password ?? "").removingPercentEncoding ?? components.password ?? "")
+            }
+            return .server(host: host, port: components.port ?? 80, authorization: authorization)
+        case "socks5", "socks5h":
+            guard components.user == nil else {
+                throw DataQueueError(.invalidConfiguration, "configuration: dq cannot give credentials to a SOCKS proxy (\(shown))")
+            }
+            return .socksServer(host: host, port: components.port ?? 1080)
+        default:
+            throw DataQueueError(
+                .invalidConfiguration, "configuration: the proxy \(shown) must be http:// (CONNECT for https) or socks5://")
+        }
+    }
+}

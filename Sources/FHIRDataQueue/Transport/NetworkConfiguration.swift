@@ -1,0 +1,85 @@
+import Foundation
+
+/// How dq reaches the network: proxies, trust and the client certificate, for every request it makes (FHIR
+/// sends, the CapabilityStatement, token, registration, discovery, JWKS and revocation).
+///
+/// ```swift
+/// var network = NetworkConfiguration()
+/// network.httpsProxy = "http://proxy.hospital.example:3128"
+/// network.noProxy = "localhost,.internal.example"
+/// network.clientCertificatePath = "/etc/dq/client.pem"
+/// network.clientKeyPath = "/etc/dq/client.key"
+/// ```
+public struct NetworkConfiguration: Sendable, Hashable {
+    /// The proxy for `https` URLs (HTTP CONNECT through an `http://` proxy, or a `socks5://` proxy), with
+    /// optional credentials in its user info. The default is none.
+    public var httpsProxy: String?
+    /// The proxy for `http` URLs (requests in absolute form through an `http://` proxy). The default is none.
+    public var httpProxy: String?
+    /// Hosts reached without the proxy, as curl reads `NO_PROXY`: a comma-separated list of host names (each
+    /// also matching its subdomains; a leading `.` is ignored), IP addresses, optionally with `:port`, or `*`
+    /// for every host. The default is none.
+    public var noProxy: String?
+    /// A PEM file of CA certificates trusted in addition to the system's. The default is none.
+    public var caBundlePath: String?
+    /// Trust only ``caBundlePath``, not the system's CAs. The default is `false`.
+    public var caBundleOnly = false
+    /// A PEM certificate (chain) dq presents to servers that require one (mutual TLS). The default is none.
+    public var clientCertificatePath: String?
+    /// The PEM private key of ``clientCertificatePath``. The default is none.
+    public var clientKeyPath: String?
+
+    /// Direct connections, the system's trust store, no client certificate.
+    public init() {}
+
+    /// The proxy URL for a request to `url`, or nil to connect directly.
+    public func proxy(for url: URL) -> String? {
+        guard let scheme = url.scheme?.lowercased(), let host = url.host else { return nil }
+        let proxy = scheme == "https" ? httpsProxy : scheme == "http" ? httpProxy : nil
+        guard let proxy, !proxy.isEmpty else { return nil }
+        let port = url.port ?? (scheme == "https" ? 443 : 80)
+        return Self.bypasses(noProxy, host: host, port: port) ? nil : proxy
+    }
+
+    /// Whether `noProxy` (curl's rules) sends `host:port` around the proxy.
+    static func bypasses(_ noProxy: String?, host: String, port: Int) -> Bool {
+        guard let noProxy else { return false }
+        let host = host.lowercased().trimmingCharacters(in: CharacterSet(charactersIn: "[]"))
+        for raw in noProxy.split(separator: ",") {
+            var entry = raw.trimmingCharacters(in: .whitespaces).lowercased()
+            if entry.isEmpty { continue }
+            if entry == "*" { return true }
+            // A port after the last colon, unless the entry is a bare IPv6 address.
+            if let colon = entry.lastIndex(of: ":"), entry.hasPrefix("[") || entry.filter({ $0 == ":" }).count == 1 {
+                let after = entry[entry.index(after: colon)...]
+                if let wanted = Int(after) {
+                    if wanted != port { continue }
+                    entry = String(entry[..<colon])
+                }
+            }
+            entry = entry.trimmingCharacters(in: CharacterSet(charactersIn: "[]"))
+            if entry.hasPrefix(".") { entry.removeFirst() }
+            if host == entry || host.hasSuffix("." + entry) { return true }
+        }
+        return false
+    }
+
+    /// The usual proxy variables of `environment`: `HTTPS_PROXY`/`https_proxy`, `HTTP_PROXY`/`http_proxy`,
+    /// `NO_PROXY`/`no_proxy` (the lowercase name wins when both are set, as in curl).
+    public mutating func apply(environment: [String: String]) {
+        func value(_ name: String) -> String? {
+            (environment[name.lowercased()] ?? environment[name]).flatMap { $0.isEmpty ? nil : $0 }
+        }
+        if let value = value("HTTPS_PROXY") { httpsProxy = value }
+        if let value = value("HTTP_PROXY") { httpProxy = value }
+        if let value = value("NO_PROXY") { noProxy = value }
+    }
+
+    /// A proxy URL with its password replaced, safe to print.
+    public static func redacted(_ proxy: String) -> String {
+        guard var components = URLComponents(string: proxy) else { return "the proxy" }
+        if components.password != nil { components.password = "***" }
+        components.query = nil
+        return components.string ?? "the proxy"
+    }
+}
