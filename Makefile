@@ -1,10 +1,10 @@
 # dq: make test (all tests against real servers), make demo (the main job on loopback).
 SWIFT ?= swift
-APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv systemd postgresql pgbouncer
+APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv systemd postgresql pgbouncer squid nginx-light
 export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 
-BENCH_APT := nginx-light apache2-utils
+BENCH_APT := apache2-utils
 .PHONY: all build gateway release install deps peers test unit demo bench torture lint man clean
 
 all: build

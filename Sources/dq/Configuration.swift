@@ -12,6 +12,7 @@ extension DataQueueSettings {
         var settings = try DataQueueSettings.load(
             config: options.config, server: options.server, database: options.database, environment: environment,
             decode: DataQueueSettings.decode(_:source:))
+        if let proxy = options.proxy { settings.proxy = proxy }
         if let sending {
             if let durability = sending.durability { settings.durability = durability }
             if sending.idempotent { settings.idempotent = true }

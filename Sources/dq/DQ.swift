@@ -54,6 +54,12 @@ struct QueueOptions: ParsableArguments {
     @Option(help: "The queue database file. Overrides \"database\" and $DQ_DATABASE.")
     var database: String?
 
+    @Option(
+        help:
+            "The proxy for every request (http://[user:password@]host:port, or socks5://host:port; \"\" for none). Overrides \"proxy\", $DQ_PROXY, $HTTPS_PROXY and $HTTP_PROXY."
+    )
+    var proxy: String?
+
     @Flag(name: [.short, .long], help: "Log more (debug level) to standard error.")
     var verbose = false
 }

@@ -30,6 +30,11 @@ enum ResponseClassification: Equatable, Sendable {
             return .success
         case 401, 403:
             return .authentication("server answered \(status) \(reason(status))")
+        case 400 where requiresClientCertificate(body):
+            // nginx answers a TLS client without a certificate with a 400 page instead of a TLS alert: the
+            // request never reached the application.
+            return .transient(
+                "the server wants a client certificate (set \"tls.client_certificate\" and \"tls.client_key\")", retryAfter: nil)
         case 407:
             return .transient("the proxy wants credentials (407 Proxy Authentication Required; give them in the proxy URL)", retryAfter: retryAfter)
         case 408, 429, 500..<600:
@@ -44,6 +49,13 @@ enum ResponseClassification: Equatable, Sendable {
             let name = reason(status)
             return .permanent("server rejected the request with \(status)\(name.isEmpty ? "" : " " + name)")
         }
+    }
+
+    /// Whether a 400 is a TLS front's page for a missing or refused client certificate (nginx: "No required SSL
+    /// certificate was sent", "The SSL certificate error").
+    static func requiresClientCertificate(_ body: Data) -> Bool {
+        let text = String(decoding: body.prefix(4096), as: UTF8.self)
+        return text.contains("No required SSL certificate was sent") || text.contains("The SSL certificate error")
     }
 
     /// A short, PHI-free summary of a C3-PRO error body, or nil when the body is not an error.
