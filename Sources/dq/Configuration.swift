@@ -13,6 +13,7 @@ extension DataQueueSettings {
             config: options.config, server: options.server, database: options.database, environment: environment,
             decode: DataQueueSettings.decode(_:source:))
         if let proxy = options.proxy { settings.proxy = proxy }
+        warnAboutCommandLineSecrets(database: options.database, proxy: options.proxy)
         if let sending {
             if let durability = sending.durability { settings.durability = durability }
             if sending.idempotent { settings.idempotent = true }
@@ -20,5 +21,15 @@ extension DataQueueSettings {
             if let batchSize = sending.batchSize { settings.batchSize = Double(batchSize) }
         }
         return settings
+    }
+}
+
+/// Warns (never refuses) about a password given on the command line, where `ps` shows it to every user.
+func warnAboutCommandLineSecrets(database: String?, proxy: String?, flag: String = "--database") {
+    if let database, URLComponents(string: database)?.password != nil {
+        printError("dq: warning: the password in \(flag) is visible to every user in ps; use PGPASSWORD or the config file")
+    }
+    if let proxy, URLComponents(string: proxy)?.password != nil {
+        printError("dq: warning: the password in --proxy is visible to every user in ps; use DQ_PROXY or the config file")
     }
 }

@@ -191,6 +191,12 @@ func warnAboutExposure(_ settings: DataQueueSettings) {
         printError(
             "dq: warning: \(path) holds a secret and is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(path)")
     }
+    if let key = settings.tls?.clientKey.map(settings.inBaseDirectory),
+        let mode = (try? FileManager.default.attributesOfItem(atPath: key)[.posixPermissions]) as? Int, mode & 0o077 != 0
+    {
+        printError(
+            "dq: warning: the client key \(key) is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(key)")
+    }
     if settings.auth != nil, let text = settings.server, let url = URL(string: text), url.scheme?.lowercased() == "http",
         let host = url.host?.lowercased(), !["localhost", "127.0.0.1", "::1", "[::1]"].contains(host), !host.hasPrefix("127.")
     {

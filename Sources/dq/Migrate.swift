@@ -24,6 +24,7 @@ extension DQ {
             let logger = Logger(label: "dq")
             do {
                 let settings = try DataQueueSettings.load(options: queueOptions)
+                warnAboutCommandLineSecrets(database: to, proxy: nil, flag: "--to")
                 let source = settings.database ?? DataQueue.defaultDatabasePath()
                 let report = try await DataQueue.migrate(from: source, to: to, logger: logger)
                 if json {

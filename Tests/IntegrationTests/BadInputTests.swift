@@ -2,6 +2,10 @@ import Foundation
 import GRDB
 import Testing
 
+#if canImport(Glibc)
+    import Glibc
+#endif
+
 /// Bad input gets a clear, specific error and exit 65; what is already queued is not changed.
 /// Skipped when dq is not built, unless DQ_REQUIRE_PEERS=1 (`make test`): then a missing binary fails every test.
 @Suite(
@@ -191,5 +195,24 @@ struct BadInputTests {
         #expect(usage.status == 64)
         let noFiles = try await dq(["enqueue"], env)
         #expect(noFiles.status == 64)
+    }
+
+    @Test("A password on the command line, and a client key others can read, are warned about and never printed")
+    func exposedSecrets() async throws {
+        let password = "pw-\(UUID().uuidString.prefix(8))"
+        let status = try await dq(["status", "--database", "postgres://dq:\(password)@127.0.0.1:9/dq"], env)
+        #expect(status.stderr.contains("the password in --database is visible to every user in ps"), "\(status.stderr)")
+        let proxied = try await dq(["status", "--proxy", "http://u:\(password)@127.0.0.1:9"], env)
+        #expect(proxied.stderr.contains("the password in --proxy is visible"), "\(proxied.stderr)")
+        for output in [status, proxied] { #expect(!(output.stdout + output.stderr).contains(password)) }
+
+        let key = try work.write("client.key", "not a key")
+        chmod(key, 0o644)
+        let certificate = try work.write("client.pem", "not a certificate")
+        let config = try work.write("dq.json", #"{"tls": {"client_certificate": "client.pem", "client_key": "client.key"}}"#)
+        _ = certificate
+        let warned = try await dq(["enqueue", "--config", config, try work.write("p.json", #"{"resourceType":"Patient"}"#)], env)
+        #expect(warned.stderr.contains("the client key \(key) is readable by others"), "\(warned.stderr)")
+        #expect(warned.status == 78 && warned.stderr.contains("client certificate"), "an unreadable certificate: \(warned.stderr)")
     }
 }

@@ -41,6 +41,28 @@ struct PostgresTests {
         try #require(result.status == 0, "psql failed: \(sql.prefix(80)): \(result.stderr.prefix(300))")
     }
 
+    @Test("A PostgreSQL that cannot be used is named at once: a refused password 77, TLS the server lacks 78, nothing listening 75")
+    func connectionFailuresNamed() async throws {
+        let database = try await Self.freshDatabase()
+        let file = try work.write("o.json", resources.observation(0))
+        var env = environment("http://127.0.0.1:9/fhir", database: database)
+        env["PGPASSWORD"] = "not-the-password"
+        let refused = try await dq(["enqueue", file], env)
+        #expect(refused.status == 77, "\(refused.stderr)")
+        #expect(refused.stderr.contains("refused the login (28P01"), "\(refused.stderr)")
+        #expect(!refused.stderr.contains("not-the-password"))
+
+        let tls = try await dq(["enqueue", file], environment("http://127.0.0.1:9/fhir", database: database.replacingOccurrences(of: "sslmode=disable", with: "sslmode=require")))
+        #expect(tls.status == 78 && tls.stderr.contains("does not offer TLS"), "\(tls.stderr)")
+
+        var components = try #require(URLComponents(string: database))
+        components.port = Peers.freePort()
+        let down = try await dq(["enqueue", file], environment("http://127.0.0.1:9/fhir", database: components.string!))
+        #expect(down.status == 75 && down.stderr.contains("connection refused"), "\(down.stderr)")
+        // Each was named by its own connection attempt (the pool alone said "did not answer within 15 s").
+        for result in [refused, tls, down] { #expect(!result.stderr.contains("did not answer")) }
+    }
+
     func environment(_ server: String, database: String) -> [String: String] {
         [
             "DQ_SERVER": server, "DQ_DATABASE": database, "DQ_IDEMPOTENT": "true", "HOME": work.path,

@@ -27,6 +27,9 @@ final class PostgresQueueStore: QueueStorage {
     private let runTask: Task<Void, Never>
     private let migration = Mutex<Task<Void, any Error>?>(nil)
     private let readOnly: Bool
+    /// One connection of its own, made before the first operation: the pool retries a refused connection
+    /// silently until the deadline, where this one names the cause at once.
+    private let probeConfiguration: PostgresConnection.Configuration
     private let grouper: AsyncGroupCommit
     /// Whether the enqueue statements are prepared (planned once per connection).
     let statements: PreparedStatements
@@ -49,7 +52,8 @@ final class PostgresQueueStore: QueueStorage {
         url: String, readOnly: Bool = false, leaseSeconds: Double = 30,
         environment: [String: String] = ProcessInfo.processInfo.environment, logger: Logger
     ) throws {
-        let (configuration, display, prepared) = try Self.configuration(url: url, environment: environment)
+        let (configuration, display, prepared, probe) = try Self.configuration(url: url, environment: environment)
+        self.probeConfiguration = probe
         self.displayURL = display
         let statements = PreparedStatements(enabled: prepared, logger: logger)
         self.statements = statements
@@ -104,7 +108,7 @@ final class PostgresQueueStore: QueueStorage {
     /// (`prepared_statements=off` says no).
     static func configuration(
         url text: String, environment: [String: String]
-    ) throws -> (PostgresClient.Configuration, String, Bool) {
+    ) throws -> (PostgresClient.Configuration, String, Bool, PostgresConnection.Configuration) {
         guard let components = URLComponents(string: text), let scheme = components.scheme,
             scheme == "postgres" || scheme == "postgresql", let host = components.host, !host.isEmpty
         else {
@@ -142,20 +146,27 @@ final class PostgresQueueStore: QueueStorage {
             tls.trustRoots = .file(root)
         }
         let mode: PostgresClient.Configuration.TLS
+        let required: Bool?  // nil: no TLS
         switch options["sslmode"] ?? environment["PGSSLMODE"] ?? "prefer" {
-        case "disable": mode = .disable
+        case "disable":
+            mode = .disable
+            required = nil
         case "allow", "prefer":
             tls.certificateVerification = .none  // libpq: encryption if offered, no verification
             mode = .prefer(tls)
+            required = false
         case "require":
             tls.certificateVerification = options["sslrootcert"] == nil ? .none : .noHostnameVerification
             mode = .require(tls)
+            required = true
         case "verify-ca":
             tls.certificateVerification = .noHostnameVerification
             mode = .require(tls)
+            required = true
         case "verify-full":
             tls.certificateVerification = .fullVerification
             mode = .require(tls)
+            required = true
         case let other:
             throw DataQueueError(
                 .invalidConfiguration,
@@ -166,7 +177,20 @@ final class PostgresQueueStore: QueueStorage {
         configuration.options.maximumConnections = 16
         configuration.options.connectTimeout = .seconds(Int64(options["connect_timeout"].flatMap(Int.init) ?? 10))
         if let name = options["application_name"] { configuration.options.additionalStartupParameters = [("application_name", name)] }
-        return (configuration, display.string ?? "postgres://\(host)/\(database)", prepared)
+        let probeTLS: PostgresConnection.Configuration.TLS
+        do {
+            switch required {
+            case nil: probeTLS = .disable
+            case false?: probeTLS = .prefer(try NIOSSLContext(configuration: tls))
+            case true?: probeTLS = .require(try NIOSSLContext(configuration: tls))
+            }
+        } catch {
+            throw DataQueueError(.invalidConfiguration, "database URL: TLS cannot be set up (\(error))")
+        }
+        var probe = PostgresConnection.Configuration(
+            host: host, port: components.port ?? 5432, username: user, password: password, database: database, tls: probeTLS)
+        probe.options.connectTimeout = .seconds(configuration.options.connectTimeout.components.seconds)
+        return (configuration, display.string ?? "postgres://\(host)/\(database)", prepared, probe)
     }
 
     // MARK: - Schema
@@ -317,11 +341,67 @@ final class PostgresQueueStore: QueueStorage {
         }
     }
 
+    /// Connects once on a connection of its own and closes it: the cause of a failure, named (the pool would
+    /// retry it silently until the deadline). A refused login is `.authentication`; a TLS mismatch or a missing
+    /// database `.invalidConfiguration`; an unreachable server `.transport`.
+    static func probe(_ configuration: PostgresConnection.Configuration, display: String, logger: Logger) async throws {
+        let connection: PostgresConnection
+        do {
+            connection = try await PostgresConnection.connect(configuration: configuration, id: 0, logger: logger)
+        } catch {
+            throw connectionFailure(error, display: display)
+        }
+        try? await connection.close()
+    }
+
+    static func connectionFailure(_ error: any Error, display: String) -> DataQueueError {
+        let prefix = "cannot connect to PostgreSQL at \(display)"
+        if let error = error as? PSQLError {
+            let state = error.serverInfo?[.sqlState] ?? ""
+            let message = error.serverInfo?[.message].map { ": " + $0.prefix(200) } ?? ""
+            switch error.code {
+            case .server where state.hasPrefix("28"):
+                return DataQueueError(.authentication, "\(prefix): the server refused the login (\(state)\(message))")
+            case .server where state == "3D000":
+                return DataQueueError(.invalidConfiguration, "\(prefix): the database does not exist (\(state))")
+            case .server where state == "53300":
+                return DataQueueError(.transport, "\(prefix): the server has too many connections (\(state))")
+            case .server where state.hasPrefix("57P") || state.hasPrefix("08"):
+                return DataQueueError(.transport, "\(prefix): the server is not available (\(state)\(message))")
+            case .server:
+                return DataQueueError(.invalidConfiguration, "\(prefix): \(state)\(message)")
+            case .sslUnsupported:
+                return DataQueueError(.invalidConfiguration, "\(prefix): the server does not offer TLS, which sslmode=require needs")
+            case .failedToAddSSLHandler, .receivedUnencryptedDataAfterSSLRequest:
+                return DataQueueError(.invalidConfiguration, "\(prefix): TLS with the server failed")
+            case .authMechanismRequiresPassword:
+                return DataQueueError(.authentication, "\(prefix): the server wants a password (PGPASSWORD, or the URL)")
+            case .unsupportedAuthMechanism, .saslError:
+                return DataQueueError(.authentication, "\(prefix): the login failed (\(error.code))")
+            default:
+                if let underlying = error.underlying { return connectionFailure(underlying, display: display) }
+                return DataQueueError(.transport, "\(prefix) (\(error.code))")
+            }
+        }
+        if error is NIOSSLError || String(describing: type(of: error)).contains("SSL") {
+            return DataQueueError(.invalidConfiguration, "\(prefix): TLS with the server failed (\(FHIRTransport.describeTLS(String(reflecting: error)) ?? "handshake"))")
+        }
+        let text = String(reflecting: error)
+        if text.contains("connectionRefused") || text.contains("Connection refused") || text.contains("ECONNREFUSED") {
+            return DataQueueError(.transport, "\(prefix): connection refused (is the server running?)")
+        }
+        if text.contains("connectTimeout") || text.contains("timeout") {
+            return DataQueueError(.transport, "\(prefix): the connection timed out")
+        }
+        return DataQueueError(.transport, "\(prefix): \(String(describing: error).prefix(200))")
+    }
+
     /// The schema, made once per store; after a failure (the server down at start) the next operation tries again.
     private func schemaReady() async throws {
         let task = migration.withLock { current -> Task<Void, any Error> in
             if let current { return current }
-            let made = Task { [client, readOnly, displayURL, logger] in
+            let made = Task { [client, readOnly, displayURL, logger, probeConfiguration] in
+                try await Self.probe(probeConfiguration, display: displayURL, logger: logger)
                 try await Self.migrate(client, readOnly: readOnly, display: displayURL, logger: logger)
             }
             current = made
@@ -353,7 +433,7 @@ final class PostgresQueueStore: QueueStorage {
             case .server where state.hasPrefix("08") || ["40001", "40P01", "57P01", "57P02", "57P03", "53300"].contains(state):
                 return DataQueueError(.transport, "cannot \(what): PostgreSQL is unavailable (\(state))")
             case .server where state.hasPrefix("28"):
-                return DataQueueError(.invalidConfiguration, "cannot \(what): PostgreSQL refused the login (\(state))")
+                return DataQueueError(.authentication, "cannot \(what): PostgreSQL refused the login (\(state))")
             case .server:
                 let message = error.serverInfo?[.message].map { ": " + $0.prefix(200) } ?? ""
                 return DataQueueError(.storage, "cannot \(what): PostgreSQL error \(state)\(message)")
