@@ -261,7 +261,7 @@ def case_flush_sink(args, work):
             return float(re.search(r"Requests per second:\s+([\d.]+)", out).group(1))
 
         row("4 flush to nginx 201 sink (items/s)", median_of(dq_flush, args.repeat), "items/s",
-            "ab -c 1 -k, same bodies", median_of(ab, args.repeat), ">= 0.5", "(dq: durable journal per item)")
+            "ab -c 1 -k, same bodies", median_of(ab, args.repeat), "-", "(reported, no target: dq journals each item durably)")
     finally:
         nginx.terminate()
         nginx.wait()

@@ -40,6 +40,7 @@ extension DQ {
                 }
                 if json { try printJSON(StatusOutput(status: status, signIn: signIn)); return }
                 for line in StatusReport.lines(status) { print(line) }
+                print(StatusReport.capabilitiesLine(try await queue.serverCapabilities(), idempotent: queue.configuration.idempotent))
                 print(StatusReport.databaseLine(queue.configuration.databasePath))
                 if let signIn { signIn.printLines() }
                 for other in try await queue.allQueueStatuses() where StatusReport.isElsewhere(other, of: status.queue) {

@@ -39,6 +39,19 @@ enum StatusReport {
     }
 
     /// The line under a queue's status naming its database.
+    /// What the server declared, and what idempotent mode can trust of it.
+    static func capabilitiesLine(_ capabilities: ServerCapabilities, idempotent: Bool) -> String {
+        guard let transactions = capabilities.transactions, let conditional = capabilities.conditionalCreate else {
+            return "server:     capabilities not read yet (the next flush reads them)"
+        }
+        var line = "server:     transactions \(transactions ? "yes" : "no"), conditional create "
+        line += conditional.isEmpty ? "declared for no type" : "for \(conditional.count) type(s)"
+        if idempotent && conditional.isEmpty {
+            line += " (idempotent mode cannot prevent a duplicate after a lost answer)"
+        }
+        return line
+    }
+
     static func databaseLine(_ database: String) -> String {
         "database:   \(QueuePaths.displayDatabase(database))"
     }

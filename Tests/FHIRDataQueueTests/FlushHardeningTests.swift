@@ -29,6 +29,15 @@ struct FlushHardeningTests {
         return try DataQueue(baseURL: URL(string: server.baseURL + path)!, configuration: configuration)
     }
 
+    /// An idempotent queue whose server is known (as if its CapabilityStatement had just been read) to declare
+    /// conditional create for the types these tests send: no request reads it.
+    func declaringQueue(_ server: ScriptedServer) async throws -> DataQueue {
+        let queue = try queue(server, idempotent: true)
+        try await queue.store.recordBundleSupport(
+            queue: queue.queueName, transactions: false, batchLimit: nil, conditionalCreate: ["Patient", "Observation"])
+        return queue
+    }
+
     static func patient(_ n: Int, extra: String = "") throws -> FHIRResource {
         try FHIRResource(json: Data(#"{"resourceType":"Patient","birthDate":"2000-01-0\#(n % 9 + 1)"\#(extra)}"#.utf8))
     }
@@ -331,7 +340,7 @@ struct FlushHardeningTests {
     @Test("An identifier without system or value still gets a condition: a generated identifier is put first")
     func incompleteIdentifierGetsCondition() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
-        let queue = try queue(server, idempotent: true)
+        let queue = try await declaringQueue(server)
         let item = try await queue.enqueue(Self.patient(1, extra: #","identifier":[{"value":"no-system"}]"#))
         _ = try await queue.flush()
         let request = try #require(server.requests.first)
@@ -353,7 +362,7 @@ struct FlushHardeningTests {
                 .respond(.init(status: 200, headers: [("Location", "Patient/old/_history/3")], body: "{}")),
                 .respond(.created(location: "Patient/new/_history/1")),
             ]))
-        let queue = try queue(server, idempotent: true)
+        let queue = try await declaringQueue(server)
         try await queue.enqueue(Self.patient(1))
         try await queue.enqueue(Self.patient(2))
         #expect(try await queue.flush().delivered == 2)
@@ -372,7 +381,7 @@ struct FlushHardeningTests {
                 ? .respond(.created(location: "QuestionnaireResponse/q/_history/1"))
                 : .respond(.init(status: 400, body: #"{"resourceType":"OperationOutcome"}"#))
         }
-        let queue = try queue(server, idempotent: true)
+        let queue = try await declaringQueue(server)
         let item = try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"QuestionnaireResponse"}"#.utf8)))
         #expect(try await queue.flush().parked == 1)
         // A plain retry keeps the condition and is refused again.
@@ -392,7 +401,7 @@ struct FlushHardeningTests {
         let plain = try queue(server, idempotent: false)
         try await plain.enqueue(Self.patient(1))
         try await plain.shutdown()
-        let idempotent = try queue(server, idempotent: true)
+        let idempotent = try await declaringQueue(server)
         _ = try await idempotent.flush()
         #expect(server.requests.first?.header("If-None-Exist")?.hasPrefix("identifier=urn:ietf:rfc:3986|urn:uuid:") == true)
         try await idempotent.shutdown()
@@ -403,7 +412,7 @@ struct FlushHardeningTests {
     func bundleEntriesConditional() async throws {
         let server = try await ScriptedServer(
             handler: Self.scripted([.close, .respond(.init(status: 200, body: #"{"resourceType":"Bundle"}"#))]))
-        let queue = try queue(server, idempotent: true)
+        let queue = try await declaringQueue(server)
         let bundle = #"""
             {"resourceType":"Bundle","type":"transaction","entry":[
               {"fullUrl":"urn:uuid:9b0c6f5e-9a4c-4c43-8a48-1f4c1a2b3c4d","resource":{"resourceType":"Patient"},

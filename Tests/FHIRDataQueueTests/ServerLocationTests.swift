@@ -131,3 +131,57 @@ struct ServerLocationTests {
         try await server.shutdown()
     }
 }
+
+/// Idempotent mode trusts a 200 to a conditional create (the resource was already there) only where the server's
+/// CapabilityStatement declares `conditionalCreate` for the type: a server that ignores `If-None-Exist` answers
+/// 200 to every create.
+@Suite("Conditional create, where the server declares it")
+struct ConditionalCreateTrustTests {
+    let directory: URL
+
+    init() throws {
+        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-conditional-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+    }
+
+    /// What `/metadata` answers.
+    enum Metadata: String, CaseIterable, Sendable, CustomTestStringConvertible {
+        case declaresPatient, declaresNothing, notACapabilityStatement
+        var testDescription: String { rawValue }
+
+        var body: String {
+            switch self {
+            case .declaresPatient:
+                #"{"resourceType":"CapabilityStatement","rest":[{"mode":"server","resource":[{"type":"Patient","conditionalCreate":true},{"type":"Observation"}]}]}"#
+            case .declaresNothing:
+                #"{"resourceType":"CapabilityStatement","rest":[{"mode":"server","resource":[{"type":"Patient"}]}]}"#
+            case .notACapabilityStatement:
+                "<html>FHIR server</html>"
+            }
+        }
+    }
+
+    @Test("A 200 to a conditional create is already-present only for a declared type; else it is a delivery", arguments: Metadata.allCases)
+    func trust(metadata: Metadata) async throws {
+        let server = try await ScriptedServer { request in
+            request.method == "GET"
+                ? .respond(.init(status: 200, body: metadata.body))
+                : .respond(.init(status: 200, headers: [("Location", "Patient/p1/_history/1")], body: ""))
+        }
+        var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path, idempotent: true)
+        configuration.batchSize = 1
+        let queue = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        let patient = try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
+        let report = try await queue.flush()
+        #expect(report.delivered == 1)
+        let posted = try #require(server.requests.first { $0.method == "POST" })
+        #expect(posted.header("If-None-Exist") != nil, "idempotent mode sent a conditional create")
+        #expect(server.requests.filter { $0.method == "GET" }.count == 1, "the CapabilityStatement is read once")
+        let line = try #require(try await queue.journalRecord(patient.id.uuidString))
+        #expect(line.event == (metadata == .declaresPatient ? .alreadyPresent : .delivered))
+        let capabilities = try await queue.serverCapabilities()
+        #expect(capabilities.conditionalCreate == (metadata == .declaresPatient ? ["Patient"] : []))
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+}

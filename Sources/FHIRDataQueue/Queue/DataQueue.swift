@@ -575,6 +575,14 @@ open class DataQueue: @unchecked Sendable {
         try await store.status(queue: queueName)
     }
 
+    /// What dq last read of this queue's server from its CapabilityStatement (nil values: not read yet).
+    public func serverCapabilities() async throws -> ServerCapabilities {
+        let support = try await store.bundleSupport(queue: queueName)
+        return ServerCapabilities(
+            transactions: support.transactions, conditionalCreate: support.conditionalCreate.map { $0.sorted() },
+            readAt: support.checkedAt)
+    }
+
     /// Items of this queue in order, optionally only those in `state`.
     public func items(state: ItemState? = nil, limit: Int = 1000) async throws -> [QueuedItem] {
         try await store.items(queue: queueName, state: state, limit: limit)

@@ -39,6 +39,11 @@ final class Flusher: @unchecked Sendable {
     private var deliveredHere: [String: String] = [:]
     /// This flush's deliveries with a fullUrl whose server did not say where it stored them.
     private var unlocatedHere: [String: UUID] = [:]
+    /// What is known of the server (read once per flush).
+    private var support: QueueStore.BundleSupport?
+    private var capabilityRead = false
+    /// Types whose conditional create the server does not declare, already warned about in this flush.
+    private var warnedConditional: Set<String> = []
 
     /// One item ready to send.
     struct Prepared {
@@ -94,6 +99,10 @@ final class Flusher: @unchecked Sendable {
             }
             try await refill(to: max(batchSize, 1))
             guard let head = prefetched.first else { return }
+            if support == nil && queue.configuration.idempotent {
+                // Idempotent mode trusts a 200 only where the server declares conditional create.
+                _ = try await capabilities(needed: true)
+            }
             if !sizeKnown && !head.info.encrypted && !head.info.url.isEmpty {
                 // Only once an item that could share a Bundle is next: what the server takes (one read per flush).
                 batchSize = try await effectiveBatchSize()
@@ -237,22 +246,36 @@ final class Flusher: @unchecked Sendable {
     /// The Bundle size for this flush: the configured one, or from the server's CapabilityStatement (cached
     /// for ``DataQueue/Configuration/capabilityLifetime``), never above what the server was seen to take.
     private func effectiveBatchSize() async throws -> Int {
-        let support = try await queue.store.bundleSupport(queue: queue.queueName)
+        let support = try await capabilities(needed: queue.configuration.batchSize == nil)
         let learnt = support.batchLimit ?? Int.max
         if let explicit = queue.configuration.batchSize { return max(1, min(explicit, learnt)) }
-        var transactions = support.transactions
-        let stale = support.checkedAt.map { Date().timeIntervalSince($0) > queue.configuration.capabilityLifetime } ?? true
-        if transactions == nil || stale {
-            transactions = await readCapability()
-            if let transactions {
-                try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: transactions, batchLimit: nil)
-            }
-        }
-        return transactions == true ? max(1, min(DataQueue.Configuration.defaultBatchSize, learnt)) : 1
+        return support.transactions == true ? max(1, min(DataQueue.Configuration.defaultBatchSize, learnt)) : 1
     }
 
-    /// Whether `[base]/metadata` declares the `transaction` interaction; nil when no answer came.
-    private func readCapability() async -> Bool? {
+    /// What is known of the server: from the store, and (when `needed` and not read within
+    /// ``DataQueue/Configuration/capabilityLifetime``) from its CapabilityStatement, read at most once per flush.
+    private func capabilities(needed: Bool) async throws -> QueueStore.BundleSupport {
+        if let support, support.checkedAt != nil || !needed { return support }
+        var support = try await queue.store.bundleSupport(queue: queue.queueName)
+        let stale = support.checkedAt.map { Date().timeIntervalSince($0) > queue.configuration.capabilityLifetime } ?? true
+        if needed, !capabilityRead, support.transactions == nil || support.conditionalCreate == nil || stale {
+            capabilityRead = true
+            if let read = await readCapability() {
+                support.transactions = read.transactions
+                support.conditionalCreate = read.conditionalCreate
+                support.checkedAt = Date()
+                try await queue.store.recordBundleSupport(
+                    queue: queue.queueName, transactions: read.transactions, batchLimit: nil, conditionalCreate: read.conditionalCreate)
+            }
+        }
+        self.support = support
+        return support
+    }
+
+    /// What `[base]/metadata` declares: the `transaction` interaction, and the resource types whose
+    /// `conditionalCreate` is true; nil when no answer came. An answer that is not a CapabilityStatement
+    /// declares neither (capabilities unknown, said once).
+    private func readCapability() async -> (transactions: Bool, conditionalCreate: Set<String>)? {
         let header = try? await queue.authorization?.authorizationHeader(forceRefresh: false, logger: queue.logger)
         guard let response = try? await queue.transport.get(queue.queueName + "/metadata", authorization: header, logger: queue.logger)
         else { return nil }
@@ -260,13 +283,27 @@ final class Flusher: @unchecked Sendable {
         if response.status >= 500 || response.status == 429 || response.status == 408 { return nil }
         guard response.status == 200,
             let object = (try? JSONSerialization.jsonObject(with: response.body)) as? [String: Any],
+            object["resourceType"] as? String == "CapabilityStatement",
             let rest = object["rest"] as? [[String: Any]]
-        else { return false }
-        let transactions = rest.contains { part in
+        else {
+            queue.logger.notice(
+                "the server's /metadata is not a CapabilityStatement: its capabilities are unknown (one request per item; no conditional create trusted)",
+                metadata: ["status": "\(response.status)"])
+            return (false, [])
+        }
+        let server = rest.filter { ($0["mode"] as? String ?? "server") == "server" }
+        let transactions = server.contains { part in
             (part["interaction"] as? [[String: Any]] ?? []).contains { $0["code"] as? String == "transaction" }
         }
-        queue.logger.debug("read the CapabilityStatement", metadata: ["transaction": "\(transactions)"])
-        return transactions
+        var conditional: Set<String> = []
+        for part in server {
+            for resource in part["resource"] as? [[String: Any]] ?? [] where resource["conditionalCreate"] as? Bool == true {
+                if let type = resource["type"] as? String { conditional.insert(type) }
+            }
+        }
+        queue.logger.debug(
+            "read the CapabilityStatement", metadata: ["transaction": "\(transactions)", "conditionalCreate": "\(conditional.count) types"])
+        return (transactions, conditional)
     }
 
     // MARK: - Sending
@@ -352,13 +389,15 @@ final class Flusher: @unchecked Sendable {
                 if status == 413 {
                     // Too large for this server: half the size from now on, remembered.
                     let smaller = max(1, part.count / 2)
-                    try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: nil, batchLimit: smaller)
+                    try await queue.store.recordBundleSupport(
+                        queue: queue.queueName, transactions: nil, batchLimit: smaller, conditionalCreate: nil)
                     batchSize = min(batchSize, smaller)
                     queue.logger.notice("the server refused a Bundle as too large", metadata: ["entries": "\(smaller)"])
                     return .next
                 }
                 if let status, TransactionBundle.refusesTransactions(status: status, body: body) {
-                    try await queue.store.recordBundleSupport(queue: queue.queueName, transactions: nil, batchLimit: 1)
+                    try await queue.store.recordBundleSupport(
+                        queue: queue.queueName, transactions: nil, batchLimit: 1, conditionalCreate: nil)
                     batchSize = 1
                     queue.logger.notice("the server refuses transaction Bundles; sending one request per item")
                     return .next
@@ -470,8 +509,15 @@ final class Flusher: @unchecked Sendable {
                 metadata: ["item": "\(item.id.lowercasedString)"])
         }
         // A conditional create answered 200 found the resource already there (an earlier attempt whose answer
-        // was lost, or the same data sent before).
-        let event: DeliveryRecord.Event = conditional && status == 200 ? .alreadyPresent : .delivered
+        // was lost, or the same data sent before), where the server declares conditional create for the type; a
+        // server that ignores If-None-Exist answers 200 to a plain create too.
+        let declared = support?.conditionalCreate?.contains(item.resourceType) ?? false
+        if conditional && !declared && warnedConditional.insert(item.resourceType).inserted {
+            queue.logger.warning(
+                "the server does not declare conditional create for this type: idempotent mode cannot keep a retried create from making a duplicate",
+                metadata: ["type": "\(item.resourceType)"])
+        }
+        let event: DeliveryRecord.Event = conditional && declared && status == 200 ? .alreadyPresent : .delivered
         try recorder.record(
             CompletedDelivery(
                 item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,

@@ -47,3 +47,13 @@ public struct QueueStatus: Sendable, Codable, Hashable {
         self.lastError = lastError
     }
 }
+
+/// What a server's CapabilityStatement declared when dq last read it.
+public struct ServerCapabilities: Sendable, Codable, Hashable {
+    /// Whether it takes transaction Bundles; nil when not read yet.
+    public var transactions: Bool?
+    /// The resource types whose conditional create (`If-None-Exist`) it declares, sorted; nil when not read yet.
+    public var conditionalCreate: [String]?
+    /// When it was read.
+    public var readAt: Date?
+}

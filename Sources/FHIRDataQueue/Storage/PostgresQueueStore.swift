@@ -226,6 +226,7 @@ final class PostgresQueueStore: QueueStorage {
           queue text PRIMARY KEY, failures int NOT NULL DEFAULT 0, next_attempt_at double precision, last_error text,
           transactions bool, capability_at double precision, batch_limit int)
         """,
+        "ALTER TABLE dq_server_state ADD COLUMN IF NOT EXISTS conditional_create text",
         """
         CREATE TABLE IF NOT EXISTS dq_lease (
           queue text PRIMARY KEY, holder text NOT NULL, token bigint NOT NULL, expires_at timestamptz NOT NULL,
@@ -771,22 +772,29 @@ final class PostgresQueueStore: QueueStorage {
 
     func bundleSupport(queue: String) async throws -> QueueStore.BundleSupport {
         try await run("read the server state") { [self] in
-            for try await (transactions, checked, limit) in try await client.query(
-                "SELECT transactions, capability_at, batch_limit FROM dq_server_state WHERE queue = \(queue)", logger: logger
-            ).decode((Bool?, Double?, Int?).self) {
+            for try await (transactions, checked, limit, types) in try await client.query(
+                "SELECT transactions, capability_at, batch_limit, conditional_create FROM dq_server_state WHERE queue = \(queue)",
+                logger: logger
+            ).decode((Bool?, Double?, Int?, String?).self) {
                 return QueueStore.BundleSupport(
-                    transactions: transactions, checkedAt: checked.map(Date.init(timeIntervalSince1970:)), batchLimit: limit)
+                    transactions: transactions, checkedAt: checked.map(Date.init(timeIntervalSince1970:)), batchLimit: limit,
+                    conditionalCreate: QueueStore.decodeTypes(types))
             }
             return QueueStore.BundleSupport()
         }
     }
 
-    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?) async throws {
+    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?, conditionalCreate: Set<String>?) async throws {
         try await run("record what the server supports") { [self] in
             try await client.withTransaction(logger: logger) { connection in
                 try await connection.query(
                     "INSERT INTO dq_server_state (queue, failures) VALUES (\(queue), 0) ON CONFLICT (queue) DO NOTHING",
                     logger: logger)
+                if let conditionalCreate {
+                    try await connection.query(
+                        "UPDATE dq_server_state SET conditional_create = \(QueueStore.encodeTypes(conditionalCreate)) WHERE queue = \(queue)",
+                        logger: logger)
+                }
                 if let transactions {
                     try await connection.query(
                         "UPDATE dq_server_state SET transactions = \(transactions), capability_at = \(Date().timeIntervalSince1970) WHERE queue = \(queue)",

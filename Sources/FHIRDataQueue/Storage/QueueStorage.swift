@@ -57,7 +57,7 @@ protocol QueueStorage: AnyObject, Sendable {
     func bundleSupport(queue: String) async throws -> QueueStore.BundleSupport
 
     /// Records what the server supports for Bundles (nil: unchanged).
-    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?) async throws
+    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?, conditionalCreate: Set<String>?) async throws
 
     /// The server locations of delivered items by their producer `fullUrl`.
     func deliveredLocations(fullURLs: [String]) async throws -> [String: String]

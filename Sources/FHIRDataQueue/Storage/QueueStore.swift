@@ -361,6 +361,11 @@ final class QueueStore: QueueStorage {
                     """)
             try db.execute(sql: "INSERT INTO item_sequence_floor (floor) VALUES (?)", arguments: [floor])
         }
+        migrator.registerMigration("v5") { db in
+            // The resource types whose conditional create the server's CapabilityStatement declares (a JSON
+            // list; NULL: not read): idempotent mode trusts a 200 to a conditional create only for those.
+            try db.execute(sql: "ALTER TABLE server_state ADD COLUMN conditional_create TEXT")
+        }
         return migrator
     }
 
@@ -689,6 +694,17 @@ final class QueueStore: QueueStorage {
         var transactions: Bool?
         var checkedAt: Date?
         var batchLimit: Int?
+        /// The resource types whose conditional create the CapabilityStatement declares; nil when not read.
+        var conditionalCreate: Set<String>? = nil
+    }
+
+    /// The JSON list stored for a set of conditional-create types.
+    static func encodeTypes(_ types: Set<String>) -> String {
+        String(decoding: (try? JSONEncoder().encode(types.sorted())) ?? Data("[]".utf8), as: UTF8.self)
+    }
+
+    static func decodeTypes(_ text: String?) -> Set<String>? {
+        text.flatMap { try? JSONDecoder().decode([String].self, from: Data($0.utf8)) }.map(Set.init)
     }
 
     func bundleSupport(queue: String) async throws -> BundleSupport {
@@ -699,17 +715,22 @@ final class QueueStore: QueueStorage {
             let checked: Double? = row["capability_at"]
             return BundleSupport(
                 transactions: transactions.map { $0 != 0 }, checkedAt: checked.map(Date.init(timeIntervalSince1970:)),
-                batchLimit: row["batch_limit"])
+                batchLimit: row["batch_limit"], conditionalCreate: Self.decodeTypes(row["conditional_create"]))
         }
     }
 
     /// Records what the CapabilityStatement said (`transactions`) and when, or a Bundle size limit learnt
     /// from a refusal (`batchLimit`; 1 means the server takes no transactions).
-    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?) async throws {
+    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?, conditionalCreate: Set<String>?) async throws {
         try await immediate("record what the server supports") { db in
             try db.execute(
                 sql: "INSERT INTO server_state (queue, failures) VALUES (?, 0) ON CONFLICT(queue) DO NOTHING",
                 arguments: [queue])
+            if let conditionalCreate {
+                try db.execute(
+                    sql: "UPDATE server_state SET conditional_create = ? WHERE queue = ?",
+                    arguments: [Self.encodeTypes(conditionalCreate), queue])
+            }
             if let transactions {
                 try db.execute(
                     sql: "UPDATE server_state SET transactions = ?, capability_at = ? WHERE queue = ?",
