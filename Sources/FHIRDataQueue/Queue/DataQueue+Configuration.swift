@@ -209,6 +209,25 @@ public enum FlushStop: Sendable, Equatable {
     case limit
 }
 
+extension FlushStop: CustomStringConvertible {
+    /// Why the flush stopped, in words (PHI-free): `no answer from …: timed out; next try after 2026-11-26T06:10:04Z`.
+    public var description: String {
+        switch self {
+        case .transient(let message, let retryAt): "\(message); next try after \(Self.format(retryAt))"
+        case .authentication(let message): "authentication failed: \(message)"
+        case .backoff(let until): "the server is backing off after failures until \(Self.format(until))"
+        case .busy: "another flush of this queue is running"
+        case .limit: "the item limit was reached"
+        }
+    }
+
+    private static func format(_ date: Date) -> String {
+        let formatter = ISO8601DateFormatter()
+        formatter.formatOptions = [.withInternetDateTime]
+        return formatter.string(from: date)
+    }
+}
+
 /// The result of a flush.
 public struct FlushReport: Sendable, Equatable {
     /// Items the server accepted in this flush.

@@ -565,14 +565,18 @@ final class Flusher: @unchecked Sendable {
         try await queue.store.recordFailure(
             queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
         report.stop = .transient(message, retryAt: retryAt)
-        queue.logger.notice("flush stopped", metadata: ["reason": "\(message)"])
+        // The caller says it once (dq flush prints it; the service logs each change of state).
+        queue.logger.debug("flush stopped", metadata: ["reason": "\(message)"])
     }
 
+    /// A refused credential backs off as a transient failure does: retrying it at once only repeats the refusal.
     private func recordAuthentication(_ item: QueuedItem, status: Int?, message: String) async throws {
         try await recorder.finish()
+        let failures = (try await queue.store.serverState(queue: queue.queueName).failures) + 1
+        let retryAt = Date().addingTimeInterval(queue.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: nil))
         try await queue.store.recordFailure(
-            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: nil, owner: lock)
+            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
         report.stop = .authentication(message)
-        queue.logger.error("authentication failed", metadata: ["reason": "\(message)"])
+        queue.logger.debug("authentication failed", metadata: ["reason": "\(message)"])
     }
 }

@@ -16,6 +16,9 @@ struct QueueMetrics: Sendable {
     let oldestPendingAge: Gauge
     let requestDuration: Metrics.Timer
     let bundleSize: Recorder
+    /// Flushes that ended with an error (not a server's answer): `storage`, `storage_full`, `configuration`,
+    /// `other`.
+    let flushErrors: [String: Counter]
 
     init(destination: String) {
         let dimensions = [("destination", destination)]
@@ -30,6 +33,22 @@ struct QueueMetrics: Sendable {
         oldestPendingAge = Gauge(label: "dq_oldest_pending_age_seconds", dimensions: dimensions)
         requestDuration = Metrics.Timer(label: "dq_request_duration_seconds", dimensions: dimensions)
         bundleSize = Recorder(label: "dq_bundle_size", dimensions: dimensions)
+        flushErrors = Dictionary(
+            uniqueKeysWithValues: ["storage", "storage_full", "configuration", "other"].map { kind in
+                (kind, Counter(label: "dq_flush_errors_total", dimensions: dimensions + [("kind", kind)]))
+            })
+    }
+
+    /// Counts a flush that ended with `error`.
+    func flushError(_ error: any Error) {
+        let kind: String
+        switch (error as? DataQueueError)?.code {
+        case .storage?: kind = "storage"
+        case .storageFull?: kind = "storage_full"
+        case .invalidConfiguration?: kind = "configuration"
+        default: kind = "other"
+        }
+        flushErrors[kind]?.increment()
     }
 
     /// Counts a failed request by its cause.

@@ -88,24 +88,49 @@ public struct DataQueueService: Service {
     }
 
     /// The loop of one queue: flush, then wait for an enqueue, the poll interval or shutdown.
+    ///
+    /// A flush that fails with an error of its own (storage, a full disk, a damaged row) is logged once per
+    /// change of error, counted (`dq_flush_errors_total`), and retried after a growing delay (the queue's
+    /// retry policy) that an enqueue does not shorten: nothing is sent again until then.
     private func deliver(_ queue: DataQueue) async {
         var healthy: Bool?
+        var lastError: String?
+        var errors = 0
         while !Task.isCancelled && !Task.isShuttingDownGracefully {
-            let report = await flushDraining(queue)
-            if let report {
-                let up: Bool
+            let outcome = await flushDraining(queue)
+            if case .failure(let error) = outcome, !(error is CancellationError) {
+                queue.metrics.flushError(error)
+                errors += 1
+                let message = (error as? DataQueueError)?.message ?? "\(error)"
+                if message != lastError {
+                    logger.error("flush failed; items stay queued", metadata: ["queue": "\(queue.queueName)", "error": "\(message)"])
+                    lastError = message
+                }
+                let delay = queue.configuration.retryPolicy.delay(afterFailures: errors, retryAfter: nil)
+                await cancelWhenGracefulShutdown { try? await Task.sleep(for: .milliseconds(Int64(delay * 1000))) }
+                continue
+            }
+            if lastError != nil {
+                logger.notice("flushes work again", metadata: ["queue": "\(queue.queueName)"])
+                lastError = nil
+                errors = 0
+            }
+            if case .success(let report) = outcome {
+                // A flush that backed off or found another flusher says nothing new about the server.
+                let up: Bool?
                 switch report.stop {
                 case .transient, .authentication: up = false
-                default: up = true
+                case .backoff, .busy: up = nil
+                case nil, .limit: up = true
                 }
-                if healthy != up {
+                if let up, healthy != up {
                     // One line per state change, not one per item.
                     if up {
                         if healthy != nil { logger.notice("server is reachable again", metadata: ["queue": "\(queue.queueName)"]) }
                     } else {
                         logger.warning(
                             "delivery stopped; items stay queued",
-                            metadata: ["queue": "\(queue.queueName)", "reason": "\(report.stop.map { "\($0)" } ?? "-")"])
+                            metadata: ["queue": "\(queue.queueName)", "reason": "\(report.stop.map(\.description) ?? "-")"])
                     }
                     healthy = up
                 }
@@ -122,9 +147,15 @@ public struct DataQueueService: Service {
     /// One flush. On graceful shutdown or cancellation the flush is cancelled: it stops before its next item,
     /// once the request on the wire is answered. Graceful shutdown waits for that at most the drain timeout,
     /// cancellation not at all; a request left behind stays queued, and the next flush lets it settle first.
-    private func flushDraining(_ queue: DataQueue) async -> FlushReport? {
-        let flush = Task { try? await queue.flush() }
-        let result = ResumeOnce<FlushReport?>()
+    private func flushDraining(_ queue: DataQueue) async -> Result<FlushReport, any Error>? {
+        let flush = Task { () -> Result<FlushReport, any Error> in
+            do {
+                return .success(try await queue.flush())
+            } catch {
+                return .failure(error)
+            }
+        }
+        let result = ResumeOnce<Result<FlushReport, any Error>?>()
         let drainTimeout = configuration.drainTimeout
         // Task-local graceful shutdown state is inherited: this returns when the group shuts down, and is
         // cancelled (so that no watcher outlives its flush) once the flush is over.

@@ -1,0 +1,66 @@
+import Foundation
+import GRDB
+import Logging
+import ServiceLifecycle
+import Synchronization
+import Testing
+
+@testable import FHIRDataQueue
+
+/// What the background service does when a flush fails with an error of its own (not a server's answer).
+@Suite("The service's flush errors")
+struct ServiceErrorTests {
+    /// Keeps every line logged through it.
+    struct CapturingHandler: LogHandler {
+        let captured: Lines
+        var logLevel: Logger.Level = .trace
+        var metadata: Logger.Metadata = [:]
+
+        subscript(metadataKey key: String) -> Logger.Metadata.Value? {
+            get { metadata[key] }
+            set { metadata[key] = newValue }
+        }
+
+        func log(event: LogEvent) {
+            captured.lines.withLock { $0.append((event.level, event.message.description, event.metadata ?? [:])) }
+        }
+    }
+
+    final class Lines: Sendable {
+        let lines = Mutex<[(Logger.Level, String, Logger.Metadata)]>([])
+    }
+
+    @Test("A storage error is logged once with its level, backed off, and nothing is sent; the service keeps running")
+    func storageErrorLoggedOnce() async throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        let path = directory.appendingPathComponent("q.sqlite").path
+        let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
+        var configuration = DataQueue.Configuration(databasePath: path)
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0.2, maximumDelay: 0.4, jitter: 0)
+        let queue = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
+        // A row dq did not write: every flush fails on it.
+        let store = try #require(queue.store as? QueueStore)
+        try await store.database.write { db in try db.execute(sql: "UPDATE item SET state = 'weird'") }
+
+        let captured = Lines()
+        let logger = Logger(label: "test") { _ in CapturingHandler(captured: captured) }
+        let group = ServiceGroup(
+            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)), logger: logger)],
+            logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
+        let running = Task { try await group.run() }
+        // Several poll intervals and retry delays: the same error over and over.
+        try await Task.sleep(for: .seconds(1.5))
+        await group.triggerGracefulShutdown()
+        try await running.value
+        let errors = captured.lines.withLock { $0.filter { $0.1 == "flush failed; items stay queued" } }
+        #expect(errors.count == 1, "one line per change of error, not per attempt: \(errors.count)")
+        #expect(errors.first?.0 == .error)
+        let message = errors.first.map { "\($0.2["error"] ?? "")" } ?? ""
+        #expect(message.contains("damaged"), "\(message)")
+        #expect(server.requests.isEmpty)
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+}
