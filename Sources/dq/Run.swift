@@ -66,7 +66,7 @@ extension DQ {
                 services.append(SystemdNotify(status: "delivering to \(queue.queueName)"))
                 let group = ServiceGroup(
                     configuration: ServiceGroupConfiguration(
-                        services: services.map { .init(service: $0) }, gracefulShutdownSignals: [.sigterm, .sigint],
+                        services: services.map { .init(service: $0) }, gracefulShutdownSignals: [.sigterm, .sigint, .sighup],
                         logger: logger))
                 try await group.run()
             }

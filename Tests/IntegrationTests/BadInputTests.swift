@@ -215,4 +215,17 @@ struct BadInputTests {
         #expect(warned.stderr.contains("the client key \(key) is readable by others"), "\(warned.stderr)")
         #expect(warned.status == 78 && warned.stderr.contains("client certificate"), "an unreadable certificate: \(warned.stderr)")
     }
+
+    @Test("A server or token URL with a port above 65535 is a configuration error when it is read (78), for every command")
+    func portOutOfRange() async throws {
+        for command in [["flush"], ["send", try work.write("p.json", #"{"resourceType":"Patient"}"#)], ["status"]] {
+            let result = try await dq(command, env.merging(["DQ_SERVER": "http://127.0.0.1:70000/fhir"]) { $1 })
+            #expect(result.status == 78, "\(command): \(result.stderr)")
+            #expect(result.stderr.contains("port 70000"), "\(result.stderr)")
+        }
+        let config = try work.write(
+            "dq.json", #"{"auth": {"client_id": "c", "client_secret": "s", "token_uri": "http://127.0.0.1:99999/token"}}"#)
+        let token = try await dq(["flush", "--config", config], env)
+        #expect(token.status == 78 && token.stderr.contains("port 99999"), "\(token.stderr)")
+    }
 }

@@ -55,8 +55,10 @@ struct ServiceTests {
         try await queue.shutdown()
     }
 
-    @Test("dq run delivers what a separate dq enqueue queued, in order, and exits 0 on SIGTERM")
-    func runDeliversOtherProcesses() async throws {
+    @Test(
+        "dq run delivers what a separate dq enqueue queued, in order, and drains and exits 0 on SIGTERM and on SIGHUP",
+        arguments: [SIGTERM, SIGHUP])
+    func runDeliversOtherProcesses(signal: Int32) async throws {
         let server = try await FHIRServer.start()
         let env = environment(server.base)
         let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.2"], environment: env)
@@ -68,7 +70,7 @@ struct ServiceTests {
             try await eventually(timeout: .seconds(30)) {
                 (try await server.values("Observation", system: resources.system)).count == 30
             })
-        run.kill(SIGTERM)
+        run.kill(signal)
         let result = await run.wait(timeout: .seconds(30))
         #expect(result.status == 0, "\(result.stderr)")
         #expect(try await server.values("Observation", system: resources.system) == (0..<30).map(String.init))

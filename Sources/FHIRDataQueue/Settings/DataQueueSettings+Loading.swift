@@ -154,6 +154,9 @@ extension DataQueueSettings {
         guard let url = URL(string: text), let scheme = url.scheme?.lowercased(), scheme == "http" || scheme == "https",
             url.host != nil
         else { throw configError("\"auth.\(key)\" must be an http(s) URL") }
+        if let port = url.port, !(1...65535).contains(port) {
+            throw configError("\"auth.\(key)\" has port \(port), not one from 1 to 65535")
+        }
         return url
     }
 
