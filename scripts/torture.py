@@ -233,6 +233,57 @@ def network_faults(work, count, rng, seed, batch):
     fhir.kill()
 
 
+def daemon_faults(work, rng, count):
+    """dq run under what an operator's machine does to it: its flush lock file deleted while cron flushes run
+    beside it (every item at most once), and its database deleted under it (it must stop, not flush an unlinked
+    file while new items wait)."""
+    print("daemon faults: lock file deleted beside cron flushes; database deleted under dq run", flush=True)
+    fhir = FHIR(work)
+    env = env_for(work, fhir.base, "daemon.sqlite", idempotent=False)
+    system = "urn:torture:daemon:%d" % rng.randrange(1 << 30)
+    values = ["%05d" % i for i in range(count)]
+    path = os.path.join(work, "daemon.ndjson")
+    with open(path, "w") as f:
+        f.write("\n".join(observation(system, v) for v in values) + "\n")
+    assert dq(["enqueue", "--ndjson", path, "--durability", "normal"], env).returncode == 0
+    run = spawn([DQ, "run", "--poll-interval", "0.05"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deletions, deadline = 0, time.time() + 60
+    while time.time() < deadline and len(fhir.values("Observation", system)) < count:
+        for name in os.listdir(work):
+            if name.startswith("daemon.sqlite.flush-") and name.endswith(".lock"):
+                os.unlink(os.path.join(work, name))
+                deletions += 1
+        dq(["flush", "--now"], env, timeout=60)
+    run.send_signal(signal.SIGTERM)
+    run.wait(timeout=60)
+    check("flush lock file deleted under dq run, cron flushes beside it", 1, 0, deletions, values,
+          fhir.values("Observation", system), note="%d deletions" % deletions)
+
+    # The database deleted under dq run: it stops with an error (exit 74) instead of flushing the unlinked file.
+    later = ["%05d" % i for i in range(count, count + 5)]
+    run = spawn([DQ, "run", "--poll-interval", "0.05"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(1)
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            os.unlink(os.path.join(work, "daemon.sqlite" + suffix))
+        except FileNotFoundError:
+            pass
+    try:
+        code = run.wait(timeout=30)
+        message = run.stderr.read()
+    except subprocess.TimeoutExpired:
+        run.kill()
+        code, message = None, "still running 30 s after its database was deleted"
+    with open(path, "w") as f:
+        f.write("\n".join(observation(system, v) for v in later) + "\n")
+    assert dq(["enqueue", "--ndjson", path], env).returncode == 0
+    ok = flush_until_done(env)
+    stopped = code == 74 and "deleted" in message
+    check("database deleted under dq run (it exits 74; the new file's items flush)", 1, 0, 1, values + later,
+          fhir.values("Observation", system), ok and stopped, "exit %s" % code)
+    fhir.kill()
+
+
 def concurrency(work, producers, per_producer, rng):
     print("concurrency: %d enqueue + %d flush processes and an in-process library user" % (producers, producers), flush=True)
     fhir = FHIR(work)
@@ -598,6 +649,7 @@ def main():
             ("crash", lambda: [crash_loop(work, 25 if args.quick else 200, rng, batch) for batch in (1, 8)]),
             ("network", lambda: [network_faults(work, 150 if args.quick else 1000, rng, args.seed, batch) for batch in (1, 25)]),
             ("concurrency", lambda: concurrency(work, 3, 40 if args.quick else 300, rng)),
+            ("daemon", lambda: daemon_faults(work, rng, 30 if args.quick else 200)),
             ("shared", lambda: shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12)),
             ("failover", lambda: shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12, failover=True)),
             ("exhaustion", lambda: exhaustion(work)),

@@ -29,7 +29,7 @@ func warnAboutCommandLineSecrets(database: String?, proxy: String?, flag: String
     if let database, URLComponents(string: database)?.password != nil {
         printError("dq: warning: the password in \(flag) is visible to every user in ps; use PGPASSWORD or the config file")
     }
-    if let proxy, URLComponents(string: proxy)?.password != nil {
+    if let proxy, NetworkConfiguration.components(proxy)?.password != nil {
         printError("dq: warning: the password in --proxy is visible to every user in ps; use DQ_PROXY or the config file")
     }
 }

@@ -40,7 +40,9 @@ extension DQ {
                 }
                 if json { try printJSON(StatusOutput(status: status, signIn: signIn)); return }
                 for line in StatusReport.lines(status) { print(line) }
-                print(StatusReport.capabilitiesLine(try await queue.serverCapabilities(), idempotent: queue.configuration.idempotent))
+                // A PostgreSQL schema of an older dq (read-only here) has not the column yet: not read.
+                let capabilities = (try? await queue.serverCapabilities()) ?? ServerCapabilities()
+                print(StatusReport.capabilitiesLine(capabilities, idempotent: queue.configuration.idempotent))
                 print(StatusReport.databaseLine(queue.configuration.databasePath))
                 if let signIn { signIn.printLines() }
                 for other in try await queue.allQueueStatuses() where StatusReport.isElsewhere(other, of: status.queue) {

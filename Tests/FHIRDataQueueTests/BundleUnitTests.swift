@@ -56,13 +56,22 @@ struct BundleUnitTests {
 
     @Test("Envelopes in flight at once: every one delivered or parked exactly, no more than in_flight at a time")
     func envelopesInFlight() async throws {
-        let inFlight = Mutex((now: 0, most: 0))
+        let inFlight = Mutex((now: 0, most: 0, started: 0))
         let server = try await ScriptedServer { request in
-            inFlight.withLock {
+            let index = inFlight.withLock {
                 $0.now += 1
+                $0.started += 1
                 $0.most = max($0.most, $0.now)
+                return $0.started - 1
             }
-            try? await Task.sleep(for: .milliseconds(150))
+            // Each answer waits until its group of three (the seventh alone) has all arrived, so that the overlap
+            // does not depend on how fast a loaded machine sends: a dq sending one at a time makes each wait out
+            // the 20 s and leaves `most` at 1.
+            let groupEnd = min(7, (index / 3 + 1) * 3)
+            for _ in 0..<2000 {
+                if inFlight.withLock({ $0.started >= groupEnd }) { break }
+                try? await Task.sleep(for: .milliseconds(10))
+            }
             inFlight.withLock { $0.now -= 1 }
             return request.bodyText.contains("\"key_id\"") && request.uri.hasSuffix("/Condition")
                 ? .respond(.init(status: 400, body: "{}")) : .respond(.init(status: 200))

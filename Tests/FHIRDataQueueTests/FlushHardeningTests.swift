@@ -183,7 +183,7 @@ struct FlushHardeningTests {
         #expect(lock.inFlight()?.sentAt == Date(timeIntervalSince1970: 1_700_000_000.25))
         lock.clearInFlight()
         #expect(lock.inFlight() == nil)
-        lock.markInFlight(sequence: 7)
+        try lock.markInFlight(sequence: 7)
         #expect(lock.inFlight()?.sequence == 7, "a shorter record replaces a longer one whole")
         let size = try FileManager.default.attributesOfItem(atPath: path)[.size] as? Int
         #expect(size == FileLock.markerWidth, "one fixed-width record, never truncated")
@@ -198,7 +198,7 @@ struct FlushHardeningTests {
         let lock = try FileLock(path: path)
         let before = Date()
         for sequence in 1...100 {
-            lock.markInFlight(sequence: Int64(sequence))
+            try lock.markInFlight(sequence: Int64(sequence))
             lock.clearInFlight()
         }
         #expect(lock.markerWrites == 1, "one write covers the window's sends and answers")
@@ -211,7 +211,7 @@ struct FlushHardeningTests {
         #expect(lock.markerWrites == 2)
         #expect(try FileLock(path: path).inFlight() == nil, "a cleared marker is cleared on release")
         // A send whose answer never came keeps the marker through the release.
-        lock.markInFlight(sequence: 200)
+        try lock.markInFlight(sequence: 200)
         lock.release()
         #expect(try FileLock(path: path).inFlight()?.sequence == 200)
     }

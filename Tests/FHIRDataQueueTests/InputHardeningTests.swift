@@ -80,6 +80,27 @@ struct InputHardeningTests {
         _ = try FHIRResource(json: Data(#"{"resourceType":"Patient","a":{"x":1},"b":{"x":2}}"#.utf8))
     }
 
+    @Test(
+        "A lone surrogate and a number too small to tell from 0 are refused, named; a surrogate pair and 0e5 are fine",
+        arguments: [
+            (#"{"resourceType":"Patient","name":[{"text":"\ud800"}]}"#, "lone UTF-16 surrogate"),
+            (#"{"resourceType":"Patient","name":[{"text":"\udc00x"}]}"#, "lone UTF-16 surrogate"),
+            (#"{"resourceType":"Patient","name":[{"text":"\ud800\u0041"}]}"#, "lone UTF-16 surrogate"),
+            (#"{"resourceType":"Observation","valueQuantity":{"value":1e-999}}"#, "too small to be told from 0"),
+            (#"{"resourceType":"Observation","valueQuantity":{"value":1e999}}"#, "out of range"),
+            (#"{"resourceType":"Patient","name":[{"text":"\ud83d\ude00"}]}"#, ""),
+            (#"{"resourceType":"Observation","valueQuantity":{"value":0e5}}"#, ""),
+            (#"{"resourceType":"Observation","valueQuantity":{"value":0.000}}"#, ""),
+        ])
+    func surrogatesAndUnderflow(json: String, refusal: String) throws {
+        if refusal.isEmpty {
+            _ = try FHIRResource(json: Data(json.utf8))
+        } else {
+            let error = #expect(throws: DataQueueError.self) { try FHIRResource(json: Data(json.utf8)) }
+            #expect(error?.message.contains(refusal) == true, "\(error?.message ?? "")")
+        }
+    }
+
     @Test("A UTF-8 byte order mark is refused with its own message")
     func byteOrderMark() throws {
         let error = try #require(throws: DataQueueError.self) {
@@ -178,6 +199,26 @@ struct InputHardeningTests {
     }
 
     // MARK: - Files
+
+    @Test("A flush lock file deleted or replaced: the next locker reopens the path, so two lockers never both hold it; a holder stops sending")
+    func deletedLockFile() throws {
+        let path = FileManager.default.temporaryDirectory.appendingPathComponent("dq-lock-\(UUID().uuidString)").path
+        let first = try FileLock(path: path)
+        #expect(try first.tryLock())
+        first.unlock()
+        // The file is deleted between two flushes of a long-lived process (first): a second process opens the
+        // path anew and locks it. When the first locks again, it must find the second's lock.
+        try FileManager.default.removeItem(atPath: path)
+        let second = try FileLock(path: path)
+        #expect(try second.tryLock())
+        #expect(try !first.tryLock(), "the first locked the deleted file while the second held the new one")
+        second.unlock()
+        #expect(try first.tryLock())
+        // Deleted while held: the holder's next send is refused.
+        try FileManager.default.removeItem(atPath: path)
+        #expect(throws: DataQueueError.self) { try first.markInFlight(sequence: 1) }
+        first.unlock()
+    }
 
     @Test("A symbolic link at a lock file is refused and its target left untouched")
     func lockFileSymlink() throws {

@@ -18,7 +18,7 @@ struct ServerLocationTests {
 
     /// How the server answers the Patient's create.
     enum Answer: String, CaseIterable, Sendable, CustomTestStringConvertible {
-        case location, contentLocation, body, bodyWithOtherType, nothing
+        case location, contentLocation, body, bodyWithOtherType, endpointNotResource, nothing
         var testDescription: String { rawValue }
 
         var response: ScriptedServer.Response {
@@ -33,6 +33,9 @@ struct ServerLocationTests {
                     body: #"{"resourceType":"Patient","id":"p1","meta":{"versionId":"2"}}"#)
             case .bodyWithOtherType:
                 return .init(status: 200, body: #"{"resourceType":"OperationOutcome","id":"p1"}"#)
+            case .endpointNotResource:
+                // The type's endpoint, not a resource: "Patient" is no id.
+                return .init(status: 201, headers: [("Content-Location", "http://s/fhir/Patient")], body: "")
             case .nothing:
                 return .init(status: 200, body: "")
             }
@@ -44,7 +47,7 @@ struct ServerLocationTests {
             case .location: nil
             case .contentLocation: "server id from Content-Location (the answer had no Location)"
             case .body: "server id from the answer's resource (the answer had no Location)"
-            case .bodyWithOtherType, .nothing:
+            case .bodyWithOtherType, .endpointNotResource, .nothing:
                 "the server did not say where it stored it (no Location, Content-Location or resource id in its answer)"
             }
         }
@@ -83,7 +86,7 @@ struct ServerLocationTests {
             #expect(server.requests.count == 2)
             let sent = try #require(server.requests.last).bodyText
             #expect(sent.contains(#""reference":"Patient/p1""#), "\(sent)")
-        case .bodyWithOtherType, .nothing:
+        case .bodyWithOtherType, .endpointNotResource, .nothing:
             // The Observation was never sent: it is held with a true reason, not counted as rejected.
             #expect(report.delivered == 1 && report.parked == 1 && report.held == 1 && report.rejected == 0)
             #expect(server.requests.count == 1)

@@ -5,6 +5,10 @@ import ServiceLifecycle
 import Synchronization
 import Testing
 
+#if canImport(Glibc)
+    import Glibc
+#endif
+
 @testable import FHIRDataQueue
 
 /// What the background service does when a flush fails with an error of its own (not a server's answer).
@@ -59,6 +63,34 @@ struct ServiceErrorTests {
         #expect(errors.first?.0 == .error)
         let message = errors.first.map { "\($0.2["error"] ?? "")" } ?? ""
         #expect(message.contains("damaged"), "\(message)")
+        #expect(server.requests.isEmpty)
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test("A queue database deleted or replaced under the service ends it with that error, sending nothing more", arguments: [false, true])
+    func databaseReplaced(replace: Bool) async throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        let path = directory.appendingPathComponent("q.sqlite").path
+        let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
+        let queue = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
+        let group = ServiceGroup(
+            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)))],
+            logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
+        let running = Task { try await group.run() }
+        try await Task.sleep(for: .milliseconds(200))
+        for suffix in ["", "-wal", "-shm"] { unlink(path + suffix) }
+        if replace {
+            // Another queue file moved into place (a restore): what is queued there must not wait for nothing.
+            let other = directory.appendingPathComponent("other.sqlite").path
+            let made = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: other))
+            try await made.shutdown()
+            #expect(rename(other, path) == 0)
+        }
+        let ended = await #expect(throws: (any Error).self) { try await running.value }
+        let text = String(describing: ended.map { $0 } as Any)
+        #expect(text.contains(replace ? "replaced" : "deleted"), "\(text)")
         #expect(server.requests.isEmpty)
         try await queue.shutdown()
         try await server.shutdown()

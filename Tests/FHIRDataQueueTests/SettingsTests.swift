@@ -136,4 +136,28 @@ struct SettingsTests {
         let error = try #require(throws: DataQueueError.self) { try settings.resolve() }
         #expect(error.message.contains("encryption.certificate"), "\(error.message)")
     }
+
+    @Test(
+        "A settings file follows the JSON rules resource files do: a key given twice, at the top or in an object, and a trailing comma are refused, named",
+        arguments: [
+            (#"{"server": "http://a/fhir", "server": "http://b/fhir"}"#, #""server" appears twice"#),
+            (#"{"server": "http://a/fhir", "auth": {"bearer_token": "x", "bearer_token": "y"}}"#, #""auth.bearer_token" appears twice"#),
+            (#"{"server": "http://a/fhir",}"#, "not strict JSON"),
+            (#"{"server": "http://a/fhir", "retry": {"jitter": 0,}}"#, "not strict JSON"),
+        ])
+    func strictJSON(file: String, expected: String) throws {
+        let error = #expect(throws: DataQueueError.self) { try DataQueueSettings.decode(Data(file.utf8), source: "dq.json") }
+        #expect(error?.code == .invalidConfiguration)
+        #expect(error?.message.contains(expected) == true, "\(error?.message ?? "")")
+        #expect(error?.message.contains("x") == false || !expected.contains("bearer"), "no value in the error")
+    }
+
+    @Test("A bad DQ_DURABILITY or DQ_BATCH_SIZE is named by the variable, not the file's key")
+    func environmentNamed() throws {
+        var settings = DataQueueSettings()
+        let durability = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_DURABILITY": "bogus"]) }
+        #expect(durability?.message.contains("DQ_DURABILITY") == true, "\(durability?.message ?? "")")
+        let batch = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_BATCH_SIZE": "0"]) }
+        #expect(batch?.message.contains("DQ_BATCH_SIZE") == true, "\(batch?.message ?? "")")
+    }
 }

@@ -17,6 +17,7 @@ struct OAuth2HTTP: Sendable {
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a certificate, key or CA bundle that cannot be read.
     init(network: NetworkConfiguration, timeout: TimeInterval) throws {
         clients = try HTTPClients.shared(for: network)
+        clients.noteTimeout(.milliseconds(Int64(timeout * 1000)))
         self.timeout = timeout
     }
 

@@ -542,8 +542,15 @@ open class DataQueue: @unchecked Sendable {
     ) -> ServerIdentity {
         let version = TransactionBundle.version(fromETag: etag)
         for (header, note) in [(location, nil), (contentLocation, "server id from Content-Location (the answer had no Location)")] {
-            let (id, headerVersion) = parseLocation(header)
-            if let id, FHIRResource.isValidID(id) { return ServerIdentity(id: id, version: headerVersion ?? version, note: note) }
+            // `[base]/Type/id[/_history/vid]` of this resource's type: a header naming anything else (the type's
+            // endpoint, another resource) is not where this one was stored.
+            guard let header, let url = URL(string: header) else { continue }
+            let parts = url.path.split(separator: "/").map(String.init)
+            let history = parts.lastIndex(of: "_history")
+            let idIndex = history.map { $0 - 1 } ?? parts.count - 1
+            guard idIndex >= 1, parts[idIndex - 1] == resourceType, FHIRResource.isValidID(parts[idIndex]) else { continue }
+            let headerVersion = history.flatMap { $0 + 1 < parts.count ? parts[$0 + 1] : nil }
+            return ServerIdentity(id: parts[idIndex], version: headerVersion ?? version, note: note)
         }
         if let answer, !answer.isEmpty, let object = (try? JSONSerialization.jsonObject(with: answer)) as? [String: Any],
             object["resourceType"] as? String == resourceType, let id = object["id"] as? String, FHIRResource.isValidID(id)

@@ -280,7 +280,8 @@ final class Flusher: @unchecked Sendable {
         guard let response = try? await queue.transport.get(queue.queueName + "/metadata", authorization: header, logger: queue.logger)
         else { return nil }
         report.requests += 1
-        if response.status >= 500 || response.status == 429 || response.status == 408 { return nil }
+        // Not an answer about the server (it is down, busy, or wants other credentials): nothing is remembered.
+        if response.status >= 500 || [401, 403, 407, 408, 429].contains(response.status) { return nil }
         guard response.status == 200,
             let object = (try? JSONSerialization.jsonObject(with: response.body)) as? [String: Any],
             object["resourceType"] as? String == "CapabilityStatement",

@@ -56,4 +56,11 @@ public struct ServerCapabilities: Sendable, Codable, Hashable {
     public var conditionalCreate: [String]?
     /// When it was read.
     public var readAt: Date?
+
+    /// Nothing read yet.
+    public init(transactions: Bool? = nil, conditionalCreate: [String]? = nil, readAt: Date? = nil) {
+        self.transactions = transactions
+        self.conditionalCreate = conditionalCreate
+        self.readAt = readAt
+    }
 }

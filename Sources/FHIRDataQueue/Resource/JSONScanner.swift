@@ -20,6 +20,8 @@ struct JSONScanner {
         case numberOutOfRange
         /// The top-level object names a member twice (receivers differ on which one counts).
         case duplicateKey(String)
+        /// A `\uD800`-`\uDFFF` escape without its pair: no Unicode text, so no receiver can store it.
+        case loneSurrogate
     }
 
     /// The result of a scan.
@@ -251,9 +253,16 @@ struct JSONScanner {
                         UInt8(ascii: "n"), UInt8(ascii: "r"), UInt8(ascii: "t"):
                         index += 1
                     case UInt8(ascii: "u"):
-                        guard index + 4 < bytes.count else { throw .invalid }
-                        for offset in 1...4 where !isHex(bytes[index + offset]) { throw .invalid }
+                        let unit = try hexUnit(at: index + 1)
                         index += 5
+                        if (0xDC00...0xDFFF).contains(unit) { throw .loneSurrogate }
+                        if (0xD800...0xDBFF).contains(unit) {
+                            // A high surrogate must be followed by `\u` and a low one.
+                            guard index + 1 < bytes.count, bytes[index] == UInt8(ascii: "\\"), bytes[index + 1] == UInt8(ascii: "u"),
+                                (0xDC00...0xDFFF).contains(try hexUnit(at: index + 2))
+                            else { throw .loneSurrogate }
+                            index += 6
+                        }
                     default:
                         throw .invalid
                     }
@@ -262,6 +271,18 @@ struct JSONScanner {
                 index += 1
             }
             throw .invalid
+        }
+
+        /// The UTF-16 unit of the four hex digits at `start`.
+        func hexUnit(at start: Int) throws(Failure) -> Int {
+            guard start + 3 < bytes.count else { throw .invalid }
+            var value = 0
+            for offset in 0..<4 {
+                let c = bytes[start + offset]
+                guard isHex(c) else { throw .invalid }
+                value = value * 16 + Int(c <= 0x39 ? c - 0x30 : (c | 0x20) - 0x61 + 10)
+            }
+            return value
         }
 
         func isHex(_ c: UInt8) -> Bool {
@@ -283,7 +304,16 @@ struct JSONScanner {
             // A finite double is the common ground of every JSON receiver; `1e999` is not one.
             var text = [CChar](repeating: 0, count: length + 1)
             for offset in 0..<length { text[offset] = CChar(bitPattern: bytes[start + offset]) }
-            guard strtod(text, nil).isFinite else { throw .numberOutOfRange }
+            let value = strtod(text, nil)
+            guard value.isFinite else { throw .numberOutOfRange }
+            // `1e-999` is 0 to a double but not to a decimal reader: receivers would store different values.
+            if value == 0 {
+                for offset in 0..<length {
+                    let c = bytes[start + offset]
+                    if c == UInt8(ascii: "e") || c == UInt8(ascii: "E") { break }
+                    if (0x31...0x39).contains(c) { throw .numberOutOfRange }
+                }
+            }
         }
 
         mutating func numberSyntax() throws(Failure) {

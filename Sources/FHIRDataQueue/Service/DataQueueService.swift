@@ -78,13 +78,21 @@ public struct DataQueueService: Service {
                 }
             }
         }
-        await withTaskGroup(of: Void.self) { group in
+        // A queue whose database was deleted or replaced under it ends the service with that error (dq run
+        // exits 74 and systemd starts it again on the file there now).
+        let failure = await withTaskGroup(of: (any Error)?.self) { group -> (any Error)? in
             for queue in queues {
                 group.addTask { await self.deliver(queue) }
             }
+            for await case let error? in group {
+                group.cancelAll()
+                return error
+            }
+            return nil
         }
         listeners.cancel()
         await listeners.value
+        if let failure { throw failure }
     }
 
     /// The loop of one queue: flush, then wait for an enqueue, the poll interval or shutdown.
@@ -92,11 +100,17 @@ public struct DataQueueService: Service {
     /// A flush that fails with an error of its own (storage, a full disk, a damaged row) is logged once per
     /// change of error, counted (`dq_flush_errors_total`), and retried after a growing delay (the queue's
     /// retry policy) that an enqueue does not shorten: nothing is sent again until then.
-    private func deliver(_ queue: DataQueue) async {
+    private func deliver(_ queue: DataQueue) async -> (any Error)? {
         var healthy: Bool?
         var lastError: String?
         var errors = 0
         while !Task.isCancelled && !Task.isShuttingDownGracefully {
+            do {
+                try queue.store.checkFileIdentity()
+            } catch {
+                logger.critical("stopping", metadata: ["queue": "\(queue.queueName)", "error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
+                return error
+            }
             let outcome = await flushDraining(queue)
             if case .failure(let error) = outcome, !(error is CancellationError) {
                 queue.metrics.flushError(error)
@@ -142,6 +156,7 @@ public struct DataQueueService: Service {
                 queue.wakeUp.signal()
             }
         }
+        return nil
     }
 
     /// One flush. On graceful shutdown or cancellation the flush is cancelled: it stops before its next item,

@@ -15,7 +15,9 @@ extension DataQueueSettings {
     /// Decodes settings from JSON bytes; `source` names them in errors.
     public static func decode(_ data: Data, source: String = "the settings") throws -> DataQueueSettings {
         do {
-            return try JSONDecoder().decode(DataQueueSettings.self, from: data)
+            let settings = try JSONDecoder().decode(DataQueueSettings.self, from: data)
+            try checkStrict(data, source: source)
+            return settings
         } catch let error as DataQueueError {
             throw error
         } catch DecodingError.typeMismatch(_, let context) where !context.codingPath.isEmpty {
@@ -32,6 +34,36 @@ extension DataQueueSettings {
         } catch {
             throw configError("\(source) is not a JSON object")
         }
+    }
+
+    /// The JSON rules resource files follow, for settings too: no key twice in one object (jq and Python take
+    /// the last, Foundation the first), no trailing comma.
+    private static func checkStrict(_ data: Data, source: String) throws {
+        func refusal(_ failure: JSONScanner.Failure, in object: String?) -> DataQueueError {
+            if case .duplicateKey(let key) = failure {
+                let name = (object.map { $0 + "." } ?? "") + FHIRResource.printable(key)
+                return configError("\"\(name)\" appears twice in \(source) (give it once)")
+            }
+            return configError("\(source) is not strict JSON (a trailing comma, or a comment?)")
+        }
+        let top: JSONScanner.Document
+        do {
+            top = try JSONScanner.scan(data, 0..<data.count, keys: Set(CodingKeysNames.objects))
+        } catch {
+            throw refusal(error, in: nil)
+        }
+        for (name, range) in top.members where data[data.startIndex + range.lowerBound] == UInt8(ascii: "{") {
+            do {
+                _ = try JSONScanner.scan(data, range, keys: [])
+            } catch {
+                throw refusal(error, in: name)
+            }
+        }
+    }
+
+    /// The settings keys whose values are objects.
+    private enum CodingKeysNames {
+        static let objects = ["auth", "tls", "retry", "encryption"]
     }
 
     /// The byte offset where `data` stops being JSON, as Foundation's parser reports it.

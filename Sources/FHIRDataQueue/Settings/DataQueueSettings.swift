@@ -186,14 +186,20 @@ public struct DataQueueSettings: Sendable, Decodable {
     public mutating func apply(environment: [String: String]) throws {
         if let value = environment["DQ_SERVER"] { server = value }
         if let value = environment["DQ_DATABASE"] { database = value }
-        if let value = environment["DQ_DURABILITY"] { durability = value }
+        if let value = environment["DQ_DURABILITY"] {
+            guard Durability(rawValue: value) != nil else { throw Self.configError("DQ_DURABILITY must be \"full\" or \"normal\"") }
+            durability = value
+        }
         if let text = environment["DQ_IDEMPOTENT"] {
             guard let flag = ["1": true, "true": true, "0": false, "false": false][text.lowercased()] else {
                 throw Self.configError("DQ_IDEMPOTENT must be true or false")
             }
             idempotent = flag
         }
-        if let value = environment["DQ_CA_BUNDLE"] { caBundle = value }
+        if let value = environment["DQ_CA_BUNDLE"] {
+            // Over the file's, whichever of its two names the file used.
+            if tls?.caBundle != nil { tls?.caBundle = value } else { caBundle = value }
+        }
         if let value = environment["DQ_PROXY"] { proxy = value }
         if let value = environment["DQ_CLIENT_CERTIFICATE"] {
             tls = tls ?? TLS()
@@ -205,7 +211,10 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
         environmentNetwork.apply(environment: environment)
         if let text = environment["DQ_BATCH_SIZE"] {
-            guard let value = Double(text) else { throw Self.configError("DQ_BATCH_SIZE must be a whole number") }
+            let limit = SettingLimits.maximumBatchSize
+            guard let value = Double(text), value.rounded() == value, value >= 1, value <= Double(limit) else {
+                throw Self.configError("DQ_BATCH_SIZE must be a whole number from 1 to \(limit)")
+            }
             batchSize = value
         }
         if let text = environment["DQ_LEASE_SECONDS"] {
@@ -235,6 +244,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         settings.fileHoldsSecret =
             settings.auth?.bearerToken != nil || settings.auth?.clientSecret != nil
             || settings.database.flatMap { URLComponents(string: $0)?.password } != nil
+            || settings.proxy.flatMap { NetworkConfiguration.components($0)?.password } != nil
         return settings
     }
 

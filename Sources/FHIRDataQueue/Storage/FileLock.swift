@@ -11,15 +11,23 @@ import Synchronization
 ///
 /// The kernel releases the lock when the holder exits, even on SIGKILL, so a crashed flusher never
 /// leaves a queue locked.
-final class FileLock: FlushOwnership, @unchecked Sendable {
-    private let descriptor: Int32
+final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor is behind a Mutex
+    /// The open lock file; replaced when the file at `path` was deleted or replaced since it was opened.
+    private let opened: Mutex<Int32>
     let path: String
+
+    private var descriptor: Int32 { opened.withLock { $0 } }
 
     /// Opens (creating with mode 0600) the lock file at `path`.
     ///
     /// A symbolic link at `path` is refused (`O_NOFOLLOW`): dq writes to its lock files, and a link planted
     /// there must not make it write to the link's target.
     init(path: String) throws {
+        self.path = path
+        opened = Mutex(try Self.openLockFile(path))
+    }
+
+    private static func openLockFile(_ path: String) throws -> Int32 {
         let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600)
         guard fd >= 0 else {
             if errno == ELOOP {
@@ -27,25 +35,55 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
             }
             throw DataQueueError(.storage, "cannot open lock file \(path): \(String(cString: strerror(errno)))")
         }
-        self.descriptor = fd
-        self.path = path
+        return fd
     }
 
     deinit { close(descriptor) }
 
+    /// Whether `fd` is still the file at `path`: a lock file deleted (or replaced) after it was opened locks a
+    /// file nobody else opens, so a second flusher that opens the path would lock another one and send too.
+    private func isCurrent(_ fd: Int32) -> Bool {
+        var held = stat()
+        var named = stat()
+        guard fstat(fd, &held) == 0, lstat(path, &named) == 0 else { return false }
+        return held.st_ino == named.st_ino && held.st_dev == named.st_dev
+    }
+
+    /// After taking the lock on `fd`: true when it is the file at `path`; else unlocks it and opens the path
+    /// again (creating it), for the caller to retry.
+    private func keepOrReopen(_ fd: Int32) throws -> Bool {
+        if isCurrent(fd) { return true }
+        flock(fd, LOCK_UN)
+        let fresh = try Self.openLockFile(path)
+        opened.withLock { current in
+            close(current)
+            current = fresh
+        }
+        return false
+    }
+
     /// Takes the lock exclusively, blocking the calling thread until it is free.
     func lock() throws {
-        while flock(descriptor, LOCK_EX) != 0 {
-            if errno == EINTR { continue }
-            throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
+        while true {
+            let fd = descriptor
+            if flock(fd, LOCK_EX) != 0 {
+                if errno == EINTR { continue }
+                throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
+            }
+            if try keepOrReopen(fd) { return }
         }
     }
 
     /// Takes the lock if it is free and returns whether it did.
     func tryLock() throws -> Bool {
-        if flock(descriptor, LOCK_EX | LOCK_NB) == 0 { return true }
-        if errno == EWOULDBLOCK || errno == EINTR { return false }
-        throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
+        while true {
+            let fd = descriptor
+            if flock(fd, LOCK_EX | LOCK_NB) != 0 {
+                if errno == EWOULDBLOCK || errno == EINTR { return false }
+                throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
+            }
+            if try keepOrReopen(fd) { return true }
+        }
     }
 
     /// Waits for the lock without blocking a thread, polling until `deadline`.
@@ -87,7 +125,15 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
     /// store's note does: a send inside the window writes nothing. After a crash the next flusher lets the
     /// server settle until that time plus the settle delay, at most a window longer than it had to; the
     /// sequence names the first item sent in the window.
-    func markInFlight(sequence: Int64) {
+    ///
+    /// - Throws: ``DataQueueError`` (`.storage`) when the lock file was deleted or replaced while this flusher
+    ///   held it: another flusher may hold the new one, so nothing more may be sent under this lock.
+    func markInFlight(sequence: Int64) throws {
+        guard isCurrent(descriptor) else {
+            throw DataQueueError(
+                .storage,
+                "the flush lock file \(path) was deleted or replaced during the flush; stopping so that no other flusher sends the same items")
+        }
         let now = ContinuousClock.now
         if note.withLock({ $0.covers(now) }) { return }
         writeMarker("\(sequence) \(Date().addingTimeInterval(Self.noteWindow).timeIntervalSince1970)")

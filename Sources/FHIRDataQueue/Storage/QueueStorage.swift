@@ -12,6 +12,10 @@ import Foundation
 /// under: a store where ownership can be lost while a flusher still runs (a lease that expired) must refuse
 /// them then.
 protocol QueueStorage: AnyObject, Sendable {
+    /// Throws when the store's file is no longer the one it opened (SQLite: deleted or replaced). The default
+    /// does nothing.
+    func checkFileIdentity() throws
+
     // MARK: Enqueue
 
     /// Stores `items` in one transaction, in order; returns their sequence numbers (per server, rising in
@@ -219,4 +223,8 @@ struct CompletedDelivery: Sendable {
     var bundle: String? = nil
     /// For a Bundle queued as one item: its entries' locations from the transaction-response (JSON array).
     var entries: String? = nil
+}
+
+extension QueueStorage {
+    func checkFileIdentity() throws {}
 }

@@ -42,6 +42,8 @@ final class QueueStore: QueueStorage {
     let path: String
     let database: DatabaseQueue
     private let batcher: EnqueueBatcher
+    /// The device and inode of the file opened (see ``checkFileIdentity()``).
+    private let fileIdentity: (device: UInt64, inode: UInt64)?
 
     /// Opens or creates the database at `path` (mode 0600, directory 0700), migrating the schema under
     /// an exclusive file lock so that several processes may open a new file at once.
@@ -99,6 +101,23 @@ final class QueueStore: QueueStorage {
         }
         batcher = EnqueueBatcher { [database] items in
             QueueStore.immediateNow(database, "enqueue") { db in try QueueStore.insert(items, db: db) }
+        }
+        var info = stat()
+        fileIdentity = stat(path, &info) == 0 ? (UInt64(info.st_dev), UInt64(info.st_ino)) : nil
+    }
+
+    /// Refuses to go on with a file that is no longer the one at `path`: deleted, or replaced (a restore, a
+    /// `mv`). A long-running process would otherwise keep writing to the unlinked file while what is queued
+    /// into the new one is never sent.
+    func checkFileIdentity() throws {
+        guard let fileIdentity else { return }
+        var info = stat()
+        guard stat(path, &info) == 0 else {
+            throw DataQueueError(.storage, "the queue database \(path) was deleted while dq had it open; restart dq")
+        }
+        guard UInt64(info.st_dev) == fileIdentity.device && UInt64(info.st_ino) == fileIdentity.inode else {
+            throw DataQueueError(
+                .storage, "the queue database \(path) was replaced by another file while dq had it open; restart dq to open it")
         }
     }
 

@@ -87,6 +87,7 @@ final class FHIRTransport: Sendable {
             ? try HTTPClients.shared(
                 for: network, connectTimeout: .milliseconds(Int64(connectTimeout * 1000)), idleLimit: idleLimit) : nil
         self.timeout = .milliseconds(Int64(timeout * 1000))
+        clients?.noteTimeout(self.timeout)
     }
 
     /// The shared clients stay for the process; a caller's client is the caller's to shut down.
@@ -169,7 +170,7 @@ final class FHIRTransport: Sendable {
             // next request gets a client of its own.
             if !delegate.requestSent {
                 task.cancel()
-                clients?.retire(client, after: timeout)
+                clients?.retire(client)
             }
             return Self.response(head, body)
         } catch let error as DataQueueError {

@@ -20,6 +20,8 @@ final class HTTPClients: Sendable {
     private let connectTimeout: TimeAmount
     private let idleLimit: TimeAmount
     private let clients = Mutex<[String: HTTPClient]>([:])
+    /// The longest request deadline of any user of these clients: a retired client is shut down only after it.
+    private let longestTimeout = Mutex<TimeAmount>(.seconds(30))
 
     private static let registry = Mutex<[Key: HTTPClients]>([:])
 
@@ -123,33 +125,38 @@ final class HTTPClients: Sendable {
         }
     }
 
+    /// Notes a user's request deadline (see ``retire(_:)``).
+    func noteTimeout(_ timeout: TimeAmount) {
+        longestTimeout.withLock { $0 = max($0, timeout) }
+    }
+
     /// Takes `client` out of use: the next request makes a new one. It is shut down once the requests already
-    /// on it (other queues' too) have passed their deadlines, `after` from now.
-    func retire(_ client: HTTPClient, after: TimeAmount) {
+    /// on it (other queues' and OAuth2 clients' too) have passed their deadlines: after the longest one noted.
+    func retire(_ client: HTTPClient) {
         let removed = clients.withLock { clients in
             guard let key = clients.first(where: { $0.value === client })?.key else { return false }
             clients[key] = nil
             return true
         }
         guard removed else { return }
-        eventLoop.scheduleTask(in: after + .seconds(5)) { client.shutdown { _ in } }
+        let after = longestTimeout.withLock { $0 } + .seconds(5)
+        eventLoop.scheduleTask(in: after) { client.shutdown { _ in } }
     }
 
     /// async-http-client's proxy for a proxy URL: `http://[user:password@]host[:port]` or `socks5://host[:port]`.
     static func proxy(_ text: String) throws -> HTTPClient.Configuration.Proxy {
         let shown = NetworkConfiguration.redacted(text)
-        guard let components = URLComponents(string: text.contains("://") ? text : "http://" + text),
-            let host = components.host, !host.isEmpty
+        guard let components = NetworkConfiguration.components(text), let host = components.host, !host.isEmpty
         else {
             throw DataQueueError(.invalidConfiguration, "configuration: the proxy \(shown) is not a URL (http://host:port)")
         }
         switch components.scheme?.lowercased() {
         case "http":
             var authorization: HTTPClient.Authorization?
-            if let user = components.user {
+            if let user = components.percentEncodedUser {
+                let password = components.percentEncodedPassword ?? ""
                 authorization = .basic(
-                    username: user.removingPercentEncoding ?? user,
-                    password: (components.password ?? "").removingPercentEncoding ?? components.password ?? "")
+                    username: user.removingPercentEncoding ?? user, password: password.removingPercentEncoding ?? password)
             }
             return .server(host: host, port: components.port ?? 80, authorization: authorization)
         case "socks5", "socks5h":

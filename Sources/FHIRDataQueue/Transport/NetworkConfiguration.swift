@@ -77,9 +77,14 @@ public struct NetworkConfiguration: Sendable, Hashable {
 
     /// A proxy URL with its password replaced, safe to print.
     public static func redacted(_ proxy: String) -> String {
-        guard var components = URLComponents(string: proxy) else { return "the proxy" }
+        guard var components = components(proxy), components.host != nil else { return "the proxy" }
         if components.password != nil { components.password = "***" }
         components.query = nil
         return components.string ?? "the proxy"
+    }
+
+    /// A proxy URL's parts; one without a scheme (`user:password@host:3128`, as curl takes it) is `http://`.
+    package static func components(_ proxy: String) -> URLComponents? {
+        URLComponents(string: proxy.contains("://") ? proxy : "http://" + proxy)
     }
 }

@@ -1,0 +1,48 @@
+import AsyncHTTPClient
+import Foundation
+import Testing
+
+@testable import FHIRDataQueue
+
+/// Which requests go through the proxy, and what of a proxy URL may be printed.
+@Suite("Proxy settings")
+struct NetworkConfigurationTests {
+    @Test(
+        "NO_PROXY as curl reads it: host names with their subdomains, a leading dot, ports, IP addresses, *",
+        arguments: [
+            ("fhir.example.org", 443, "example.org", true), ("fhir.example.org", 443, ".example.org", true),
+            ("example.org", 443, ".example.org", true), ("badexample.org", 443, "example.org", false),
+            ("fhir.example.org", 443, "example.org:8443", false), ("fhir.example.org", 8443, "example.org:8443", true),
+            ("127.0.0.1", 80, "localhost, 127.0.0.1", true), ("10.1.2.3", 80, "10.1.2.4", false), ("any.host", 80, "*", true),
+            ("::1", 80, "::1", true), ("::1", 80, "[::1]:80", true), ("FHIR.Example.ORG", 443, "example.org", true),
+        ])
+    func noProxy(host: String, port: Int, list: String, bypassed: Bool) {
+        #expect(NetworkConfiguration.bypasses(list, host: host, port: port) == bypassed, "\(host):\(port) against \(list)")
+    }
+
+    @Test("Each scheme takes its own proxy; NO_PROXY sends a host around it; lowercase variables win")
+    func perScheme() {
+        var network = NetworkConfiguration()
+        network.apply(environment: [
+            "HTTPS_PROXY": "http://upper:3128", "https_proxy": "http://lower:3128", "HTTP_PROXY": "http://plain:3128",
+            "NO_PROXY": "internal.example",
+        ])
+        #expect(network.proxy(for: URL(string: "https://fhir.example/r4")!) == "http://lower:3128")
+        #expect(network.proxy(for: URL(string: "http://fhir.example/r4")!) == "http://plain:3128")
+        #expect(network.proxy(for: URL(string: "https://a.internal.example/r4")!) == nil)
+    }
+
+    @Test("A proxy password is never shown, with or without a scheme, and is decoded once")
+    func redaction() throws {
+        for proxy in ["alice:s3cret@proxy:3128", "http://alice:s3cret@proxy:3128", "socks5://alice:s3cret@proxy"] {
+            let shown = NetworkConfiguration.redacted(proxy)
+            #expect(!shown.contains("s3cret") && shown.contains("proxy"), "\(shown)")
+        }
+        #expect(NetworkConfiguration.redacted("not a url with s3cret") == "the proxy")
+        // A literal %41 in the password is written %2541: the proxy must get "%41", not "A".
+        let proxy = try HTTPClients.proxy("http://alice:p%2541ss@proxy:3128")
+        let expected = HTTPClient.Authorization.basic(username: "alice", password: "p%41ss")
+        #expect(proxy == HTTPClient.Configuration.Proxy.server(host: "proxy", port: 3128, authorization: expected))
+        #expect(throws: DataQueueError.self) { try HTTPClients.proxy("ftp://proxy:21") }
+    }
+}
