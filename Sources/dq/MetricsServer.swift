@@ -1,3 +1,4 @@
+import FHIRDataQueue
 import Foundation
 import NIOCore
 import NIOHTTP1
@@ -36,7 +37,21 @@ final class MetricsServer: Service {
                     try channel.pipeline.syncOperations.addHandler(MetricsHandler(registry: registry))
                 }
             }
-        let channel = try await bootstrap.bind(host: host, port: port).get()
+        let channel: any Channel
+        do {
+            channel = try await bootstrap.bind(host: host, port: port).get()
+        } catch let error as IOError {
+            let reason =
+                switch error.errnoCode {
+                case EADDRINUSE: "the address is in use (another dq run, or another exporter?)"
+                case EACCES: "permission denied (ports below 1024 need privileges)"
+                case EADDRNOTAVAIL: "this machine has no such address"
+                default: String(cString: strerror(error.errnoCode))
+                }
+            throw DataQueueError(.invalidConfiguration, "cannot serve metrics on \(host):\(port): \(reason)")
+        } catch {
+            throw DataQueueError(.invalidConfiguration, "cannot serve metrics on \(host):\(port): \(error)")
+        }
         return MetricsServer(channel: channel, port: channel.localAddress?.port ?? port)
     }
 

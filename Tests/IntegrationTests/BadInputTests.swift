@@ -228,4 +228,26 @@ struct BadInputTests {
         let token = try await dq(["flush", "--config", config], env)
         #expect(token.status == 78 && token.stderr.contains("port 99999"), "\(token.stderr)")
     }
+
+    @Test("A metrics address already in use is a configuration error in words (78), not a socket call's name")
+    func metricsAddressInUse() async throws {
+        let listener = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        defer { close(listener) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        address.sin_port = 0
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        let bound = withUnsafeMutablePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { generic in
+                bind(listener, generic, length) == 0 && listen(listener, 1) == 0 && getsockname(listener, generic, &length) == 0
+            }
+        }
+        try #require(bound)
+        let port = Int(UInt16(bigEndian: address.sin_port))
+        let result = try await dq(["run", "--metrics-address", "127.0.0.1:\(port)"], env)
+        #expect(result.status == 78, "\(result.stderr)")
+        #expect(result.stderr.contains("cannot serve metrics on 127.0.0.1:\(port): the address is in use"), "\(result.stderr)")
+        #expect(!result.stderr.contains("bind(descriptor"))
+    }
 }

@@ -63,6 +63,21 @@ struct PostgresTests {
         for result in [refused, tls, down] { #expect(!result.stderr.contains("did not answer")) }
     }
 
+    @Test("At trace level no authentication exchange and no body of PostgreSQL's protocol reaches the log")
+    func traceLogsNoSecrets() async throws {
+        let database = try await Self.freshDatabase()
+        var env = environment("http://127.0.0.1:9/fhir", database: database)
+        env["DQ_LOG_LEVEL"] = "trace"
+        let marker = "secret-body-\(UUID().uuidString.prefix(8))"
+        let file = try work.write("o.json", resources.observation(0, extra: marker))
+        let result = try await dq(["enqueue", file], env)
+        #expect(result.status == 0, "\(result.stderr)")
+        let text = result.stdout + result.stderr
+        for secret in ["Sasl", "SASL", "sasl", marker, Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "-"] {
+            #expect(!text.contains(secret), "\(secret) in the log")
+        }
+    }
+
     func environment(_ server: String, database: String) -> [String: String] {
         [
             "DQ_SERVER": server, "DQ_DATABASE": database, "DQ_IDEMPOTENT": "true", "HOME": work.path,

@@ -52,6 +52,10 @@ final class PostgresQueueStore: QueueStorage {
         url: String, readOnly: Bool = false, leaseSeconds: Double = 30,
         environment: [String: String] = ProcessInfo.processInfo.environment, logger: Logger
     ) throws {
+        // postgres-nio logs its protocol at debug and trace: the SCRAM exchange (enough for an offline guess of
+        // the password) and row bytes (resource bodies). Nothing of it below info reaches dq's log.
+        var logger = logger
+        if logger.logLevel < .info { logger.logLevel = .info }
         let (configuration, display, prepared, probe) = try Self.configuration(url: url, environment: environment)
         self.probeConfiguration = probe
         self.displayURL = display
