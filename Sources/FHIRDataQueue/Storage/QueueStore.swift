@@ -1160,6 +1160,16 @@ final class EnqueueBatcher: @unchecked Sendable {  // state guarded by `conditio
                 condition.lock()
                 continue
             }
+            // A producer that enqueues one item at a time submits its next within microseconds of being resumed:
+            // look for it briefly before sleeping, so that its commit does not wait for this thread's wake-up.
+            var spins = 0
+            while waiting.isEmpty && spins < 200 {
+                condition.unlock()
+                sched_yield()
+                spins += 1
+                condition.lock()
+            }
+            if !waiting.isEmpty { continue }
             if !condition.wait(until: Date(timeIntervalSinceNow: idleTimeout)) && waiting.isEmpty {
                 threadRunning = false
                 condition.unlock()
