@@ -102,7 +102,8 @@ extension DQ {
                     try printJSON(
                         Summary(
                             queue: queue.queueName, delivered: report.delivered, parked: report.parked,
-                            rejected: report.rejected, held: report.held, remaining: report.remaining, parkedTotal: report.parkedTotal, stopped: stopText, exitCode: code,
+                            rejected: report.rejected, held: report.held, remaining: report.remaining, parkedTotal: report.parkedTotal,
+                            stopped: stopText, exitCode: code,
                             otherQueuesPending: Dictionary(uniqueKeysWithValues: elsewhere.map { ($0.queue, $0.pending) }),
                             requests: report.requests, bundleEntries: report.bundleEntries))
                     return code

@@ -1,4 +1,5 @@
 import FHIRDataQueue
+
 #if canImport(FoundationEssentials)
     import FoundationEssentials
 #else

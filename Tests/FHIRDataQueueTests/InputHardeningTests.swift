@@ -200,7 +200,9 @@ struct InputHardeningTests {
 
     // MARK: - Files
 
-    @Test("A flush lock file deleted or replaced: the next locker reopens the path, so two lockers never both hold it; a holder stops sending")
+    @Test(
+        "A flush lock file deleted or replaced: the next locker reopens the path, so two lockers never both hold it; a holder stops sending"
+    )
     func deletedLockFile() throws {
         let path = FileManager.default.temporaryDirectory.appendingPathComponent("dq-lock-\(UUID().uuidString)").path
         let first = try FileLock(path: path)

@@ -60,7 +60,9 @@ struct ServerLocationTests {
         return try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
     }
 
-    @Test("The id comes from Location, else Content-Location, else the answer's resource; without any the reference waits, held and named", arguments: Answer.allCases)
+    @Test(
+        "The id comes from Location, else Content-Location, else the answer's resource; without any the reference waits, held and named",
+        arguments: Answer.allCases)
     func fallbacks(answer: Answer) async throws {
         let answered = Mutex(0)
         let server = try await ScriptedServer { _ in
@@ -75,7 +77,8 @@ struct ServerLocationTests {
         let patient = try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)), fullURL: fullURL)
         let observation = try await queue.enqueue(
             try FHIRResource(
-                json: Data(#"{"resourceType":"Observation","status":"final","code":{"text":"x"},"subject":{"reference":"\#(fullURL)"}}"#.utf8)))
+                json: Data(
+                    #"{"resourceType":"Observation","status":"final","code":{"text":"x"},"subject":{"reference":"\#(fullURL)"}}"#.utf8)))
         let report = try await queue.flush()
         let line = try #require(try await queue.journalRecord(patient.id.uuidString))
         #expect(line.note == answer.note)
@@ -124,7 +127,9 @@ struct ServerLocationTests {
         let fullURL = "urn:uuid:" + UUID().uuidString.lowercased()
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)), fullURL: fullURL)
         let observation = try await queue.enqueue(
-            try FHIRResource(json: Data(#"{"resourceType":"Observation","status":"final","code":{"text":"x"},"subject":{"reference":"\#(fullURL)"}}"#.utf8)))
+            try FHIRResource(
+                json: Data(
+                    #"{"resourceType":"Observation","status":"final","code":{"text":"x"},"subject":{"reference":"\#(fullURL)"}}"#.utf8)))
         let report = try await queue.flush()
         #expect(report.parked == 2 && report.held == 1 && report.rejected == 1)
         #expect(server.requests.count == 1)

@@ -5,11 +5,11 @@ import ServiceLifecycle
 import Synchronization
 import Testing
 
+@testable import FHIRDataQueue
+
 #if canImport(Glibc)
     import Glibc
 #endif
-
-@testable import FHIRDataQueue
 
 /// What the background service does when a flush fails with an error of its own (not a server's answer).
 @Suite("The service's flush errors")
@@ -74,7 +74,8 @@ struct ServiceErrorTests {
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
         let path = directory.appendingPathComponent("q.sqlite").path
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
-        let queue = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
+        let queue = try DataQueue(
+            baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
         let group = ServiceGroup(
             services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)))],
             logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
@@ -84,7 +85,8 @@ struct ServiceErrorTests {
         if replace {
             // Another queue file moved into place (a restore): what is queued there must not wait for nothing.
             let other = directory.appendingPathComponent("other.sqlite").path
-            let made = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: other))
+            let made = try DataQueue(
+                baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: other))
             try await made.shutdown()
             #expect(rename(other, path) == 0)
         }

@@ -270,7 +270,8 @@ struct StorageConformanceTests {
         #expect(try await store.serverState(queue: Self.server).failures == 0)
 
         #expect(try await store.bundleSupport(queue: Self.server) == QueueStore.BundleSupport())
-        try await store.recordBundleSupport(queue: Self.server, transactions: true, batchLimit: nil, conditionalCreate: ["Patient", "Observation"])
+        try await store.recordBundleSupport(
+            queue: Self.server, transactions: true, batchLimit: nil, conditionalCreate: ["Patient", "Observation"])
         try await store.recordBundleSupport(queue: Self.server, transactions: nil, batchLimit: 7, conditionalCreate: nil)
         let support = try await store.bundleSupport(queue: Self.server)
         #expect(support.transactions == true && support.batchLimit == 7 && support.checkedAt != nil)

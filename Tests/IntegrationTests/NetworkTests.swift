@@ -40,7 +40,10 @@ struct NetworkTests {
                 "/usr/bin/openssl", ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request, "-subj", "/CN=\(name)"])
             _ = try await run(
                 "/usr/bin/openssl",
-                ["x509", "-req", "-in", request, "-CA", ca.cert, "-CAkey", ca.key, "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", ext])
+                [
+                    "x509", "-req", "-in", request, "-CA", ca.cert, "-CAkey", ca.key, "-CAcreateserial", "-out", cert, "-days", "2",
+                    "-extfile", ext,
+                ])
             chmod(key, 0o600)
             return (cert, key)
         }
@@ -176,14 +179,16 @@ struct NetworkTests {
     func throughTheProxy() async throws {
         let reader = "reader-\(UUID().uuidString)"
         let server = try FHIRServer(
-            auth: "  types: [bearer, smart]\n  tokens: [\(reader)]\n  token_lifetime: 300\n  smart_clients:\n    - {client_id: c1, client_secret: s1, scopes: 'system/*.cruds'}",
+            auth:
+                "  types: [bearer, smart]\n  tokens: [\(reader)]\n  token_lifetime: 300\n  smart_clients:\n    - {client_id: c1, client_secret: s1, scopes: 'system/*.cruds'}",
             readerToken: reader)
         try await server.start()
         let squid = try await Squid(in: work)
         let hidden = "http://fhir.invalid:\(server.port)/fhir"
         let config = try work.write(
             "dq-proxy.json",
-            #"{"server": "\#(hidden)", "auth": {"client_id": "c1", "client_secret": "s1", "token_uri": "http://fhir.invalid:\#(server.port)/auth/token"}}"#)
+            #"{"server": "\#(hidden)", "auth": {"client_id": "c1", "client_secret": "s1", "token_uri": "http://fhir.invalid:\#(server.port)/auth/token"}}"#
+        )
         var env = environment(hidden, ["DQ_CONFIG": config])
         #expect(try await dq(["enqueue", try work.write("o.json", resources.observation(0))], env).status == 0)
         let direct = try await dq(["flush"], env)
@@ -238,7 +243,9 @@ struct NetworkTests {
         }
     }
 
-    @Test("https through the proxy's CONNECT, with the test CA added to the system's; a client certificate where one is required; HTTP/2 where offered")
+    @Test(
+        "https through the proxy's CONNECT, with the test CA added to the system's; a client certificate where one is required; HTTP/2 where offered"
+    )
     func tlsDeployments() async throws {
         let server = try await FHIRServer.start()
         let (ca, serverCertificate, client) = try await certificates()
@@ -258,17 +265,23 @@ struct NetworkTests {
         let with = try await dq(["flush", "--now"], env)
         #expect(with.status == 0, "\(with.stderr)")
         #expect(try await server.values("Observation", system: resources.system) == ["0"])
-        #expect(try await eventually(timeout: .seconds(10)) { try squid.accessLines().contains { $0.contains("CONNECT fhir.invalid:\(front.mutualPort)") } })
+        #expect(
+            try await eventually(timeout: .seconds(10)) {
+                try squid.accessLines().contains { $0.contains("CONNECT fhir.invalid:\(front.mutualPort)") }
+            })
         #expect(front.accessLines().contains { $0.hasPrefix("\(front.mutualPort) ") && $0.contains("POST") && $0.hasSuffix("SUCCESS") })
 
         // HTTP/2 where the server offers it, and the CA bundle adds to the system's trust.
         let http2 = environment("https://127.0.0.1:\(front.http2Port)/fhir", ["DQ_CA_BUNDLE": ca])
         let sent = try await dq(["send", try work.write("o1.json", resources.observation(1))], http2)
         #expect(sent.status == 0, "\(sent.stderr)")
-        #expect(front.accessLines().contains { $0.hasPrefix("\(front.http2Port) HTTP/2.0 POST /fhir/Observation 201") }, "\(front.accessLines())")
+        #expect(
+            front.accessLines().contains { $0.hasPrefix("\(front.http2Port) HTTP/2.0 POST /fhir/Observation 201") },
+            "\(front.accessLines())")
         #expect(try await server.values("Observation", system: resources.system) == ["0", "1"])
         // Without the CA the server is not trusted (the system's store does not know the test CA).
-        let untrusted = try await dq(["send", try work.write("o2.json", resources.observation(2))], environment("https://127.0.0.1:\(front.http2Port)/fhir"))
+        let untrusted = try await dq(
+            ["send", try work.write("o2.json", resources.observation(2))], environment("https://127.0.0.1:\(front.http2Port)/fhir"))
         #expect(untrusted.status == 75 && untrusted.stderr.contains("not from a trusted issuer"), "\(untrusted.stderr)")
     }
 }

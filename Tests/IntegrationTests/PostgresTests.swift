@@ -52,7 +52,9 @@ struct PostgresTests {
         #expect(refused.stderr.contains("refused the login (28P01"), "\(refused.stderr)")
         #expect(!refused.stderr.contains("not-the-password"))
 
-        let tls = try await dq(["enqueue", file], environment("http://127.0.0.1:9/fhir", database: database.replacingOccurrences(of: "sslmode=disable", with: "sslmode=require")))
+        let tls = try await dq(
+            ["enqueue", file],
+            environment("http://127.0.0.1:9/fhir", database: database.replacingOccurrences(of: "sslmode=disable", with: "sslmode=require")))
         #expect(tls.status == 78 && tls.stderr.contains("does not offer TLS"), "\(tls.stderr)")
 
         var components = try #require(URLComponents(string: database))

@@ -649,7 +649,8 @@ open class DataQueue: @unchecked Sendable {
                 .invalidResource, "the location must be \(record.resourceType)/ID or \(record.resourceType)/ID/_history/VERSION")
         }
         if let known = record.serverID {
-            throw DataQueueError(.invalidResource, "the journal already has item \(record.id.lowercasedString) at \(record.resourceType)/\(known)")
+            throw DataQueueError(
+                .invalidResource, "the journal already has item \(record.id.lowercasedString) at \(record.resourceType)/\(known)")
         }
         guard
             try await store.resolveLocation(

@@ -73,7 +73,8 @@ public struct FHIRResource: Sendable, Hashable {
             throw invalid("the member \"\(FHIRResource.printable(key))\" appears twice (receivers differ on which one counts)")
         } catch JSONScanner.Failure.numberOutOfRange {
             throw invalid(
-                "a number is out of range (longer than \(JSONScanner.maximumNumberLength) characters, or beyond a double: too large, or too small to be told from 0)")
+                "a number is out of range (longer than \(JSONScanner.maximumNumberLength) characters, or beyond a double: too large, or too small to be told from 0)"
+            )
         } catch JSONScanner.Failure.loneSurrogate {
             throw invalid("a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair): it is not text")
         } catch {

@@ -108,7 +108,8 @@ public struct DataQueueService: Service {
             do {
                 try queue.store.checkFileIdentity()
             } catch {
-                logger.critical("stopping", metadata: ["queue": "\(queue.queueName)", "error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
+                logger.critical(
+                    "stopping", metadata: ["queue": "\(queue.queueName)", "error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
                 return error
             }
             let outcome = await flushDraining(queue)

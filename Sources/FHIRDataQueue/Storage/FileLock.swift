@@ -132,7 +132,8 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
         guard isCurrent(descriptor) else {
             throw DataQueueError(
                 .storage,
-                "the flush lock file \(path) was deleted or replaced during the flush; stopping so that no other flusher sends the same items")
+                "the flush lock file \(path) was deleted or replaced during the flush; stopping so that no other flusher sends the same items"
+            )
         }
         let now = ContinuousClock.now
         if note.withLock({ $0.covers(now) }) { return }

@@ -389,7 +389,9 @@ final class PostgresQueueStore: QueueStorage {
             }
         }
         if error is NIOSSLError || String(describing: type(of: error)).contains("SSL") {
-            return DataQueueError(.invalidConfiguration, "\(prefix): TLS with the server failed (\(FHIRTransport.describeTLS(String(reflecting: error)) ?? "handshake"))")
+            return DataQueueError(
+                .invalidConfiguration,
+                "\(prefix): TLS with the server failed (\(FHIRTransport.describeTLS(String(reflecting: error)) ?? "handshake"))")
         }
         let text = String(reflecting: error)
         if text.contains("connectionRefused") || text.contains("Connection refused") || text.contains("ECONNREFUSED") {

@@ -36,7 +36,8 @@ enum ResponseClassification: Equatable, Sendable {
             return .transient(
                 "the server wants a client certificate (set \"tls.client_certificate\" and \"tls.client_key\")", retryAfter: nil)
         case 407:
-            return .transient("the proxy wants credentials (407 Proxy Authentication Required; give them in the proxy URL)", retryAfter: retryAfter)
+            return .transient(
+                "the proxy wants credentials (407 Proxy Authentication Required; give them in the proxy URL)", retryAfter: retryAfter)
         case 408, 429, 500..<600:
             let name = reason(status)
             return .transient("server answered \(status)\(name.isEmpty ? "" : " " + name)", retryAfter: retryAfter)
