@@ -764,41 +764,30 @@ final class QueueStore: QueueStorage {
     /// Where items delivered earlier with these fullUrls now live on the server (`Type/id`), by fullUrl;
     /// fullUrls not delivered are absent.
     func deliveredLocations(fullURLs: [String]) async throws -> [String: String] {
-        guard !fullURLs.isEmpty else { return [:] }
-        return try await read("read the delivery journal") { db in
-            var found: [String: String] = [:]
-            for fullURL in fullURLs {
-                if let row = try Row.fetchOne(
-                    db,
-                    sql: """
-                        SELECT resource_type, server_id FROM delivery WHERE full_url = ? AND event IN ('delivered', 'already-present')
-                        ORDER BY seq DESC LIMIT 1
-                        """,
-                    arguments: [fullURL]),
-                    let id = row["server_id"] as String?
-                {
-                    found[fullURL] = (row["resource_type"] as String) + "/" + id
-                }
-            }
-            return found
-        }
+        try await newestDeliveries(fullURLs).compactMapValues { line in line.serverID.map { line.resourceType + "/" + $0 } }
     }
 
     func unlocatedDeliveries(fullURLs: [String]) async throws -> [String: UUID] {
+        try await newestDeliveries(fullURLs).compactMapValues { line in line.serverID == nil ? UUID(uuidString: line.uuid) : nil }
+    }
+
+    /// The newest delivery line (delivered or already present) of each of `fullURLs` that has one.
+    private func newestDeliveries(_ fullURLs: [String]) async throws
+        -> [String: (uuid: String, resourceType: String, serverID: String?)]
+    {
         guard !fullURLs.isEmpty else { return [:] }
         return try await read("read the delivery journal") { db in
-            var found: [String: UUID] = [:]
+            var found: [String: (uuid: String, resourceType: String, serverID: String?)] = [:]
             for fullURL in fullURLs {
                 if let row = try Row.fetchOne(
                     db,
                     sql: """
-                        SELECT uuid, server_id FROM delivery WHERE full_url = ? AND event IN ('delivered', 'already-present')
-                        ORDER BY seq DESC LIMIT 1
+                        SELECT uuid, resource_type, server_id FROM delivery
+                        WHERE full_url = ? AND event IN ('delivered', 'already-present') ORDER BY seq DESC LIMIT 1
                         """,
-                    arguments: [fullURL]),
-                    (row["server_id"] as String?) == nil, let id = UUID(uuidString: row["uuid"])
+                    arguments: [fullURL])
                 {
-                    found[fullURL] = id
+                    found[fullURL] = (row["uuid"], row["resource_type"], row["server_id"])
                 }
             }
             return found
