@@ -14,6 +14,7 @@ extension DataQueueSettings {
             decode: DataQueueSettings.decode(_:source:))
         if let proxy = options.proxy { settings.proxy = proxy }
         warnAboutCommandLineSecrets(database: options.database, proxy: options.proxy)
+        warnAboutUnknownEnvironmentVariables(environment)
         if let sending {
             if let durability = sending.durability { settings.durability = durability }
             if sending.idempotent { settings.idempotent = true }
@@ -31,5 +32,12 @@ func warnAboutCommandLineSecrets(database: String?, proxy: String?, flag: String
     }
     if let proxy, NetworkConfiguration.components(proxy)?.password != nil {
         printError("dq: warning: the password in --proxy is visible to every user in ps; use DQ_PROXY or the config file")
+    }
+}
+
+/// Warns (never refuses) about a `DQ_…` variable dq does not read: a misspelt name is otherwise ignored.
+func warnAboutUnknownEnvironmentVariables(_ environment: [String: String]) {
+    for (name, suggestion) in DataQueueSettings.unknownEnvironmentVariables(in: environment) {
+        printError("dq: warning: \(name) is not a dq setting and is ignored" + (suggestion.map { " (did you mean \($0)?)" } ?? ""))
     }
 }

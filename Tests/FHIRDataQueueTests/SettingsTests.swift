@@ -160,4 +160,27 @@ struct SettingsTests {
         let batch = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_BATCH_SIZE": "0"]) }
         #expect(batch?.message.contains("DQ_BATCH_SIZE") == true, "\(batch?.message ?? "")")
     }
+
+    @Test("Every DQ_ variable the sources read is a known name, and an unknown one is reported with the name it likely meant")
+    func unknownEnvironmentVariables() throws {
+        // The list must follow the code: a variable read but not listed would be warned about as unknown.
+        let sources = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("../../Sources")
+        var read = Set<String>()
+        let files = try #require(FileManager.default.enumerator(atPath: sources.path)).compactMap { $0 as? String }
+        for file in files where file.hasSuffix(".swift") {
+            let text = try String(contentsOf: sources.appendingPathComponent(file), encoding: .utf8)
+            let regex = try NSRegularExpression(pattern: "\"(DQ_[A-Z_]+)\"")
+            for match in regex.matches(in: text, range: NSRange(text.startIndex..., in: text)) {
+                read.insert(String(text[Range(match.range(at: 1), in: text)!]))
+            }
+        }
+        #expect(read.count >= 12, "the scan found the variables: \(read.sorted())")
+        #expect(
+            read.subtracting(DataQueueSettings.environmentVariables).isEmpty, "\(read.subtracting(DataQueueSettings.environmentVariables))")
+        let unknown = DataQueueSettings.unknownEnvironmentVariables(in: [
+            "DQ_SEVER": "x", "DQ_SERVER": "y", "DQ_FROBNICATE": "z", "PATH": "/bin", "DQ_LOG_LEVL": "debug",
+        ])
+        #expect(unknown.map(\.name) == ["DQ_FROBNICATE", "DQ_LOG_LEVL", "DQ_SEVER"])
+        #expect(unknown.map(\.suggestion) == [nil, "DQ_LOG_LEVEL", "DQ_SERVER"])
+    }
 }

@@ -229,6 +229,19 @@ struct BadInputTests {
         #expect(token.status == 78 && token.stderr.contains("port 99999"), "\(token.stderr)")
     }
 
+    @Test("An unknown DQ_ variable is warned about with the name it likely meant; the command still runs")
+    func unknownEnvironmentVariable() async throws {
+        let file = try work.write("p.json", #"{"resourceType":"Patient"}"#)
+        let result = try await dq(
+            ["enqueue", file], env.merging(["DQ_SEVER": "http://127.0.0.1:9/other", "DQ_TOKEN": "s3cret-token"]) { $1 })
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(try snapshot().count == 1, "the enqueue ran")
+        #expect(result.stderr.contains("DQ_SEVER is not a dq setting and is ignored (did you mean DQ_SERVER?)"), "\(result.stderr)")
+        #expect(
+            !result.stderr.contains("DQ_TOKEN") && !result.stderr.contains("/other"),
+            "only the unknown name, never a value: \(result.stderr)")
+    }
+
     @Test("A metrics address already in use is a configuration error in words (78), not a socket call's name")
     func metricsAddressInUse() async throws {
         let listener = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)

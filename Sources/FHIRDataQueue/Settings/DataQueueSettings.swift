@@ -231,6 +231,38 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
     }
 
+    /// Every `DQ_…` environment variable dq reads (the library's and the command line's).
+    package static let environmentVariables: Set<String> = [
+        "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
+        "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_LEASE_SECONDS", "DQ_TOKEN",
+        "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL",
+    ]
+
+    /// The `DQ_…` names in `environment` that dq does not read (a misspelt `DQ_SEVER` would otherwise be
+    /// ignored without a word), sorted, each with the known name it most likely meant, if one is close.
+    package static func unknownEnvironmentVariables(in environment: [String: String]) -> [(name: String, suggestion: String?)] {
+        environment.keys.filter { $0.hasPrefix("DQ_") && !environmentVariables.contains($0) }.sorted().map { name in
+            let nearest = environmentVariables.map { ($0, editDistance(name, $0)) }.min { ($0.1, $0.0) < ($1.1, $1.0) }
+            return (name, nearest.flatMap { $0.1 <= 2 ? $0.0 : nil })
+        }
+    }
+
+    /// Levenshtein distance between two short ASCII names.
+    private static func editDistance(_ a: String, _ b: String) -> Int {
+        let a = Array(a.utf8), b = Array(b.utf8)
+        var row = Array(0...b.count)
+        for i in 1...max(a.count, 1) where !a.isEmpty {
+            var previous = row[0]
+            row[0] = i
+            for j in 1...max(b.count, 1) where !b.isEmpty {
+                let substitution = previous + (a[i - 1] == b[j - 1] ? 0 : 1)
+                previous = row[j]
+                row[j] = min(substitution, row[j] + 1, row[j - 1] + 1)
+            }
+        }
+        return row[b.count]
+    }
+
     /// Reads a settings file with `decode` and records where it came from: its directory (relative paths in
     /// it are relative to that), its path, and whether it holds a secret. The one reading of a settings file,
     /// for ``load(contentsOf:)`` and the command line.
