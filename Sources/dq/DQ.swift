@@ -114,7 +114,7 @@ enum Exit {
         switch error.code {
         case .invalidResource, .notFound, .encryption: return dataError
         case .invalidConfiguration: return configuration
-        case .storage, .storageFull: return ioError
+        case .storage, .storageFull, .damaged: return ioError
         case .transport, .busy: return temporaryFailure
         case .authentication: return permissionDenied
         default: return 1

@@ -142,16 +142,45 @@ extension DQ {
                 printError("dq: fix or delete the rows named above with psql (the queue's tables are dq_item and dq_delivery)")
                 throw ExitCode(Exit.ioError)
             }
-            printError(
-                """
-                dq: \(database) is damaged. Stop every dq process and service using it, keep a copy, then recover                 what SQLite can read into a new file and put it in place:
-                  cp \(database) \(database).damaged
-                  sqlite3 \(database).damaged ".recover" | sqlite3 \(database).recovered
-                  mv \(database).recovered \(database)
-                then run dq status --all and dq list to see what was saved.
-                """)
+            guard DataQueue.schemaIsReadable(databasePath: database) else {
+                printError(
+                    """
+                    dq: the file's schema (its first page) is unreadable: SQLite cannot name its tables, so no SQLite tool
+                    can read items out of it. Stop every dq process using it, move it away with its -wal and -shm files
+                    (keep them), and restore the queue from a backup; items enqueued since that backup must be enqueued again.
+                    """)
+                throw ExitCode(Exit.ioError)
+            }
+            printError(recoverySteps(database: database))
             throw ExitCode(Exit.ioError)
         }
+    }
+
+    /// How to recover a damaged SQLite queue with the sqlite3 shell: copy the file with its WAL (committed
+    /// items may live only there), dump what SQLite can read into a new file, and put that in place without
+    /// the old WAL and shared-memory files (SQLite would replay the old WAL onto the new file). `.dump`, not
+    /// `.recover`: Debian 12's sqlite3 fails every `.recover` (its SQLite lacks the `sqlite_dbpage` table);
+    /// a dump that met damage ends in `ROLLBACK`, which the `sed` turns into the `COMMIT` of what it read.
+    static func recoverySteps(database: String) -> String {
+        let path = shellQuoted(database)
+        let copy = shellQuoted(database + ".damaged")
+        let recovered = shellQuoted(database + ".recovered")
+        var steps = [
+            "dq: \(database) is damaged. Stop every dq process and service using it (dq run, cron flushes), keep a copy",
+            "of the file and its WAL, copy what SQLite can read into a new file (the sqlite3 shell, Debian package",
+            "sqlite3), then put it in place without the old -wal and -shm files:",
+            "  cp \(path) \(copy)",
+        ]
+        if FileManager.default.fileExists(atPath: database + "-wal") {
+            steps.append("  cp \(shellQuoted(database + "-wal")) \(shellQuoted(database + ".damaged-wal"))")
+        }
+        steps += [
+            "  sqlite3 \(copy) .dump | sed 's/^ROLLBACK; -- due to errors$/COMMIT;/' | sqlite3 \(recovered)",
+            "  rm -f \(shellQuoted(database + "-wal")) \(shellQuoted(database + "-shm"))",
+            "  mv \(recovered) \(path)",
+            "then run dq doctor, dq status --all and dq list to see what was saved; keep the .damaged copies until you have.",
+        ]
+        return steps.joined(separator: "\n")
     }
 
     struct List: AsyncParsableCommand {
@@ -335,4 +364,13 @@ extension DQ {
             }
         }
     }
+}
+
+/// `text` as one word for a POSIX shell: unchanged when it holds only safe characters, else in single quotes.
+func shellQuoted(_ text: String) -> String {
+    let safe = text.unicodeScalars.allSatisfy {
+        $0.isASCII && (CharacterSet.alphanumerics.contains($0) || "/._-+:@%,=".unicodeScalars.contains($0))
+    }
+    if safe && !text.isEmpty { return text }
+    return "'" + text.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
 }

@@ -827,7 +827,19 @@ open class DataQueue: @unchecked Sendable {
     /// sound, else the problems found.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there or it cannot be read.
     public static func integrityCheck(databasePath: String) async throws -> [String] {
-        try await withReadOnlyStore(databasePath) { try await $0.integrityCheck() }
+        do {
+            return try await withReadOnlyStore(databasePath) { try await $0.integrityCheck() }
+        } catch let error as DataQueueError where error.code == .damaged {
+            // Damage that stops the file from opening (its schema pages) is a finding too.
+            return [error.message.replacingOccurrences(of: QueueStore.doctorHint, with: "")]
+        }
+    }
+
+    /// Whether SQLite can still read a damaged queue file's schema: without it no SQLite tool can name the
+    /// tables, and a dump recovers nothing. Always true for PostgreSQL.
+    package static func schemaIsReadable(databasePath: String) -> Bool {
+        if QueuePaths.isPostgresURL(databasePath) { return true }
+        return QueueStore.schemaIsReadable(path: databasePath)
     }
 
     /// The delivery journal of this queue, oldest first (the newest `limit` lines).

@@ -34,7 +34,7 @@ struct QueueMetrics: Sendable {
         requestDuration = Metrics.Timer(label: "dq_request_duration_seconds", dimensions: dimensions)
         bundleSize = Recorder(label: "dq_bundle_size", dimensions: dimensions)
         flushErrors = Dictionary(
-            uniqueKeysWithValues: ["storage", "storage_full", "configuration", "other"].map { kind in
+            uniqueKeysWithValues: ["storage", "storage_full", "damaged", "configuration", "other"].map { kind in
                 (kind, Counter(label: "dq_flush_errors_total", dimensions: dimensions + [("kind", kind)]))
             })
     }
@@ -45,6 +45,7 @@ struct QueueMetrics: Sendable {
         switch (error as? DataQueueError)?.code {
         case .storage?: kind = "storage"
         case .storageFull?: kind = "storage_full"
+        case .damaged?: kind = "damaged"
         case .invalidConfiguration?: kind = "configuration"
         default: kind = "other"
         }

@@ -418,6 +418,11 @@ final class QueueStore: QueueStorage {
                     .storageFull, "cannot \(what): a write failed (disk full, file-size limit or I/O error); nothing was written")
             case .SQLITE_BUSY, .SQLITE_LOCKED:
                 return DataQueueError(.busy, "cannot \(what): the database is locked by another process")
+            case .SQLITE_CORRUPT, .SQLITE_NOTADB:
+                return DataQueueError(
+                    .damaged,
+                    "cannot \(what): the queue database is damaged (SQLite: \(dbError.message ?? "database disk image is malformed"))\(doctorHint)"
+                )
             default:
                 // The SQLite message names the failure, never row content (statement arguments are not public).
                 return DataQueueError(
@@ -987,6 +992,20 @@ final class QueueStore: QueueStorage {
         var statuses: [QueueStatus] = []
         for queue in try await queues() { statuses.append(try await status(queue: queue)) }
         return statuses
+    }
+
+    /// The end of a damaged-database error: where to look next.
+    static let doctorHint = "; dq doctor says how to recover it"
+
+    /// Whether SQLite can read the file's schema table (its first page and those it points to).
+    static func schemaIsReadable(path: String) -> Bool {
+        var configuration = Configuration()
+        configuration.readonly = true
+        guard let database = try? DatabaseQueue(path: SQLiteFileName.location(for: path), configuration: configuration) else {
+            return false
+        }
+        defer { try? database.close() }
+        return (try? database.read { db in try Int.fetchOne(db, sql: "SELECT count(*) FROM sqlite_master") }) != nil
     }
 
     /// The result of SQLite's `PRAGMA integrity_check`: `["ok"]` for a sound file, else the problems found.

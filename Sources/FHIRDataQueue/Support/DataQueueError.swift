@@ -13,7 +13,7 @@ public struct DataQueueError: Error, Sendable, CustomStringConvertible, Equatabl
     public struct Code: Sendable, Hashable, CustomStringConvertible {
         private enum Value: String, Sendable {
             case invalidResource, invalidConfiguration, storage, transport, authentication
-            case notFound, busy, encryption, storageFull
+            case notFound, busy, encryption, storageFull, damaged
         }
         private let value: Value
         private init(_ value: Value) { self.value = value }
@@ -26,6 +26,9 @@ public struct DataQueueError: Error, Sendable, CustomStringConvertible, Equatabl
         public static let storage = Code(.storage)
         /// The disk (or the file-size limit) is full; nothing was written.
         public static let storageFull = Code(.storageFull)
+        /// The queue database is damaged (SQLite finds a malformed page, or a file that is not a database):
+        /// `dq doctor` says how to recover what can be read.
+        public static let damaged = Code(.damaged)
         /// The FHIR server could not be reached or answered with a transient failure.
         public static let transport = Code(.transport)
         /// The server refused the credentials, even after one fresh token.
