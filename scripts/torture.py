@@ -65,14 +65,15 @@ def wait_http(url, seconds=60):
 
 
 class FHIR:
-    def __init__(self, work):
+    def __init__(self, work, tokens=None):
         self.port = free_port()
         self.dir = os.path.join(work, "fhir-%d" % self.port)
         os.makedirs(self.dir)
+        auth = "  types: [bearer]\n  tokens: [%s]\n" % ", ".join(tokens) if tokens else "  types: [none]\n"
         with open(os.path.join(self.dir, "settings.yaml"), "w") as f:
             f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\n"
-                    "log_inbound: false\nsimulator: {enabled: false}\nserver_auth:\n  types: [none]\n"
-                    % (self.port, self.port, self.dir))
+                    "log_inbound: false\nsimulator: {enabled: false}\nserver_auth:\n%s"
+                    % (self.port, self.port, self.dir, auth))
         self.base = "http://127.0.0.1:%d/fhir" % self.port
         self.process = None
         self.start()
@@ -82,16 +83,22 @@ class FHIR:
                              cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_http(self.base + "/metadata")
 
+    def get(self, path, token=None):
+        request = urllib.request.Request(self.base + path)
+        if token:
+            request.add_header("Authorization", "Bearer " + token)
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.load(r)
+
     def kill(self):
         self.process.kill()
         self.process.wait()
 
-    def values(self, rtype, system):
+    def values(self, rtype, system, token=None):
         """Identifier values of `system` on the server, oldest first."""
         found, offset = [], 0
         while True:
-            with urllib.request.urlopen("%s/%s/_history?_count=500&_offset=%d" % (self.base, rtype, offset), timeout=60) as r:
-                page = json.load(r)
+            page = self.get("/%s/_history?_count=500&_offset=%d" % (rtype, offset), token)
             entries = page.get("entry", [])
             if not entries:
                 break
@@ -135,10 +142,12 @@ def flush_until_done(env, extra=(), attempts=200):
     return False
 
 
-def check(name, runs, kills, faults, expected, actual, extra_ok=True, note="", groups=None, may_miss=()):
+def check(name, runs, kills, faults, expected, actual, extra_ok=True, note="", groups=None, may_miss=(), copies=1):
     """expected: values in the order they must appear; actual: values on the server, oldest first.
     groups: lists of values whose order must hold within each list (order between lists is free).
-    may_miss: expected values that may be absent (never acknowledged to their producer)."""
+    may_miss: expected values that may be absent (never acknowledged to their producer).
+    copies: how many copies of one value may arrive before it counts as a failure (the table shows every copy
+    beyond the first: a run that allows a second copy of the request on the wire still reports it)."""
     seen = {}
     for value in actual:
         seen[value] = seen.get(value, 0) + 1
@@ -152,7 +161,8 @@ def check(name, runs, kills, faults, expected, actual, extra_ok=True, note="", g
         order = [positions[v] for v in dict.fromkeys(actual) if v in positions]
         out_of_order += sum(1 for a, b in zip(order, order[1:]) if b < a)
     TABLE.append((name, runs, kills, faults, len(expected), len(seen), lost, duplicated + unexpected, out_of_order, note))
-    ok = lost == 0 and duplicated == 0 and unexpected == 0 and out_of_order == 0 and extra_ok
+    too_many = sum(1 for count in seen.values() if count > copies)
+    ok = lost == 0 and too_many == 0 and unexpected == 0 and out_of_order == 0 and extra_ok
     if not ok:
         FAILURES.append(name)
     print("  %s: %s" % (name, "ok" if ok else "FAILED"), flush=True)
@@ -281,6 +291,158 @@ def daemon_faults(work, rng, count):
     stopped = code == 74 and "deleted" in message
     check("database deleted under dq run (it exits 74; the new file's items flush)", 1, 0, 1, values + later,
           fhir.values("Observation", system), ok and stopped, "exit %s" % code)
+    fhir.kill()
+
+
+def wait_for_line(path, needle, seconds):
+    """Waits until the file at `path` holds `needle`; True when it does."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        with open(path, errors="replace") as f:
+            if needle in f.read():
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def write_faults(work, rng, quick):
+    """dq run when its database stops taking writes (issue: it re-sent the first item in a loop and said
+    nothing). A journal write that fails stops the flush at once, is logged, and nothing is sent until writes
+    work again: each item reaches the server at most twice (the request on the wire when the write failed),
+    none after the error is logged, and dq exits cleanly on SIGTERM."""
+    print("write faults: a file-size limit and an immutable database under dq run", flush=True)
+    fhir = FHIR(work)
+    settle = 4 if quick else 15
+    config = os.path.join(work, "writes.json")
+    with open(config, "w") as f:
+        json.dump({"retry": {"initial_seconds": 0.2, "maximum_seconds": 1}}, f)
+
+    def run_under(name, env, fault, lift, preexec=None):
+        """Starts dq run, applies `fault`, and checks what reached the server before and after it was logged."""
+        log = os.path.join(work, name + ".log")
+        with open(log, "w") as out:
+            run = spawn([DQ, "run", "--config", config, "--poll-interval", "0.05"], env=env, stdout=out, stderr=out,
+                        preexec_fn=preexec)
+        time.sleep(0.5)
+        values = fault(env)
+        reported = wait_for_line(log, "flush failed", 30)
+        at_report = len(fhir.values("Observation", system))
+        time.sleep(settle)
+        after = len(fhir.values("Observation", system))
+        run.send_signal(signal.SIGTERM)
+        try:
+            code = run.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            code = None
+        lift()
+        ok = flush_until_done(env)
+        with open(log, errors="replace") as f:
+            text = f.read()
+        quiet = after == at_report and text.count("flush failed") == 1
+        check("%s under dq run (logged, nothing sent after; clean SIGTERM)" % name.replace("-", " "), 1, 0, 1, values,
+              fhir.values("Observation", system), reported and quiet and code == 0 and ok,
+              "exit %s; %d sent while failing, %d after the log line" % (code, at_report, after - at_report), copies=2)
+
+    # A file-size limit dq run hits once another process has made the WAL larger than it.
+    system = "urn:torture:fsize:%d" % rng.randrange(1 << 30)
+    env = env_for(work, fhir.base, "fsize.sqlite", idempotent=False)
+    small = os.path.join(work, "fsize-first.json")
+    with open(small, "w") as f:
+        f.write(observation(system, "warm"))
+    assert dq(["enqueue", small], env).returncode == 0
+    assert flush_until_done(env)
+    system = "urn:torture:fsize:%d" % rng.randrange(1 << 30)
+    limit = 150 * 1024
+
+    def cap():
+        rlimit.setrlimit(rlimit.RLIMIT_FSIZE, (limit, limit))
+
+    def grow(env):
+        values = []
+        for i in range(6):
+            value = "%02d" % i
+            path = os.path.join(work, "fsize-%d.json" % i)
+            with open(path, "w") as f:
+                f.write(json.dumps({"resourceType": "Observation", "status": "final", "code": {"text": "x" * 50_000},
+                                    "identifier": [{"system": system, "value": value}]}))
+            assert dq(["enqueue", path], env).returncode == 0
+            values.append(value)
+        return values
+
+    run_under("file-size-limit", env, grow, lambda: None, preexec=cap)
+
+    # Database files made immutable (chattr +i, which binds root too) while items wait for a server that is down.
+    if os.geteuid() != 0 or shutil.which("chattr") is None:
+        print("  immutable database: needs root and chattr; not run", flush=True)
+        fhir.kill()
+        return
+    system = "urn:torture:immutable:%d" % rng.randrange(1 << 30)
+    env = env_for(work, fhir.base, "immutable.sqlite", idempotent=False)
+    files = [os.path.join(work, "immutable.sqlite" + suffix) for suffix in ("", "-wal", "-shm")]
+
+    def freeze(env):
+        fhir.kill()
+        values = ["%02d" % i for i in range(3)]
+        path = os.path.join(work, "immutable.ndjson")
+        with open(path, "w") as f:
+            f.write("\n".join(observation(system, v) for v in values) + "\n")
+        assert dq(["enqueue", "--ndjson", path], env).returncode == 0
+        time.sleep(1)
+        subprocess.run(["chattr", "+i"] + [p for p in files if os.path.exists(p)], check=True)
+        fhir.start()
+        return values
+
+    def thaw():
+        subprocess.run(["chattr", "-i"] + [p for p in files if os.path.exists(p)], check=True)
+
+    try:
+        run_under("immutable-database", env, freeze, thaw)
+    finally:
+        subprocess.run(["chattr", "-i"] + [p for p in files if os.path.exists(p)])
+    fhir.kill()
+
+
+def refused_token(work, rng, quick):
+    """dq run with a bearer token the server refuses (issue: 40 POSTs and 20 identical log lines in 20 s):
+    it backs off like a transient failure, says so once, and says once that it works when the token does."""
+    print("refused token: dq run against a server that refuses its bearer token, then accepts a new one", flush=True)
+    fhir = FHIR(work, tokens=["good-token"])
+    port = free_port()
+    spawn([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(port),
+           "--upstream", "http://127.0.0.1:%d" % fhir.port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http("http://127.0.0.1:%d/__proxy/stats" % port)
+    system = "urn:torture:token:%d" % rng.randrange(1 << 30)
+    env = env_for(work, "http://127.0.0.1:%d/fhir" % port, "token.sqlite", idempotent=False)
+    config = os.path.join(work, "token.json")
+    with open(config, "w") as f:
+        json.dump({"auth": {"bearer_token": "wrong-token"}}, f)
+    os.chmod(config, 0o600)
+    values = ["%02d" % i for i in range(3)]
+    path = os.path.join(work, "token.ndjson")
+    with open(path, "w") as f:
+        f.write("\n".join(observation(system, v) for v in values) + "\n")
+    assert dq(["enqueue", "--ndjson", path], env).returncode == 0
+    log = os.path.join(work, "token.log")
+    seconds = 8 if quick else 20
+    with open(log, "w") as out:
+        run = spawn([DQ, "run", "--config", config, "--poll-interval", "0.05"], env=env, stdout=out, stderr=out)
+    time.sleep(seconds)
+    with urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % port) as r:
+        requests = json.load(r)["requests"]
+    run.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=60)
+    with open(log, errors="replace") as f:
+        text = f.read()
+    lines = [line for line in text.splitlines() if "delivery stopped" in line]
+    # Each refusal is a request and one retry with the token again; backoff from 1 s doubling keeps it to a few.
+    calm = requests <= 2 * 6 and len(lines) == 1 and "wrong-token" not in text
+    with open(config, "w") as f:
+        json.dump({"auth": {"bearer_token": "good-token"}}, f)
+    ok = flush_until_done(env, ["--config", config])
+    check("refused bearer token under dq run (backs off, says so once)", 1, 0, 1, values,
+          fhir.values("Observation", system, "good-token"), calm and code == 0 and ok,
+          "%d requests in %d s, %d log line(s) about it" % (requests, seconds, len(lines)))
     fhir.kill()
 
 
@@ -637,7 +799,8 @@ def main():
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", type=lambda text: text.split(","), default=[],
-                        help="comma-separated runs: crash, network, concurrency, shared, failover, exhaustion, bad-input, security")
+                        help="comma-separated runs: crash, network, concurrency, daemon, writes, token, shared, failover, exhaustion, "
+                             "bad-input, security")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="dq-torture-")
@@ -650,6 +813,8 @@ def main():
             ("network", lambda: [network_faults(work, 150 if args.quick else 1000, rng, args.seed, batch) for batch in (1, 25)]),
             ("concurrency", lambda: concurrency(work, 3, 40 if args.quick else 300, rng)),
             ("daemon", lambda: daemon_faults(work, rng, 30 if args.quick else 200)),
+            ("writes", lambda: write_faults(work, rng, args.quick)),
+            ("token", lambda: refused_token(work, rng, args.quick)),
             ("shared", lambda: shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12)),
             ("failover", lambda: shared_queue(work, rng, 30 if args.quick else 200, 4 if args.quick else 12, failover=True)),
             ("exhaustion", lambda: exhaustion(work)),
@@ -664,7 +829,10 @@ def main():
                 body()
     finally:
         stop_all()
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("TORTURE_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print("torture: kept " + work)
     header = "| run | runs | kills | faults | enqueued | delivered | lost | duplicated | out of order | notes |"
     lines = ["", "Torture (seed %d, %s, %.0f s):" % (args.seed, "quick" if args.quick else "full", time.time() - started), "",
              header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

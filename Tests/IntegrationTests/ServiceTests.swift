@@ -97,6 +97,49 @@ struct ServiceTests {
         #expect(try await server.values("Observation", system: resources.system) == (0..<5).map(String.init))
     }
 
+    @Test("dq run whose database stops taking writes (a file-size limit): logged once, nothing sent after, clean SIGTERM")
+    func fileSizeLimitUnderRun() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base, idempotent: false, batch: 1)
+        let config = try work.write("dq.json", #"{"retry": {"initial_seconds": 0.1, "maximum_seconds": 0.3}}"#)
+        #expect(try await dq(["enqueue", try work.write("warm.json", resources.observation(100))], env).status == 0)
+        #expect(try await dq(["flush", "--now"], env).status == 0)
+        // dq run may write 150 blocks to a file; other processes then make the WAL larger than that.
+        let run = try ChildProcess(
+            "/bin/sh", ["-c", #"ulimit -f 150 && exec "$0" run --poll-interval 0.05 --config "$1""#, Peers.dqBinary, config],
+            environment: env)
+        let padding = String(repeating: "x", count: 50_000)
+        for index in 0..<6 {
+            let file = try work.write("big\(index).json", resources.observation(index, extra: padding))
+            #expect(try await dq(["enqueue", file], env).status == 0)
+        }
+        let values = { try await server.values("Observation", system: resources.system).filter { $0 != "100" } }
+        let reported = try await eventually(timeout: .seconds(30)) {
+            ((try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "").contains("flush failed")
+        }
+        #expect(reported, "the failed journal write is logged")
+        let atReport = try await values()
+        try await Task.sleep(for: .seconds(2))  // a dozen backoff rounds
+        let later = try await values()
+        #expect(later.count == atReport.count, "nothing sent after the failure was logged: \(atReport) then \(later)")
+        #expect(!atReport.isEmpty && Set(atReport).count == atReport.count, "no copy sent while failing: \(atReport)")
+        run.kill(SIGTERM)
+        let result = await run.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "a clean exit on SIGTERM: \(result.stderr)")
+        #expect(result.stderr.components(separatedBy: "flush failed").count == 2, "logged once: \(result.stderr)")
+
+        #expect(try await dq(["flush", "--now"], env).status == 0)
+        let delivered = try await values()
+        var firsts: [String] = []
+        for value in delivered where !firsts.contains(value) { firsts.append(value) }
+        #expect(firsts == (0..<6).map(String.init), "every item, in order: \(delivered)")
+        // The next process sends again what dq run delivered but could not journal: the requests on the wire
+        // when the write failed (the journal commits while the next request goes out), never more than once.
+        let copies = Dictionary(grouping: delivered) { $0 }.mapValues(\.count)
+        #expect(copies.values.allSatisfy { $0 <= 2 }, "\(delivered)")
+        #expect(delivered.count - firsts.count <= atReport.count, "only items sent before the failure was logged: \(delivered)")
+    }
+
     @Test("Two dq run processes and a cron-style dq flush on one database deliver each item once")
     func twoRunnersAndCron() async throws {
         let server = try await FHIRServer.start()

@@ -2,6 +2,7 @@ import AsyncHTTPClient
 import Crypto
 import Foundation
 import Logging
+import Synchronization
 
 /// A request as it will be queued: what ``DataQueue/prepareRequest(for:method:itemID:)`` makes of a resource.
 ///
@@ -82,6 +83,10 @@ open class DataQueue: @unchecked Sendable {
     let wakeUp = WakeUp()
     /// The queue's metrics (swift-metrics; free when no backend is bootstrapped).
     let metrics: QueueMetrics
+    /// Deliveries the server accepted whose journal write failed (a full disk, a file that stopped taking
+    /// writes): the next flush in this process writes them before it sends anything, so that an item the server
+    /// has is not sent again while the database refuses writes.
+    let unrecordedDeliveries = Mutex<[CompletedDelivery]>([])
 
     /// Opens the queue for `baseURL`, creating the database if needed.
     ///

@@ -79,13 +79,30 @@ final class Flusher: @unchecked Sendable {
     /// Sends until the queue (or the `through` item, or the limit) is reached or a failure stops it.
     func run() async throws {
         do {
+            try await recordHeldDeliveries()
             try await loop()
+            try await recorder.finish()
         } catch {
-            // Whatever stopped the flush, deliveries already made reach the journal first.
+            // Whatever stopped the flush, deliveries already made reach the journal first; those that cannot
+            // (the database stopped taking writes) are held for the next flush of this process.
             try? await recorder.finish()
+            let unrecorded = recorder.takeUnrecorded()
+            if !unrecorded.isEmpty { queue.unrecordedDeliveries.withLock { $0.append(contentsOf: unrecorded) } }
             throw error
         }
+    }
+
+    /// Journals the deliveries an earlier flush could not, before anything is sent: while the database refuses
+    /// writes this fails, and nothing goes out (sending would deliver the first of them again).
+    private func recordHeldDeliveries() async throws {
+        let held = queue.unrecordedDeliveries.withLock { held in
+            defer { held.removeAll() }
+            return held
+        }
+        guard !held.isEmpty else { return }
+        for delivery in held { try recorder.record(delivery) }
         try await recorder.finish()
+        queue.logger.notice("journaled deliveries an earlier flush could not write", metadata: ["count": "\(held.count)"])
     }
 
     private func loop() async throws {

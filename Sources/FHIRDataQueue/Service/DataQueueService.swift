@@ -98,7 +98,7 @@ public struct DataQueueService: Service {
     /// The loop of one queue: flush, then wait for an enqueue, the poll interval or shutdown.
     ///
     /// A flush that fails with an error of its own (storage, a full disk, a damaged row) is logged once per
-    /// change of error, counted (`dq_flush_errors_total`), and retried after a growing delay (the queue's
+    /// change of the error's kind (its code), counted (`dq_flush_errors_total`), and retried after a growing delay (the queue's
     /// retry policy) that an enqueue does not shorten: nothing is sent again until then.
     private func deliver(_ queue: DataQueue) async -> (any Error)? {
         var healthy: Bool?
@@ -116,10 +116,13 @@ public struct DataQueueService: Service {
             if case .failure(let error) = outcome, !(error is CancellationError) {
                 queue.metrics.flushError(error)
                 errors += 1
+                // Once per kind of failure: a database that refuses writes fails one write after another
+                // (a delivery, a failure, the server's capabilities), which is one state for the operator.
                 let message = (error as? DataQueueError)?.message ?? "\(error)"
-                if message != lastError {
+                let kind = (error as? DataQueueError)?.code.description ?? "\(type(of: error))"
+                if kind != lastError {
                     logger.error("flush failed; items stay queued", metadata: ["queue": "\(queue.queueName)", "error": "\(message)"])
-                    lastError = message
+                    lastError = kind
                 }
                 let delay = queue.configuration.retryPolicy.delay(afterFailures: errors, retryAfter: nil)
                 await cancelWhenGracefulShutdown { try? await Task.sleep(for: .milliseconds(Int64(delay * 1000))) }

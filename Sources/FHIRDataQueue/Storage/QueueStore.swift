@@ -456,15 +456,27 @@ final class QueueStore: QueueStorage {
     /// `BEGIN IMMEDIATE`, `body`, `COMMIT` through statements prepared once per connection (GRDB's
     /// `inTransaction` prepares both anew each time); on any error, a rollback if a transaction is still open.
     private static func inImmediateTransaction<T>(_ db: Database, _ body: (Database) throws -> T) throws -> T {
-        try db.cachedStatement(sql: "BEGIN IMMEDIATE").execute()
         do {
+            try db.cachedStatement(sql: "BEGIN IMMEDIATE").execute()
             let result = try body(db)
             try db.cachedStatement(sql: "COMMIT").execute()
             return result
         } catch {
             if db.isInsideTransaction { try? db.cachedStatement(sql: "ROLLBACK").execute() }
+            if let error = error as? DatabaseError, Self.filesRefuseWrites(error) {
+                // The files stopped taking writes (a full disk, a file-size limit, an immutable or read-only file):
+                // no checkpoint when the connection closes. SQLite's checkpoint on close of a WAL whose files
+                // cannot be written ended in SIGBUS (an immutable -shm); the WAL stays valid, and the next open
+                // recovers from it as after any crash.
+                _ = dq_sqlite3_no_checkpoint_on_close(db.sqliteConnection)
+            }
             throw error
         }
+    }
+
+    /// Whether a failed write says the files no longer take writes (as opposed to a busy database or a bad row).
+    private static func filesRefuseWrites(_ error: DatabaseError) -> Bool {
+        [.SQLITE_IOERR, .SQLITE_FULL, .SQLITE_READONLY, .SQLITE_CANTOPEN, .SQLITE_PERM].contains(error.resultCode)
     }
 
     private func read<T: Sendable>(_ what: String, _ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
@@ -1201,6 +1213,8 @@ final class DeliveryRecorder: @unchecked Sendable {
     private var committing = false
     private var running = false
     private var failure: DataQueueError?
+    /// The deliveries of the commit that failed (those still waiting stay in `waiting`).
+    private var failed: [CompletedDelivery] = []
     private var idle: [CheckedContinuation<Void, Never>] = []
     private let beforeCommit: (@Sendable () -> Void)?
 
@@ -1218,12 +1232,13 @@ final class DeliveryRecorder: @unchecked Sendable {
         return waiting.count
     }
 
-    /// Queues a delivery for the journal; throws the error of an earlier failed commit.
+    /// Queues a delivery for the journal; throws the error of an earlier failed commit (the delivery is then
+    /// kept among the unrecorded ones: the server has it).
     func record(_ delivery: CompletedDelivery) throws {
         condition.lock()
         defer { condition.unlock() }
-        if let failure { throw failure }
         waiting.append(delivery)
+        if let failure { throw failure }
         if running {
             condition.signal()
         } else {
@@ -1255,8 +1270,23 @@ final class DeliveryRecorder: @unchecked Sendable {
             let result = store.markDelivered(batch, owner: owner)
             condition.lock()
             committing = false
-            if case .failure(let error) = result { failure = error }
+            if case .failure(let error) = result {
+                failure = error
+                failed = batch
+            }
         }
+    }
+
+    /// After a failed commit: every delivery that did not reach the journal, in order (none otherwise).
+    func takeUnrecorded() -> [CompletedDelivery] {
+        condition.lock()
+        defer { condition.unlock() }
+        guard failure != nil else { return [] }
+        defer {
+            failed.removeAll()
+            waiting.removeAll()
+        }
+        return failed + waiting
     }
 
     /// Waits until every recorded delivery is committed; throws the first commit error.
