@@ -5,7 +5,7 @@ export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 
 BENCH_APT := apache2-utils
-.PHONY: all build gateway release install deps peers test unit demo bench torture lint man clean
+.PHONY: all build gateway release install deps peers test unit demo bench torture sanitize lint man clean
 
 all: build
 
@@ -54,6 +54,23 @@ test: build gateway peers
 # The full crash, fault, concurrency, exhaustion and bad-input runs (about 10 minutes).
 torture: build peers
 	.peers/venv/bin/python scripts/torture.py --out Benchmarks/torture.md
+
+# The unit tests and the quick torture under AddressSanitizer, then ThreadSanitizer, each on a build of its own
+# (.build/asan, .build/tsan; about 10 minutes each to build the first time). Reports go to files; any report
+# fails the run. LeakSanitizer is off: the Swift runtime's caches read as leaks.
+SANITIZERS ?= address thread
+sanitize: deps peers
+	@set -e; for s in $(SANITIZERS); do \
+	  case $$s in address) dir=.build/asan;; thread) dir=.build/tsan;; *) echo "unknown sanitizer $$s"; exit 2;; esac; \
+	  rm -rf $$dir/reports; mkdir -p $$dir/reports; \
+	  echo "== $$s: build =="; $(SWIFT) build --build-tests --sanitize=$$s --scratch-path $$dir; \
+	  export ASAN_OPTIONS="log_path=$(CURDIR)/$$dir/reports/report:detect_leaks=0" \
+	         TSAN_OPTIONS="log_path=$(CURDIR)/$$dir/reports/report:halt_on_error=0"; \
+	  echo "== $$s: unit tests =="; $(SWIFT) test --skip-build --sanitize=$$s --scratch-path $$dir --filter FHIRDataQueueTests; \
+	  echo "== $$s: quick torture =="; DQ_BIN=$(CURDIR)/$$dir/debug/dq .peers/venv/bin/python scripts/torture.py --quick; \
+	  if ls $$dir/reports/report* >/dev/null 2>&1; then echo "== $$s: reports =="; cat $$dir/reports/report*; exit 1; fi; \
+	  echo "== $$s: no reports =="; \
+	done
 
 # Benchmarks (release build): one table of dq against references measured in the same run.
 bench: deps peers

@@ -126,6 +126,7 @@ extension DQ {
         func run() async throws {
             let settings = try? DataQueueSettings.load(options: queueOptions)
             let database = settings?.database ?? DataQueue.defaultDatabasePath()
+            if let settings { printRoutes(settings) }
             let problems: [String]
             do {
                 problems = try await DataQueue.integrityCheck(databasePath: database)
@@ -153,6 +154,31 @@ extension DQ {
             }
             printError(recoverySteps(database: database))
             throw ExitCode(Exit.ioError)
+        }
+    }
+
+    /// Each endpoint dq would reach and how: directly or through which proxy (its password redacted). An
+    /// endpoint dq discovers (a token endpoint, JWKS) is reached the way its discovery document's host is.
+    static func printRoutes(_ settings: DataQueueSettings) {
+        guard let values = try? settings.checkedValues() else { return }
+        var endpoints: [(String, String)] = [("server", values.server.absoluteString)]
+        if let endpoint = settings.encryption?.endpoint { endpoints.append(("encrypted endpoint", endpoint)) }
+        if let auth = settings.auth {
+            let discovered = values.server.absoluteString.trimmingSuffix("/") + "/.well-known/smart-configuration"
+            if let token = auth.tokenURI ?? auth.authorizeURI { endpoints.append(("token", token)) }
+            if auth.bearerToken == nil && auth.tokenURI == nil { endpoints.append(("discovery", discovered)) }
+            if let registration = auth.registrationURI { endpoints.append(("registration", registration)) }
+            if let issuer = auth.issuer {
+                endpoints.append(("issuer (JWKS)", issuer.trimmingSuffix("/") + "/.well-known/openid-configuration"))
+            }
+            if let revocation = auth.revocationURI { endpoints.append(("revocation", revocation)) }
+        }
+        let width = endpoints.map(\.0.count).max() ?? 0
+        for (name, text) in endpoints {
+            guard let url = URL(string: text) else { continue }
+            let route = values.network.proxy(for: url).map { "through proxy \(NetworkConfiguration.redacted($0))" } ?? "direct"
+            let padding = String(repeating: " ", count: width - name.count)
+            print("\(name):\(padding) \(url.absoluteString) (\(route))")
         }
     }
 
@@ -373,4 +399,9 @@ func shellQuoted(_ text: String) -> String {
     }
     if safe && !text.isEmpty { return text }
     return "'" + text.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
+}
+
+extension String {
+    /// The string without one trailing `suffix`, if it ends with it.
+    func trimmingSuffix(_ suffix: String) -> String { hasSuffix(suffix) ? String(dropLast(suffix.count)) : self }
 }

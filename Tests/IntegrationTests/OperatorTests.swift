@@ -185,6 +185,35 @@ struct OperatorTests {
         #expect(damaged.stderr.contains(".dump") && damaged.stderr.contains("rm -f"), "\(damaged.stderr)")
     }
 
+    @Test("doctor shows how each endpoint is reached: through which proxy (password redacted) or directly")
+    func doctorRoutes() async throws {
+        let config = try work.write(
+            "dq.json",
+            #"""
+            {"server": "https://fhir.example.invalid/fhir", "proxy": "http://ops:pr0xy-s3cret@proxy.example.invalid:3128",
+             "no_proxy": ".internal.invalid",
+             "auth": {"client_id": "c", "token_uri": "https://login.internal.invalid/token",
+                      "registration_uri": "https://register.example.invalid/register", "issuer": "https://id.example.invalid"},
+             "encryption": {"endpoint": "https://receiver.internal.invalid/envelopes"}}
+            """#)
+        chmod(config, 0o600)
+        var env = ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
+        _ = try await dq(["enqueue", "--config", config, try work.write("p.json", #"{"resourceType":"Patient"}"#)], env)
+        env["HTTPS_PROXY"] = "http://ignored.invalid:1"  // the file's proxy wins
+        let doctor = try await dq(["doctor", "--config", config], env)
+        let lines = doctor.stdout.split(separator: "\n").map(String.init)
+        let proxy = "(through proxy http://ops:***@proxy.example.invalid:3128)"
+        #expect(
+            lines.contains { $0.hasPrefix("server:") && $0.hasSuffix("https://fhir.example.invalid/fhir \(proxy)") }, "\(doctor.stdout)")
+        #expect(lines.contains { $0.hasPrefix("token:") && $0.hasSuffix("https://login.internal.invalid/token (direct)") }, "\(lines)")
+        #expect(lines.contains { $0.hasPrefix("registration:") && $0.hasSuffix(proxy) }, "\(lines)")
+        #expect(
+            lines.contains { $0.hasPrefix("issuer (JWKS):") && $0.contains("id.example.invalid/.well-known/openid-configuration \(proxy)") }
+        )
+        #expect(lines.contains { $0.hasPrefix("encrypted endpoint:") && $0.hasSuffix("(direct)") }, "\(lines)")
+        #expect(!doctor.stdout.contains("pr0xy-s3cret") && !doctor.stderr.contains("pr0xy-s3cret"), "the proxy password is never printed")
+    }
+
     @Test("doctor: the printed steps, run as printed, recover the readable items of a damaged file and of its WAL")
     func doctorRecovers() async throws {
         let env = environment("http://127.0.0.1:9/fhir")
