@@ -62,6 +62,9 @@ struct QueueOptions: ParsableArguments {
 
     @Flag(name: [.short, .long], help: "Log more (debug level) to standard error.")
     var verbose = false
+
+    @Option(help: "text (the default) or json (one object a line, for log shippers). Overrides \"log_format\" and $DQ_LOG_FORMAT.")
+    var logFormat: String?
 }
 
 /// Options of commands that write to the queue or send: durability, idempotent mode, the request deadline.
@@ -154,14 +157,27 @@ func logLevel(verbose: Bool) -> Logger.Level {
 func withQueue<T>(
     _ options: QueueOptions, sending: SendingOptions? = nil, readOnly: Bool = false, _ body: (DataQueue) async throws -> T
 ) async throws -> T {
+    try await withQueue(options, sending: sending, readOnly: readOnly) { queue, _ in try await body(queue) }
+}
+
+/// ``withQueue(_:sending:readOnly:_:)`` for a command that also reads settings of its own (`dq run`).
+func withQueue<T>(
+    _ options: QueueOptions, sending: SendingOptions? = nil, readOnly: Bool = false,
+    _ body: (DataQueue, DataQueueSettings) async throws -> T
+) async throws -> T {
     // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
     signal(SIGXFSZ, SIG_IGN)
     let level = logLevel(verbose: options.verbose)
-    LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level) }
-    let logger = Logger(label: "dq")
     let queue: DataQueue
+    let settings: DataQueueSettings
+    let logger: Logger
     do {
-        let settings = try DataQueueSettings.load(options: options, sending: sending)
+        settings = try DataQueueSettings.load(options: options, sending: sending)
+        let format = try DQLogHandler.Format.named(
+            options.logFormat ?? ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"] ?? settings.logFormat)
+        let journal = DQLogHandler.writesToJournal()
+        LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format, journal: journal) }
+        logger = Logger(label: "dq")
         warnAboutExposure(settings)
         queue = try settings.makeQueue(readOnly: readOnly, logger: logger)
     } catch let error as DataQueueError {
@@ -169,7 +185,7 @@ func withQueue<T>(
         throw ExitCode(Exit.code(for: error))
     }
     do {
-        let result = try await body(queue)
+        let result = try await body(queue, settings)
         try? await queue.shutdown()
         return result
     } catch let error as DataQueueError {
@@ -206,13 +222,32 @@ func warnAboutExposure(_ settings: DataQueueSettings) {
 
 /// One readable line per event on standard error: `dq: warning: parked (item=…, reason=…)`.
 struct DQLogHandler: LogHandler {
+    /// How lines look: `dq: warning: message (key=value, …)`, or one JSON object a line.
+    enum Format: String {
+        case text, json
+
+        /// The format named by a flag, variable or setting; text when none is given.
+        static func named(_ name: String?) throws -> Format {
+            guard let name else { return .text }
+            guard let format = Format(rawValue: name.lowercased()) else {
+                throw DataQueueError(.invalidConfiguration, "the log format must be text or json, not \"\(name)\"")
+            }
+            return format
+        }
+    }
+
     let label: String
     var logLevel: Logger.Level
     var metadata: Logger.Metadata = [:]
+    let format: Format
+    /// Whether standard error is systemd's journal stream: each line then starts with its syslog priority.
+    let journal: Bool
 
-    init(label: String, level: Logger.Level) {
+    init(label: String, level: Logger.Level, format: Format = .text, journal: Bool = false) {
         self.label = label
         self.logLevel = level
+        self.format = format
+        self.journal = journal
     }
 
     subscript(metadataKey key: String) -> Logger.Metadata.Value? {
@@ -220,10 +255,46 @@ struct DQLogHandler: LogHandler {
         set { metadata[key] = newValue }
     }
 
+    /// Whether `$JOURNAL_STREAM` (`device:inode`, set by systemd) names the file standard error is, as
+    /// sd-daemon(3) says to check before using priority prefixes.
+    static func writesToJournal(environment: [String: String] = ProcessInfo.processInfo.environment) -> Bool {
+        guard let stream = environment["JOURNAL_STREAM"] else { return false }
+        let parts = stream.split(separator: ":")
+        guard parts.count == 2, let device = UInt64(parts[0]), let inode = UInt64(parts[1]) else { return false }
+        var info = stat()
+        guard fstat(STDERR_FILENO, &info) == 0 else { return false }
+        return UInt64(info.st_dev) == device && UInt64(info.st_ino) == inode
+    }
+
+    /// The syslog priority of a level (sd-daemon(3)'s `<N>` prefixes).
+    static func priority(_ level: Logger.Level) -> Int {
+        switch level {
+        case .trace, .debug: 7
+        case .info: 6
+        case .notice: 5
+        case .warning: 4
+        case .error: 3
+        case .critical: 2
+        }
+    }
+
     func log(event: LogEvent) {
         let merged = metadata.merging(event.metadata ?? [:]) { $1 }
-        let details = merged.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ", ")
-        printError("dq: \(event.level): \(event.message)" + (details.isEmpty ? "" : " (\(details))"))
+        let line: String
+        switch format {
+        case .text:
+            let details = merged.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ", ")
+            line = "dq: \(event.level): \(event.message)" + (details.isEmpty ? "" : " (\(details))")
+        case .json:
+            var object: [String: String] = merged.mapValues { "\($0)" }
+            object["time"] = Date().formatted(.iso8601)
+            object["level"] = event.level.rawValue
+            object["message"] = "\(event.message)"
+            let encoder = JSONEncoder()
+            encoder.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
+            line = (try? encoder.encode(object)).map { String(decoding: $0, as: UTF8.self) } ?? "{}"
+        }
+        printError(journal ? "<\(Self.priority(event.level))>" + line : line)
     }
 }
 

@@ -11,8 +11,36 @@ extension DQ {
         @OptionGroup var queueOptions: QueueOptions
         @Flag(help: "Every queue in the database, whatever server is configured.") var all = false
         @Flag(help: "Print as JSON.") var json = false
+        @Flag(
+            help: """
+                One line and a monitoring plugin's exit code (Nagios, Icinga, cron mail): 0 OK, 1 WARNING (delivery is \
+                failing: the server is down or refuses), 2 CRITICAL (a --max-… limit is passed), 3 UNKNOWN (the queue \
+                cannot be read), with performance data after '|'.
+                """)
+        var check = false
+        @Option(parsing: .unconditional, help: "With --check: CRITICAL above this many pending items.") var maxPending: Int?
+        @Option(help: "With --check: CRITICAL when the oldest pending item is older than this (90s, 15m, 2h, 1d).")
+        var maxAge: String?
+        @Option(parsing: .unconditional, help: "With --check: CRITICAL above this many parked items.") var maxParked: Int?
+
+        func validate() throws {
+            if !check && (maxPending != nil || maxAge != nil || maxParked != nil) {
+                throw ValidationError("--max-pending, --max-age and --max-parked go with --check")
+            }
+            if let maxAge, Self.seconds(maxAge) == nil { throw ValidationError("--max-age must be a duration like 90s, 15m, 2h or 1d") }
+            if (maxPending ?? 0) < 0 || (maxParked ?? 0) < 0 { throw ValidationError("--max-pending and --max-parked cannot be negative") }
+        }
+
+        /// `90s`, `15m`, `2h`, `1d`, or plain seconds.
+        static func seconds(_ text: String) -> Double? {
+            let units: [Character: Double] = ["s": 1, "m": 60, "h": 3600, "d": 86400]
+            let (number, unit) = text.last.flatMap { units[$0] }.map { (text.dropLast(), $0) } ?? (Substring(text), 1)
+            guard let value = Double(number), value.isFinite, value >= 0 else { return nil }
+            return value * unit
+        }
 
         func run() async throws {
+            if check { throw ExitCode(await checkQueue()) }
             let settings: DataQueueSettings
             do {
                 settings = try DataQueueSettings.load(options: queueOptions)
@@ -49,6 +77,14 @@ extension DQ {
                     print(StatusReport.elsewhereLine(other))
                 }
             }
+        }
+    }
+
+    /// `dq status --check`: prints one line and returns the plugin exit code.
+    struct CheckLine {
+        static func line(_ state: Int32, _ summary: String, performance: String = "") -> String {
+            let name = ["OK", "WARNING", "CRITICAL", "UNKNOWN"][Int(state)]
+            return "DQ \(name) - \(summary)" + (performance.isEmpty ? "" : " | \(performance)")
         }
     }
 
@@ -399,6 +435,51 @@ func shellQuoted(_ text: String) -> String {
     }
     if safe && !text.isEmpty { return text }
     return "'" + text.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
+}
+
+extension DQ.Status {
+    fileprivate func checkQueue() async -> Int32 {
+        let found: QueueStatus?
+        do {
+            let values = try DataQueueSettings.load(options: queueOptions).checkedValues()
+            let statuses = try await DataQueue.allQueueStatuses(databasePath: values.database ?? DataQueue.defaultDatabasePath())
+            found = statuses.first { $0.queue == values.queueName }
+        } catch {
+            print(DQ.CheckLine.line(3, (error as? DataQueueError)?.message ?? "\(error)"))
+            return 3
+        }
+        // A queue with no rows yet: nothing pending, nothing failing.
+        let status = (
+            pending: found?.pending ?? 0, parked: found?.parked ?? 0, oldestPendingAt: found?.oldestPendingAt,
+            consecutiveFailures: found?.consecutiveFailures ?? 0, lastError: found?.lastError
+        )
+        let age = status.oldestPendingAt.map { max(0, Int(Date().timeIntervalSince($0))) } ?? 0
+        let ageLimit = maxAge.flatMap(Self.seconds).map { Int($0) }
+        var critical: [String] = []
+        if let maxPending, status.pending > maxPending { critical.append("\(status.pending) pending (limit \(maxPending))") }
+        if let ageLimit, age > ageLimit { critical.append("the oldest pending item waits \(age) s (limit \(ageLimit) s)") }
+        if let maxParked, status.parked > maxParked { critical.append("\(status.parked) parked (limit \(maxParked))") }
+        let performance = [
+            "pending=\(status.pending);;\(maxPending.map(String.init) ?? "");0",
+            "parked=\(status.parked);;\(maxParked.map(String.init) ?? "");0",
+            "oldest_age=\(age)s;;\(ageLimit.map(String.init) ?? "");0",
+            "failures=\(status.consecutiveFailures);;;0",
+        ].joined(separator: " ")
+        let counts = "\(status.pending) pending, \(status.parked) parked, oldest \(age) s"
+        if !critical.isEmpty {
+            print(DQ.CheckLine.line(2, critical.joined(separator: "; "), performance: performance))
+            return 2
+        }
+        if status.consecutiveFailures > 0 {
+            let reason = status.lastError.map { ": \($0)" } ?? ""
+            print(
+                DQ.CheckLine.line(
+                    1, "delivery failing (\(status.consecutiveFailures) in a row)\(reason); \(counts)", performance: performance))
+            return 1
+        }
+        print(DQ.CheckLine.line(0, counts, performance: performance))
+        return 0
+    }
 }
 
 extension String {

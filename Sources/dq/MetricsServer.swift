@@ -6,7 +6,8 @@ import NIOPosix
 import Prometheus
 import ServiceLifecycle
 
-/// The `dq run --metrics-address` endpoint: `GET /metrics` (Prometheus text) and `GET /healthz`, on a small
+/// The `dq run --metrics-address` endpoint: `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 200
+/// while the process serves) and `GET /readyz` (readiness: 200, or 503 with the reasons as JSON), on a small
 /// NIO HTTP/1.1 server that stops with the service group.
 final class MetricsServer: Service {
     let port: Int
@@ -28,13 +29,16 @@ final class MetricsServer: Service {
         self.port = port
     }
 
-    static func start(host: String, port: Int, registry: PrometheusCollectorRegistry) async throws -> MetricsServer {
+    static func start(
+        host: String, port: Int, registry: PrometheusCollectorRegistry,
+        readiness: @escaping @Sendable () async -> DataQueueService.Readiness
+    ) async throws -> MetricsServer {
         let bootstrap = ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton)
             .serverChannelOption(.socketOption(.so_reuseaddr), value: 1)
             .childChannelInitializer { channel in
                 channel.eventLoop.makeCompletedFuture {
                     try channel.pipeline.syncOperations.configureHTTPServerPipeline()
-                    try channel.pipeline.syncOperations.addHandler(MetricsHandler(registry: registry))
+                    try channel.pipeline.syncOperations.addHandler(MetricsHandler(registry: registry, readiness: readiness))
                 }
             }
         let channel: any Channel
@@ -68,9 +72,13 @@ private final class MetricsHandler: ChannelInboundHandler {
     typealias OutboundOut = HTTPServerResponsePart
 
     private let registry: PrometheusCollectorRegistry
+    private let readiness: @Sendable () async -> DataQueueService.Readiness
     private var head: HTTPRequestHead?
 
-    init(registry: PrometheusCollectorRegistry) { self.registry = registry }
+    init(registry: PrometheusCollectorRegistry, readiness: @escaping @Sendable () async -> DataQueueService.Readiness) {
+        self.registry = registry
+        self.readiness = readiness
+    }
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
         switch unwrapInboundIn(data) {
@@ -80,6 +88,18 @@ private final class MetricsHandler: ChannelInboundHandler {
             guard let head else { return }
             self.head = nil
             let path = head.uri.split(separator: "?").first.map(String.init) ?? head.uri
+            if head.method == .GET && path == "/readyz" {
+                // The check reads the queue's storage: off the event loop, answered back on it.
+                let promise = context.eventLoop.makePromise(of: DataQueueService.Readiness.self)
+                promise.completeWithTask { [readiness] in await readiness() }
+                promise.futureResult.assumeIsolated().whenSuccess { readiness in
+                    let body: [UInt8] = (try? JSONEncoder().encode(readiness)).map { [UInt8]($0) + [0x0A] } ?? []
+                    self.respond(
+                        context: context, head: head, status: readiness.ready ? .ok : .serviceUnavailable,
+                        contentType: "application/json", body: body)
+                }
+                return
+            }
             let (status, contentType, body): (HTTPResponseStatus, String, [UInt8])
             switch (head.method, path) {
             case (.GET, "/metrics"):
@@ -89,16 +109,22 @@ private final class MetricsHandler: ChannelInboundHandler {
             default:
                 (status, contentType, body) = (.notFound, "text/plain; charset=utf-8", Array("not found\n".utf8))
             }
-            var headers = HTTPHeaders()
-            headers.add(name: "Content-Type", value: contentType)
-            headers.add(name: "Content-Length", value: String(body.count))
-            if !head.isKeepAlive { headers.add(name: "Connection", value: "close") }
-            context.write(wrapOutboundOut(.head(HTTPResponseHead(version: head.version, status: status, headers: headers))), promise: nil)
-            context.write(wrapOutboundOut(.body(.byteBuffer(context.channel.allocator.buffer(bytes: body)))), promise: nil)
-            let written = context.writeAndFlush(wrapOutboundOut(.end(nil)))
-            if !head.isKeepAlive {
-                written.assumeIsolated().whenComplete { _ in context.close(promise: nil) }
-            }
+            respond(context: context, head: head, status: status, contentType: contentType, body: body)
+        }
+    }
+
+    private func respond(
+        context: ChannelHandlerContext, head: HTTPRequestHead, status: HTTPResponseStatus, contentType: String, body: [UInt8]
+    ) {
+        var headers = HTTPHeaders()
+        headers.add(name: "Content-Type", value: contentType)
+        headers.add(name: "Content-Length", value: String(body.count))
+        if !head.isKeepAlive { headers.add(name: "Connection", value: "close") }
+        context.write(wrapOutboundOut(.head(HTTPResponseHead(version: head.version, status: status, headers: headers))), promise: nil)
+        context.write(wrapOutboundOut(.body(.byteBuffer(context.channel.allocator.buffer(bytes: body)))), promise: nil)
+        let written = context.writeAndFlush(wrapOutboundOut(.end(nil)))
+        if !head.isKeepAlive {
+            written.assumeIsolated().whenComplete { _ in context.close(promise: nil) }
         }
     }
 

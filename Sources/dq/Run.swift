@@ -21,24 +21,31 @@ extension DQ {
                 --poll-interval for items other processes queue, honouring the server's backoff. SIGTERM or \
                 SIGINT stop it gracefully: the request on the wire finishes (at most --drain-timeout), the journal \
                 is committed, and dq exits 0. With NOTIFY_SOCKET set it tells systemd READY=1 and STOPPING=1. \
-                --metrics-address serves Prometheus text on /metrics and a health check on /healthz.
+                --metrics-address serves Prometheus text on /metrics, liveness on /healthz (200 while the process \
+                runs) and readiness on /readyz (503 with a JSON reason while storage fails, flushes fail with an \
+                error of their own or the server refuses the credentials, or an item waits longer than --ready-max-age).
                 """)
 
         @OptionGroup var queueOptions: QueueOptions
         @OptionGroup var sending: SendingOptions
 
         @Option(
-            help: "Serve /metrics (Prometheus text) and /healthz at HOST:PORT, e.g. 127.0.0.1:9464 (a bare port means loopback)."
+            help: "Serve /metrics (Prometheus text), /healthz and /readyz at HOST:PORT, e.g. 127.0.0.1:9464 (a bare port means loopback)."
         )
         var metricsAddress: String?
         @Option(parsing: .unconditional, help: "Seconds between looks for items queued by other processes.")
         var pollInterval: Double = 1
         @Option(parsing: .unconditional, help: "Seconds a graceful stop waits for the request on the wire.")
         var drainTimeout: Double = 10
+        @Option(
+            parsing: .unconditional,
+            help: "/readyz fails while a pending item is older than this many seconds. Overrides \"ready_max_age_seconds\".")
+        var readyMaxAge: Double?
 
         func validate() throws {
             try checkFlagSeconds(pollInterval, name: "--poll-interval", allowZero: false)
             try checkFlagSeconds(drainTimeout, name: "--drain-timeout", allowZero: true)
+            if let readyMaxAge { try checkFlagSeconds(readyMaxAge, name: "--ready-max-age", allowZero: false) }
             if let metricsAddress, MetricsServer.parse(metricsAddress) == nil {
                 throw ValidationError("--metrics-address must be HOST:PORT or PORT")
             }
@@ -47,18 +54,23 @@ extension DQ {
         func run() async throws {
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
-            try await withQueue(queueOptions, sending: sending) { queue in
+            try await withQueue(queueOptions, sending: sending) { queue, settings in
                 let logger = Logger(label: "dq")
-                var services: [any Service] = [
-                    DataQueueService(
-                        queues: [queue],
-                        configuration: .init(
-                            pollInterval: .milliseconds(Int64(pollInterval * 1000)),
-                            drainTimeout: .milliseconds(Int64(drainTimeout * 1000))),
-                        logger: logger)
-                ]
+                let maximumAge = readyMaxAge ?? settings.readyMaxAgeSeconds
+                if let maximumAge {
+                    try DataQueue.Configuration.checkSeconds(maximumAge, name: "\"ready_max_age_seconds\"", allowZero: false)
+                }
+                let service = DataQueueService(
+                    queues: [queue],
+                    configuration: .init(
+                        pollInterval: .milliseconds(Int64(pollInterval * 1000)),
+                        drainTimeout: .milliseconds(Int64(drainTimeout * 1000)),
+                        readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) }),
+                    logger: logger)
+                var services: [any Service] = [service]
                 if let metricsAddress, let (host, port) = MetricsServer.parse(metricsAddress) {
-                    let started = try await MetricsServer.start(host: host, port: port, registry: registry)
+                    let started = try await MetricsServer.start(
+                        host: host, port: port, registry: registry, readiness: { await service.readiness() })
                     services.append(started)
                     logger.info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
                 }

@@ -185,6 +185,39 @@ struct OperatorTests {
         #expect(damaged.stderr.contains(".dump") && damaged.stderr.contains("rm -f"), "\(damaged.stderr)")
     }
 
+    @Test("status --check: a monitoring plugin's line and exit codes (0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN) on crafted queues")
+    func statusCheck() async throws {
+        let env = environment("http://127.0.0.1:9/fhir")
+        let empty = try await dq(["status", "--check"], env)
+        #expect(empty.status == 3 && empty.stdout.hasPrefix("DQ UNKNOWN - "), "no database yet: \(empty.stdout)")
+        #expect(try await dq(["enqueue", "--ndjson", try work.write("three.ndjson", resources.ndjson(0..<3))], env).status == 0)
+        let ok = try await dq(["status", "--check", "--max-pending", "10"], env)
+        #expect(ok.status == 0 && ok.stdout.hasPrefix("DQ OK - 3 pending, 0 parked"), "\(ok.stdout)")
+        #expect(ok.stdout.contains("| pending=3;;10;0 parked=0;;;0"), "performance data: \(ok.stdout)")
+        let many = try await dq(["status", "--check", "--max-pending", "2"], env)
+        #expect(many.status == 2 && many.stdout.hasPrefix("DQ CRITICAL - 3 pending (limit 2)"), "\(many.stdout)")
+
+        // Two hours old, one parked: the age and parked limits.
+        let db = try DatabaseQueue(path: work.file("queue.sqlite"))
+        try await db.write { db in
+            try db.execute(sql: "UPDATE item SET enqueued_at = enqueued_at - 7200")
+            try db.execute(sql: "UPDATE item SET state = 'parked' WHERE seq = (SELECT max(seq) FROM item)")
+        }
+        try db.close()
+        let old = try await dq(["status", "--check", "--max-age", "1h"], env)
+        #expect(old.status == 2 && old.stdout.contains("the oldest pending item waits 720"), "\(old.stdout)")
+        #expect(try await dq(["status", "--check", "--max-age", "3h"], env).status == 0)
+        let parked = try await dq(["status", "--check", "--max-parked", "0"], env)
+        #expect(parked.status == 2 && parked.stdout.contains("1 parked (limit 0)"), "\(parked.stdout)")
+
+        // A flush that cannot reach the server: WARNING, delivery failing.
+        #expect(try await dq(["flush"], env).status == 75)
+        let failing = try await dq(["status", "--check", "--max-pending", "10"], env)
+        #expect(failing.status == 1 && failing.stdout.hasPrefix("DQ WARNING - delivery failing (1 in a row)"), "\(failing.stdout)")
+        let usage = try await dq(["status", "--max-pending", "1"], env)
+        #expect(usage.status != 0 && usage.stderr.contains("go with --check"), "\(usage.stderr)")
+    }
+
     @Test("doctor shows how each endpoint is reached: through which proxy (password redacted) or directly")
     func doctorRoutes() async throws {
         let config = try work.write(

@@ -105,9 +105,19 @@ struct ServiceTests {
         #expect(try await dq(["enqueue", try work.write("warm.json", resources.observation(100))], env).status == 0)
         #expect(try await dq(["flush", "--now"], env).status == 0)
         // dq run may write 150 blocks to a file; other processes then make the WAL larger than that.
+        let port = Peers.freePort()
         let run = try ChildProcess(
-            "/bin/sh", ["-c", #"ulimit -f 150 && exec "$0" run --poll-interval 0.05 --config "$1""#, Peers.dqBinary, config],
+            "/bin/sh",
+            [
+                "-c", #"ulimit -f 150 && exec "$0" run --poll-interval 0.05 --config "$1" --metrics-address "$2""#, Peers.dqBinary,
+                config, "127.0.0.1:\(port)",
+            ],
             environment: env)
+        let readyz = { () async -> (Int, String) in
+            guard let (status, body) = try? await HTTP.get("http://127.0.0.1:\(port)/readyz") else { return (0, "") }
+            return (status, String(decoding: body, as: UTF8.self))
+        }
+        #expect(try await eventually { await readyz().0 == 200 }, "ready before the fault")
         let padding = String(repeating: "x", count: 50_000)
         for index in 0..<6 {
             let file = try work.write("big\(index).json", resources.observation(index, extra: padding))
@@ -122,6 +132,9 @@ struct ServiceTests {
         try await Task.sleep(for: .seconds(2))  // a dozen backoff rounds
         let later = try await values()
         #expect(later.count == atReport.count, "nothing sent after the failure was logged: \(atReport) then \(later)")
+        let (status, reason) = await readyz()
+        #expect(status == 503 && reason.contains(#""ready":false"#) && reason.contains("flush failed"), "\(status) \(reason)")
+        #expect(try await HTTP.get("http://127.0.0.1:\(port)/healthz").0 == 200, "alive all the same")
         #expect(!atReport.isEmpty && Set(atReport).count == atReport.count, "no copy sent while failing: \(atReport)")
         run.kill(SIGTERM)
         let result = await run.wait(timeout: .seconds(30))
@@ -138,6 +151,114 @@ struct ServiceTests {
         let copies = Dictionary(grouping: delivered) { $0 }.mapValues(\.count)
         #expect(copies.values.allSatisfy { $0 <= 2 }, "\(delivered)")
         #expect(delivered.count - firsts.count <= atReport.count, "only items sent before the failure was logged: \(delivered)")
+    }
+
+    @Test("Log lines: under systemd's journal stream each starts with its syslog priority; --log-format json lines parse, without secrets")
+    func logFormats() async throws {
+        let server = try FHIRServer()  // never started: a warning that delivery stopped
+        var env = environment(server.base)
+        env["DQ_TOKEN"] = "tok-s3cret-value"
+        #expect(try await dq(["enqueue", try work.write("one.json", resources.observation(0))], env).status == 0)
+
+        // JOURNAL_STREAM names the file standard error is (as systemd sets it): priority prefixes.
+        let journalFile = work.file("journal.err")
+        _ = FileManager.default.createFile(atPath: journalFile, contents: nil)
+        var info = stat()
+        #expect(stat(journalFile, &info) == 0)
+        let journal = try ChildProcess(
+            "/bin/sh", ["-c", #"exec "$0" run --poll-interval 0.1 2>>"$1""#, Peers.dqBinary, journalFile],
+            environment: env.merging(["JOURNAL_STREAM": "\(info.st_dev):\(info.st_ino)"]) { $1 })
+        let text = { (try? String(contentsOfFile: journalFile, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { text().contains("delivery stopped") })
+        journal.kill(SIGTERM)
+        #expect(await journal.wait(timeout: .seconds(30)).status == 0)
+        let lines = text().split(separator: "\n").map(String.init)
+        #expect(lines.contains { $0.hasPrefix("<4>dq: warning: delivery stopped") }, "\(lines)")
+        #expect(lines.allSatisfy { $0.hasPrefix("<") }, "every line prefixed: \(lines)")
+
+        // A JOURNAL_STREAM that is not standard error (a child of a service writing elsewhere): plain lines.
+        let plain = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env.merging(["JOURNAL_STREAM": "1:2"]) { $1 })
+        #expect(
+            try await eventually { ((try? String(contentsOfFile: plain.stderrPath, encoding: .utf8)) ?? "").contains("delivery stopped") })
+        plain.kill(SIGTERM)
+        let plainResult = await plain.wait(timeout: .seconds(30))
+        #expect(plainResult.stderr.hasPrefix("dq: warning: delivery stopped"), "\(plainResult.stderr)")
+
+        // JSON lines for log shippers.
+        let json = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1", "--log-format", "json"], environment: env)
+        #expect(
+            try await eventually { ((try? String(contentsOfFile: json.stderrPath, encoding: .utf8)) ?? "").contains("delivery stopped") })
+        json.kill(SIGTERM)
+        let jsonResult = await json.wait(timeout: .seconds(30))
+        let objects = jsonResult.stderr.split(separator: "\n").map {
+            try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any]
+        }
+        #expect(!objects.isEmpty && objects.allSatisfy { $0 != nil }, "every line is a JSON object: \(jsonResult.stderr)")
+        let stopped = objects.compactMap { $0 }.first { ($0["message"] as? String) == "delivery stopped; items stay queued" }
+        #expect(stopped?["level"] as? String == "warning" && stopped?["queue"] as? String == server.base, "\(jsonResult.stderr)")
+        #expect((stopped?["time"] as? String)?.hasSuffix("Z") == true, "RFC 3339 in UTC")
+        #expect(!jsonResult.stderr.contains("tok-s3cret-value") && !text().contains("tok-s3cret-value"), "no secret in any line")
+        let bad = try await dq(["flush", "--log-format", "xml"], env)
+        #expect(bad.status == 78 && bad.stderr.contains("text or json"), "\(bad.stderr)")
+    }
+
+    @Test("/readyz: a server that is down is not a readiness failure; an item older than --ready-max-age is")
+    func readinessAge() async throws {
+        let server = try FHIRServer()  // never started: connection refused
+        let env = environment(server.base)
+        #expect(try await dq(["enqueue", try work.write("one.json", resources.observation(0))], env).status == 0)
+        let port = Peers.freePort()
+        let relaxed = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(port)"], environment: env)
+        #expect(try await eventually { (try? await HTTP.get("http://127.0.0.1:\(port)/readyz").0) == 200 }, "ready, waiting for the server")
+        relaxed.kill(SIGTERM)
+        #expect(await relaxed.wait(timeout: .seconds(30)).status == 0)
+        try await Task.sleep(for: .seconds(1.2))
+        let strict = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(port)", "--ready-max-age", "1"],
+            environment: env)
+        var answer = (0, "")
+        let failed = try await eventually {
+            guard let (status, body) = try? await HTTP.get("http://127.0.0.1:\(port)/readyz") else { return false }
+            answer = (status, String(decoding: body, as: UTF8.self))
+            return status == 503
+        }
+        #expect(failed && answer.1.contains("the oldest pending item waits"), "\(answer)")
+        strict.kill(SIGTERM)
+        #expect(await strict.wait(timeout: .seconds(30)).status == 0)
+    }
+
+    @Test(
+        "/readyz turns 503 while the database files refuse writes (chattr +i) and 200 once they take them again; nothing lost",
+        .enabled(if: getuid() == 0, "chattr +i needs root (make test runs as root on CI)"))
+    func readinessUnwritable() async throws {
+        let server = try FHIRServer()
+        let env = environment(server.base, idempotent: false, batch: 1)
+        let config = try work.write("dq.json", #"{"retry": {"initial_seconds": 0.1, "maximum_seconds": 0.3}}"#)
+        #expect(try await dq(["enqueue", "--ndjson", try work.write("two.ndjson", resources.ndjson(0..<2))], env).status == 0)
+        let port = Peers.freePort()
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--config", config, "--metrics-address", "127.0.0.1:\(port)"],
+            environment: env)
+        let ready = { (try? await HTTP.get("http://127.0.0.1:\(port)/readyz").0) ?? 0 }
+        #expect(try await eventually { await ready() == 200 })
+        let files = ["", "-wal", "-shm"].map { work.file("queue.sqlite") + $0 }.filter { FileManager.default.fileExists(atPath: $0) }
+        #expect(try await ChildProcess("/usr/bin/chattr", ["+i"] + files).wait().status == 0)
+        defer { _ = try? Process.run(URL(fileURLWithPath: "/usr/bin/chattr"), arguments: ["-i"] + files).waitUntilExit() }
+        try await server.start()
+        #expect(try await eventually { await ready() == 503 }, "not ready while writes fail")
+        #expect(try await ChildProcess("/usr/bin/chattr", ["-i"] + files).wait().status == 0)
+        #expect(try await eventually { await ready() == 200 }, "ready again once the files take writes")
+        #expect(
+            try await eventually {
+                Set(try await server.values("Observation", system: resources.system)) == ["0", "1"]
+            })
+        run.kill(SIGTERM)
+        #expect(await run.wait(timeout: .seconds(30)).status == 0)
+        let values = try await server.values("Observation", system: resources.system)
+        // The delivery whose journal write failed was held and written once the files took writes: not sent again.
+        #expect(values == ["0", "1"], "\(values)")
     }
 
     @Test("Two dq run processes and a cron-style dq flush on one database deliver each item once")

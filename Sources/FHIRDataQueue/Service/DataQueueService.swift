@@ -32,11 +32,32 @@ public struct DataQueueService: Service {
         public var pollInterval: Duration
         /// How long graceful shutdown waits for a flush that is sending. The default is 10 seconds.
         public var drainTimeout: Duration
+        /// ``DataQueueService/readiness()`` fails while a pending item is older than this. The default (nil)
+        /// does not look at age.
+        public var readyMaximumAge: Duration?
 
         /// Creates a configuration; every parameter has the default stated on its property.
-        public init(pollInterval: Duration = .seconds(1), drainTimeout: Duration = .seconds(10)) {
+        public init(pollInterval: Duration = .seconds(1), drainTimeout: Duration = .seconds(10), readyMaximumAge: Duration? = nil) {
             self.pollInterval = pollInterval
             self.drainTimeout = drainTimeout
+            self.readyMaximumAge = readyMaximumAge
+        }
+    }
+
+    /// Whether the service is doing its job, for a readiness probe (`dq run`'s `/readyz`).
+    public struct Readiness: Sendable, Encodable {
+        /// True when every reason below is absent.
+        public var ready: Bool { reasons.isEmpty }
+        /// What is wrong, one line per queue and problem (never a body or a secret).
+        public var reasons: [String]
+
+        private enum CodingKeys: String, CodingKey { case ready, reasons }
+
+        /// Encodes `ready` and `reasons`.
+        public func encode(to encoder: any Encoder) throws {
+            var container = encoder.container(keyedBy: CodingKeys.self)
+            try container.encode(ready, forKey: .ready)
+            try container.encode(reasons, forKey: .reasons)
         }
     }
 
@@ -45,6 +66,9 @@ public struct DataQueueService: Service {
     /// How it polls and drains.
     public let configuration: Configuration
     private let logger: Logger
+    /// Per queue, why its last flush failed with an error of its own (storage, a refused credential); shared by
+    /// the copies of this value, so that ``readiness()`` sees what ``run()`` found.
+    private let failures = NIOLockedValueBox<[String: String]>([:])
 
     /// A service that flushes `queues`.
     ///
@@ -60,6 +84,33 @@ public struct DataQueueService: Service {
         self.queues = queues
         self.configuration = configuration
         self.logger = logger
+    }
+
+    /// Ready unless a queue's storage does not answer, a queue's flushes have failed with an error of their
+    /// own (a storage error, a full disk, a refused credential) since their last success, or, with
+    /// ``Configuration/readyMaximumAge``, a queue's oldest pending item is older than that. A server that is
+    /// down is not a readiness failure: waiting for it is the service's job (the age limit is how to say
+    /// that it has been too long).
+    public func readiness() async -> Readiness {
+        var reasons: [String] = []
+        let failed = failures.withLockedValue { $0 }
+        for queue in queues {
+            if let failure = failed[queue.queueName] { reasons.append("\(queue.queueName): \(failure)") }
+            do {
+                let status = try await queue.status()
+                if let limit = configuration.readyMaximumAge, let oldest = status.oldestPendingAt {
+                    let age = Date().timeIntervalSince(oldest)
+                    let seconds = Double(limit.components.seconds) + Double(limit.components.attoseconds) / 1e18
+                    if age > seconds {
+                        reasons.append("\(queue.queueName): the oldest pending item waits \(Int(age)) s (limit \(Int(seconds)) s)")
+                    }
+                }
+            } catch {
+                let message = (error as? DataQueueError)?.message ?? "\(error)"
+                if failed[queue.queueName] != message { reasons.append("\(queue.queueName): storage: \(message)") }
+            }
+        }
+        return Readiness(reasons: reasons)
     }
 
     /// Delivers until graceful shutdown (returns) or cancellation (returns at once).
@@ -124,6 +175,7 @@ public struct DataQueueService: Service {
                     logger.error("flush failed; items stay queued", metadata: ["queue": "\(queue.queueName)", "error": "\(message)"])
                     lastError = kind
                 }
+                failures.withLockedValue { $0[queue.queueName] = "flush failed: \(message)" }
                 let delay = queue.configuration.retryPolicy.delay(afterFailures: errors, retryAfter: nil)
                 await cancelWhenGracefulShutdown { try? await Task.sleep(for: .milliseconds(Int64(delay * 1000))) }
                 continue
@@ -134,6 +186,14 @@ public struct DataQueueService: Service {
                 errors = 0
             }
             if case .success(let report) = outcome {
+                // A refused credential needs a person, as a storage error does. A flush that backed off or found
+                // another flusher says nothing new; any other that ran clears the failure.
+                switch report.stop {
+                case .authentication(let message):
+                    failures.withLockedValue { $0[queue.queueName] = "the server refuses the credentials: \(message)" }
+                case .backoff, .busy: break
+                default: failures.withLockedValue { $0[queue.queueName] = nil }
+                }
                 // A flush that backed off or found another flusher says nothing new about the server.
                 let up: Bool?
                 switch report.stop {

@@ -42,6 +42,11 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var batchSize: Double?
     /// `batch_max_bytes`: the most body bytes per Bundle.
     public var batchMaxBytes: Double?
+    /// `ready_max_age_seconds`: `dq run`'s `/readyz` fails while a pending item is older than this (unset: age
+    /// is not looked at).
+    public var readyMaxAgeSeconds: Double?
+    /// `log_format`: `text` (the default) or `json`, for the command line's log lines.
+    public var logFormat: String?
     /// `retry`: the backoff after failures.
     public var retry: Retry?
     /// `ca_bundle`: PEM CAs to trust in addition to the system's (also `tls.ca_bundle`).
@@ -235,7 +240,7 @@ public struct DataQueueSettings: Sendable, Decodable {
     package static let environmentVariables: Set<String> = [
         "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
         "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_LEASE_SECONDS", "DQ_TOKEN",
-        "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL",
+        "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT",
     ]
 
     /// The `DQ_…` names in `environment` that dq does not read (a misspelt `DQ_SEVER` would otherwise be
@@ -466,6 +471,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         case noProxy = "no_proxy"
         case batchSize = "batch_size"
         case batchMaxBytes = "batch_max_bytes"
+        case readyMaxAgeSeconds = "ready_max_age_seconds"
+        case logFormat = "log_format"
     }
 
     /// Decodes the file's object, refusing unknown keys and naming the key of a wrong type.
@@ -483,6 +490,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         leaseSeconds = try SettingsKeys.value(container, .leaseSeconds, "must be a number")
         batchSize = try SettingsKeys.value(container, .batchSize, "must be a number")
         batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
+        readyMaxAgeSeconds = try SettingsKeys.value(container, .readyMaxAgeSeconds, "must be a number of seconds")
+        logFormat = try SettingsKeys.value(container, .logFormat, "must be \"text\" or \"json\"")
         retry = try SettingsKeys.value(container, .retry, "must be an object")
         caBundle = try SettingsKeys.value(container, .caBundle, "must be a string")
         proxy = try SettingsKeys.value(container, .proxy, "must be a string (http://host:port)")
