@@ -203,6 +203,31 @@ struct ServiceTests {
         #expect(bad.status == 78 && bad.stderr.contains("text or json"), "\(bad.stderr)")
     }
 
+    @Test("A one-shot dq flush whose journal write fails stops at once and exits 74; the next flush delivers the rest")
+    func flushUnderFileSizeLimit() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base, idempotent: false, batch: 1)
+        let padding = String(repeating: "x", count: 50_000)
+        for index in 0..<6 {
+            #expect(
+                try await dq(["enqueue", try work.write("big\(index).json", resources.observation(index, extra: padding))], env).status == 0
+            )
+        }
+        // The WAL already holds 300 KB: the limit stops the first journal write.
+        let limited = try await ChildProcess(
+            "/bin/sh", ["-c", #"ulimit -f 100 && exec "$0" flush --now"#, Peers.dqBinary], environment: env
+        ).wait()
+        #expect(limited.status == 74, "\(limited.stderr)")
+        #expect(limited.stderr.contains("cannot record a delivery"), "\(limited.stderr)")
+        let sent = try await server.values("Observation", system: resources.system)
+        #expect(sent.count <= 2, "stopped at once: at most the request on the wire after the first: \(sent)")
+        #expect(try await dq(["flush", "--now"], env).status == 0)
+        var firsts: [String] = []
+        let all = try await server.values("Observation", system: resources.system)
+        for value in all where !firsts.contains(value) { firsts.append(value) }
+        #expect(firsts == (0..<6).map(String.init) && all.count - firsts.count <= sent.count, "\(all)")
+    }
+
     @Test("/readyz: a server that is down is not a readiness failure; an item older than --ready-max-age is")
     func readinessAge() async throws {
         let server = try FHIRServer()  // never started: connection refused
