@@ -243,10 +243,18 @@ public struct DataQueueSettings: Sendable, Decodable {
         "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT",
     ]
 
+    /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
+    /// `DQ_TEST_…`): not dq settings, and not misspellings of one.
+    package static let toolingVariables: Set<String> = [
+        "DQ_BIN", "DQ_GATEWAY_BIN", "DQ_BENCH_BIN", "DQ_REQUIRE_PEERS", "DQ_SANITIZER", "DQ_PEERS_VENV", "DQ_GENERATOR_VENV",
+    ]
+
     /// The `DQ_…` names in `environment` that dq does not read (a misspelt `DQ_SEVER` would otherwise be
     /// ignored without a word), sorted, each with the known name it most likely meant, if one is close.
     package static func unknownEnvironmentVariables(in environment: [String: String]) -> [(name: String, suggestion: String?)] {
-        environment.keys.filter { $0.hasPrefix("DQ_") && !environmentVariables.contains($0) }.sorted().map { name in
+        environment.keys.filter {
+            $0.hasPrefix("DQ_") && !environmentVariables.contains($0) && !toolingVariables.contains($0) && !$0.hasPrefix("DQ_TEST_")
+        }.sorted().map { name in
             let nearest = environmentVariables.map { ($0, editDistance(name, $0)) }.min { ($0.1, $0.0) < ($1.1, $1.0) }
             return (name, nearest.flatMap { $0.1 <= 2 ? $0.0 : nil })
         }
