@@ -23,6 +23,7 @@ struct DQ: AsyncParsableCommand {
         version: DQVersion.current,
         subcommands: [
             Enqueue.self, Send.self, Flush.self, Run.self, Status.self, List.self, Show.self, Retry.self, Resolve.self, Drop.self, Log.self,
+            Prune.self,
             Doctor.self, Decrypt.self, Keygen.self, Register.self, Login.self, Logout.self, Migrate.self, Version.self,
         ])
 

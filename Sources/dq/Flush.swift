@@ -76,13 +76,16 @@ extension DQ {
         }
 
         func run() async throws {
-            let code: Int32 = try await withQueue(queueOptions, sending: sending) { queue in
+            let code: Int32 = try await withQueue(queueOptions, sending: sending) { queue, settings in
+                let retention = try settings.journalRetention()
                 let terminal = standardErrorIsTerminal && !json && !quiet
                 let display = terminal ? FlushCommandSupport.Progress(total: try await queue.status().pending) : nil
                 let report = try await queue.flush(limit: limit, force: now, lockWait: wait) { progress in
                     display?.update(progress)
                 }
                 if terminal && report.delivered + report.parked > 0 { FileHandle.standardError.write(Data("\n".utf8)) }
+                // The journal's retention (journal_retention_days): one read when nothing is old enough.
+                if let retention { _ = try await queue.pruneJournal(olderThan: retention) }
                 let stopText = report.stop.map(FlushCommandSupport.describe)
                 var authenticationFailed = false
                 if case .authentication = report.stop { authenticationFailed = true }

@@ -27,16 +27,10 @@ extension DQ {
             if !check && (maxPending != nil || maxAge != nil || maxParked != nil) {
                 throw ValidationError("--max-pending, --max-age and --max-parked go with --check")
             }
-            if let maxAge, Self.seconds(maxAge) == nil { throw ValidationError("--max-age must be a duration like 90s, 15m, 2h or 1d") }
+            if let maxAge, (parseDuration(maxAge) ?? .infinity) > 3_153_600_000 {
+                throw ValidationError("--max-age must be a duration like 90s, 15m, 2h or 1d")
+            }
             if (maxPending ?? 0) < 0 || (maxParked ?? 0) < 0 { throw ValidationError("--max-pending and --max-parked cannot be negative") }
-        }
-
-        /// `90s`, `15m`, `2h`, `1d`, or plain seconds.
-        static func seconds(_ text: String) -> Double? {
-            let units: [Character: Double] = ["s": 1, "m": 60, "h": 3600, "d": 86400]
-            let (number, unit) = text.last.flatMap { units[$0] }.map { (text.dropLast(), $0) } ?? (Substring(text), 1)
-            guard let value = Double(number), value.isFinite, value >= 0 else { return nil }
-            return value * unit
         }
 
         func run() async throws {
@@ -236,8 +230,11 @@ extension DQ {
         if FileManager.default.fileExists(atPath: database + "-wal") {
             steps.append("  cp \(shellQuoted(database + "-wal")) \(shellQuoted(database + ".damaged-wal"))")
         }
+        // The new file holds PHI: readable by its owner only (umask), owned as the old one was.
         steps += [
-            "  sqlite3 \(copy) .dump | sed 's/^ROLLBACK; -- due to errors$/COMMIT;/' | sqlite3 \(recovered)",
+            "  rm -f \(recovered)",
+            "  (umask 077 && sqlite3 \(copy) .dump | sed 's/^ROLLBACK; -- due to errors$/COMMIT;/' | sqlite3 \(recovered))",
+            "  chown --reference=\(path) \(recovered)",
             "  rm -f \(shellQuoted(database + "-wal")) \(shellQuoted(database + "-shm"))",
             "  mv \(recovered) \(path)",
             "then run dq doctor, dq status --all and dq list to see what was saved; keep the .damaged copies until you have.",
@@ -454,7 +451,7 @@ extension DQ.Status {
             consecutiveFailures: found?.consecutiveFailures ?? 0, lastError: found?.lastError
         )
         let age = status.oldestPendingAt.map { max(0, Int(Date().timeIntervalSince($0))) } ?? 0
-        let ageLimit = maxAge.flatMap(Self.seconds).map { Int($0) }
+        let ageLimit = maxAge.flatMap(parseDuration).map { Int($0) }
         var critical: [String] = []
         if let maxPending, status.pending > maxPending { critical.append("\(status.pending) pending (limit \(maxPending))") }
         if let ageLimit, age > ageLimit { critical.append("the oldest pending item waits \(age) s (limit \(ageLimit) s)") }
@@ -485,4 +482,12 @@ extension DQ.Status {
 extension String {
     /// The string without one trailing `suffix`, if it ends with it.
     func trimmingSuffix(_ suffix: String) -> String { hasSuffix(suffix) ? String(dropLast(suffix.count)) : self }
+}
+
+/// `90s`, `15m`, `2h`, `30d`, or plain seconds; nil for anything else.
+func parseDuration(_ text: String) -> Double? {
+    let units: [Character: Double] = ["s": 1, "m": 60, "h": 3600, "d": 86400]
+    let (number, unit) = text.last.flatMap { units[$0] }.map { (text.dropLast(), $0) } ?? (Substring(text), 1)
+    guard let value = Double(number), value.isFinite, value >= 0 else { return nil }
+    return value * unit
 }

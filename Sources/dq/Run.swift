@@ -65,7 +65,8 @@ extension DQ {
                     configuration: .init(
                         pollInterval: .milliseconds(Int64(pollInterval * 1000)),
                         drainTimeout: .milliseconds(Int64(drainTimeout * 1000)),
-                        readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) }),
+                        readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) },
+                        journalRetention: try settings.journalRetention().map { .seconds($0) }),
                     logger: logger)
                 var services: [any Service] = [service]
                 if let metricsAddress, let (host, port) = MetricsServer.parse(metricsAddress) {

@@ -250,6 +250,35 @@ struct StorageConformanceTests {
         await owner.release()
     }
 
+    @Test("Pruning the journal removes only lines older than asked, oldest first, and never a queued item", arguments: StoreKind.available)
+    func pruneJournal(kind: StoreKind) async throws {
+        let store = try await kind.make(in: directory)
+        let sequences = try await store.insert((0..<6).map { item($0) })
+        let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        func deliver(_ range: Range<Int>) async throws {
+            let recorder = DeliveryRecorder(store: store, owner: owner)
+            for index in range {
+                let info = try await store.item(String(sequences[index])).info
+                try recorder.record(
+                    CompletedDelivery(item: info, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: "\(index)"))
+            }
+            try await recorder.finish()
+        }
+        try await deliver(0..<2)
+        try await Task.sleep(for: .milliseconds(20))  // the journal's clock moves past the cutoff
+        let cutoff = Date()
+        try await Task.sleep(for: .milliseconds(20))
+        try await deliver(2..<4)
+        #expect(try await store.pruneJournal(before: Date(timeIntervalSince1970: 0)) == 0, "nothing that old")
+        #expect(try await store.pruneJournal(before: cutoff) == 2)
+        #expect(try await store.deliveries(queue: nil, limit: 10).compactMap(\.serverID) == ["2", "3"], "the newer lines stay")
+        #expect(try await store.pruneJournal(before: cutoff) == 0, "again: nothing left that old")
+        #expect(try await store.pruneJournal(before: Date().addingTimeInterval(1)) == 2)
+        #expect(try await store.deliveries(queue: nil, limit: 10).isEmpty)
+        #expect(try await drain(store).map(\.info.sequence) == Array(sequences[4...]), "queued items untouched")
+        await owner.release()
+    }
+
     @Test("Failures set the server's backoff; a delivery clears it; Bundle support is remembered", arguments: StoreKind.available)
     func serverState(kind: StoreKind) async throws {
         let store = try await kind.make(in: directory)

@@ -185,6 +185,35 @@ struct OperatorTests {
         #expect(damaged.stderr.contains(".dump") && damaged.stderr.contains("rm -f"), "\(damaged.stderr)")
     }
 
+    @Test("dq prune deletes only journal lines older than asked; journal_retention_days applies at every dq flush")
+    func pruneJournal() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base)
+        #expect(try await dq(["enqueue", "--ndjson", try work.write("three.ndjson", resources.ndjson(0..<3))], env).status == 0)
+        #expect(try await dq(["flush"], env).status == 0)
+        let kept = try await dq(["prune", "--journal-older-than", "1d"], env)
+        #expect(kept.status == 0 && kept.stdout.contains("pruned 0 journal line(s)"), "\(kept.stdout)\(kept.stderr)")
+        #expect(try await dq(["log", "--json"], env).stdout.components(separatedBy: "\"delivered\"").count == 4)
+        #expect(try await dq(["enqueue", try work.write("late.json", resources.observation(3))], env).status == 0)
+        let all = try await dq(["prune", "--journal-older-than", "0s", "--vacuum", "--json"], env)
+        #expect(
+            all.status == 0 && all.stdout.contains(#""journalLines" : 3"#) || all.stdout.contains(#""journalLines":3"#), "\(all.stdout)")
+        let status = try await dq(["status", "--json"], env)
+        #expect(
+            status.stdout.contains(#""pending" : 1"#) || status.stdout.contains(#""pending":1"#), "the queued item stays: \(status.stdout)")
+        #expect(try await dq(["prune", "--journal-older-than", "soon"], env).status == 64)
+
+        // Retention at flush time: a line older than journal_retention_days goes at the next dq flush.
+        #expect(try await dq(["flush"], env).status == 0)
+        let config = try work.write("dq.json", #"{"journal_retention_days": 0.00001}"#)
+        try await Task.sleep(for: .seconds(1.2))  // older than 0.864 s
+        #expect(try await dq(["flush", "--config", config], env).status == 0)
+        let log = try await dq(["log", "--json"], env)
+        #expect(!log.stdout.contains("\"delivered\""), "the line went with the retention: \(log.stdout)")
+        let bad = try await dq(["flush", "--config", try work.write("bad.json", #"{"journal_retention_days": -1}"#)], env)
+        #expect(bad.status == 78 && bad.stderr.contains("journal_retention_days"), "\(bad.stderr)")
+    }
+
     @Test("status --check: a monitoring plugin's line and exit codes (0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN) on crafted queues")
     func statusCheck() async throws {
         let env = environment("http://127.0.0.1:9/fhir")
@@ -281,12 +310,14 @@ struct OperatorTests {
         let damaged = try await dq(["doctor"], crashEnv)
         #expect(damaged.status == 74, "\(damaged.stdout)\(damaged.stderr)")
         let steps = damaged.stderr.split(separator: "\n").filter { $0.hasPrefix("  ") }.map { String($0.dropFirst(2)) }
-        #expect(steps.count == 5, "copy, copy the WAL, dump, remove the old WAL and SHM, put in place: \(damaged.stderr)")
+        #expect(steps.count == 7, "copy, copy the WAL, clear, dump, owner, remove the old WAL and SHM, put in place: \(damaged.stderr)")
         for step in steps {
             let ran = try await ChildProcess("/bin/sh", ["-c", step]).wait()
             #expect(ran.status == 0, "\(step): \(ran.stderr)")
         }
 
+        let mode = try FileManager.default.attributesOfItem(atPath: damagedFile)[.posixPermissions] as? Int
+        #expect(mode == 0o600, "the recovered file is its owner's only: \(String(mode ?? 0, radix: 8))")
         let healed = try await dq(["doctor"], crashEnv)
         #expect(healed.status == 0 && healed.stdout.contains(": ok"), "\(healed.stdout)\(healed.stderr)")
         let listed = try await dq(["list", "--json"], crashEnv)

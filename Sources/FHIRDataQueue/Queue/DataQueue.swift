@@ -126,6 +126,12 @@ open class DataQueue: @unchecked Sendable {
     /// Releases what the queue owns: its HTTP client (unless the caller passed one) and the authorization
     /// provider's resources. Call once, when done with the queue.
     public func shutdown() async throws {
+        let held = unrecordedDeliveries.withLock { $0 }
+        if !held.isEmpty {
+            logger.error(
+                "stopping with deliveries the server accepted but the journal could not record: the next flush sends them again",
+                metadata: ["items": "\(held.map(\.item.id.lowercasedString).joined(separator: ","))"])
+        }
         try await transport.shutdown()
         try await authorization?.shutdown()
         await store.shutdown()
@@ -850,5 +856,18 @@ open class DataQueue: @unchecked Sendable {
     /// The delivery journal of this queue, oldest first (the newest `limit` lines).
     public func deliveries(limit: Int = 1000) async throws -> [DeliveryRecord] {
         try await store.deliveries(queue: queueName, limit: limit)
+    }
+
+    /// Deletes the journal lines older than `age` seconds, of every queue in the database (never a queued
+    /// item); returns how many. A delivered item's line is what resolves later references to its `fullUrl`
+    /// and what `dq show` finds once it has left the queue: past the retention both are gone.
+    public func pruneJournal(olderThan age: TimeInterval) async throws -> Int {
+        try await store.pruneJournal(before: Date().addingTimeInterval(-age))
+    }
+
+    /// Gives the space of deleted journal lines and items back to the file system (SQLite's `VACUUM`, which
+    /// needs free space for a copy of the file). PostgreSQL's autovacuum does this on its own: a no-op there.
+    public func vacuum() async throws {
+        if let sqlite = store as? QueueStore { try await sqlite.vacuum() }
     }
 }

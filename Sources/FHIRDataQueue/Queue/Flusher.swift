@@ -42,6 +42,8 @@ final class Flusher: @unchecked Sendable {
     /// What is known of the server (read once per flush).
     private var support: QueueStore.BundleSupport?
     private var capabilityRead = false
+    /// The items of deliveries an earlier flush could not journal (already named in the log).
+    private var heldBefore: Set<UUID> = []
     /// Types whose conditional create the server does not declare, already warned about in this flush.
     private var warnedConditional: Set<String> = []
 
@@ -87,7 +89,16 @@ final class Flusher: @unchecked Sendable {
             // (the database stopped taking writes) are held for the next flush of this process.
             try? await recorder.finish()
             let unrecorded = recorder.takeUnrecorded()
-            if !unrecorded.isEmpty { queue.unrecordedDeliveries.withLock { $0.append(contentsOf: unrecorded) } }
+            if !unrecorded.isEmpty {
+                queue.unrecordedDeliveries.withLock { $0.append(contentsOf: unrecorded) }
+                // Named once, when first held (not again at each retry of the write).
+                let new = unrecorded.filter { !heldBefore.contains($0.item.id) }
+                if !new.isEmpty {
+                    queue.logger.error(
+                        "the server has items whose delivery could not be journaled; they are written before the next send",
+                        metadata: ["items": "\(new.map(\.item.id.lowercasedString).joined(separator: ","))"])
+                }
+            }
             throw error
         }
     }
@@ -100,7 +111,8 @@ final class Flusher: @unchecked Sendable {
             return held
         }
         guard !held.isEmpty else { return }
-        for delivery in held { try recorder.record(delivery) }
+        heldBefore = Set(held.map(\.item.id))
+        for delivery in held { recorder.append(delivery) }
         try await recorder.finish()
         queue.logger.notice("journaled deliveries an earlier flush could not write", metadata: ["count": "\(held.count)"])
     }
@@ -344,10 +356,12 @@ final class Flusher: @unchecked Sendable {
             {
                 entries = String(decoding: json, as: UTF8.self)
             }
-            try record(
+            record(
                 prepared, status: response.status, location: response.location, contentLocation: response.contentLocation,
                 etag: response.etag, answer: prepared.item.url.isEmpty ? nil : response.body, conditional: conditional,
                 bundle: nil, entries: entries)
+            // A journal commit that failed stops the flush before the next send.
+            try recorder.check()
             return .next
         case .rejected(let status, let message, let outcome):
             try await park(prepared, status: status, message: message, outcome: outcome)
@@ -394,13 +408,16 @@ final class Flusher: @unchecked Sendable {
                         "the transaction-response does not match the Bundle entry for entry; journaling without locations",
                         metadata: ["entries": "\(part.count)", "answers": "\(answers?.count ?? 0)"])
                 }
+                // Every entry the server accepted is kept, even after a failed journal commit (held for the next
+                // flush); the failure stops the flush once all are in.
                 for (index, prepared) in part.enumerated() {
                     let answer = matched?[index]
-                    try record(
+                    record(
                         prepared, status: answer?.status ?? response.status, location: answer?.location, contentLocation: nil,
                         etag: answer?.etag, answer: answer?.resource, conditional: prepared.ifNoneExist != nil && answer != nil,
                         bundle: bundleID, entries: nil)
                 }
+                try recorder.check()
                 queue.logger.debug("delivered a Bundle", metadata: ["entries": "\(part.count)", "bundle": "\(bundleID)"])
             case .rejected(let status, let message, let outcome):
                 let body = Data((outcome ?? "").utf8)
@@ -460,12 +477,18 @@ final class Flusher: @unchecked Sendable {
         var unsettled = false
         var stop: (QueuedItem, Int?, String, TimeInterval?)?
         var authentication: (QueuedItem, Int?, String)?
+        // Every accepted envelope first, so that a failed journal commit (or park) cannot drop one the receiver has.
         for (prepared, result) in zip(group, results) {
-            switch result {
-            case .delivered(let response, _):
-                try record(
+            if case .delivered(let response, _) = result {
+                record(
                     prepared, status: response.status, location: response.location, contentLocation: response.contentLocation,
                     etag: response.etag, answer: nil, conditional: false, bundle: nil, entries: nil)
+            }
+        }
+        try recorder.check()
+        for (prepared, result) in zip(group, results) {
+            switch result {
+            case .delivered: break
             case .rejected(let status, let message, let outcome):
                 try await park(prepared, status: status, message: message, outcome: outcome)
             case .transient(let status, let message, let retryAfter, let mayHaveArrived):
@@ -513,7 +536,7 @@ final class Flusher: @unchecked Sendable {
     private func record(
         _ prepared: Prepared, status: Int, location: String?, contentLocation: String?, etag: String?, answer: Data?,
         conditional: Bool, bundle: String?, entries: String?
-    ) throws {
+    ) {
         let item = prepared.item
         let identity = DataQueue.serverIdentity(
             location: location, contentLocation: contentLocation, etag: etag, answer: answer, resourceType: item.resourceType,
@@ -536,7 +559,7 @@ final class Flusher: @unchecked Sendable {
                 metadata: ["type": "\(item.resourceType)"])
         }
         let event: DeliveryRecord.Event = conditional && declared && status == 200 ? .alreadyPresent : .delivered
-        try recorder.record(
+        recorder.append(
             CompletedDelivery(
                 item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,
                 versionID: versionID, note: identity.note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))

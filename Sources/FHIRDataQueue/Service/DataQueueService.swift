@@ -35,12 +35,19 @@ public struct DataQueueService: Service {
         /// ``DataQueueService/readiness()`` fails while a pending item is older than this. The default (nil)
         /// does not look at age.
         public var readyMaximumAge: Duration?
+        /// Delivery journal lines older than this are deleted once a day (of every queue in the database,
+        /// never a queued item). The default is 90 days; nil keeps every line.
+        public var journalRetention: Duration?
 
         /// Creates a configuration; every parameter has the default stated on its property.
-        public init(pollInterval: Duration = .seconds(1), drainTimeout: Duration = .seconds(10), readyMaximumAge: Duration? = nil) {
+        public init(
+            pollInterval: Duration = .seconds(1), drainTimeout: Duration = .seconds(10), readyMaximumAge: Duration? = nil,
+            journalRetention: Duration? = .seconds(90 * 86_400)
+        ) {
             self.pollInterval = pollInterval
             self.drainTimeout = drainTimeout
             self.readyMaximumAge = readyMaximumAge
+            self.journalRetention = journalRetention
         }
     }
 
@@ -107,7 +114,7 @@ public struct DataQueueService: Service {
                 }
             } catch {
                 let message = (error as? DataQueueError)?.message ?? "\(error)"
-                if failed[queue.queueName] != message { reasons.append("\(queue.queueName): storage: \(message)") }
+                if failed[queue.queueName] == nil { reasons.append("\(queue.queueName): storage: \(message)") }
             }
         }
         return Readiness(reasons: reasons)
@@ -155,6 +162,7 @@ public struct DataQueueService: Service {
         var healthy: Bool?
         var lastError: String?
         var errors = 0
+        var pruned: ContinuousClock.Instant?
         while !Task.isCancelled && !Task.isShuttingDownGracefully {
             do {
                 try queue.store.checkFileIdentity()
@@ -175,7 +183,10 @@ public struct DataQueueService: Service {
                     logger.error("flush failed; items stay queued", metadata: ["queue": "\(queue.queueName)", "error": "\(message)"])
                     lastError = kind
                 }
-                failures.withLockedValue { $0[queue.queueName] = "flush failed: \(message)" }
+                // Another flusher holding the lease (a standby instance) is not a failure of this one.
+                if (error as? DataQueueError)?.code != .busy {
+                    failures.withLockedValue { $0[queue.queueName] = "flush failed: \(message)" }
+                }
                 let delay = queue.configuration.retryPolicy.delay(afterFailures: errors, retryAfter: nil)
                 await cancelWhenGracefulShutdown { try? await Task.sleep(for: .milliseconds(Int64(delay * 1000))) }
                 continue
@@ -213,6 +224,10 @@ public struct DataQueueService: Service {
                     healthy = up
                 }
             }
+            if let retention = configuration.journalRetention, pruned.map({ $0.duration(to: .now) > .seconds(86_400) }) ?? true {
+                pruned = .now
+                await pruneJournal(queue, olderThan: retention)
+            }
             guard !Task.isCancelled && !Task.isShuttingDownGracefully else { break }
             await withGracefulShutdownHandler {
                 await queue.wakeUp.wait(timeout: configuration.pollInterval)
@@ -221,6 +236,18 @@ public struct DataQueueService: Service {
             }
         }
         return nil
+    }
+
+    /// The daily journal retention: how many lines went is logged; a failure is logged and tried the next day.
+    private func pruneJournal(_ queue: DataQueue, olderThan retention: Duration) async {
+        let seconds = Double(retention.components.seconds) + Double(retention.components.attoseconds) / 1e18
+        do {
+            let removed = try await queue.pruneJournal(olderThan: seconds)
+            if removed > 0 { logger.notice("pruned the delivery journal", metadata: ["lines": "\(removed)"]) }
+        } catch {
+            logger.warning(
+                "cannot prune the delivery journal", metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
+        }
     }
 
     /// One flush. On graceful shutdown or cancellation the flush is cancelled: it stops before its next item,

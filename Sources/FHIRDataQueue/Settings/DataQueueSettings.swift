@@ -47,6 +47,9 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var readyMaxAgeSeconds: Double?
     /// `log_format`: `text` (the default) or `json`, for the command line's log lines.
     public var logFormat: String?
+    /// `journal_retention_days`: delivery journal lines older than this are deleted by `dq run` (daily) and
+    /// `dq flush`. The default is 90; 0 keeps every line.
+    public var journalRetentionDays: Double?
     /// `retry`: the backoff after failures.
     public var retry: Retry?
     /// `ca_bundle`: PEM CAs to trust in addition to the system's (also `tls.ca_bundle`).
@@ -234,6 +237,17 @@ public struct DataQueueSettings: Sendable, Decodable {
             auth = auth ?? Auth()
             auth?.clientSecret = value
         }
+    }
+
+    /// The journal retention in seconds (`journal_retention_days`, 90 by default); nil keeps every line.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a negative or non-finite number of days.
+    package func journalRetention() throws -> TimeInterval? {
+        let days = journalRetentionDays ?? 90
+        guard days.isFinite, days >= 0, days <= 36_500 else {
+            throw Self.configError("\"journal_retention_days\" must be a number of days from 0 (keep every line) to 36500")
+        }
+        return days == 0 ? nil : days * 86_400
     }
 
     /// Every `DQ_…` environment variable dq reads (the library's and the command line's).
@@ -481,6 +495,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         case batchMaxBytes = "batch_max_bytes"
         case readyMaxAgeSeconds = "ready_max_age_seconds"
         case logFormat = "log_format"
+        case journalRetentionDays = "journal_retention_days"
     }
 
     /// Decodes the file's object, refusing unknown keys and naming the key of a wrong type.
@@ -500,6 +515,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
         readyMaxAgeSeconds = try SettingsKeys.value(container, .readyMaxAgeSeconds, "must be a number of seconds")
         logFormat = try SettingsKeys.value(container, .logFormat, "must be \"text\" or \"json\"")
+        journalRetentionDays = try SettingsKeys.value(container, .journalRetentionDays, "must be a number of days")
         retry = try SettingsKeys.value(container, .retry, "must be an object")
         caBundle = try SettingsKeys.value(container, .caBundle, "must be a string")
         proxy = try SettingsKeys.value(container, .proxy, "must be a string (http://host:port)")

@@ -1068,6 +1068,25 @@ final class PostgresQueueStore: QueueStorage {
         }
     }
 
+    func pruneJournal(before cutoff: Date) async throws -> Int {
+        var removed = 0
+        while true {
+            let (deleted, more) = try await run("prune the delivery journal") { [self] () -> (Int, Bool) in
+                let head = try await rows(
+                    "SELECT seq, at FROM dq_delivery ORDER BY seq LIMIT 1000"
+                ) { row in try row.decode((Int64, Double).self) }
+                let old = head.prefix { $0.1 < cutoff.timeIntervalSince1970 }
+                guard let last = old.last else { return (0, false) }
+                _ = try await client.withTransaction(logger: logger) { connection in
+                    try await connection.query("DELETE FROM dq_delivery WHERE seq <= \(last.0)", logger: logger)
+                }
+                return (old.count, old.count == head.count && head.count == 1000)
+            }
+            removed += deleted
+            if !more { return removed }
+        }
+    }
+
     // MARK: - Moving in from SQLite (dq migrate)
 
     /// Stores items moved from another store, in their order, keeping their id, state, attempts and last

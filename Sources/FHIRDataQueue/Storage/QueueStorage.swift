@@ -109,6 +109,10 @@ protocol QueueStorage: AnyObject, Sendable {
     /// The journal: the newest `limit` lines, oldest first.
     func deliveries(queue: String?, limit: Int) async throws -> [DeliveryRecord]
 
+    /// Deletes the journal lines (of every queue) written before `cutoff`, oldest first, in short
+    /// transactions; returns how many. Lines are appended in time order, so it stops at the first newer one.
+    func pruneJournal(before cutoff: Date) async throws -> Int
+
     /// Releases connections (a database server's); the SQLite store has nothing to release.
     func shutdown() async
 

@@ -460,6 +460,8 @@ final class QueueStore: QueueStorage {
             try db.cachedStatement(sql: "BEGIN IMMEDIATE").execute()
             let result = try body(db)
             try db.cachedStatement(sql: "COMMIT").execute()
+            // Writes work (again): the connection checkpoints when it closes, as usual.
+            _ = dq_sqlite3_no_checkpoint_on_close(db.sqliteConnection, 0)
             return result
         } catch {
             if db.isInsideTransaction { try? db.cachedStatement(sql: "ROLLBACK").execute() }
@@ -468,7 +470,7 @@ final class QueueStore: QueueStorage {
                 // no checkpoint when the connection closes. SQLite's checkpoint on close of a WAL whose files
                 // cannot be written ended in SIGBUS (an immutable -shm); the WAL stays valid, and the next open
                 // recovers from it as after any crash.
-                _ = dq_sqlite3_no_checkpoint_on_close(db.sqliteConnection)
+                _ = dq_sqlite3_no_checkpoint_on_close(db.sqliteConnection, 1)
             }
             throw error
         }
@@ -1032,6 +1034,35 @@ final class QueueStore: QueueStorage {
         }
     }
 
+    func pruneJournal(before cutoff: Date) async throws -> Int {
+        // Most calls find nothing old: a read, and no write transaction.
+        let oldest = try await read("read the delivery journal") { db in
+            try Double.fetchOne(db, sql: "SELECT at FROM delivery ORDER BY seq LIMIT 1")
+        }
+        guard let oldest, oldest < cutoff.timeIntervalSince1970 else { return 0 }
+        var removed = 0
+        while true {
+            let (deleted, more) = try await immediate("prune the delivery journal") { db -> (Int, Bool) in
+                let head = try Row.fetchAll(db, sql: "SELECT seq, at FROM delivery ORDER BY seq LIMIT 1000")
+                let old = head.prefix { ($0["at"] as Double) < cutoff.timeIntervalSince1970 }
+                guard let last = old.last else { return (0, false) }
+                try db.execute(sql: "DELETE FROM delivery WHERE seq <= ?", arguments: [last["seq"] as Int64])
+                return (db.changesCount, old.count == head.count && head.count == 1000)
+            }
+            removed += deleted
+            if !more { return removed }
+        }
+    }
+
+    /// Gives the space of deleted rows back to the file system (`VACUUM`); needs room for a copy of the file.
+    func vacuum() async throws {
+        do {
+            try await database.writeWithoutTransaction { db in try db.execute(sql: "VACUUM") }
+        } catch {
+            throw QueueStore.mapError(error, doing: "vacuum the queue database")
+        }
+    }
+
     /// The delivery journal, oldest first (or the newest `limit` lines).
     func deliveries(queue: String?, limit: Int) async throws -> [DeliveryRecord] {
         try await read("read the delivery journal") { db in
@@ -1235,10 +1266,23 @@ final class DeliveryRecorder: @unchecked Sendable {
     /// Queues a delivery for the journal; throws the error of an earlier failed commit (the delivery is then
     /// kept among the unrecorded ones: the server has it).
     func record(_ delivery: CompletedDelivery) throws {
+        append(delivery)
+        try check()
+    }
+
+    /// Throws the error of a failed commit, if one failed.
+    func check() throws {
+        if let failure = condition.withLock({ failure }) { throw failure }
+    }
+
+    /// Queues a delivery for the journal and never drops it: after a failed commit it waits among the
+    /// unrecorded ones (``takeUnrecorded()``), so that a loop over several accepted deliveries (a Bundle's
+    /// entries) keeps them all; ``check()`` after the loop says whether to stop.
+    func append(_ delivery: CompletedDelivery) {
         condition.lock()
         defer { condition.unlock() }
         waiting.append(delivery)
-        if let failure { throw failure }
+        if failure != nil { return }
         if running {
             condition.signal()
         } else {
