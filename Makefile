@@ -85,7 +85,9 @@ bench: deps peers
 unit: build
 	$(SWIFT) test --skip-build --filter FHIRDataQueueTests
 
-demo: build peers
+# Builds only the dq binary (not the test targets, which are most of a clean build's time).
+demo: deps peers
+	$(SWIFT) build --product dq
 	scripts/demo.sh
 
 # The man page, generated from the command tree (swift-argument-parser's plugin), written to ./dq.1.

@@ -46,7 +46,10 @@ extension DQ {
 
 /// Options of every command that opens a queue: where it is and how much to say.
 struct QueueOptions: ParsableArguments {
-    @Option(help: "The config file (JSON). Default: $DQ_CONFIG, else ./dq.json if present.")
+    @Option(
+        help:
+            "The config file (JSON). Default: $DQ_CONFIG, else the first of ./dq.json, $XDG_CONFIG_HOME/dq/dq.json (~/.config/dq/dq.json), /etc/dq/dq.json."
+    )
     var config: String?
 
     @Option(help: "The FHIR base URL. Overrides \"server\" and $DQ_SERVER.")
@@ -207,6 +210,9 @@ func warnAboutExposure(_ settings: DataQueueSettings) {
     {
         printError(
             "dq: warning: \(path) holds a secret and is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(path)")
+    }
+    for path in settings.exposedSecretFiles {
+        printError("dq: warning: the secret file \(path) is readable by others; run: chmod 600 \(path)")
     }
     if let key = settings.tls?.clientKey.map(settings.inBaseDirectory),
         let mode = (try? FileManager.default.attributesOfItem(atPath: key)[.posixPermissions]) as? Int, mode & 0o077 != 0

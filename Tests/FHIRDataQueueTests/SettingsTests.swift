@@ -184,4 +184,37 @@ struct SettingsTests {
         #expect(unknown.map(\.name) == ["DQ_FROBNICATE", "DQ_LOG_LEVL", "DQ_SEVER"])
         #expect(unknown.map(\.suggestion) == [nil, "DQ_LOG_LEVEL", "DQ_SERVER"])
     }
+
+    @Test("auth.client_secret_file: read from $CREDENTIALS_DIRECTORY (a relative name), without its newline; not a secret in the file")
+    func clientSecretFile() throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-creds-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        try Data("s3cret+/=\n".utf8).write(to: directory.appendingPathComponent("client-secret"))
+        chmod(directory.appendingPathComponent("client-secret").path, 0o600)
+        let config = directory.appendingPathComponent("dq.json").path
+        try Data(#"{"auth": {"client_id": "c", "client_secret_file": "client-secret"}}"#.utf8).write(to: URL(fileURLWithPath: config))
+        var settings = try DataQueueSettings.load(config: config, server: "http://h/fhir", database: nil, environment: [:]) {
+            try DataQueueSettings.decode($0, source: $1)
+        }
+        #expect(settings.auth?.clientSecret == "s3cret+/=", "beside the config file when no credentials directory is set")
+        #expect(!settings.fileHoldsSecret && settings.exposedSecretFiles.isEmpty)
+        let elsewhere = directory.appendingPathComponent("systemd")
+        try FileManager.default.createDirectory(at: elsewhere, withIntermediateDirectories: true)
+        try Data("from-systemd".utf8).write(to: elsewhere.appendingPathComponent("client-secret"))
+        settings = try DataQueueSettings.load(
+            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
+        ) {
+            try DataQueueSettings.decode($0, source: $1)
+        }
+        #expect(settings.auth?.clientSecret == "from-systemd")
+        let error = #expect(throws: DataQueueError.self) {
+            try DataQueueSettings.load(
+                config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": "/nonexistent"]
+            ) {
+                try DataQueueSettings.decode($0, source: $1)
+            }
+        }
+        #expect(error?.code == .invalidConfiguration && error?.message.contains("auth.client_secret_file") == true)
+    }
 }

@@ -185,6 +185,54 @@ struct OperatorTests {
         #expect(damaged.stderr.contains(".dump") && damaged.stderr.contains("rm -f"), "\(damaged.stderr)")
     }
 
+    @Test(
+        "Config discovery: ./dq.json, then $XDG_CONFIG_HOME/dq/dq.json (else ~/.config/dq/dq.json); secrets from files, found in $CREDENTIALS_DIRECTORY"
+    )
+    func configDiscoveryAndSecretFiles() async throws {
+        let server = try FHIRServer(tokens: ["file-t0ken-value"], readerToken: "file-t0ken-value")
+        try await server.start()
+        let home = work.file("home")
+        try FileManager.default.createDirectory(atPath: home + "/.config/dq", withIntermediateDirectories: true)
+        let credentials = work.file("creds")
+        try FileManager.default.createDirectory(atPath: credentials, withIntermediateDirectories: true)
+        _ = FileManager.default.createFile(
+            atPath: credentials + "/token", contents: Data("file-t0ken-value\n".utf8), attributes: [.posixPermissions: 0o600])
+        let config = #"{"server": "\#(server.base)", "auth": {"bearer_token_file": "token"}}"#
+        _ = FileManager.default.createFile(atPath: home + "/.config/dq/dq.json", contents: Data(config.utf8))
+        var env = ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": home, "CREDENTIALS_DIRECTORY": credentials]
+        let directory = work.file("elsewhere")
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        let file = try work.write("one.json", resources.observation(0))
+        #expect(try await dq(["enqueue", file], env, directory: directory).status == 0, "the server comes from ~/.config/dq/dq.json")
+        let flushed = try await dq(["flush"], env, directory: directory)
+        #expect(flushed.status == 0, "the token comes from $CREDENTIALS_DIRECTORY/token: \(flushed.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0"])
+        #expect(!flushed.stdout.contains("file-t0ken-value") && !flushed.stderr.contains("file-t0ken-value"))
+
+        // $XDG_CONFIG_HOME wins over ~/.config; ./dq.json wins over both.
+        let xdg = work.file("xdg")
+        try FileManager.default.createDirectory(atPath: xdg + "/dq", withIntermediateDirectories: true)
+        _ = FileManager.default.createFile(atPath: xdg + "/dq/dq.json", contents: Data(#"{"server": "http://xdg.invalid/fhir"}"#.utf8))
+        env["XDG_CONFIG_HOME"] = xdg
+        #expect(try await dq(["doctor"], env, directory: directory).stdout.contains("http://xdg.invalid/fhir"))
+        _ = FileManager.default.createFile(atPath: directory + "/dq.json", contents: Data(#"{"server": "http://here.invalid/fhir"}"#.utf8))
+        #expect(try await dq(["doctor"], env, directory: directory).stdout.contains("http://here.invalid/fhir"))
+        try FileManager.default.removeItem(atPath: directory + "/dq.json")
+        env["XDG_CONFIG_HOME"] = nil
+
+        // A secret file others can read: a warning; a missing one: 78 naming the setting; both forms: 78.
+        chmod(credentials + "/token", 0o644)
+        let warned = try await dq(["status"], env, directory: directory)
+        #expect(warned.stderr.contains("the secret file \(credentials)/token is readable by others"), "\(warned.stderr)")
+        try FileManager.default.removeItem(atPath: credentials + "/token")
+        let missing = try await dq(["flush"], env, directory: directory)
+        #expect(missing.status == 78 && missing.stderr.contains("auth.bearer_token_file"), "\(missing.stderr)")
+        let both = try work.write(
+            "both.json", #"{"server": "http://h.invalid/fhir", "auth": {"bearer_token": "x", "bearer_token_file": "t"}}"#)
+        let refused = try await dq(["status", "--config", both], env)
+        #expect(refused.status == 78 && refused.stderr.contains("bearer_token_file"), "\(refused.stderr)")
+    }
+
     @Test("dq prune deletes only journal lines older than asked; journal_retention_days applies at every dq flush")
     func pruneJournal() async throws {
         let server = try await FHIRServer.start()

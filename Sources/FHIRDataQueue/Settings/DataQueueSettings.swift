@@ -75,6 +75,8 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var sourcePath: String?
     /// Whether the file itself (not the environment) holds a secret: a bearer token or a client secret.
     public var fileHoldsSecret = false
+    /// Secret files (`…_file` settings) that others than their owner can read. Not read from the file.
+    public var exposedSecretFiles: [String] = []
 
     /// The `retry` object.
     public struct Retry: Sendable, Decodable {
@@ -94,6 +96,11 @@ public struct DataQueueSettings: Sendable, Decodable {
         public var clientID: String?
         /// `client_secret` (or `DQ_CLIENT_SECRET`).
         public var clientSecret: String?
+        /// `bearer_token_file`: a file holding the bearer token (a relative name is looked up in
+        /// `$CREDENTIALS_DIRECTORY` when systemd's `LoadCredential=` set it, else beside the config file).
+        public var bearerTokenFile: String?
+        /// `client_secret_file`: a file holding the client secret, found as `bearer_token_file` is.
+        public var clientSecretFile: String?
         /// `authorize_uri`: with `client_credentials` C3-PRO's name for the token endpoint; with
         /// `authorization_code` the authorization endpoint.
         public var authorizeURI: String?
@@ -307,19 +314,74 @@ public struct DataQueueSettings: Sendable, Decodable {
         return settings
     }
 
-    /// The settings of one `dq` run: the config file (`config`, else `$DQ_CONFIG`, else `./dq.json` if present,
-    /// read with `decode`), then the `DQ_*` environment variables, then the `--server` and `--database` flags.
+    /// The settings of one `dq` run: the config file (`config`, else `$DQ_CONFIG`, else the first of
+    /// ``configSearchPath(environment:)`` that exists, read with `decode`) with its `…_file` secrets, then the `DQ_*` environment variables, then the `--server` and `--database` flags.
     package static func load(
         config: String?, server: String?, database: String?, environment: [String: String],
         decode: (Data, String) throws -> DataQueueSettings
     ) throws -> DataQueueSettings {
-        var configPath = config ?? environment["DQ_CONFIG"]
-        if configPath == nil, FileManager.default.fileExists(atPath: "dq.json") { configPath = "dq.json" }
+        let configPath =
+            config ?? environment["DQ_CONFIG"]
+            ?? configSearchPath(environment: environment).first {
+                FileManager.default.fileExists(atPath: $0)
+            }
         var settings = try configPath.map { path in try load(contentsOf: path) { try decode($0, path) } } ?? DataQueueSettings()
+        try settings.readSecretFiles(environment: environment)
         try settings.apply(environment: environment)
         if let server { settings.server = server }
         if let database { settings.database = database }
         return settings
+    }
+
+    /// Where dq looks for its config file when neither `--config` nor `$DQ_CONFIG` names one, in order:
+    /// `./dq.json`, `$XDG_CONFIG_HOME/dq/dq.json` (else `~/.config/dq/dq.json`), `/etc/dq/dq.json`.
+    package static func configSearchPath(environment: [String: String]) -> [String] {
+        var paths = ["dq.json"]
+        if let xdg = environment["XDG_CONFIG_HOME"], xdg.hasPrefix("/") {
+            paths.append(xdg + "/dq/dq.json")
+        } else if let home = environment["HOME"], !home.isEmpty {
+            paths.append(home + "/.config/dq/dq.json")
+        }
+        paths.append("/etc/dq/dq.json")
+        return paths
+    }
+
+    /// Where a `…_file` secret is: an absolute path as given; a relative one in `$CREDENTIALS_DIRECTORY`
+    /// (systemd's `LoadCredential=`) when that is set, else beside the config file.
+    package func secretFilePath(_ name: String, environment: [String: String]) -> String {
+        if !name.hasPrefix("/"), let credentials = environment["CREDENTIALS_DIRECTORY"], !credentials.isEmpty {
+            return credentials + "/" + name
+        }
+        return inBaseDirectory(name)
+    }
+
+    /// Reads `auth.bearer_token_file` and `auth.client_secret_file` into the secrets they hold (without a
+    /// trailing newline), and remembers which secret files others can read (``exposedSecretFiles``).
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the setting of a file that cannot be read
+    ///   or is empty, never its content.
+    package mutating func readSecretFiles(environment: [String: String]) throws {
+        func read(_ name: String, key: String) throws -> String {
+            let path = secretFilePath(name, environment: environment)
+            guard let data = FileManager.default.contents(atPath: path) else {
+                throw Self.configError("cannot read \"\(key)\" (\(path))")
+            }
+            var text = String(decoding: data, as: UTF8.self)
+            while text.hasSuffix("\n") || text.hasSuffix("\r") { text.removeLast() }
+            guard !text.isEmpty else { throw Self.configError("\"\(key)\" (\(path)) is empty") }
+            if let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0 {
+                exposedSecretFiles.append(path)
+            }
+            return text
+        }
+        if let name = auth?.bearerTokenFile {
+            let token = try read(name, key: "auth.bearer_token_file")
+            auth?.bearerToken = token
+        }
+        if let name = auth?.clientSecretFile {
+            let secret = try read(name, key: "auth.client_secret_file")
+            auth?.clientSecret = secret
+        }
     }
 
     /// The settings' plain values (everything but `auth` and `encryption`), each checked, in the order
@@ -549,6 +611,8 @@ extension DataQueueSettings.Auth {
         case bearerToken = "bearer_token"
         case clientID = "client_id"
         case clientSecret = "client_secret"
+        case bearerTokenFile = "bearer_token_file"
+        case clientSecretFile = "client_secret_file"
         case authorizeURI = "authorize_uri"
         case tokenURI = "token_uri"
         case authorizeType = "authorize_type"
@@ -573,6 +637,14 @@ extension DataQueueSettings.Auth {
         bearerToken = try SettingsKeys.value(container, .bearerToken, string)
         clientID = try SettingsKeys.value(container, .clientID, string)
         clientSecret = try SettingsKeys.value(container, .clientSecret, string)
+        bearerTokenFile = try SettingsKeys.value(container, .bearerTokenFile, string)
+        clientSecretFile = try SettingsKeys.value(container, .clientSecretFile, string)
+        if bearerToken != nil && bearerTokenFile != nil {
+            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.bearerTokenFile], "and bearer_token exclude each other")
+        }
+        if clientSecret != nil && clientSecretFile != nil {
+            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.clientSecretFile], "and client_secret exclude each other")
+        }
         authorizeURI = try SettingsKeys.value(container, .authorizeURI, string)
         tokenURI = try SettingsKeys.value(container, .tokenURI, string)
         authorizeType = try SettingsKeys.value(container, .authorizeType, string)
