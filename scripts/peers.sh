@@ -17,11 +17,11 @@ free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)
 
 install() {
   mkdir -p "$peers"
-  if [ ! -f "$venv/.installed-v4" ]; then
+  if [ ! -f "$venv/.installed-v5" ]; then
     "$PY" -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1" "cryptography==50.0.2" "PyJWT==2.15.1" \
-      "fhirkit-rs==0.1.0"
-    touch "$venv/.installed-v4"
+      "fhirkit-rs==0.1.0" "prometheus_client==0.21.1"
+    touch "$venv/.installed-v5"
   fi
   # Canaille (OAuth2 with RFC 7591 registration) in its own venv: its Flask stack is not sekmet's.
   if [ ! -f "$peers/canaille/.installed-v1" ]; then

@@ -1,6 +1,8 @@
 import ArgumentParser
 import FHIRDataQueue
 import Foundation
+import Metrics
+import Prometheus
 
 enum FlushCommandSupport {
     static func describe(_ stop: FlushStop) -> String {
@@ -68,6 +70,11 @@ extension DQ {
         @Option(parsing: .unconditional, help: "Seconds to wait for another flusher of this queue.") var wait: Double = 0
         @Flag(name: [.short, .long], help: "Print errors only.") var quiet = false
         @Flag(help: "Print the summary as JSON.") var json = false
+        @Option(
+            help:
+                "Write the queue's metrics (as dq run serves them) to this file for node_exporter's textfile collector, atomically (a temporary file renamed)."
+        )
+        var metricsTextfile: String?
 
         func validate() throws {
             if let limit, limit < 1 { throw ValidationError("--limit must be at least 1") }
@@ -76,7 +83,15 @@ extension DQ {
         }
 
         func run() async throws {
+            let registry = metricsTextfile.map { _ in PrometheusCollectorRegistry() }
+            if let registry {
+                MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
+                recordBuildInfo()
+            }
             let code: Int32 = try await withQueue(queueOptions, sending: sending) { queue, settings in
+                defer {
+                    if let registry, let metricsTextfile { writeTextfile(registry, to: metricsTextfile) }
+                }
                 let retention = try settings.journalRetention()
                 let terminal = standardErrorIsTerminal && !json && !quiet
                 let display = terminal ? FlushCommandSupport.Progress(total: try await queue.status().pending) : nil
@@ -91,6 +106,7 @@ extension DQ {
                 if case .authentication = report.stop { authenticationFailed = true }
                 let code = Exit.outcome(
                     authenticationFailed: authenticationFailed, pending: report.remaining > 0, rejected: report.parked > 0)
+                if registry != nil { _ = try await queue.status() }  // the gauges, also after a flush that backed off
                 let elsewhere = report.remaining == 0 ? try await otherQueuesPending(queue) : []
                 if json {
                     struct Summary: Encodable {
@@ -137,6 +153,20 @@ extension DQ {
                 return code
             }
             if code != 0 { throw ExitCode(code) }
+        }
+
+        /// The registry's text at `path`, through a temporary file in the same directory and a rename, so that
+        /// node_exporter never reads half a file. A failure is a warning: the flush itself went as it went.
+        func writeTextfile(_ registry: PrometheusCollectorRegistry, to path: String) {
+            let temporary = path + ".\(getpid()).tmp"
+            let bytes = Data(registry.emitToBuffer())
+            guard FileManager.default.createFile(atPath: temporary, contents: bytes, attributes: [.posixPermissions: 0o644]),
+                rename(temporary, path) == 0
+            else {
+                try? FileManager.default.removeItem(atPath: temporary)
+                printError("dq: warning: cannot write the metrics to \(path)")
+                return
+            }
         }
 
         /// Queues of the same database, other than this one, that hold pending items.

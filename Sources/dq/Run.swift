@@ -54,6 +54,7 @@ extension DQ {
         func run() async throws {
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
+            recordBuildInfo()
             try await withQueue(queueOptions, sending: sending) { queue, settings in
                 let logger = Logger(label: "dq")
                 let maximumAge = readyMaxAge ?? settings.readyMaxAgeSeconds
@@ -123,4 +124,9 @@ struct SystemdNotify: Service {
             }
         }
     }
+}
+
+/// `dq_build_info{version="…"} 1`, the usual way to put a version on a dashboard.
+func recordBuildInfo() {
+    Gauge(label: "dq_build_info", dimensions: [("version", DQVersion.current)]).record(1)
 }

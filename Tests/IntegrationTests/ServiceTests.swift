@@ -228,6 +228,43 @@ struct ServiceTests {
         #expect(firsts == (0..<6).map(String.init) && all.count - firsts.count <= sent.count, "\(all)")
     }
 
+    @Test("dq flush --metrics-textfile: node_exporter's textfile, parsed by prometheus_client: counts, gauges, build info")
+    func metricsTextfile() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base, idempotent: false, batch: 1)
+        let lines = [resources.observation(0), resources.invalid(1), resources.observation(2)]
+        #expect(try await dq(["enqueue", "--ndjson", try work.write("three.ndjson", lines.joined(separator: "\n"))], env).status == 0)
+        let textfile = work.file("dq.prom")
+        let flushed = try await dq(["flush", "--metrics-textfile", textfile], env)
+        #expect(flushed.status == 65, "one parked: \(flushed.stderr)")
+        let script = """
+            import sys, json
+            from prometheus_client.parser import text_string_to_metric_families
+            out = {}
+            for family in text_string_to_metric_families(open(sys.argv[1]).read()):
+                for sample in family.samples:
+                    out[sample.name] = (sample.value, sample.labels)
+            print(json.dumps(out))
+            """
+        let parsed = try await ChildProcess(Peers.venv + "/bin/python", ["-c", script, textfile]).wait()
+        #expect(parsed.status == 0, "the textfile parses: \(parsed.stderr)")
+        let samples = try JSONSerialization.jsonObject(with: Data(parsed.stdout.utf8)) as? [String: [Any]] ?? [:]
+        func value(_ name: String) -> Double? { samples[name]?.first as? Double }
+        #expect(value("dq_items_delivered_total") == 2, "\(parsed.stdout)")
+        #expect(value("dq_items_parked_total") == 1 && value("dq_items_parked") == 1)
+        #expect(value("dq_queue_depth") == 0)
+        let last = try #require(value("dq_last_delivery_timestamp_seconds"))
+        #expect(abs(last - Date().timeIntervalSince1970) < 600, "a recent Unix time: \(last)")
+        #expect((samples["dq_build_info"]?.last as? [String: String])?["version"] != nil, "\(parsed.stdout)")
+        #expect(!FileManager.default.fileExists(atPath: textfile + ".tmp"), "no temporary file left")
+
+        // A later cron flush with nothing to do still reports when the last delivery was.
+        #expect(try await dq(["flush", "--metrics-textfile", textfile], env).status == 0)
+        let again = try await ChildProcess(Peers.venv + "/bin/python", ["-c", script, textfile]).wait()
+        let later = try JSONSerialization.jsonObject(with: Data(again.stdout.utf8)) as? [String: [Any]] ?? [:]
+        #expect((later["dq_last_delivery_timestamp_seconds"]?.first as? Double) == last, "from the journal, not this process")
+    }
+
     @Test("/readyz: a server that is down is not a readiness failure; an item older than --ready-max-age is")
     func readinessAge() async throws {
         let server = try FHIRServer()  // never started: connection refused

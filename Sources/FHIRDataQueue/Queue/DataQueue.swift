@@ -590,7 +590,9 @@ open class DataQueue: @unchecked Sendable {
 
     /// Counts for this queue.
     public func status() async throws -> QueueStatus {
-        try await store.status(queue: queueName)
+        let status = try await store.status(queue: queueName)
+        metrics.update(from: status)
+        return status
     }
 
     /// What dq last read of this queue's server from its CapabilityStatement (nil values: not read yet).

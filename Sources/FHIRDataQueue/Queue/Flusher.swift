@@ -565,7 +565,7 @@ final class Flusher: @unchecked Sendable {
                 versionID: versionID, note: identity.note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
         handled.insert(item.sequence)
         report.delivered += 1
-        queue.metrics.delivered.increment()
+        queue.metrics.deliveredOne()
         if let fullURL = prepared.stored.fullURL, let serverID {
             deliveredHere[fullURL] = item.resourceType + "/" + serverID
         }

@@ -14,6 +14,12 @@ struct QueueMetrics: Sendable {
     let failed: [String: Counter]
     let depth: Gauge
     let oldestPendingAge: Gauge
+    /// Parked items now (the counter counts this process's parkings).
+    let parkedNow: Gauge
+    /// When the journal last recorded a delivery of this queue, by any process (Unix seconds; 0: never).
+    let lastDelivery: Gauge
+    /// Until when the server is backed off (Unix seconds; 0 when it is not).
+    let backoffUntil: Gauge
     let requestDuration: Metrics.Timer
     let bundleSize: Recorder
     /// Flushes that ended with an error (not a server's answer): `storage`, `storage_full`, `configuration`,
@@ -31,6 +37,9 @@ struct QueueMetrics: Sendable {
             })
         depth = Gauge(label: "dq_queue_depth", dimensions: dimensions)
         oldestPendingAge = Gauge(label: "dq_oldest_pending_age_seconds", dimensions: dimensions)
+        parkedNow = Gauge(label: "dq_items_parked", dimensions: dimensions)
+        lastDelivery = Gauge(label: "dq_last_delivery_timestamp_seconds", dimensions: dimensions)
+        backoffUntil = Gauge(label: "dq_backoff_until_timestamp_seconds", dimensions: dimensions)
         requestDuration = Metrics.Timer(label: "dq_request_duration_seconds", dimensions: dimensions)
         bundleSize = Recorder(label: "dq_bundle_size", dimensions: dimensions)
         flushErrors = Dictionary(
@@ -69,5 +78,15 @@ struct QueueMetrics: Sendable {
     func update(from status: QueueStatus) {
         depth.record(status.pending)
         oldestPendingAge.record(status.oldestPendingAt.map { max(0, Date().timeIntervalSince($0)) } ?? 0)
+        parkedNow.record(status.parked)
+        lastDelivery.record(status.lastDeliveryAt?.timeIntervalSince1970 ?? 0)
+        let backoff = status.nextAttemptAt.map(\.timeIntervalSince1970) ?? 0
+        backoffUntil.record(backoff > Date().timeIntervalSince1970 ? backoff : 0)
+    }
+
+    /// A delivery now: counted, and its time kept.
+    func deliveredOne() {
+        delivered.increment()
+        lastDelivery.record(Date().timeIntervalSince1970)
     }
 }

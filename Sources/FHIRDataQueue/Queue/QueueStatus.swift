@@ -31,12 +31,15 @@ public struct QueueStatus: Sendable, Codable, Hashable {
     public let nextAttemptAt: Date?
     /// A PHI-free description of the last failure.
     public let lastError: String?
+    /// When the journal last recorded a delivery of this queue (by any process).
+    public let lastDeliveryAt: Date?
 
     /// Creates a status from its counts.
     public init(
         queue: String, pending: Int, parked: Int, delivered: Int, oldestPendingAt: Date?, consecutiveFailures: Int,
-        nextAttemptAt: Date?, lastError: String?
+        nextAttemptAt: Date?, lastError: String?, lastDeliveryAt: Date? = nil
     ) {
+        self.lastDeliveryAt = lastDeliveryAt
         self.queue = queue
         self.pending = pending
         self.parked = parked

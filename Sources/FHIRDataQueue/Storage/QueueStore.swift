@@ -879,12 +879,13 @@ final class QueueStore: QueueStorage {
             let oldest = try Double.fetchOne(db, sql: StatusQueries.oldestPending, arguments: [queue])
             let server = try Row.fetchOne(db, sql: StatusQueries.serverState, arguments: [queue])
             let next: Double? = server?["next_attempt_at"]
+            let lastDelivery = try Double.fetchOne(db, sql: StatusQueries.lastDelivery, arguments: [queue])
             return QueueStatus(
                 queue: queue, pending: pending, parked: parked, delivered: delivered,
                 oldestPendingAt: oldest.map(Date.init(timeIntervalSince1970:)),
                 consecutiveFailures: server?["failures"] ?? 0,
                 nextAttemptAt: next.map(Date.init(timeIntervalSince1970:)),
-                lastError: server?["last_error"])
+                lastError: server?["last_error"], lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)))
         }
     }
 

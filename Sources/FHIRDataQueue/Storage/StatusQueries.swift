@@ -10,6 +10,9 @@ enum StatusQueries {
     static let damaged = "SELECT seq, state FROM item WHERE queue = ? AND state NOT IN ('pending', 'parked') LIMIT 1"
     /// When the oldest pending item of a queue was enqueued.
     static let oldestPending = "SELECT enqueued_at FROM item WHERE queue = ? AND state = 'pending' ORDER BY seq LIMIT 1"
+    /// When the newest delivery of a queue was journaled.
+    static let lastDelivery =
+        "SELECT at FROM delivery WHERE queue = ? AND event IN ('delivered', 'already-present') ORDER BY seq DESC LIMIT 1"
     /// A queue's backoff state: `failures, next_attempt_at, last_error`.
     static let serverState = "SELECT failures, next_attempt_at, last_error FROM server_state WHERE queue = ?"
     /// Every queue name that holds items, deliveries or a backoff state, in order.
