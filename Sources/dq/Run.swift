@@ -5,6 +5,7 @@ import Logging
 import Metrics
 import Prometheus
 import ServiceLifecycle
+import Synchronization
 import UnixSignals
 
 #if canImport(Glibc)
@@ -55,36 +56,138 @@ extension DQ {
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
             recordBuildInfo()
-            try await withQueue(queueOptions, sending: sending) { queue, settings in
-                let logger = Logger(label: "dq")
-                let maximumAge = readyMaxAge ?? settings.readyMaxAgeSeconds
-                if let maximumAge {
-                    try DataQueue.Configuration.checkSeconds(maximumAge, name: "\"ready_max_age_seconds\"", allowZero: false)
+            try await withQueue(queueOptions, sending: sending) { first, firstSettings in
+                // SIGHUP: a configuration that validates replaces the running one once the group has drained
+                // (the request on the wire answered, the journal committed); one that does not is refused.
+                var (queue, settings) = (first, firstSettings)
+                while true {
+                    let reload = ReloadRequest()
+                    try await deliver(queue: queue, settings: settings, registry: registry, reload: reload)
+                    guard let (next, nextSettings) = reload.take() else { break }
+                    if queue !== first { try? await queue.shutdown() }
+                    (queue, settings) = (next, nextSettings)
                 }
-                let service = DataQueueService(
-                    queues: [queue],
-                    configuration: .init(
-                        pollInterval: .milliseconds(Int64(pollInterval * 1000)),
-                        drainTimeout: .milliseconds(Int64(drainTimeout * 1000)),
-                        readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) },
-                        journalRetention: try settings.journalRetention().map { .seconds($0) }),
-                    logger: logger)
-                var services: [any Service] = [service]
-                if let metricsAddress, let (host, port) = MetricsServer.parse(metricsAddress) {
-                    let started = try await MetricsServer.start(
-                        host: host, port: port, registry: registry, readiness: { await service.readiness() })
-                    services.append(started)
-                    logger.info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
-                }
-                // Last: it starts once the group traps the signals (READY=1), and hears the stop first.
-                services.append(SystemdNotify(status: "delivering to \(queue.queueName)"))
-                let group = ServiceGroup(
-                    configuration: ServiceGroupConfiguration(
-                        services: services.map { .init(service: $0) }, gracefulShutdownSignals: [.sigterm, .sigint, .sighup],
-                        logger: logger))
-                try await group.run()
+                if queue !== first { try? await queue.shutdown() }
             }
         }
+
+        /// One configuration's service group: delivery, metrics, readiness, systemd notifications, reload.
+        private func deliver(
+            queue: DataQueue, settings: DataQueueSettings, registry: PrometheusCollectorRegistry, reload: ReloadRequest
+        ) async throws {
+            let logger = Logger(label: "dq")
+            let maximumAge = readyMaxAge ?? settings.readyMaxAgeSeconds
+            if let maximumAge {
+                try DataQueue.Configuration.checkSeconds(maximumAge, name: "\"ready_max_age_seconds\"", allowZero: false)
+            }
+            let service = DataQueueService(
+                queues: [queue],
+                configuration: .init(
+                    pollInterval: .milliseconds(Int64(pollInterval * 1000)),
+                    drainTimeout: .milliseconds(Int64(drainTimeout * 1000)),
+                    readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) },
+                    journalRetention: try settings.journalRetention().map { .seconds($0) }),
+                logger: logger)
+            var services: [ServiceGroupConfiguration.ServiceConfiguration] = [.init(service: service)]
+            if let metricsAddress, let (host, port) = MetricsServer.parse(metricsAddress) {
+                let started = try await MetricsServer.start(
+                    host: host, port: port, registry: registry, readiness: { await service.readiness() })
+                services.append(.init(service: started))
+                logger.info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
+            }
+            // A reload that validated ends this group gracefully, as SIGTERM would.
+            services.append(
+                .init(
+                    service: ReloadOnHangup(current: settings, options: queueOptions, sending: sending, request: reload, logger: logger),
+                    successTerminationBehavior: .gracefullyShutdownGroup))
+            // Last: it starts once the group traps the signals (READY=1), and hears the stop first.
+            services.append(.init(service: SystemdNotify(status: "delivering to \(queue.queueName)", reload: reload)))
+            let group = ServiceGroup(
+                configuration: ServiceGroupConfiguration(
+                    services: services, gracefulShutdownSignals: [.sigterm, .sigint], logger: logger))
+            try await group.run()
+        }
+    }
+}
+
+/// The configuration a SIGHUP loaded and checked, for the next round of `dq run`.
+final class ReloadRequest: Sendable {
+    private let next = Mutex<(DataQueue, DataQueueSettings)?>(nil)
+
+    func set(_ queue: DataQueue, _ settings: DataQueueSettings) { next.withLock { $0 = (queue, settings) } }
+    func take() -> (DataQueue, DataQueueSettings)? {
+        next.withLock { next in
+            defer { next = nil }; return next
+        }
+    }
+    var requested: Bool { next.withLock { $0 != nil } }
+}
+
+/// Re-reads the configuration (and its secret files) on SIGHUP. One that validates (its queue opens) is handed
+/// to the next round and ends this one; one that does not is logged and the running one stays. What changed is
+/// logged by name, never by value.
+struct ReloadOnHangup: Service {
+    let current: DataQueueSettings
+    let options: QueueOptions
+    let sending: SendingOptions
+    let request: ReloadRequest
+    let logger: Logger
+
+    func run() async throws {
+        for await _ in await UnixSignalsSequence(trapping: .sighup).cancelOnGracefulShutdown() {
+            do {
+                let settings = try DataQueueSettings.load(options: options, sending: sending)
+                _ = try settings.journalRetention()
+                let queue = try settings.makeQueue(readOnly: false, logger: logger)
+                let changed = Self.changes(current, settings)
+                logger.notice(
+                    "configuration reloaded; delivery restarts with it",
+                    metadata: ["changed": "\(changed.isEmpty ? "nothing" : changed.joined(separator: ","))"])
+                request.set(queue, settings)
+                SystemdNotify.send("RELOADING=1")
+                return
+            } catch {
+                logger.error(
+                    "reload refused; the running configuration stays",
+                    metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
+            }
+        }
+    }
+
+    /// The settings that differ, by name (`auth.client_secret`), never by value.
+    static func changes(_ old: DataQueueSettings, _ new: DataQueueSettings) -> [String] {
+        let ignored: Set<String> = ["baseDirectory", "sourcePath", "fileHoldsSecret", "exposedSecretFiles"]
+        func snake(_ name: String) -> String {
+            name.reduce(into: "") { result, character in
+                if character.isUppercase { result += "_" + character.lowercased() } else { result.append(character) }
+            }
+        }
+        /// The value inside an optional (nil for none); any other value as it is.
+        func unwrap(_ value: Any) -> Any? {
+            let mirror = Mirror(reflecting: value)
+            return mirror.displayStyle == .optional ? mirror.children.first?.value : value
+        }
+        func walk(_ old: Any, _ new: Any, prefix: String, depth: Int, into names: inout [String]) {
+            let oldChildren = Mirror(reflecting: old).children
+            let newChildren = Dictionary(
+                Mirror(reflecting: new).children.compactMap { child in child.label.map { ($0, child.value) } }
+            ) { first, _ in first }
+            for child in oldChildren {
+                guard let label = child.label, !ignored.contains(label), let other = newChildren[label] else { continue }
+                let name = prefix + snake(label)
+                guard String(describing: child.value) != String(describing: other) else { continue }
+                if depth < 1, let unwrapped = unwrap(child.value), let otherUnwrapped = unwrap(other),
+                    Mirror(reflecting: unwrapped).displayStyle == .struct
+                {
+                    walk(unwrapped, otherUnwrapped, prefix: name + ".", depth: depth + 1, into: &names)
+                } else {
+                    names.append(name)
+                }
+            }
+        }
+        var names: [String] = []
+        walk(old, new, prefix: "", depth: 0, into: &names)
+        return names
     }
 }
 
@@ -93,11 +196,14 @@ extension DQ {
 /// `$NOTIFY_SOCKET` each; nothing when it is unset.
 struct SystemdNotify: Service {
     let status: String
+    /// A stop for a reload is not a stop: no STOPPING=1 then (the next round says READY=1).
+    var reload: ReloadRequest? = nil
 
     func run() async throws {
         Self.send("READY=1\nSTATUS=\(status)")
         try? await gracefulShutdown()
-        Self.send("STOPPING=1")
+        // The reload service hands its configuration over before the group begins to stop.
+        if reload?.requested != true { Self.send("STOPPING=1") }
     }
 
     static func send(_ state: String) {

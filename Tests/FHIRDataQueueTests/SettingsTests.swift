@@ -217,4 +217,13 @@ struct SettingsTests {
         }
         #expect(error?.code == .invalidConfiguration && error?.message.contains("auth.client_secret_file") == true)
     }
+
+    @Test("The default database: $STATE_DIRECTORY (systemd), else $XDG_DATA_HOME, else ~/.local/share")
+    func defaultDatabase() {
+        #expect(
+            QueuePaths.defaultDatabasePath(environment: ["STATE_DIRECTORY": "/var/lib/dq:/var/lib/other", "HOME": "/h"])
+                == "/var/lib/dq/queue.sqlite")
+        #expect(QueuePaths.defaultDatabasePath(environment: ["XDG_DATA_HOME": "/x", "HOME": "/h"]) == "/x/dq/queue.sqlite")
+        #expect(QueuePaths.defaultDatabasePath(environment: ["HOME": "/h"]) == "/h/.local/share/dq/queue.sqlite")
+    }
 }

@@ -56,8 +56,8 @@ struct ServiceTests {
     }
 
     @Test(
-        "dq run delivers what a separate dq enqueue queued, in order, and drains and exits 0 on SIGTERM and on SIGHUP",
-        arguments: [SIGTERM, SIGHUP])
+        "dq run delivers what a separate dq enqueue queued, in order, and drains and exits 0 on SIGTERM and on SIGINT",
+        arguments: [SIGTERM, SIGINT])
     func runDeliversOtherProcesses(signal: Int32) async throws {
         let server = try await FHIRServer.start()
         let env = environment(server.base)
@@ -265,6 +265,49 @@ struct ServiceTests {
         #expect((later["dq_last_delivery_timestamp_seconds"]?.first as? Double) == last, "from the journal, not this process")
     }
 
+    @Test(
+        "SIGHUP reloads: a rotated secret file takes effect without a restart; a broken configuration is refused and the old one keeps delivering"
+    )
+    func reloadOnHangup() async throws {
+        let server = try FHIRServer(tokens: ["new-t0ken"], readerToken: "new-t0ken")
+        try await server.start()
+        let credentials = work.file("creds")
+        try FileManager.default.createDirectory(atPath: credentials, withIntermediateDirectories: true)
+        let token = credentials + "/token"
+        _ = FileManager.default.createFile(atPath: token, contents: Data("old-t0ken".utf8), attributes: [.posixPermissions: 0o600])
+        let configText =
+            #"{"server": "\#(server.base)", "auth": {"bearer_token_file": "token"}, "retry": {"initial_seconds": 0.1, "maximum_seconds": 0.3}}"#
+        let config = try work.write("dq.json", configText)
+        let env = [
+            "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path, "CREDENTIALS_DIRECTORY": credentials, "DQ_LOG_LEVEL": "notice",
+        ]
+        #expect(
+            try await dq(["enqueue", "--config", config, "--ndjson", try work.write("two.ndjson", resources.ndjson(0..<2))], env).status
+                == 0)
+        let run = try ChildProcess(Peers.dqBinary, ["run", "--config", config, "--poll-interval", "0.1"], environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { log().contains("delivery stopped") }, "the old token is refused: \(log())")
+
+        // The secret rotated in its file, then SIGHUP: delivered with the new one, no restart.
+        try Data("new-t0ken".utf8).write(to: URL(fileURLWithPath: token))
+        run.kill(SIGHUP)
+        #expect(try await eventually { (try await server.values("Observation", system: resources.system)) == ["0", "1"] }, "\(log())")
+        #expect(log().contains("configuration reloaded") && log().contains("changed=auth.bearer_token"), "\(log())")
+
+        // A configuration that does not validate: refused, logged, and the running one goes on delivering.
+        try Data("{".utf8).write(to: URL(fileURLWithPath: config))
+        run.kill(SIGHUP)
+        #expect(try await eventually { log().contains("reload refused") }, "\(log())")
+        #expect(run.process.isRunning)
+        try Data(configText.utf8).write(to: URL(fileURLWithPath: config))
+        #expect(try await dq(["enqueue", "--config", config, try work.write("third.json", resources.observation(2))], env).status == 0)
+        #expect(try await eventually { (try await server.values("Observation", system: resources.system)) == ["0", "1", "2"] })
+        run.kill(SIGTERM)
+        let result = await run.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(!result.stderr.contains("t0ken"), "no token in any line")
+    }
+
     @Test("/readyz: a server that is down is not a readiness failure; an item older than --ready-max-age is")
     func readinessAge() async throws {
         let server = try FHIRServer()  // never started: connection refused
@@ -407,18 +450,21 @@ struct ServiceTests {
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
     }
 
-    @Test("systemd-analyze verify accepts the shipped unit")
-    func unitFileVerifies() async throws {
+    @Test("systemd-analyze verify accepts the shipped units", arguments: ["dq.service", "dq-flush.service", "dq-flush.timer"])
+    func unitFileVerifies(name: String) async throws {
         let analyze = "/usr/bin/systemd-analyze"
         try #require(FileManager.default.isExecutableFile(atPath: analyze), "systemd-analyze is missing: make deps installs systemd")
-        let unit = try String(
-            contentsOf: Peers.packageRoot.appendingPathComponent("Examples/systemd/dq.service"), encoding: .utf8)
-        // The unit names the installed binary; verify it against the built one.
-        let local = try work.write("dq.service", unit.replacingOccurrences(of: "/usr/local/bin/dq", with: Peers.dqBinary))
+        let directory = Peers.packageRoot.appendingPathComponent("Examples/systemd")
+        // The units name the installed binary; verify them against the built one (a timer beside its service).
+        var local = ""
+        for file in name.hasSuffix(".timer") ? ["dq-flush.service", name] : [name] {
+            let unit = try String(contentsOf: directory.appendingPathComponent(file), encoding: .utf8)
+            local = try work.write(file, unit.replacingOccurrences(of: "/usr/local/bin/dq", with: Peers.dqBinary))
+        }
         let result = try await ChildProcess(analyze, ["verify", local]).wait(timeout: .seconds(60))
         let complaints = result.stderr.split(separator: "\n").filter { line in
-            // Only the unit's own lines count; systemd also comments on units of the host it runs on.
-            line.contains("dq.service")
+            // Only the units' own lines count; systemd also comments on units of the host it runs on.
+            line.contains("dq.service") || line.contains("dq-flush")
         }
         #expect(result.status == 0 && complaints.isEmpty, "\(result.stdout)\(result.stderr)")
     }

@@ -6,8 +6,12 @@
 
 /// Where a queue lives and what it is called.
 package enum QueuePaths {
-    /// The default database: `$XDG_DATA_HOME/dq/queue.sqlite`, else `~/.local/share/dq/queue.sqlite`.
+    /// The default database: `$STATE_DIRECTORY/queue.sqlite` under systemd's `StateDirectory=` (its first
+    /// directory), else `$XDG_DATA_HOME/dq/queue.sqlite`, else `~/.local/share/dq/queue.sqlite`.
     package static func defaultDatabasePath(environment: [String: String]) -> String {
+        if let state = environment["STATE_DIRECTORY"]?.split(separator: ":").first, state.hasPrefix("/") {
+            return state + "/queue.sqlite"
+        }
         if let xdg = environment["XDG_DATA_HOME"], xdg.hasPrefix("/") {
             return xdg + "/dq/queue.sqlite"
         }
