@@ -86,7 +86,8 @@ extension DQ {
                     pollInterval: .milliseconds(Int64(pollInterval * 1000)),
                     drainTimeout: .milliseconds(Int64(drainTimeout * 1000)),
                     readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) },
-                    journalRetention: try settings.journalRetention().map { .seconds($0) }),
+                    journalRetention: try settings.journalRetention().map { .seconds($0) },
+                    watchdog: SystemdNotify.watchdog()),
                 logger: logger)
             var services: [ServiceGroupConfiguration.ServiceConfiguration] = [.init(service: service)]
             if let metricsAddress, let (host, port) = MetricsServer.parse(metricsAddress) {
@@ -204,6 +205,14 @@ struct SystemdNotify: Service {
         try? await gracefulShutdown()
         // The reload service hands its configuration over before the group begins to stop.
         if reload?.requested != true { Self.send("STOPPING=1") }
+    }
+
+    /// systemd's watchdog (`WatchdogSec=`), when `$WATCHDOG_USEC` is set for this process: `WATCHDOG=1` from
+    /// the delivery loop at least every half of it.
+    static func watchdog(environment: [String: String] = ProcessInfo.processInfo.environment) -> DataQueueService.Watchdog? {
+        guard let text = environment["WATCHDOG_USEC"], let microseconds = Int64(text), microseconds > 0 else { return nil }
+        if let pid = environment["WATCHDOG_PID"].flatMap(Int32.init), pid != getpid() { return nil }
+        return DataQueueService.Watchdog(interval: .microseconds(microseconds / 2)) { send("WATCHDOG=1") }
     }
 
     static func send(_ state: String) {

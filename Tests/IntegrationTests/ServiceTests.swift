@@ -418,7 +418,7 @@ struct ServiceTests {
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
     }
 
-    @Test("With NOTIFY_SOCKET, dq run tells systemd READY=1 and STOPPING=1")
+    @Test("With NOTIFY_SOCKET, dq run tells systemd READY=1 and STOPPING=1, and WATCHDOG=1 when WATCHDOG_USEC asks")
     func systemdNotify() async throws {
         let socketPath = work.file("notify.sock")
         let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue), 0)
@@ -448,6 +448,30 @@ struct ServiceTests {
         let stopping = receive()
         #expect(stopping.contains("STOPPING=1"), "\(stopping)")
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
+
+        // WatchdogSec=: WATCHDOG=1 from the delivery loop at least every half of WATCHDOG_USEC, also while it
+        // backs off from a server that is down (poll interval 30 s, longer than the watchdog).
+        env["WATCHDOG_USEC"] = "400000"
+        let watched = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "30"], environment: env)
+        // Without beats during the waits there would be one per 30 s round: five take at least two rounds.
+        var messages: [String] = []
+        let started = ContinuousClock.now
+        while messages.filter({ $0.contains("WATCHDOG=1") }).count < 5 && ContinuousClock.now - started < .seconds(25) {
+            let message = receive()
+            if !message.isEmpty { messages.append(message) }
+        }
+        watched.kill(SIGTERM)
+        #expect(await watched.wait(timeout: .seconds(30)).status == 0)
+        #expect(messages.filter { $0.contains("WATCHDOG=1") }.count >= 5, "beats while waiting: \(messages)")
+        env["WATCHDOG_PID"] = "1"
+        let other = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "30"], environment: env)
+        var timeoutShort = timeval(tv_sec: 1, tv_usec: 0)
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeoutShort, socklen_t(MemoryLayout<timeval>.size))
+        var foreign: [String] = []
+        for _ in 0..<3 { let message = receive(); if !message.isEmpty { foreign.append(message) } }
+        other.kill(SIGTERM)
+        #expect(await other.wait(timeout: .seconds(30)).status == 0)
+        #expect(!foreign.contains { $0.contains("WATCHDOG=1") }, "WATCHDOG_PID of another process: no beats: \(foreign)")
     }
 
     @Test("systemd-analyze verify accepts the shipped units", arguments: ["dq.service", "dq-flush.service", "dq-flush.timer"])

@@ -35,6 +35,10 @@ public struct DataQueueService: Service {
         /// ``DataQueueService/readiness()`` fails while a pending item is older than this. The default (nil)
         /// does not look at age.
         public var readyMaximumAge: Duration?
+        /// A liveness signal from the delivery loop itself (systemd's `WatchdogSec=`): `beat` is called each
+        /// round, for each item a flush handles, and at least every `interval` while the loop waits. A loop that
+        /// stops calling it is wedged. The default (nil) sends nothing.
+        public var watchdog: Watchdog?
         /// Delivery journal lines older than this are deleted once a day (of every queue in the database,
         /// never a queued item). The default is 90 days; nil keeps every line.
         public var journalRetention: Duration?
@@ -42,12 +46,28 @@ public struct DataQueueService: Service {
         /// Creates a configuration; every parameter has the default stated on its property.
         public init(
             pollInterval: Duration = .seconds(1), drainTimeout: Duration = .seconds(10), readyMaximumAge: Duration? = nil,
-            journalRetention: Duration? = .seconds(90 * 86_400)
+            journalRetention: Duration? = .seconds(90 * 86_400), watchdog: Watchdog? = nil
         ) {
             self.pollInterval = pollInterval
             self.drainTimeout = drainTimeout
             self.readyMaximumAge = readyMaximumAge
             self.journalRetention = journalRetention
+            self.watchdog = watchdog
+        }
+    }
+
+    /// A liveness signal: ``beat`` at least every ``interval`` while the delivery loop is alive.
+    public struct Watchdog: Sendable {
+        /// The longest the loop waits between two beats (a single request can take longer: keep the watchdog's
+        /// timeout above the request timeout).
+        public var interval: Duration
+        /// Says "alive" (for systemd: `WATCHDOG=1` to `$NOTIFY_SOCKET`).
+        public var beat: @Sendable () -> Void
+
+        /// A watchdog that calls `beat` at least every `interval`.
+        public init(interval: Duration, beat: @escaping @Sendable () -> Void) {
+            self.interval = interval
+            self.beat = beat
         }
     }
 
@@ -164,6 +184,7 @@ public struct DataQueueService: Service {
         var errors = 0
         var pruned: ContinuousClock.Instant?
         while !Task.isCancelled && !Task.isShuttingDownGracefully {
+            configuration.watchdog?.beat()
             do {
                 try queue.store.checkFileIdentity()
             } catch {
@@ -188,7 +209,7 @@ public struct DataQueueService: Service {
                     failures.withLockedValue { $0[queue.queueName] = "flush failed: \(message)" }
                 }
                 let delay = queue.configuration.retryPolicy.delay(afterFailures: errors, retryAfter: nil)
-                await cancelWhenGracefulShutdown { try? await Task.sleep(for: .milliseconds(Int64(delay * 1000))) }
+                await cancelWhenGracefulShutdown { try? await beatingSleep(for: .milliseconds(Int64(delay * 1000))) }
                 continue
             }
             if lastError != nil {
@@ -230,12 +251,24 @@ public struct DataQueueService: Service {
             }
             guard !Task.isCancelled && !Task.isShuttingDownGracefully else { break }
             await withGracefulShutdownHandler {
-                await queue.wakeUp.wait(timeout: configuration.pollInterval)
+                await queue.wakeUp.wait(timeout: min(configuration.pollInterval, configuration.watchdog?.interval ?? .seconds(86_400)))
             } onGracefulShutdown: {
                 queue.wakeUp.signal()
             }
         }
         return nil
+    }
+
+    /// Sleeps `duration` in slices no longer than the watchdog's interval, beating between them.
+    private func beatingSleep(for duration: Duration) async throws {
+        guard let watchdog = configuration.watchdog else { return try await Task.sleep(for: duration) }
+        var left = duration
+        while left > .zero {
+            let slice = min(left, watchdog.interval)
+            try await Task.sleep(for: slice)
+            watchdog.beat()
+            left -= slice
+        }
     }
 
     /// The daily journal retention: how many lines went is logged; a failure is logged and tried the next day.
@@ -254,9 +287,11 @@ public struct DataQueueService: Service {
     /// once the request on the wire is answered. Graceful shutdown waits for that at most the drain timeout,
     /// cancellation not at all; a request left behind stays queued, and the next flush lets it settle first.
     private func flushDraining(_ queue: DataQueue) async -> Result<FlushReport, any Error>? {
-        let flush = Task { () -> Result<FlushReport, any Error> in
+        var progress: (@Sendable (FlushProgress) -> Void)?
+        if let beat = configuration.watchdog?.beat { progress = { _ in beat() } }
+        let flush = Task { [progress] () -> Result<FlushReport, any Error> in
             do {
-                return .success(try await queue.flush())
+                return .success(try await queue.flush(progress: progress))
             } catch {
                 return .failure(error)
             }
