@@ -65,6 +65,35 @@ struct PostgresTests {
         for result in [refused, tls, down] { #expect(!result.stderr.contains("did not answer")) }
     }
 
+    @Test(
+        "libpq's environment and password file: postgres:/// with PGHOST, PGPORT, PGUSER, PGDATABASE and ~/.pgpass; a .pgpass others can read is not used"
+    )
+    func libpqEnvironment() async throws {
+        let database = try #require(URLComponents(string: try await Self.freshDatabase()))
+        let password = Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""
+        let pgpass = work.file(".pgpass")
+        let line = "\(database.host ?? ""):\(database.port ?? 5432):*:\(database.user ?? ""):\(password)\n"
+        _ = FileManager.default.createFile(
+            atPath: pgpass, contents: Data(("# dq test\nother:1:x:y:z\n" + line).utf8), attributes: [.posixPermissions: 0o600])
+        let env = [
+            "DQ_SERVER": "http://127.0.0.1:9/fhir", "DQ_DATABASE": "postgres:///?sslmode=disable", "HOME": work.path,
+            "PGHOST": database.host ?? "", "PGPORT": String(database.port ?? 5432), "PGUSER": database.user ?? "",
+            "PGDATABASE": String(database.path.dropFirst()),
+        ]
+        let file = try work.write("o.json", resources.observation(0))
+        let queued = try await dq(["enqueue", file], env)
+        #expect(queued.status == 0, "\(queued.stderr)")
+        let status = try await dq(["status", "--json"], env)
+        #expect(
+            status.status == 0 && (status.stdout.contains(#""pending" : 1"#) || status.stdout.contains(#""pending":1"#)),
+            "\(status.stdout)\(status.stderr)")
+        #expect(!status.stdout.contains(password) && !status.stderr.contains(password))
+
+        chmod(pgpass, 0o644)
+        let ignored = try await dq(["status"], env)
+        #expect(ignored.status == 77, "a password file others can read is not used, as libpq: \(ignored.stderr)")
+    }
+
     @Test("At trace level no authentication exchange and no body of PostgreSQL's protocol reaches the log")
     func traceLogsNoSecrets() async throws {
         let database = try await Self.freshDatabase()

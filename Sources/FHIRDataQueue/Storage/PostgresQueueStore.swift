@@ -113,22 +113,33 @@ final class PostgresQueueStore: QueueStorage {
     static func configuration(
         url text: String, environment: [String: String]
     ) throws -> (PostgresClient.Configuration, String, Bool, PostgresConnection.Configuration) {
+        // What the URL leaves out comes from libpq's environment, as psql would take it: PGHOST, PGPORT, PGUSER,
+        // PGPASSWORD (else the password file), PGDATABASE, PGSSLMODE, PGSSLROOTCERT, PGAPPNAME.
         guard let components = URLComponents(string: text), let scheme = components.scheme,
-            scheme == "postgres" || scheme == "postgresql", let host = components.host, !host.isEmpty
+            scheme == "postgres" || scheme == "postgresql",
+            let host = components.host.flatMap({ $0.isEmpty ? nil : $0 }) ?? environment["PGHOST"].flatMap({ $0.isEmpty ? nil : $0 })
         else {
-            throw DataQueueError(.invalidConfiguration, "database URL must be postgres://user@host[:port]/database")
+            throw DataQueueError(
+                .invalidConfiguration, "database URL must be postgres://user@host[:port]/database (or set PGHOST for postgres:///database)")
         }
+        guard !host.hasPrefix("/") else {
+            throw DataQueueError(.invalidConfiguration, "database host \(host): Unix-socket connections are not supported; use a TCP host")
+        }
+        let port = components.port ?? environment["PGPORT"].flatMap(Int.init) ?? 5432
         let user = components.percentEncodedUser.flatMap { $0.removingPercentEncoding } ?? environment["PGUSER"] ?? "postgres"
-        let password = components.percentEncodedPassword.flatMap { $0.removingPercentEncoding } ?? environment["PGPASSWORD"]
-        let database = String(components.path.drop(while: { $0 == "/" })).removingPercentEncoding ?? ""
+        var database = String(components.path.drop(while: { $0 == "/" })).removingPercentEncoding ?? ""
+        if database.isEmpty { database = environment["PGDATABASE"] ?? "" }
         guard !database.isEmpty else {
-            throw DataQueueError(.invalidConfiguration, "database URL names no database (postgres://user@host/DATABASE)")
+            throw DataQueueError(.invalidConfiguration, "database URL names no database (postgres://user@host/DATABASE, or PGDATABASE)")
         }
+        let password =
+            components.percentEncodedPassword.flatMap { $0.removingPercentEncoding } ?? environment["PGPASSWORD"]
+            ?? PasswordFile.password(host: host, port: port, database: database, user: user, environment: environment)
         var display = URLComponents()
         display.scheme = scheme
         display.user = user
         display.host = host
-        display.port = components.port
+        display.port = port == 5432 ? nil : port
         display.path = "/" + database
         let options = Dictionary((components.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
         for name in options.keys
@@ -143,7 +154,7 @@ final class PostgresQueueStore: QueueStorage {
             throw DataQueueError(.invalidConfiguration, "database URL prepared_statements \"\(other)\" is not on or off")
         }
         var tls = TLSConfiguration.makeClientConfiguration()
-        if let root = options["sslrootcert"] {
+        if let root = options["sslrootcert"] ?? environment["PGSSLROOTCERT"] {
             guard FileManager.default.isReadableFile(atPath: root) else {
                 throw DataQueueError(.invalidConfiguration, "database URL sslrootcert \(root) cannot be read")
             }
@@ -160,7 +171,7 @@ final class PostgresQueueStore: QueueStorage {
             mode = .prefer(tls)
             required = false
         case "require":
-            tls.certificateVerification = options["sslrootcert"] == nil ? .none : .noHostnameVerification
+            tls.certificateVerification = (options["sslrootcert"] ?? environment["PGSSLROOTCERT"]) == nil ? .none : .noHostnameVerification
             mode = .require(tls)
             required = true
         case "verify-ca":
@@ -177,10 +188,12 @@ final class PostgresQueueStore: QueueStorage {
                 "database URL sslmode \"\(other)\" is not one of disable, allow, prefer, require, verify-ca, verify-full")
         }
         var configuration = PostgresClient.Configuration(
-            host: host, port: components.port ?? 5432, username: user, password: password, database: database, tls: mode)
+            host: host, port: port, username: user, password: password, database: database, tls: mode)
         configuration.options.maximumConnections = 16
         configuration.options.connectTimeout = .seconds(Int64(options["connect_timeout"].flatMap(Int.init) ?? 10))
-        if let name = options["application_name"] { configuration.options.additionalStartupParameters = [("application_name", name)] }
+        if let name = options["application_name"] ?? environment["PGAPPNAME"] {
+            configuration.options.additionalStartupParameters = [("application_name", name)]
+        }
         let probeTLS: PostgresConnection.Configuration.TLS
         do {
             switch required {
@@ -192,7 +205,7 @@ final class PostgresQueueStore: QueueStorage {
             throw DataQueueError(.invalidConfiguration, "database URL: TLS cannot be set up (\(error))")
         }
         var probe = PostgresConnection.Configuration(
-            host: host, port: components.port ?? 5432, username: user, password: password, database: database, tls: probeTLS)
+            host: host, port: port, username: user, password: password, database: database, tls: probeTLS)
         probe.options.connectTimeout = .seconds(configuration.options.connectTimeout.components.seconds)
         return (configuration, display.string ?? "postgres://\(host)/\(database)", prepared, probe)
     }
@@ -380,7 +393,8 @@ final class PostgresQueueStore: QueueStorage {
             case .failedToAddSSLHandler, .receivedUnencryptedDataAfterSSLRequest:
                 return DataQueueError(.invalidConfiguration, "\(prefix): TLS with the server failed")
             case .authMechanismRequiresPassword:
-                return DataQueueError(.authentication, "\(prefix): the server wants a password (PGPASSWORD, or the URL)")
+                return DataQueueError(
+                    .authentication, "\(prefix): the server wants a password (PGPASSWORD, ~/.pgpass with mode 0600, or the URL)")
             case .unsupportedAuthMechanism, .saslError:
                 return DataQueueError(.authentication, "\(prefix): the login failed (\(error.code))")
             default:
@@ -1536,5 +1550,47 @@ final class AsyncGroupCommit: Sendable {
                 for waiter in batch { waiter.continuation.resume(throwing: error) }
             }
         }
+    }
+}
+
+/// libpq's password file: `$PGPASSFILE`, else `~/.pgpass`; lines `host:port:database:user:password`, `*`
+/// matching anything, `\:` and `\\` escaped; the first matching line wins. Like libpq, a file others can
+/// read or write is not used.
+enum PasswordFile {
+    static func password(host: String, port: Int, database: String, user: String, environment: [String: String]) -> String? {
+        guard let path = environment["PGPASSFILE"] ?? environment["HOME"].map({ $0 + "/.pgpass" }),
+            let attributes = try? FileManager.default.attributesOfItem(atPath: path),
+            let mode = attributes[.posixPermissions] as? Int, mode & 0o077 == 0,
+            let text = try? String(contentsOfFile: path, encoding: .utf8)
+        else { return nil }
+        for line in text.split(whereSeparator: \.isNewline) where !line.hasPrefix("#") {
+            let fields = split(line)
+            guard fields.count == 5 else { continue }
+            let wanted = [host, String(port), database, user]
+            if zip(fields.prefix(4), wanted).allSatisfy({ $0 == "*" || $0 == $1 }) { return fields[4] }
+        }
+        return nil
+    }
+
+    /// A line's fields: split at unescaped colons, with `\:` and `\\` unescaped.
+    private static func split(_ line: Substring) -> [String] {
+        var fields: [String] = []
+        var current = ""
+        var escaped = false
+        for character in line {
+            if escaped {
+                current.append(character)
+                escaped = false
+            } else if character == "\\" {
+                escaped = true
+            } else if character == ":" && fields.count < 4 {
+                fields.append(current)
+                current = ""
+            } else {
+                current.append(character)
+            }
+        }
+        fields.append(current)
+        return fields
     }
 }
