@@ -336,6 +336,49 @@ struct StorageConformanceTests {
     }
 
     @Test(
+        "PostgreSQL: a store that finds the schema complete starts without DDL, so it does not wait behind a transaction on dq's tables",
+        .enabled(if: StoreKind.available.contains(.postgres)))
+    func startWithoutDDL() async throws {
+        let url = try await StoreKind.freshDatabase()
+        let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+        let environment = ["PGPASSWORD": StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""]
+        let first = try PostgresQueueStore(url: url, environment: environment, logger: logger)
+        _ = try await first.insert([item(0)])  // the schema is made
+
+        // Another session reads dq_server_state in a transaction that stays open (a report, a backup's
+        // snapshot): ALTER TABLE ... ADD COLUMN IF NOT EXISTS would wait for it even with nothing to add.
+        let components = try #require(URLComponents(string: url))
+        let holder = Process()
+        holder.executableURL = URL(fileURLWithPath: "/usr/bin/psql")
+        holder.arguments = [
+            "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
+            String(components.path.dropFirst()), "-qc",
+            "BEGIN; LOCK TABLE dq_server_state IN ACCESS SHARE MODE; SELECT pg_sleep(60); COMMIT",
+        ]
+        holder.environment = ["PGPASSWORD": environment["PGPASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        holder.standardOutput = FileHandle.nullDevice
+        try holder.run()
+        defer { holder.terminate() }
+        var held = false
+        for _ in 0..<600 where !held {
+            for try await count in try await first.client.query(
+                "SELECT count(*) FROM pg_locks WHERE relation = to_regclass('dq_server_state') AND pid <> pg_backend_pid()",
+                logger: logger
+            ).decode(Int.self) {
+                held = count > 0
+            }
+            if !held { try await Task.sleep(for: .milliseconds(50)) }
+        }
+        try #require(held, "the other session holds its lock")
+
+        let second = try PostgresQueueStore(url: url, environment: environment, logger: logger)
+        let status = try await second.status(queue: Self.server)
+        #expect(status.pending == 1, "the second store started and read while the other transaction stayed open")
+        await second.shutdown()
+        await first.shutdown()
+    }
+
+    @Test(
         "PostgreSQL: a flusher whose lease expired and was taken over can neither send nor write (the fence)",
         .enabled(if: StoreKind.available.contains(.postgres)))
     func fencing() async throws {

@@ -298,8 +298,28 @@ final class PostgresQueueStore: QueueStorage {
         """,
     ]
 
+    /// One statement that says whether the schema is complete and current: every object ``schema`` makes (a
+    /// statement added there belongs here too), and no note left in a lease row to move. When it is, a store starts without the
+    /// migration's transaction (its advisory lock, and the table locks that `CREATE INDEX IF NOT EXISTS` and
+    /// `ADD COLUMN IF NOT EXISTS` take even when there is nothing to do: about twenty round trips, and a wait
+    /// behind any open transaction on those tables).
+    static let schemaIsCurrent = """
+        SELECT EXISTS (SELECT 1 FROM dq_meta WHERE id = 1)
+           AND to_regclass('dq_item') IS NOT NULL AND to_regclass('dq_item_by_queue') IS NOT NULL
+           AND to_regclass('dq_item_by_full_url') IS NOT NULL AND to_regclass('dq_delivery') IS NOT NULL
+           AND to_regclass('dq_delivery_by_queue') IS NOT NULL AND to_regclass('dq_delivery_by_uuid') IS NOT NULL
+           AND to_regclass('dq_delivery_by_full_url') IS NOT NULL AND to_regclass('dq_lease') IS NOT NULL
+           AND to_regclass('dq_note') IS NOT NULL
+           AND to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NOT NULL
+           AND to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NOT NULL
+           AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_server_state')
+                       AND attname = 'conditional_create' AND NOT attisdropped)
+           AND NOT EXISTS (SELECT 1 FROM dq_lease l WHERE l.in_flight_seq IS NOT NULL
+                           AND NOT EXISTS (SELECT 1 FROM dq_note n WHERE n.queue = l.queue))
+        """
+
     /// Creates the schema under a transaction-scoped advisory lock (one instance at a time; the others find
-    /// it made).
+    /// it made), unless it is complete and current already (``schemaIsCurrent``).
     private static func migrate(_ client: PostgresClient, readOnly: Bool, display: String, logger: Logger) async throws {
         do {
             if readOnly {
@@ -309,6 +329,16 @@ final class PostgresQueueStore: QueueStorage {
                 }
                 return
             }
+            // A schema that is not there yet makes the check fail (dq_lease is missing): then it is made.
+            let complete = try? await { () async throws -> Bool in
+                for try await value in try await client.query(PostgresQuery(unsafeSQL: schemaIsCurrent), logger: logger)
+                    .decode(Bool.self)
+                {
+                    return value
+                }
+                return false
+            }()
+            if complete == true { return }
             try await client.withTransaction(logger: logger) { connection in
                 _ = try await connection.query("SELECT pg_advisory_xact_lock(7163046517)", logger: logger).collect()
                 for statement in schema {
