@@ -21,7 +21,10 @@ extension DQ {
                 Flushes whenever there is something to send: at once for items this process queues, every \
                 --poll-interval for items other processes queue, honouring the server's backoff. SIGTERM or \
                 SIGINT stop it gracefully: the request on the wire finishes (at most --drain-timeout), the journal \
-                is committed, and dq exits 0. With NOTIFY_SOCKET set it tells systemd READY=1 and STOPPING=1. \
+                is committed, and dq exits 0. SIGHUP reads the configuration and its secret files again: one that \
+                validates replaces the running one once the request on the wire is answered; one that does not is \
+                refused and logged. With NOTIFY_SOCKET set it tells systemd READY=1, RELOADING=1 and STOPPING=1, \
+                and WATCHDOG=1 when WATCHDOG_USEC asks. \
                 --metrics-address serves Prometheus text on /metrics, liveness on /healthz (200 while the process \
                 runs) and readiness on /readyz (503 with a JSON reason while storage fails, flushes fail with an \
                 error of their own or the server refuses the credentials, or an item waits longer than --ready-max-age).
