@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """A SMART-on-FHIR front for dq's sign-in tests: what an EHR puts before its FHIR API.
 
-Usage: smart_gate.py --port PORT --fhir SEKMET_BASE --issuer CANAILLE_BASE [--patient ID]
+Usage: smart_gate.py --port PORT --fhir SEKMET_BASE --issuer CANAILLE_BASE [--patient ID] [--public-host NAME]
 
 - GET  /fhir/.well-known/smart-configuration: Canaille's authorization and revocation endpoints, this
   gate's token endpoint, the issuer, and the JWKS that signs ID tokens.
 - GET /jwks: Canaille's JWKS passed through (503 while the control's `jwks_down` is set).
+  The smart-configuration names this gate's own endpoints by `--public-host` (default 127.0.0.1): a name
+  that only a test's proxy resolves proves that dq fetched them through it.
 - POST /token: passes the form to Canaille's token endpoint and adds the SMART launch context
   (`patient`, `encounter`) to a successful answer. A tamper mode (set over /_gate/control) changes the
   ID token first, to prove that dq refuses it: `bad-signature` flips a bit of Canaille's signature;
@@ -17,8 +19,8 @@ Usage: smart_gate.py --port PORT --fhir SEKMET_BASE --issuer CANAILLE_BASE [--pa
   Canaille's JWKS, with `exp`), issued at or after the control's `reject_before`; it is then forwarded to
   sekmet-fhir without the header. Anything else is answered 401.
 - POST /_gate/control {"tamper": MODE|null, "reject_issued_before_now": true, "jwks_down": bool};
-  GET /_gate/stats: counts of token requests by grant type, FHIR requests accepted and refused, and the
-  secrets seen.
+  GET /_gate/stats: counts of token requests by grant type, FHIR requests accepted and refused, JWKS
+  served, and the secrets seen.
 """
 import argparse
 import base64
@@ -35,7 +37,7 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
 STATE = {"tamper": None, "reject_before": 0.0, "jwks_down": False}
-STATS = {"grants": {}, "fhir_accepted": 0, "fhir_refused": 0, "secrets": []}
+STATS = {"grants": {}, "fhir_accepted": 0, "fhir_refused": 0, "jwks_served": 0, "secrets": []}
 LOCK = threading.Lock()
 GATE_KEY = ec.generate_private_key(ec.SECP256R1())
 GATE_KID = "gate-es256"
@@ -97,10 +99,11 @@ def main():
     parser.add_argument("--fhir", required=True)
     parser.add_argument("--issuer", required=True)
     parser.add_argument("--patient", default="example-patient")
+    parser.add_argument("--public-host", default="127.0.0.1")
     args = parser.parse_args()
     FHIR_USER = "Patient/" + args.patient
     issuer = args.issuer.rstrip("/")
-    base = "http://127.0.0.1:%d" % args.port
+    base = "http://%s:%d" % (args.public_host, args.port)
     jwks_client = jwt.PyJWKClient(issuer + "/oauth/jwks.json")
 
     class Handler(BaseHTTPRequestHandler):
@@ -141,6 +144,7 @@ def main():
                     down, resign = STATE["jwks_down"], STATE["tamper"] not in (None, "bad-signature")
                 if down:
                     return self.reply(503, b'{"error":"temporarily_unavailable"}')
+                STATS["jwks_served"] += 1
                 if resign:
                     return self.reply(200, json.dumps(gate_jwks()).encode())
                 with urllib.request.urlopen(issuer + "/oauth/jwks.json", timeout=30) as response:

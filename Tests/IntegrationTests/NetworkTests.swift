@@ -52,16 +52,16 @@ struct NetworkTests {
         return (ca.cert, server, client)
     }
 
-    /// squid on a free port, resolving `fhir.invalid` to 127.0.0.1 from its own hosts file; with `credentials`,
-    /// it asks for them (basic auth).
+    /// squid on a free port, resolving `fhir.invalid` (and `names`) to 127.0.0.1 from its own hosts file; with
+    /// `credentials`, it asks for them (basic auth).
     final class Squid: @unchecked Sendable {
         let port = Peers.freePort()
         let log: String
         private var child: ChildProcess?
 
-        init(in work: TemporaryDirectory, credentials: (user: String, password: String)? = nil) async throws {
+        init(in work: TemporaryDirectory, credentials: (user: String, password: String)? = nil, names: [String] = []) async throws {
             log = work.file("squid-access-\(port).log")
-            let hosts = try work.write("squid-hosts", "127.0.0.1 fhir.invalid\n")
+            let hosts = try work.write("squid-hosts-\(port)", "127.0.0.1 \((["fhir.invalid"] + names).joined(separator: " "))\n")
             var access = "http_access allow localnet\n"
             if let credentials {
                 let hash = try await ChildProcess("/usr/bin/openssl", ["passwd", "-apr1", credentials.password]).wait().stdout

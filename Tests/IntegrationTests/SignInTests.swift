@@ -19,7 +19,7 @@ struct SignInTests {
         let canaille: CanailleServer
         let fhir: FHIRServer
         let gate: SMARTGate
-        let env: [String: String]
+        var env: [String: String]
         let clientID: String
     }
 
@@ -38,9 +38,10 @@ struct SignInTests {
     ///   - clientID: sign in as this client instead, with `auth` added to the auth object (`auth` may name
     ///     Canaille's own endpoints with the placeholder `CANAILLE`).
     ///   - keyClients: private_key_jwt clients to create in Canaille (id and public JWKS).
+    ///   - gateHost: the name dq is given for the gate (its server, token endpoint and JWKS).
     func setUp(
         tokenLifetime: Int = 3600, refreshLifetime: Int? = nil, confidential: Bool = false, clientID other: String? = nil,
-        auth extra: [String: String] = [:], keyClients: [String: String] = [:]
+        auth extra: [String: String] = [:], keyClients: [String: String] = [:], gateHost: String = "127.0.0.1"
     ) async throws -> Setup {
         let canaille = try await CanailleServer(
             users: ["\(Self.person.0):\(Self.person.1)"],
@@ -49,7 +50,7 @@ struct SignInTests {
             ],
             keyClients: keyClients, tokenLifetime: tokenLifetime, refreshLifetime: refreshLifetime)
         let fhir = try await FHIRServer.start()
-        let gate = try await SMARTGate(fhir: fhir, canaille: canaille, patient: "pat-42")
+        let gate = try await SMARTGate(fhir: fhir, canaille: canaille, patient: "pat-42", publicHost: gateHost)
         let clientID = other ?? (confidential ? Self.confidential.0 : "dq-cli")
         var auth: [String: Any] = [
             "authorize_type": "authorization_code", "client_id": clientID, "credentials_dir": work.file("creds"),
@@ -59,7 +60,7 @@ struct SignInTests {
         for (key, value) in extra { auth[key] = value.replacingOccurrences(of: "CANAILLE", with: canaille.base) }
         let config = work.file("dq.json")
         try JSONSerialization.data(withJSONObject: [
-            "server": gate.fhirBase, "database": work.file("q.sqlite"), "auth": auth, "retry": ["initial_seconds": 1],
+            "server": gate.publicFHIRBase, "database": work.file("q.sqlite"), "auth": auth, "retry": ["initial_seconds": 1],
         ]).write(to: URL(fileURLWithPath: config))
         chmod(config, 0o600)
         return Setup(canaille: canaille, fhir: fhir, gate: gate, env: ["DQ_CONFIG": config, "HOME": work.path], clientID: clientID)
@@ -371,6 +372,40 @@ struct SignInTests {
         let seen = try await setup.gate.secrets()
         #expect(seen.count >= 10, "codes, verifiers and tokens recorded: \(seen.count)")
         expectNoSecrets(outputs + [es256.result.stdout, es256.result.stderr, status.stdout, json.stdout], seen)
+    }
+
+    @Test(
+        "through a proxy that alone resolves the server's name: discovery, the code exchange, the JWKS and the refresh go through it"
+    )
+    func signInThroughTheProxy() async throws {
+        chmod(work.path, 0o777)  // squid's workers write their logs here
+        let squid = try await NetworkTests.Squid(in: work, names: ["gate.invalid"])
+        var setup = try await setUp(tokenLifetime: 16, gateHost: "gate.invalid")
+        try await setup.gate.control(["tamper": "es256"])  // ID tokens on refresh answers too, keys at the gate
+        let direct = try await dq(["login", "--no-browser", "--timeout", "10"], setup.env)
+        #expect(direct.status != 0 && !direct.stdout.contains("http"), "gate.invalid resolves only through the proxy: \(direct.stderr)")
+
+        setup.env["HTTP_PROXY"] = squid.url
+        let (login, _, _) = try await login(setup, .follow)
+        #expect(login.status == 0, "\(login.stderr)")
+        let served = try await setup.gate.jwksServed()
+        #expect(served >= 1, "the ID token was checked with the gate's JWKS")
+        let first = try #require(try storedSignIn())
+        let renewAt = try Self.date(first["issued_at"]).addingTimeInterval(8)
+        try await enqueue(setup, 0..<1)
+        try await Task.sleep(for: .seconds(max(0, renewAt.timeIntervalSinceNow) + 0.5))
+        let flush = try await dq(["flush"], setup.env)
+        #expect(flush.status == 0, "\(flush.stderr)")
+        #expect(try await setup.gate.stats().grants["refresh_token"] == 1)
+        #expect(try await setup.gate.jwksServed() > served, "the refreshed ID token was checked with a JWKS fetched again")
+        #expect(try await setup.fhir.values("Observation", system: resources.system) == ["0"])
+        #expect(
+            try await eventually(timeout: .seconds(10)) {
+                try squid.accessLines().contains { $0.contains("CONNECT gate.invalid:\(setup.gate.port)") }
+            }, "\((try? squid.accessLines()) ?? [])")
+        let doctor = try await dq(["doctor"], setup.env)
+        #expect(doctor.stdout.contains("through proxy \(squid.url)"), "\(doctor.stdout)")
+        expectNoSecrets([login.stdout, login.stderr, flush.stdout, flush.stderr, doctor.stdout], try await setup.gate.secrets())
     }
 
     @Test(

@@ -251,15 +251,23 @@ final class CanailleServer: @unchecked Sendable {
 /// Canaille's access tokens before forwarding to sekmet-fhir.
 final class SMARTGate: @unchecked Sendable {
     let port: Int
+    /// The host name the gate's smart-configuration gives its own endpoints (token, JWKS).
+    let publicHost: String
     var fhirBase: String { "http://127.0.0.1:\(port)/fhir" }
+    /// The FHIR base by `publicHost`, as a client configured with that name reaches it.
+    var publicFHIRBase: String { "http://\(publicHost):\(port)/fhir" }
     private let child: ChildProcess
 
-    init(fhir: FHIRServer, canaille: CanailleServer, patient: String) async throws {
+    init(fhir: FHIRServer, canaille: CanailleServer, patient: String, publicHost: String = "127.0.0.1") async throws {
         port = Peers.freePort()
+        self.publicHost = publicHost
         let script = Peers.packageRoot.appendingPathComponent("scripts/smart_gate.py").path
         child = try ChildProcess(
             Peers.venv + "/bin/python",
-            [script, "--port", String(port), "--fhir", fhir.base, "--issuer", canaille.base, "--patient", patient])
+            [
+                script, "--port", String(port), "--fhir", fhir.base, "--issuer", canaille.base, "--patient", patient, "--public-host",
+                publicHost,
+            ])
         let url = fhirBase + "/.well-known/smart-configuration"
         let ready = try await eventually(timeout: .seconds(60)) { (try? await HTTP.get(url))?.0 == 200 }
         if !ready {
@@ -281,6 +289,11 @@ final class SMARTGate: @unchecked Sendable {
         return (
             object["grants"] as? [String: Int] ?? [:], object["fhir_accepted"] as? Int ?? -1, object["fhir_refused"] as? Int ?? -1
         )
+    }
+
+    /// How many times the gate served its JWKS.
+    func jwksServed() async throws -> Int {
+        try await HTTP.json("http://127.0.0.1:\(port)/_gate/stats")["jwks_served"] as? Int ?? -1
     }
 
     /// Every authorization code, PKCE verifier, client assertion and token that passed the token endpoint.
