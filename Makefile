@@ -5,7 +5,7 @@ export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 
 BENCH_APT := apache2-utils
-.PHONY: all build gateway release install deps peers test unit demo bench torture sanitize lint man clean
+.PHONY: all build gateway release install deps peers test unit demo bench torture sanitize lint man docs clean
 
 all: build
 
@@ -39,6 +39,12 @@ install: release
 
 peers:
 	scripts/peers.sh install
+
+# The library's documentation (DocC: the API, and the articles in Sources/FHIRDataQueue/FHIRDataQueue.docc),
+# as a static site in .build/docs; warnings (a broken link, an undocumented symbol in a topic) fail it.
+docs:
+	$(SWIFT) package --allow-writing-to-directory .build/docs generate-documentation --target FHIRDataQueue \
+	  --warnings-as-errors --disable-indexing --transform-for-static-hosting --output-path .build/docs
 
 # Every test: a short torture run, then unit and integration tests against real servers started here.
 test: build gateway peers
