@@ -36,7 +36,7 @@ struct DQBenchmarks {
             let (path, count, size) = (arguments[2], Int(arguments[3])!, Int(arguments[4])!)
             var configuration = DataQueue.Configuration(databasePath: path)
             configuration.durability = Durability(rawValue: arguments[5])!
-            let queue = try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
+            let queue = try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
             let resources = (0..<count).map { resource($0, size: size) }
             let start = ContinuousClock.now
             for resource in resources { try await queue.enqueue(resource) }
@@ -45,7 +45,7 @@ struct DQBenchmarks {
             try await queue.shutdown()
         case "enqueue-concurrent":
             let (path, count, size, producers) = (arguments[2], Int(arguments[3])!, Int(arguments[4])!, Int(arguments[5])!)
-            let queue = try DataQueue(
+            let queue = try await DataQueue(
                 baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
             let perProducer = count / producers
             // Made before the clock starts, as the references (enqueue-serial, the Python queues) do.
@@ -83,7 +83,7 @@ struct DQBenchmarks {
             var configuration = DataQueue.Configuration(databasePath: path)
             configuration.idempotent = true
             configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
-            let queue = try DataQueue(baseURL: URL(string: server)!, configuration: configuration)
+            let queue = try await DataQueue(baseURL: URL(string: server)!, configuration: configuration)
             for index in 0..<count {
                 let json =
                     #"{"resourceType":"Observation","status":"final","identifier":[{"system":"\#(system)","value":"lib-\#(String(format: "%05d", index))"}],"code":{"text":"library"}}"#

@@ -183,7 +183,7 @@ func withQueue<T>(
         LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format, journal: journal) }
         logger = Logger(label: "dq")
         warnAboutExposure(settings)
-        queue = try settings.makeQueue(readOnly: readOnly, logger: logger)
+        queue = try await settings.makeQueue(readOnly: readOnly, logger: logger)
     } catch let error as DataQueueError {
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))

@@ -3,6 +3,7 @@ import FHIRDataQueue
 import Foundation
 import Metrics
 import Prometheus
+import Synchronization
 
 enum FlushCommandSupport {
     static func describe(_ stop: FlushStop) -> String {
@@ -16,17 +17,18 @@ enum FlushCommandSupport {
     }
 
     /// Progress on a terminal: counts, the total, the rate and the time left, on one rewritten line.
-    final class Progress: @unchecked Sendable {
+    final class Progress: Sendable {
         private let total: Int
         private let start = Date()
-        private let lock = NSLock()
-        private var lastDraw = Date.distantPast
+        private let lastDraw = Mutex(Date.distantPast)
 
         init(total: Int) { self.total = total }
 
         func update(_ progress: FlushProgress) {
-            lock.lock()
-            defer { lock.unlock() }
+            lastDraw.withLock { lastDraw in draw(progress, lastDraw: &lastDraw) }
+        }
+
+        private func draw(_ progress: FlushProgress, lastDraw: inout Date) {
             let now = Date()
             let done = progress.delivered + progress.parked
             guard now.timeIntervalSince(lastDraw) >= 0.1 || done == total else { return }

@@ -142,7 +142,7 @@ struct ReloadOnHangup: Service {
             do {
                 let settings = try DataQueueSettings.load(options: options, sending: sending)
                 _ = try settings.journalRetention()
-                let queue = try settings.makeQueue(readOnly: false, logger: logger)
+                let queue = try await settings.makeQueue(readOnly: false, logger: logger)
                 let changed = Self.changes(current, settings)
                 logger.notice(
                     "configuration reloaded; delivery restarts with it",

@@ -23,8 +23,10 @@ struct BulkEnqueueTests {
             var components = try #require(URLComponents(string: try await StoreKind.freshDatabase()))
             components.password = StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"]
             configuration.databasePath = components.string! + (kind == .postgresUnprepared ? "&prepared_statements=off" : "")
+        case .postgresHostClient:
+            configuration.storage = .postgres(client: try await StoreKind.hostClient(database: try await StoreKind.freshDatabase()))
         }
-        return try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
+        return try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
     }
 
     static func observation(_ index: Int, subject: String? = nil) -> Data {

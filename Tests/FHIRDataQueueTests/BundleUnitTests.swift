@@ -82,7 +82,7 @@ struct BundleUnitTests {
         var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path)
         configuration.encryptedInFlight = 3
         let (recipient, _) = try EnvelopeTests.keyPair()
-        let queue = try EncryptedDataQueue(
+        let queue = try await EncryptedDataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!, encryptedBaseURL: URL(string: server.baseURL + "/enc")!,
             sealer: EnvelopeSealer(recipient: recipient, keyID: "k1"), configuration: configuration)
         for n in 0..<7 {

@@ -21,18 +21,18 @@ struct FlushHardeningTests {
     var databasePath: String { directory.appendingPathComponent("q.sqlite").path }
 
     /// A queue that sends one request per item (these tests script each request's answer).
-    func queue(_ server: ScriptedServer, path: String = "/fhir", idempotent: Bool = false) throws -> DataQueue {
+    func queue(_ server: ScriptedServer, path: String = "/fhir", idempotent: Bool = false) async throws -> DataQueue {
         var configuration = DataQueue.Configuration(databasePath: databasePath, idempotent: idempotent)
         configuration.batchSize = 1
         configuration.retryPolicy = RetryPolicy(initialDelay: 60, maximumDelay: 600, jitter: 0)
         configuration.requestTimeout = 10
-        return try DataQueue(baseURL: URL(string: server.baseURL + path)!, configuration: configuration)
+        return try await DataQueue(baseURL: URL(string: server.baseURL + path)!, configuration: configuration)
     }
 
     /// An idempotent queue whose server is known (as if its CapabilityStatement had just been read) to declare
     /// conditional create for the types these tests send: no request reads it.
     func declaringQueue(_ server: ScriptedServer) async throws -> DataQueue {
-        let queue = try queue(server, idempotent: true)
+        let queue = try await queue(server, idempotent: true)
         try await queue.store.recordBundleSupport(
             queue: queue.queueName, transactions: false, batchLimit: nil, conditionalCreate: ["Patient", "Observation"])
         return queue
@@ -58,7 +58,7 @@ struct FlushHardeningTests {
     func lateJournalKeepsBackoff() async throws {
         let server = try await ScriptedServer(
             handler: Self.scripted([.respond(.created(location: "Patient/a/_history/1")), .respond(.init(status: 503))]))
-        let queue = try queue(server)
+        let queue = try await queue(server)
         // Every journal commit of this queue happens half a second late: long after the 503 is handled.
         queue.hooks.beforeJournalCommit = { Thread.sleep(forTimeInterval: 0.5) }
         try await queue.enqueue(Self.patient(1))
@@ -91,7 +91,7 @@ struct FlushHardeningTests {
             }
             return .respond(.created(location: "Patient/p\(request.body.count)/_history/1"))
         }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         try await queue.enqueue(Self.patient(1))
         let flushing = Task { try await queue.flush() }  // holds the flush right while its request waits
         #expect(await server.waitFor { $0.count == 1 })
@@ -120,8 +120,8 @@ struct FlushHardeningTests {
     func flushLockPerQueue() async throws {
         let stalled = try await ScriptedServer { _ in .stall }
         let healthy = try await ScriptedServer { _ in .respond(.created(location: "Patient/b/_history/1")) }
-        let slow = try queue(stalled)
-        let fast = try queue(healthy)
+        let slow = try await queue(stalled)
+        let fast = try await queue(healthy)
         #expect(slow.flushLockPath != fast.flushLockPath)
         try await slow.enqueue(Self.patient(1))
         let stuck = Task { try await slow.flush() }
@@ -149,7 +149,7 @@ struct FlushHardeningTests {
         try await probe.shutdown()
         var configuration = DataQueue.Configuration(databasePath: databasePath)
         configuration.connectTimeout = 2
-        let queue = try DataQueue(baseURL: URL(string: "http://127.0.0.1:\(port)/fhir")!, configuration: configuration)
+        let queue = try await DataQueue(baseURL: URL(string: "http://127.0.0.1:\(port)/fhir")!, configuration: configuration)
         try await queue.enqueue(Self.patient(1))
         let report = try await queue.flush()
         guard case .transient = report.stop else {
@@ -164,7 +164,7 @@ struct FlushHardeningTests {
     @Test("A request that may have reached the server (connection dropped after sending) keeps the marker")
     func droppedConnectionKeepsMarker() async throws {
         let server = try await ScriptedServer { _ in .close }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         try await queue.enqueue(Self.patient(1))
         _ = try await queue.flush()
         let lock = try FileLock(path: queue.flushLockPath)
@@ -247,7 +247,7 @@ struct FlushHardeningTests {
     @Test("A flush of many items leaves no marker behind")
     func flushLeavesNoMarker() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/x/_history/1")) }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         for index in 1...20 { try await queue.enqueue(try Self.patient(index)) }
         let report = try await queue.flush()
         #expect(report.delivered == 20)
@@ -262,7 +262,7 @@ struct FlushHardeningTests {
             try? await Task.sleep(for: .milliseconds(50))
             return .respond(.created(location: "Patient/x/_history/1"))
         }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         _ = try await queue.enqueue(contentsOf: (0..<40).map { (try Self.patient($0), FHIRMethod.post) })
         let flush = Task { try await queue.flush() }
         #expect(await server.waitFor { $0.count >= 3 })
@@ -280,7 +280,7 @@ struct FlushHardeningTests {
     @Test("A cancelled task reading the queue sees CancellationError, not a storage error")
     func cancellationIsNotStorage() async throws {
         let server = try await ScriptedServer { _ in .close }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         let task = Task {
             withUnsafeCurrentTask { $0?.cancel() }
             return try await queue.status()
@@ -294,11 +294,11 @@ struct FlushHardeningTests {
     func editedRowURLIsNeverSent() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
         let elsewhere = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
-        let queue = try DataQueue(
+        let queue = try await DataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!,
             configuration: .init(databasePath: databasePath, batchSize: 1), authorization: StaticBearerToken("secret-token"))
         let item = try await queue.enqueue(Self.patient(1))
-        try await (queue.store as! QueueStore).database.write { db in
+        try await (queue.store as! SQLiteQueueStore).database.write { db in
             try db.execute(sql: "UPDATE item SET url = ? WHERE seq = ?", arguments: [elsewhere.baseURL + "/Patient", item.sequence])
         }
         let error = try await #require(throws: DataQueueError.self) { try await queue.flush() }
@@ -315,17 +315,17 @@ struct FlushHardeningTests {
     @Test("A row with an unknown state or method is an error that names it, not a pending item")
     func undecodableRows() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         let first = try await queue.enqueue(Self.patient(1))
         let second = try await queue.enqueue(Self.patient(2))
-        try await (queue.store as! QueueStore).database.write { db in
+        try await (queue.store as! SQLiteQueueStore).database.write { db in
             try db.execute(sql: "UPDATE item SET state = 'sending' WHERE seq = ?", arguments: [first.sequence])
         }
         let status = try await #require(throws: DataQueueError.self) { try await queue.status() }
         #expect(status.code == .storage && status.message.contains("row \(first.sequence)"))
         let flush = try await #require(throws: DataQueueError.self) { try await queue.flush() }
         #expect(flush.code == .storage)
-        try await (queue.store as! QueueStore).database.write { db in
+        try await (queue.store as! SQLiteQueueStore).database.write { db in
             try db.execute(sql: "UPDATE item SET state = 'pending' WHERE seq = ?", arguments: [first.sequence])
             try db.execute(sql: "UPDATE item SET method = 'DELETE' WHERE seq = ?", arguments: [second.sequence])
         }
@@ -398,7 +398,7 @@ struct FlushHardeningTests {
     @Test("Idempotent mode is decided when the item is sent: an item queued without it is sent conditionally")
     func decidedAtSendTime() async throws {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
-        let plain = try queue(server, idempotent: false)
+        let plain = try await queue(server, idempotent: false)
         try await plain.enqueue(Self.patient(1))
         try await plain.shutdown()
         let idempotent = try await declaringQueue(server)
@@ -498,7 +498,7 @@ struct FlushHardeningTests {
     func encryptedUpdateIsExplicit() async throws {
         let server = try await ScriptedServer { _ in .respond(.init(status: 200)) }
         let (recipient, _) = try EnvelopeTests.keyPair()
-        let queue = try EncryptedDataQueue(
+        let queue = try await EncryptedDataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!, encryptedBaseURL: URL(string: server.baseURL + "/enc")!,
             sealer: EnvelopeSealer(recipient: recipient, keyID: "k1"), shouldEncrypt: { $0.resourceType == "Patient" },
             configuration: .init(databasePath: databasePath))
@@ -525,7 +525,7 @@ struct FlushHardeningTests {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/a/_history/1")) }
         let client = HTTPClient(eventLoopGroupProvider: .singleton)
         let auth = RecordingAuthorization()
-        let queue = try DataQueue(
+        let queue = try await DataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!, configuration: .init(databasePath: databasePath),
             authorization: auth, httpClient: client)
         try await queue.enqueue(Self.patient(1))
@@ -535,7 +535,7 @@ struct FlushHardeningTests {
         try await queue.shutdown()
         #expect(auth.isShutDown, "the queue's shutdown shut down its authorization provider")
         // Still usable by its owner after the queue is gone.
-        let again = try DataQueue(
+        let again = try await DataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!, configuration: .init(databasePath: databasePath),
             httpClient: client)
         try await again.enqueue(Self.patient(2))

@@ -154,14 +154,14 @@ struct InputHardeningTests {
     @Test(
         "Durations that are not finite, out of range or zero where zero makes no sense are refused, naming the setting",
         arguments: [Double.nan, .infinity, -.infinity, 1e300, 0, -1, 86_401])
-    func badTimeouts(value: Double) throws {
+    func badTimeouts(value: Double) async throws {
         var configuration = DataQueue.Configuration(databasePath: path("q.sqlite"))
         configuration.requestTimeout = value
         let error = try #require(throws: DataQueueError.self) { try configuration.validate() }
         #expect(error.code == .invalidConfiguration)
         #expect(error.message.contains("requestTimeout"))
-        #expect(throws: DataQueueError.self) {
-            try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
+        await #expect(throws: DataQueueError.self) {
+            try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
         }
         #expect(!FileManager.default.fileExists(atPath: path("q.sqlite")), "nothing opened for a bad setting")
     }
@@ -186,14 +186,14 @@ struct InputHardeningTests {
     @Test(
         "A database setting in a URL form dq does not know is refused without creating anything",
         arguments: ["mysql://u:pw@host/db", "sqlite://x"])
-    func databaseURLRefused(url: String) throws {
+    func databaseURLRefused(url: String) async throws {
         let error = try #require(throws: DataQueueError.self) {
             try DataQueue.Configuration.checkDatabasePath(url, name: "database")
         }
         #expect(error.code == .invalidConfiguration)
         #expect(!error.message.contains("pw"))
-        #expect(throws: DataQueueError.self) {
-            try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: .init(databasePath: url))
+        await #expect(throws: DataQueueError.self) {
+            try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: .init(databasePath: url))
         }
         #expect(!FileManager.default.fileExists(atPath: url.components(separatedBy: "/")[0]))
     }
@@ -228,7 +228,7 @@ struct InputHardeningTests {
         try Data("keep me".utf8).write(to: URL(fileURLWithPath: target))
         let lockPath = path("q.sqlite.lock")
         try FileManager.default.createSymbolicLink(atPath: lockPath, withDestinationPath: target)
-        let error = try #require(throws: DataQueueError.self) { try QueueStore(path: path("q.sqlite"), durability: .full) }
+        let error = try #require(throws: DataQueueError.self) { try SQLiteQueueStore(path: path("q.sqlite"), durability: .full) }
         #expect(error.message.contains("symbolic link"))
         #expect(try String(contentsOfFile: target, encoding: .utf8) == "keep me")
     }
@@ -237,7 +237,8 @@ struct InputHardeningTests {
     func flushLockSymlink() async throws {
         let target = path("precious.txt")
         try Data("keep me".utf8).write(to: URL(fileURLWithPath: target))
-        let queue = try DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: .init(databasePath: path("q.sqlite")))
+        let queue = try await DataQueue(
+            baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: .init(databasePath: path("q.sqlite")))
         try FileManager.default.createSymbolicLink(atPath: queue.flushLockPath, withDestinationPath: target)
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
         await #expect(throws: DataQueueError.self) { try await queue.flush() }
@@ -249,7 +250,7 @@ struct InputHardeningTests {
     func readOnlyMissing() throws {
         let missing = path("no/such/dir/q.sqlite")
         let error = try #require(throws: DataQueueError.self) {
-            try QueueStore(path: missing, durability: .full, readOnly: true)
+            try SQLiteQueueStore(path: missing, durability: .full, readOnly: true)
         }
         #expect(error.code == .storage && error.message.contains("no queue database"))
         #expect(!FileManager.default.fileExists(atPath: path("no")))
@@ -258,7 +259,7 @@ struct InputHardeningTests {
     @Test("A read-only store reads a queue and refuses writes")
     func readOnlyReads() async throws {
         do {
-            let store = try QueueStore(path: path("q.sqlite"), durability: .full)
+            let store = try SQLiteQueueStore(path: path("q.sqlite"), durability: .full)
             _ = try await store.insert([
                 NewItem(
                     id: UUID(), queue: "http://h/fhir", method: .post, url: "Patient", resourceType: "Patient",
@@ -266,7 +267,7 @@ struct InputHardeningTests {
                     body: Data(#"{"resourceType":"Patient"}"#.utf8))
             ])
         }
-        let reader = try QueueStore(path: path("q.sqlite"), durability: .full, readOnly: true)
+        let reader = try SQLiteQueueStore(path: path("q.sqlite"), durability: .full, readOnly: true)
         #expect(try await reader.status(queue: "http://h/fhir").pending == 1)
         await #expect(throws: DataQueueError.self) { try await reader.retryAllParked(queue: "http://h/fhir") }
     }
@@ -275,19 +276,19 @@ struct InputHardeningTests {
     func foreignFiles() throws {
         let empty = path("empty.sqlite")
         _ = FileManager.default.createFile(atPath: empty, contents: Data())
-        let emptyError = try #require(throws: DataQueueError.self) { try QueueStore(path: empty, durability: .full) }
+        let emptyError = try #require(throws: DataQueueError.self) { try SQLiteQueueStore(path: empty, durability: .full) }
         #expect(emptyError.message.contains("empty"))
         #expect((try FileManager.default.attributesOfItem(atPath: empty)[.size] as? Int) == 0)
 
         let text = path("notes.sqlite")
         try Data(String(repeating: "not a database\n", count: 100).utf8).write(to: URL(fileURLWithPath: text))
-        let textError = try #require(throws: DataQueueError.self) { try QueueStore(path: text, durability: .full) }
+        let textError = try #require(throws: DataQueueError.self) { try SQLiteQueueStore(path: text, durability: .full) }
         #expect(textError.message.contains("not a SQLite database"))
         #expect(try String(contentsOfFile: text, encoding: .utf8).hasPrefix("not a database"))
 
         let other = path("other.sqlite")
         try DatabaseQueue(path: other).write { db in try db.execute(sql: "CREATE TABLE notes (t TEXT)") }
-        let otherError = try #require(throws: DataQueueError.self) { try QueueStore(path: other, durability: .full) }
+        let otherError = try #require(throws: DataQueueError.self) { try SQLiteQueueStore(path: other, durability: .full) }
         #expect(otherError.message.contains("not a dq queue"))
         let tables = try DatabaseQueue(path: other).read { db in
             try String.fetchAll(db, sql: "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
@@ -297,13 +298,13 @@ struct InputHardeningTests {
 
     @Test("A new database appears whole: no leftover temporary file, schema complete")
     func creationIsAtomic() throws {
-        let store = try QueueStore(path: path("q.sqlite"), durability: .full)
+        let store = try SQLiteQueueStore(path: path("q.sqlite"), durability: .full)
         let files = try FileManager.default.contentsOfDirectory(atPath: directory.path)
         #expect(!files.contains { $0.hasPrefix("q.sqlite.new") }, "\(files)")
         let migrations = try store.database.read { db in
             try String.fetchAll(db, sql: "SELECT identifier FROM grdb_migrations ORDER BY identifier")
         }
-        #expect(migrations == QueueStore.migrator.migrations)
+        #expect(migrations == SQLiteQueueStore.migrator.migrations)
         #expect(migrations.count >= 3)
     }
 
@@ -312,7 +313,7 @@ struct InputHardeningTests {
         let file = path("old.sqlite")
         let old = try DatabaseQueue(path: file)
         // A database of the previous dq: the real migrator up to v1.
-        try QueueStore.migrator.migrate(old, upTo: "v1")
+        try SQLiteQueueStore.migrator.migrate(old, upTo: "v1")
         try old.write { db in
             let columns = "(uuid, queue, method, url, resource_type, encrypted, content_type, body, enqueued_at)"
             try db.execute(
@@ -326,7 +327,7 @@ struct InputHardeningTests {
                 arguments: [UUID().uuidString.lowercased(), "HTTP://H:80/fhir", "http://evil/Patient/x"])
         }
         try old.close()
-        let store = try QueueStore(path: file, durability: .full)
+        let store = try SQLiteQueueStore(path: file, durability: .full)
         let rows = try store.database.read { db in
             try Row.fetchAll(db, sql: "SELECT queue, url FROM item ORDER BY seq").map { [$0["queue"] as String, $0["url"] as String] }
         }
@@ -337,7 +338,7 @@ struct InputHardeningTests {
     func migrationV4() async throws {
         let file = path("v3.sqlite")
         let old = try DatabaseQueue(path: file)
-        try QueueStore.migrator.migrate(old, upTo: "v3")
+        try SQLiteQueueStore.migrator.migrate(old, upTo: "v3")
         let columns = """
             (uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, if_none_exist, body, state, \
             attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, conditional_create, full_url)
@@ -360,7 +361,7 @@ struct InputHardeningTests {
         let before = try old.read { db in try Row.fetchAll(db, sql: "SELECT * FROM item ORDER BY seq") }
         try old.close()
 
-        let store = try QueueStore(path: file, durability: .full)
+        let store = try SQLiteQueueStore(path: file, durability: .full)
         let (after, schema, indexes, floor) = try store.database.read { db in
             (
                 try Row.fetchAll(db, sql: "SELECT * FROM item ORDER BY seq"),
@@ -394,13 +395,13 @@ struct InputHardeningTests {
     @Test("A queue database upgraded by a newer dq is refused, for writing and for reading, and left as it was")
     func newerSchemaRefused() throws {
         let file = path("newer.sqlite")
-        _ = try QueueStore(path: file, durability: .full)
+        _ = try SQLiteQueueStore(path: file, durability: .full)
         let newer = try DatabaseQueue(path: file)
         try newer.write { db in try db.execute(sql: "INSERT INTO grdb_migrations (identifier) VALUES ('v99')") }
         try newer.close()
         for readOnly in [false, true] {
             let error = try #require(throws: DataQueueError.self) {
-                try QueueStore(path: file, durability: .full, readOnly: readOnly)
+                try SQLiteQueueStore(path: file, durability: .full, readOnly: readOnly)
             }
             #expect(error.code == .storage)
             #expect(error.message.contains("newer dq"), "\(error.message)")
@@ -408,6 +409,6 @@ struct InputHardeningTests {
         let identifiers = try DatabaseQueue(path: file).read { db in
             try String.fetchAll(db, sql: "SELECT identifier FROM grdb_migrations ORDER BY identifier")
         }
-        #expect(identifiers == QueueStore.migrator.migrations + ["v99"])
+        #expect(identifiers == SQLiteQueueStore.migrator.migrations + ["v99"])
     }
 }

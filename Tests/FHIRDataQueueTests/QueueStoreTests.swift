@@ -27,7 +27,7 @@ struct QueueStoreTests {
 
     @Test("The database is WAL with synchronous=FULL by default, NORMAL when asked, and mode 0600")
     func pragmas() async throws {
-        let store = try QueueStore(path: path, durability: .full)
+        let store = try SQLiteQueueStore(path: path, durability: .full)
         let (mode, sync) = try await store.database.read { db in
             (try String.fetchOne(db, sql: "PRAGMA journal_mode"), try Int.fetchOne(db, sql: "PRAGMA synchronous"))
         }
@@ -35,7 +35,7 @@ struct QueueStoreTests {
         #expect(sync == 2)
         let permissions = try FileManager.default.attributesOfItem(atPath: path)[.posixPermissions] as? Int
         #expect(permissions == 0o600)
-        let normal = try QueueStore(path: directory.appendingPathComponent("n.sqlite").path, durability: .normal)
+        let normal = try SQLiteQueueStore(path: directory.appendingPathComponent("n.sqlite").path, durability: .normal)
         let normalSync = try await normal.database.read { db in try Int.fetchOne(db, sql: "PRAGMA synchronous") }
         #expect(normalSync == 1)
     }
@@ -43,7 +43,7 @@ struct QueueStoreTests {
     @Test("Opening an existing queue and reading its status writes nothing to disk")
     func readOnlyOpen() async throws {
         do {
-            let store = try QueueStore(path: path, durability: .full)
+            let store = try SQLiteQueueStore(path: path, durability: .full)
             _ = try await store.insert([item(1)])
         }
         func fingerprint() -> [String] {
@@ -55,7 +55,7 @@ struct QueueStoreTests {
         }
         let before = fingerprint()
         do {
-            let store = try QueueStore(path: path, durability: .full)
+            let store = try SQLiteQueueStore(path: path, durability: .full)
             #expect(try await store.status(queue: "http://h/fhir").pending == 1)
         }
         #expect(fingerprint() == before)
@@ -63,7 +63,7 @@ struct QueueStoreTests {
 
     @Test("Concurrent enqueues share commits, each gets its own sequence, and nothing is lost")
     func groupCommit() async throws {
-        let store = try QueueStore(path: path, durability: .full)
+        let store = try SQLiteQueueStore(path: path, durability: .full)
         let sequences = try await withThrowingTaskGroup(of: Int64.self) { group in
             for index in 0..<500 { group.addTask { try await store.insertGrouped(item(index)) } }
             return try await group.reduce(into: [Int64]()) { $0.append($1) }
@@ -73,43 +73,6 @@ struct QueueStoreTests {
         #expect(store.groupedCommits >= 1 && store.groupedCommits <= 500, "\(store.groupedCommits) commits")
     }
 
-    @Test("Group commit: enqueues that arrive during a commit share the next; every commit runs on the writer thread")
-    func leaderFollower() async throws {
-        let gate = DispatchSemaphore(value: 0)
-        let batches = Mutex<[[String]]>([])
-        let threads = Mutex<Set<pthread_t>>([])
-        let batcher = EnqueueBatcher { items in
-            threads.withLock { _ = $0.insert(pthread_self()) }
-            let first = batches.withLock { batches in
-                batches.append(items.map { String(decoding: $0.body, as: UTF8.self) })
-                return batches.count == 1
-            }
-            if first { gate.wait() }  // the first commit is slow: the others arrive while it runs (on the writer thread)
-            let base = Int64(batches.withLock { $0.flatMap { $0 }.count - items.count })
-            return .success(items.indices.map { base + Int64($0) + 1 })
-        }
-        let leader = Task { try await batcher.submit(item(0)) }
-        #expect(try await waitFor { batches.withLock { $0.count } == 1 }, "the leader is committing")
-        var followers: [Task<Int64, any Error>] = []
-        for index in 1...10 {
-            followers.append(Task { try await batcher.submit(item(index)) })
-            #expect(try await waitFor { batcher.waitingCount == index }, "enqueue \(index) waits for the commit")
-        }
-        gate.signal()
-        #expect(try await leader.value == 1)
-        var sequences: [Int64] = []
-        for follower in followers { sequences.append(try await follower.value) }
-        #expect(sequences == Array(2...11), "each follower got its own sequence, in arrival order")
-        let committed = batches.withLock { $0 }
-        #expect(committed.count == 2, "two commits for eleven enqueues: \(committed.map(\.count))")
-        #expect(committed.last?.count == 10)
-        #expect(batcher.commits == 2)
-        // Uncontended again: the next enqueue commits alone.
-        #expect(try await batcher.submit(item(11)) == 12)
-        #expect(batches.withLock { $0.last?.count } == 1)
-        #expect(threads.withLock { $0.count } == 1, "the three commits ran on one thread, the writer's")
-    }
-
     /// A durable enqueue must not hold a thread of the caller's executor in its commit: from a task whose
     /// executor has one thread, the enqueue's commit runs on another thread. (Before, an uncontended enqueue
     /// committed, with its fsync, on the calling thread: with two pool threads, two such enqueues stopped
@@ -117,11 +80,12 @@ struct QueueStoreTests {
     @Test("A durable enqueue commits off the calling task's thread")
     func enqueueCommitsOffCaller() async throws {
         let commitThreads = Mutex<[pthread_t]>([])
-        let store = try QueueStore(path: path, durability: .full)
-        let batcher = EnqueueBatcher { items in
-            commitThreads.withLock { $0.append(pthread_self()) }
-            return QueueStore.immediateNow(store.database, "enqueue") { db in try QueueStore.insert(items, db: db) }
-        }
+        let store = try SQLiteQueueStore(path: path, durability: .full)
+        let batcher = GroupCommit<NewItem, Int64>(
+            committer: .thread(name: "dq-enqueue") { items in
+                commitThreads.withLock { $0.append(pthread_self()) }
+                return SQLiteQueueStore.immediateNow(store.database, "enqueue") { db in try SQLiteQueueStore.insert(items, db: db) }
+            })
         let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
         let executor = EventLoopTaskExecutor(loop.next())
         let callerThread = try await Task(executorPreference: executor) { () async throws -> pthread_t in
@@ -135,12 +99,47 @@ struct QueueStoreTests {
         #expect(!threads.contains(callerThread), "a commit ran on the calling task's thread")
     }
 
+    /// Opening a queue may wait for another process's file lock (and then migrate): it must not hold the
+    /// caller's thread meanwhile. From an executor of one thread, a second task on it runs while the open
+    /// waits. (Before, `DataQueue.init` took the lock on the calling thread: the second task ran only after the
+    /// lock was released, which here happens after 20 s without it.)
+    @Test("Opening a queue waits for its file lock off the calling task's thread")
+    func openWaitsOffCaller() async throws {
+        let holder = try FileLock(path: path + ".lock")
+        try holder.lock()
+        let otherRan = Mutex(false)
+        let otherRanBeforeRelease = Mutex<Bool?>(nil)
+        let releaser = Thread {
+            let deadline = Date().addingTimeInterval(20)
+            while !otherRan.withLock({ $0 }) && Date() < deadline { usleep(10_000) }
+            otherRanBeforeRelease.withLock { $0 = otherRan.withLock { $0 } }
+            holder.unlock()
+        }
+        let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
+        let executor = EventLoopTaskExecutor(loop.next())
+        let path = path
+        let started = Mutex(false)
+        let opening = Task(executorPreference: executor) {
+            started.withLock { $0 = true }  // from here the open runs on without a suspension until it waits
+            return try await DataQueue(
+                baseURL: URL(string: "http://h/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
+        }
+        while !started.withLock({ $0 }) { try await Task.sleep(for: .milliseconds(5)) }
+        releaser.start()
+        await Task(executorPreference: executor) { otherRan.withLock { $0 = true } }.value
+        let queue = try await opening.value
+        #expect(try await queue.status().pending == 0)
+        try await queue.shutdown()
+        try await loop.shutdownGracefully()
+        #expect(otherRanBeforeRelease.withLock { $0 } == true, "the open held the caller's only thread while it waited")
+    }
+
     @Test("A queue path with URI characters is opened at that very path, and a relative one stays relative")
     func uriCharacters() async throws {
         let folder = directory.appendingPathComponent("a b?c#d%e&f=ü")
         try FileManager.default.createDirectory(at: folder, withIntermediateDirectories: true)
         let path = folder.appendingPathComponent("q?vfs=unix#x.sqlite").path
-        let store = try QueueStore(path: path, durability: .full)
+        let store = try SQLiteQueueStore(path: path, durability: .full)
         #expect(try await store.insert([item(1)]) == [1])
         #expect(
             try FileManager.default.contentsOfDirectory(atPath: folder.path).sorted() == [
@@ -172,7 +171,7 @@ struct QueueStoreTests {
     /// AUTOINCREMENT (SQLite's default would hand out the newest deleted number again) fails it.
     @Test("A sequence number is never used twice: deleting the newest items, or all, does not hand their numbers out again")
     func sequenceNeverReused() async throws {
-        let store = try QueueStore(path: path, durability: .full)
+        let store = try SQLiteQueueStore(path: path, durability: .full)
         #expect(try await store.insert([item(1), item(2), item(3)]) == [1, 2, 3])
         try await store.database.write { db in try db.execute(sql: "DELETE FROM item WHERE seq = 3") }
         #expect(try await store.insert([item(4)]) == [4])
@@ -186,7 +185,7 @@ struct QueueStoreTests {
             try db.execute(sql: "DELETE FROM item WHERE seq = 6")
             try db.execute(sql: "DELETE FROM item WHERE seq = 7")
         }
-        let reopened = try QueueStore(path: path, durability: .full)
+        let reopened = try SQLiteQueueStore(path: path, durability: .full)
         #expect(try await reopened.insert([item(8)]) == [8])
     }
 
@@ -196,12 +195,13 @@ struct QueueStoreTests {
         for round in 0..<5 {
             let shared = directory.appendingPathComponent("m\(round).sqlite").path
             // Each opener hands back its store or its error, so every failed open is reported.
-            let results: [Result<QueueStore, any Error>] = await withTaskGroup(of: Result<QueueStore, any Error>.self) { group in
+            let results: [Result<SQLiteQueueStore, any Error>] = await withTaskGroup(of: Result<SQLiteQueueStore, any Error>.self) {
+                group in
                 for _ in 0..<openers {
                     // Each on a thread of its own: an open waits for the file's lock, blocking its thread.
-                    group.addTask { await onThreadOfItsOwn { Result { try QueueStore(path: shared, durability: .full) } } }
+                    group.addTask { await onThreadOfItsOwn { Result { try SQLiteQueueStore(path: shared, durability: .full) } } }
                 }
-                var all: [Result<QueueStore, any Error>] = []
+                var all: [Result<SQLiteQueueStore, any Error>] = []
                 for await result in group { all.append(result) }
                 return all
             }
@@ -221,7 +221,7 @@ struct QueueStoreTests {
             }
             // Every registered migration ran, each once, and nothing else did.
             #expect(applied.count == Set(applied).count, "round \(round): \(applied)")
-            #expect(applied.sorted() == QueueStore.migrator.migrations.sorted(), "round \(round): \(applied)")
+            #expect(applied.sorted() == SQLiteQueueStore.migrator.migrations.sorted(), "round \(round): \(applied)")
             #expect(tables == ["item", "delivery", "server_state"], "round \(round)")
             // The migrated file works: an item inserted through one store is seen through another.
             #expect(try await store.insert([item(round)]).count == 1)

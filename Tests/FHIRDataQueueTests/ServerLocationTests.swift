@@ -53,11 +53,11 @@ struct ServerLocationTests {
         }
     }
 
-    func queue(_ server: ScriptedServer) throws -> DataQueue {
+    func queue(_ server: ScriptedServer) async throws -> DataQueue {
         var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path)
         configuration.batchSize = 1
         configuration.retryPolicy = RetryPolicy(initialDelay: 60, maximumDelay: 600, jitter: 0)
-        return try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        return try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
     }
 
     @Test(
@@ -72,7 +72,7 @@ struct ServerLocationTests {
             }
             return index == 0 ? .respond(answer.response) : .respond(.created(location: "Observation/o\(index)/_history/1"))
         }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         let fullURL = "urn:uuid:" + UUID().uuidString.lowercased()
         let patient = try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)), fullURL: fullURL)
         let observation = try await queue.enqueue(
@@ -123,7 +123,7 @@ struct ServerLocationTests {
                 ? .respond(.init(status: 422, body: #"{"resourceType":"OperationOutcome"}"#))
                 : .respond(.created(location: "Observation/o1"))
         }
-        let queue = try queue(server)
+        let queue = try await queue(server)
         let fullURL = "urn:uuid:" + UUID().uuidString.lowercased()
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)), fullURL: fullURL)
         let observation = try await queue.enqueue(
@@ -178,7 +178,7 @@ struct ConditionalCreateTrustTests {
         }
         var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path, idempotent: true)
         configuration.batchSize = 1
-        let queue = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
         let patient = try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
         let report = try await queue.flush()
         #expect(report.delivered == 1)

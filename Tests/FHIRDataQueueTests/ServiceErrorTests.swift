@@ -42,10 +42,10 @@ struct ServiceErrorTests {
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
         var configuration = DataQueue.Configuration(databasePath: path)
         configuration.retryPolicy = RetryPolicy(initialDelay: 0.2, maximumDelay: 0.4, jitter: 0)
-        let queue = try DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
         // A row dq did not write: every flush fails on it.
-        let store = try #require(queue.store as? QueueStore)
+        let store = try #require(queue.store as? SQLiteQueueStore)
         try await store.database.write { db in try db.execute(sql: "UPDATE item SET state = 'weird'") }
 
         let captured = Lines()
@@ -74,7 +74,7 @@ struct ServiceErrorTests {
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
         let path = directory.appendingPathComponent("q.sqlite").path
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
-        let queue = try DataQueue(
+        let queue = try await DataQueue(
             baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
         let group = ServiceGroup(
             services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)))],
@@ -85,7 +85,7 @@ struct ServiceErrorTests {
         if replace {
             // Another queue file moved into place (a restore): what is queued there must not wait for nothing.
             let other = directory.appendingPathComponent("other.sqlite").path
-            let made = try DataQueue(
+            let made = try await DataQueue(
                 baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: other))
             try await made.shutdown()
             #expect(rename(other, path) == 0)

@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import PostgresNIO
+import ServiceLifecycle
 import Testing
 
 @testable import FHIRDataQueue
@@ -12,6 +13,8 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
     case postgres
     /// PostgreSQL with `prepared_statements=off`: the unnamed statements dq falls back to behind a pooler.
     case postgresUnprepared
+    /// PostgreSQL through a client the host made and runs in its own `ServiceGroup` (postgres-nio's way).
+    case postgresHostClient
 
     var testDescription: String { rawValue }
 
@@ -26,7 +29,10 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
     func make(in directory: URL) async throws -> any QueueStorage {
         switch self {
         case .sqlite:
-            return try QueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
+            return try SQLiteQueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
+        case .postgresHostClient:
+            let client = try await Self.hostClient(database: try await Self.freshDatabase())
+            return PostgresQueueStore(client: client, logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
         case .postgres, .postgresUnprepared:
             // The default lease (30 s): a shorter one can lapse while a loaded two-core CI machine runs the whole
             // suite in parallel and the renewal round trips stall (no test here waits for an expiry; the fencing
@@ -36,6 +42,20 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
                 environment: ["PGPASSWORD": Self.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""],
                 logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
         }
+    }
+
+    /// A client for `database` (a URL), run by a `ServiceGroup` of the test's own, as a host runs it; the group
+    /// runs until the test process ends.
+    static func hostClient(database: String) async throws -> PostgresClient {
+        let components = try #require(URLComponents(string: database))
+        let configuration = PostgresClient.Configuration(
+            host: components.host ?? "127.0.0.1", port: components.port ?? 5432, username: components.user ?? "dq",
+            password: environment["DQ_TEST_POSTGRES_PASSWORD"], database: String(components.path.dropFirst()), tls: .disable)
+        let client = PostgresClient(configuration: configuration)
+        let group = ServiceGroup(
+            services: [client], logger: Logger(label: "dq.test.host", factory: { _ in SwiftLogNoOpLogHandler() }))
+        Task { try await group.run() }
+        return client
     }
 
     /// A new, empty database on the test server (one per test: the tests run in parallel).
@@ -298,7 +318,7 @@ struct StorageConformanceTests {
         try await recorder.finish()
         #expect(try await store.serverState(queue: Self.server).failures == 0)
 
-        #expect(try await store.bundleSupport(queue: Self.server) == QueueStore.BundleSupport())
+        #expect(try await store.bundleSupport(queue: Self.server) == BundleSupport())
         try await store.recordBundleSupport(
             queue: Self.server, transactions: true, batchLimit: nil, conditionalCreate: ["Patient", "Observation"])
         try await store.recordBundleSupport(queue: Self.server, transactions: nil, batchLimit: 7, conditionalCreate: nil)
@@ -418,13 +438,9 @@ struct StorageConformanceTests {
             try await first.recordFailure(
                 queue: Self.server, item: item0, status: 503, error: "x", nextAttemptAt: nil, owner: stale)
         }
-        // markDelivered blocks its caller until the database answers (the journal's writer thread calls it): called
-        // from this task it would hold a thread of the two-thread pool that its own work needs.
-        let staleDelivery = await onThreadOfItsOwn {
-            first.markDelivered(
-                [CompletedDelivery(item: item0, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: nil, versionID: nil)],
-                owner: stale)
-        }
+        let staleDelivery = await first.markDelivered(
+            [CompletedDelivery(item: item0, url: "http://h/fhir/Patient", status: 201, location: nil, serverID: nil, versionID: nil)],
+            owner: stale)
         if case .success = staleDelivery {
             Issue.record("a delivery was recorded under a lost lease")
         }

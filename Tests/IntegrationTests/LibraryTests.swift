@@ -11,20 +11,20 @@ struct LibraryTests {
 
     init() throws { work = try TemporaryDirectory() }
 
-    func queue(_ base: String, idempotent: Bool = false) throws -> DataQueue {
+    func queue(_ base: String, idempotent: Bool = false) async throws -> DataQueue {
         var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
         configuration.idempotent = idempotent
         // One request per item: these tests script the answer to each request (BundleTests cover Bundles).
         configuration.batchSize = 1
         configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
         configuration.requestTimeout = 10
-        return try DataQueue(baseURL: URL(string: base)!, configuration: configuration)
+        return try await DataQueue(baseURL: URL(string: base)!, configuration: configuration)
     }
 
     @Test("create queues while the server is down, and a later create first flushes the older ones")
     func createFlushesFirst() async throws {
         let server = try FHIRServer()
-        let queue = try queue(server.base)
+        let queue = try await queue(server.base)
         for index in 0..<3 {
             let outcome = try await queue.create(try FHIRResource(json: Data(resources.observation(index).utf8)))
             guard case .queued(_, let reason) = outcome else {
@@ -50,7 +50,7 @@ struct LibraryTests {
     @Test("create of a resource the server rejects returns parked, with the reason")
     func createRejected() async throws {
         let server = try await FHIRServer.start()
-        let queue = try queue(server.base)
+        let queue = try await queue(server.base)
         let outcome = try await queue.create(try FHIRResource(json: Data(resources.invalid(0).utf8)))
         guard case .parked(let item, let reason) = outcome else {
             Issue.record("expected parked, got \(outcome)")
@@ -64,7 +64,7 @@ struct LibraryTests {
     @Test("update sends PUT [base]/[type]/[id]")
     func updateUsesPut() async throws {
         let server = try await FHIRServer.start()
-        let queue = try queue(server.base)
+        let queue = try await queue(server.base)
         let json = #"{"resourceType":"Patient","id":"lib-1","active":true}"#
         let outcome = try await queue.update(try FHIRResource(json: Data(json.utf8)))
         guard case .delivered(let record) = outcome else {
@@ -81,7 +81,7 @@ struct LibraryTests {
     @Test("64 concurrent producers and a concurrent flusher: each item is delivered once, each producer's order kept")
     func concurrentProducers() async throws {
         let server = try await FHIRServer.start()
-        let queue = try queue(server.base)
+        let queue = try await queue(server.base)
         let producers = 64
         let perProducer = 8  // under 100: a value's producer is value / 100
         try await withThrowingTaskGroup(of: Void.self) { group in
@@ -112,7 +112,7 @@ struct LibraryTests {
     func retryAfterIsHonoured() async throws {
         let server = try await FHIRServer.start()
         let proxy = try await FaultProxy(upstream: server)
-        let queue = try queue(proxy.base)
+        let queue = try await queue(proxy.base)
         for index in 0..<3 { try await queue.enqueue(try FHIRResource(json: Data(resources.observation(index).utf8))) }
         try await proxy.inject(["pass", "503:120"])
         let report = try await queue.flush()
@@ -141,7 +141,7 @@ struct LibraryTests {
         let server = try await FHIRServer.start(tokens: [token])
         var configuration = DataQueue.Configuration(databasePath: work.file("auth.sqlite"))
         configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
-        let wrong = try DataQueue(
+        let wrong = try await DataQueue(
             baseURL: URL(string: server.base)!, configuration: configuration, authorization: StaticBearerToken("wrong"))
         for index in 0..<2 { try await wrong.enqueue(try FHIRResource(json: Data(resources.observation(index).utf8))) }
         let refused = try await wrong.flush()
@@ -153,7 +153,7 @@ struct LibraryTests {
         try await wrong.shutdown()
         #expect("\(StaticBearerToken(token))".contains(token) == false)
 
-        let right = try DataQueue(
+        let right = try await DataQueue(
             baseURL: URL(string: server.base)!, configuration: configuration, authorization: StaticBearerToken(token))
         let report = try await right.flush(force: true)
         #expect(report.delivered == 2 && report.remaining == 0)
@@ -183,7 +183,7 @@ struct LibraryTests {
         var configuration = DataQueue.Configuration(databasePath: work.file("refresh.sqlite"))
         configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
         let provider = RotatingToken(good: token)
-        let queue = try DataQueue(baseURL: URL(string: server.base)!, configuration: configuration, authorization: provider)
+        let queue = try await DataQueue(baseURL: URL(string: server.base)!, configuration: configuration, authorization: provider)
         for index in 0..<3 { try await queue.enqueue(try FHIRResource(json: Data(resources.observation(index).utf8))) }
         let report = try await queue.flush()
         #expect(report.delivered == 3 && report.stop == nil)

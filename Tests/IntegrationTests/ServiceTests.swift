@@ -29,7 +29,7 @@ struct ServiceTests {
         var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
         configuration.retryPolicy = RetryPolicy(initialDelay: 0.2, maximumDelay: 0.5, jitter: 0)
         configuration.connectTimeout = 2
-        let queue = try DataQueue(baseURL: URL(string: server.base)!, configuration: configuration)
+        let queue = try await DataQueue(baseURL: URL(string: server.base)!, configuration: configuration)
         let group = ServiceGroup(
             services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(200)))],
             logger: Logger(label: "test"))

@@ -17,7 +17,7 @@ public struct PendingSignIn: Sendable {
     let endpoints: AuthorizationCodeClient.Endpoints
 }
 
-/// What ``AuthorizationCodeClient/signOut(revoke:)`` did.
+/// What ``AuthorizationCodeClient/signOut(revoke:logger:)`` did.
 public enum SignOutOutcome: Sendable, Equatable {
     /// There was no sign-in to remove.
     case notSignedIn
@@ -31,8 +31,8 @@ public enum SignOutOutcome: Sendable, Equatable {
 /// code with PKCE S256, `state`, and with `openid` a `nonce` and a checked ID token), then refresh tokens.
 ///
 /// `dq login` runs ``prepareSignIn(redirectURI:)``, sends the person to the URL, and hands the redirect
-/// to ``completeSignIn(_:redirect:)``, which checks `state` (and `iss`, RFC 9207), exchanges the code,
-/// verifies the ID token (``IDTokenVerifier``) and only then stores the tokens with ``SignInStore``.
+/// to ``completeSignIn(_:redirect:logger:)``, which checks `state` (and `iss`, RFC 9207), exchanges the code,
+/// verifies the ID token (signature against the issuer's JWKS, `iss`, `aud`, `exp`, `nonce`) and only then stores the tokens with ``SignInStore``.
 /// As an ``AuthorizationProvider`` it then supplies the access token and renews it with the refresh token
 /// once half of its lifetime has passed, or after a 401; a rotated refresh token replaces the old one
 /// atomically, under a lock shared with other dq processes. A refused refresh token is an
@@ -71,7 +71,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     private var refusedRefresh: (token: String, error: DataQueueError)?
     private var isShutDown = false
     /// How many token requests (code exchanges and refreshes) this instance made.
-    public private(set) var tokenRequests = 0
+    package private(set) var tokenRequests = 0
 
     /// Creates the client. No request is made and no file read until needed.
     public init(configuration: AuthorizationCodeConfiguration) {

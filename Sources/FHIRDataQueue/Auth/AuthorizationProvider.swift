@@ -40,7 +40,7 @@ extension AuthorizationProvider {
 /// A fixed bearer token, e.g. from the `DQ_TOKEN` environment variable.
 ///
 /// ```swift
-/// let queue = try DataQueue(baseURL: url, authorization: StaticBearerToken("s3cr3t"))
+/// let queue = try await DataQueue(baseURL: url, authorization: StaticBearerToken("s3cr3t"))
 /// ```
 public struct StaticBearerToken: AuthorizationProvider, CustomStringConvertible {
     private let token: String

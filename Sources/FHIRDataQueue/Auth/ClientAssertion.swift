@@ -34,8 +34,11 @@ public struct ClientAssertionKey: Sendable {
     public let algorithm: Algorithm
 
     /// Reads an RSA (2048 bits or more), P-256 or P-384 private key from a PEM file.
-    /// - Parameter algorithm: for an RSA key, RS384 (the default) or RS256; for an EC key it must match the
-    ///   curve (ES256 for P-256, ES384 for P-384) or be nil.
+    /// - Parameters:
+    ///   - path: the PEM file (PKCS#8, or the traditional RSA or EC form).
+    ///   - keyID: the `kid` put in assertions. The default (nil) is the key's RFC 7638 thumbprint.
+    ///   - algorithm: for an RSA key, RS384 (the default) or RS256; for an EC key it must match the
+    ///     curve (ES256 for P-256, ES384 for P-384) or be nil.
     /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the file.
     public init(pemFile path: String, keyID: String? = nil, algorithm: Algorithm? = nil) throws {
         guard let data = FileManager.default.contents(atPath: path) else {

@@ -17,7 +17,7 @@ import NIOSSL
 /// var configuration = OAuth2Configuration(fhirBaseURL: base)
 /// configuration.clientID = "c1"; configuration.clientSecret = secret
 /// let auth = try OAuth2ClientCredentials(configuration: configuration)
-/// let queue = try DataQueue(baseURL: base, authorization: auth)
+/// let queue = try await DataQueue(baseURL: base, authorization: auth)
 /// ```
 ///
 /// > Important: call ``shutdown()`` when done.
@@ -32,7 +32,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
     /// Set when the token endpoint accepted HTTP Basic credentials only without form-urlencoding.
     private var rawBasicCredentials = false
     /// How many token requests were made (for tests and `dq status`).
-    public private(set) var tokenRequests = 0
+    package private(set) var tokenRequests = 0
 
     /// Creates the client. No request is made until a token is needed.
     public init(configuration: OAuth2Configuration) throws {

@@ -92,7 +92,7 @@ public struct RecipientKey: Sendable {
 
 /// Holds an RSA public key. `_RSA.Encryption.PublicKey` is not marked `Sendable` in swift-crypto 4.5.2, but
 /// it is immutable and BoringSSL's public-key operations are safe to run from several threads at once.
-private final class KeyBox: @unchecked Sendable {
+private final class KeyBox: @unchecked Sendable {  // unchecked: swift-crypto's key type is not marked Sendable (see above)
     let key: _RSA.Encryption.PublicKey
     init(_ key: _RSA.Encryption.PublicKey) { self.key = key }
 }

@@ -85,24 +85,14 @@ extension DataQueue {
         let sequences: [Int64]
         var chunks: [[NewItem]] = []
         do {
-            if let sqlite = store as? QueueStore {
-                // Each chunk is inserted as it is made; the chunks are kept to describe the items afterwards.
-                let kept = ChunksKept()
-                sequences = try await sqlite.insert(chunks: maker.chunks) { chunk in
-                    guard let made = maker.take(chunk) else { return nil }
-                    kept.append(made)
-                    return made
-                }
-                chunks = kept.chunks
-            } else {
-                for chunk in 0..<maker.chunks {
-                    guard let made = maker.take(chunk) else { throw EnqueueProblems(problems: maker.finish()) }
-                    chunks.append(made)
-                }
-                let items = Array(chunks.joined())
-                try await checkReferences(items)
-                sequences = try await store.insert(items)
+            // Each chunk is stored as it is made (where the store can); the chunks are kept to describe the items.
+            let kept = ChunksKept()
+            sequences = try await store.insert(chunks: maker.chunks) { chunk in
+                guard let made = maker.take(chunk) else { return nil }
+                kept.append(made)
+                return made
             }
+            chunks = kept.chunks
         } catch {
             maker.stopUnlessBad()
             let problems = maker.finish()
@@ -120,7 +110,7 @@ extension DataQueue {
 }
 
 /// The chunks a pipelined enqueue inserted, collected on the writer's thread and read after its transaction.
-private final class ChunksKept: @unchecked Sendable {
+private final class ChunksKept: @unchecked Sendable {  // unchecked: one writer thread, read after it has finished
     // Written only by the writer's closure, which runs on one thread at a time; read after it returned.
     private(set) var chunks: [[NewItem]] = []
     func append(_ chunk: [NewItem]) { chunks.append(chunk) }
@@ -129,7 +119,7 @@ private final class ChunksKept: @unchecked Sendable {
 /// Makes the items of a bulk enqueue, chunk after chunk in input order, each chunk on every core, on a thread
 /// of its own; a consumer takes the chunks in order as they are ready. After the first bad input it only looks
 /// for more bad inputs, so that all of them are named.
-private final class ChunkMaker: @unchecked Sendable {
+private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable state guarded by `condition`
     let count: Int
     let chunkSize: Int
     var chunks: Int { (count + chunkSize - 1) / chunkSize }

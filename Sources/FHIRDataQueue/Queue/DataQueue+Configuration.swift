@@ -1,6 +1,40 @@
 import Foundation
+import PostgresNIO
 
 extension DataQueue {
+    /// Where a queue keeps what it has not delivered yet.
+    ///
+    /// ```swift
+    /// .sqlite(path: "/var/lib/myapp/queue.sqlite")
+    /// .postgresURL("postgres://dq@db.example.org/dq?sslmode=require")
+    /// .postgres(client: client)   // a PostgresClient your ServiceGroup runs
+    /// ```
+    public enum Storage: Sendable {
+        /// A SQLite file, created (0600, its directory 0700) on first use.
+        case sqlite(path: String)
+        /// A PostgreSQL database by URL; dq runs a connection pool of its own for it, and closes it in
+        /// ``DataQueue/shutdown()``. What the URL leaves out comes from libpq's environment.
+        case postgresURL(String)
+        /// A PostgreSQL client the host runs (`client.run()` in its own `ServiceGroup`), shared with the
+        /// rest of the host; dq neither starts nor closes it. `preparedStatements: false` behind a pooler
+        /// that cannot keep them (PgBouncer in transaction mode before 1.21).
+        case postgres(client: PostgresClient, preparedStatements: Bool = true)
+
+        /// The storage a `database` setting names: a `postgres://` (or `postgresql://`) URL, else a SQLite path.
+        public init(_ database: String) {
+            self = QueuePaths.isPostgresURL(database) ? .postgresURL(database) : .sqlite(path: database)
+        }
+
+        /// The path or URL (empty for a host's client).
+        var location: String {
+            switch self {
+            case .sqlite(let path): path
+            case .postgresURL(let url): url
+            case .postgres: ""
+            }
+        }
+    }
+
     /// How a ``DataQueue`` stores, sends and retries.
     ///
     /// ```swift
@@ -8,8 +42,14 @@ extension DataQueue {
     /// configuration.idempotent = true
     /// ```
     public struct Configuration: Sendable {
-        /// The SQLite file of the queue. The default is ``defaultDatabasePath()``.
-        public var databasePath: String
+        /// Where the queue is kept. The default is a SQLite file at ``DataQueue/defaultDatabasePath(environment:)``.
+        public var storage: Storage
+        /// The SQLite file or PostgreSQL URL of the queue, as the `database` setting names it (empty for a
+        /// host's PostgreSQL client); setting it sets ``storage``.
+        public var databasePath: String {
+            get { storage.location }
+            set { storage = Storage(newValue) }
+        }
         /// How durable an enqueue is. The default is ``Durability/full``.
         public var durability: Durability
         /// Makes retried creates safe: each `POST` carries `If-None-Exist` on the resource's first
@@ -83,7 +123,7 @@ extension DataQueue {
             batchMaxBytes: Int = 8 << 20,
             capabilityLifetime: TimeInterval = 86_400
         ) {
-            self.databasePath = databasePath
+            self.storage = Storage(databasePath)
             self.durability = durability
             self.idempotent = idempotent
             self.maximumResourceSize = maximumResourceSize
@@ -131,7 +171,10 @@ extension DataQueue {
                 throw DataQueueError(
                     .invalidConfiguration, "maximumResourceSize must be between 64 and \(Self.maximumResourceSizeLimit) bytes")
             }
-            try Self.checkDatabasePath(databasePath, name: "databasePath")
+            if case .postgres = storage {
+            } else {
+                try Self.checkDatabasePath(databasePath, name: "databasePath")
+            }
             if let batchSize, !(1...Self.maximumBatchSize).contains(batchSize) {
                 throw DataQueueError(.invalidConfiguration, "batchSize must be from 1 to \(Self.maximumBatchSize)")
             }
@@ -147,7 +190,10 @@ extension DataQueue {
         /// Refuses a duration that is not finite, negative (or zero when `allowZero` is false), or over a day:
         /// the one check of every duration, whether it comes from code, a config file, the environment or a flag.
         ///
-        /// - Parameter name: the setting as the user wrote it (`timeout_seconds`, `--timeout`), for the message.
+        /// - Parameters:
+        ///   - value: the duration in seconds.
+        ///   - name: the setting as the user wrote it (`timeout_seconds`, `--timeout`), for the message.
+        ///   - allowZero: whether 0 is a valid value.
         /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming the setting.
         public static func checkSeconds(_ value: Double, name: String, allowZero: Bool) throws {
             try SettingLimits.checkSeconds(value, name: name, allowZero: allowZero)

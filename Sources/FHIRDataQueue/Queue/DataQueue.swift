@@ -48,7 +48,7 @@ public struct PreparedRequest: Sendable {
 /// resource the server rejects for good is parked with the server's answer and the queue moves on.
 ///
 /// ```swift
-/// let queue = try DataQueue(baseURL: URL(string: "https://fhir.example.org/r4")!)
+/// let queue = try await DataQueue(baseURL: URL(string: "https://fhir.example.org/r4")!)
 /// defer { Task { try await queue.shutdown() } }
 /// switch try await queue.create(try FHIRResource(json: data)) {
 /// case .delivered(let record): print("stored as", record.location ?? "?")
@@ -58,11 +58,11 @@ public struct PreparedRequest: Sendable {
 /// ```
 ///
 /// Only one flush of a queue runs at a time across all processes (an `flock` on the queue's own lock file
-/// beside the database, see ``flushLockPath``); several producers may enqueue at once, and the queues of
+/// beside the database); several producers may enqueue at once, and the queues of
 /// different servers in one database flush independently.
 ///
 /// > Important: call ``shutdown()`` before the queue is released.
-open class DataQueue: @unchecked Sendable {
+open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot be checked Sendable; its state is lets and Mutexes
     /// The FHIR base URL.
     public let baseURL: URL
     /// The name of this server's queue in the database: the base URL in its normal form (see ``queueName(for:)``).
@@ -73,7 +73,7 @@ open class DataQueue: @unchecked Sendable {
     public let authorization: (any AuthorizationProvider)?
     /// The file whose `flock` makes one flusher of this queue at a time: `<database>.flush-<hash>.lock`, one
     /// per queue, so that two servers in one database never wait for each other.
-    public let flushLockPath: String
+    package let flushLockPath: String
     let store: any QueueStorage
     let transport: FHIRTransport
     let logger: Logger
@@ -93,7 +93,8 @@ open class DataQueue: @unchecked Sendable {
     /// - Parameters:
     ///   - baseURL: the FHIR base URL, e.g. `https://fhir.example.org/r4`: http or https, with a host, and
     ///     without a query, a fragment or credentials.
-    ///   - configuration: storage, sending and retry settings. The default is ``Configuration/init(databasePath:durability:idempotent:maximumResourceSize:requestTimeout:connectTimeout:retryPolicy:lockWait:settleDelay:caBundlePath:readOnly:)``.
+    ///   - configuration: storage, sending and retry settings. The default is `Configuration()`: a SQLite file at
+    ///     ``defaultDatabasePath(environment:)``, durable commits, automatic Bundles.
     ///   - authorization: supplies the `Authorization` header. The default is none. ``shutdown()`` shuts it
     ///     down too.
     ///   - httpClient: an HTTP client of the caller's to send with. The default is nil: the queue makes its
@@ -106,7 +107,7 @@ open class DataQueue: @unchecked Sendable {
         baseURL: URL, configuration: Configuration = Configuration(),
         authorization: (any AuthorizationProvider)? = nil, httpClient: HTTPClient? = nil,
         logger: Logger = Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
-    ) throws {
+    ) async throws {
         try configuration.validate()
         self.baseURL = baseURL
         self.queueName = try Self.queueName(for: baseURL, setting: "server")
@@ -115,9 +116,12 @@ open class DataQueue: @unchecked Sendable {
         self.logger = logger
         self.flushLockPath = Self.flushLockPath(database: configuration.databasePath, queue: queueName)
         self.metrics = QueueMetrics(destination: queueName)
-        self.store = try Self.makeStore(
-            databasePath: configuration.databasePath, durability: configuration.durability, readOnly: configuration.readOnly,
-            leaseDuration: configuration.leaseDuration, logger: logger)
+        // Opening may wait for another process's lock and migrate the schema: on a thread of its own.
+        self.store = try await OwnThread.run("dq-open") {
+            try Self.makeStore(
+                configuration.storage, durability: configuration.durability, readOnly: configuration.readOnly,
+                leaseDuration: configuration.leaseDuration, logger: logger)
+        }
         self.transport = try FHIRTransport(
             timeout: configuration.requestTimeout, connectTimeout: configuration.connectTimeout,
             network: configuration.network, client: httpClient)
@@ -198,7 +202,7 @@ open class DataQueue: @unchecked Sendable {
     ///
     /// - Throws: ``DataQueueError`` with `.storage` when the stored path is not one dq writes (an edited or
     ///   damaged row): such an item is never sent.
-    public func requestURL(for item: QueuedItem) throws -> String {
+    package func requestURL(for item: QueuedItem) throws -> String {
         guard Self.isValidPath(item.url, method: item.method, encrypted: item.encrypted) else {
             throw DataQueueError(
                 .storage,
@@ -311,7 +315,7 @@ open class DataQueue: @unchecked Sendable {
     ///
     /// - Throws: ``DataQueueError``; on `.invalidResource` the message names the position of the bad input.
     @discardableResult
-    public func enqueue(contentsOf resources: [(FHIRResource, FHIRMethod)]) async throws -> [QueuedItem] {
+    package func enqueue(contentsOf resources: [(FHIRResource, FHIRMethod)]) async throws -> [QueuedItem] {
         try await enqueue(resources.map { QueueEntry($0.0, method: $0.1) })
     }
 
@@ -722,7 +726,7 @@ open class DataQueue: @unchecked Sendable {
     /// Every queue in the database at `databasePath` with its counts, read without naming a server: the
     /// database is opened read-only and nothing is created.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there.
-    public static func allQueueStatuses(databasePath: String) async throws -> [QueueStatus] {
+    package static func allQueueStatuses(databasePath: String) async throws -> [QueueStatus] {
         try await withReadOnlyStore(databasePath) { try await $0.allStatuses() }
     }
 
@@ -730,7 +734,7 @@ open class DataQueue: @unchecked Sendable {
     private static func withReadOnlyStore<T: Sendable>(
         _ databasePath: String, _ body: (any QueueStorage) async throws -> T
     ) async throws -> T {
-        let store = try makeStore(databasePath: databasePath, durability: .full, readOnly: true, logger: nil)
+        let store = try makeStore(Storage(databasePath), durability: .full, readOnly: true, logger: nil)
         do {
             let result = try await body(store)
             await store.shutdown()
@@ -742,19 +746,19 @@ open class DataQueue: @unchecked Sendable {
     }
 
     /// What ``migrate(from:to:lockWait:logger:)`` moved.
-    public struct MigrationReport: Sendable, Encodable {
+    package struct MigrationReport: Sendable, Encodable {
         /// Items added to PostgreSQL (pending and parked).
-        public var items = 0
+        package var items = 0
         /// Of them, pending.
-        public var pending = 0
+        package var pending = 0
         /// Of them, parked.
-        public var parked = 0
+        package var parked = 0
         /// Items already in PostgreSQL (a migration run again): removed from SQLite, not added twice.
-        public var alreadyThere = 0
+        package var alreadyThere = 0
         /// Journal lines added.
-        public var journalLines = 0
+        package var journalLines = 0
         /// Items that arrived in SQLite while the migration ran and stay there (producers still running).
-        public var leftBehind = 0
+        package var leftBehind = 0
     }
 
     /// Moves a SQLite queue into PostgreSQL, in order: the journal first (so that references to resources
@@ -765,7 +769,7 @@ open class DataQueue: @unchecked Sendable {
     ///
     /// - Throws: ``DataQueueError``: `.busy` when a flush of the SQLite queue runs longer than `lockWait`,
     ///   `.invalidConfiguration` for a source that is not a SQLite file or a target that is not PostgreSQL.
-    public static func migrate(from path: String, to url: String, lockWait: TimeInterval = 10, logger: Logger) async throws
+    package static func migrate(from path: String, to url: String, lockWait: TimeInterval = 10, logger: Logger) async throws
         -> MigrationReport
     {
         guard !PostgresQueueStore.isURL(path) else {
@@ -777,7 +781,7 @@ open class DataQueue: @unchecked Sendable {
         guard FileManager.default.fileExists(atPath: path) else {
             throw DataQueueError(.storage, "no queue database at \(path): nothing to migrate")
         }
-        let source = try QueueStore(path: path, durability: .full)
+        let source = try SQLiteQueueStore(path: path, durability: .full)
         let target = try PostgresQueueStore(url: url, logger: logger)
         var locks: [any FlushOwnership] = []
         func releaseAll() async {
@@ -819,32 +823,36 @@ open class DataQueue: @unchecked Sendable {
     }
 
     /// `databasePath` as it may be shown: a PostgreSQL URL without its password.
-    public static func displayDatabase(_ databasePath: String) -> String {
+    package static func displayDatabase(_ databasePath: String) -> String {
         QueuePaths.displayDatabase(databasePath)
     }
 
-    /// The store of `databasePath`: PostgreSQL for a `postgres://` URL, else a SQLite file.
+    /// The store `storage` names.
     static func makeStore(
-        databasePath: String, durability: Durability, readOnly: Bool, leaseDuration: TimeInterval = 30, logger: Logger?
+        _ storage: Storage, durability: Durability, readOnly: Bool, leaseDuration: TimeInterval = 30, logger: Logger?
     ) throws -> any QueueStorage {
-        if PostgresQueueStore.isURL(databasePath) {
-            return try PostgresQueueStore(
-                url: databasePath, readOnly: readOnly, leaseSeconds: leaseDuration,
-                logger: logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() }))
+        let logger = logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
+        switch storage {
+        case .sqlite(let path):
+            return try SQLiteQueueStore(path: path, durability: durability, readOnly: readOnly)
+        case .postgresURL(let url):
+            return try PostgresQueueStore(url: url, readOnly: readOnly, leaseSeconds: leaseDuration, logger: logger)
+        case .postgres(let client, let preparedStatements):
+            return PostgresQueueStore(
+                client: client, preparedStatements: preparedStatements, readOnly: readOnly, leaseSeconds: leaseDuration, logger: logger)
         }
-        return try QueueStore(path: databasePath, durability: durability, readOnly: readOnly)
     }
 
     /// Checks the database at `databasePath`, opened read-only: SQLite's `PRAGMA integrity_check`, or for
     /// PostgreSQL (which checks its own pages) that every row is in a state dq knows. `["ok"]` when it is
     /// sound, else the problems found.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there or it cannot be read.
-    public static func integrityCheck(databasePath: String) async throws -> [String] {
+    package static func integrityCheck(databasePath: String) async throws -> [String] {
         do {
             return try await withReadOnlyStore(databasePath) { try await $0.integrityCheck() }
         } catch let error as DataQueueError where error.code == .damaged {
             // Damage that stops the file from opening (its schema pages) is a finding too.
-            return [error.message.replacingOccurrences(of: QueueStore.doctorHint, with: "")]
+            return [error.message.replacingOccurrences(of: SQLiteQueueStore.doctorHint, with: "")]
         }
     }
 
@@ -852,7 +860,7 @@ open class DataQueue: @unchecked Sendable {
     /// tables, and a dump recovers nothing. Always true for PostgreSQL.
     package static func schemaIsReadable(databasePath: String) -> Bool {
         if QueuePaths.isPostgresURL(databasePath) { return true }
-        return QueueStore.schemaIsReadable(path: databasePath)
+        return SQLiteQueueStore.schemaIsReadable(path: databasePath)
     }
 
     /// The delivery journal of this queue, oldest first (the newest `limit` lines).
@@ -870,6 +878,6 @@ open class DataQueue: @unchecked Sendable {
     /// Gives the space of deleted journal lines and items back to the file system (SQLite's `VACUUM`, which
     /// needs free space for a copy of the file). PostgreSQL's autovacuum does this on its own: a no-op there.
     public func vacuum() async throws {
-        if let sqlite = store as? QueueStore { try await sqlite.vacuum() }
+        try await store.vacuum()
     }
 }

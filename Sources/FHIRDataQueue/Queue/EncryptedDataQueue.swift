@@ -11,7 +11,7 @@ import Logging
 /// their order is kept.
 ///
 /// ```swift
-/// let queue = try EncryptedDataQueue(
+/// let queue = try await EncryptedDataQueue(
 ///     baseURL: URL(string: "https://example.org/fhir")!,
 ///     encryptedBaseURL: URL(string: "https://example.org/c3pro/encfhir")!,
 ///     sealer: EnvelopeSealer(recipient: try RecipientKey(contentsOfFile: "server.crt"), keyID: "key-1"),
@@ -20,7 +20,7 @@ import Logging
 ///
 /// A 2xx answer whose body is an error (`{'error':…}`, as the C3-PRO servlet sends) is never counted as
 /// delivered; an empty 200 or a bare `"OK"` is.
-public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {
+public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {  // unchecked: inherited from DataQueue; adds only lets
     /// Where envelopes are posted, e.g. `https://example.org/c3pro/encfhir`.
     public let encryptedBaseURL: URL
     /// Seals resources for the receiver.
@@ -36,19 +36,22 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {
     ///   - encryptedBaseURL: the encrypted endpoint.
     ///   - sealer: the receiver's key and the envelope settings.
     ///   - shouldEncrypt: whether a resource is encrypted. The default encrypts every resource.
-    ///   - configuration, authorization, httpClient, logger: as for ``DataQueue``.
+    ///   - configuration: storage, sending and retry settings, as for ``DataQueue``.
+    ///   - authorization: supplies the `Authorization` header of both endpoints, as for ``DataQueue``.
+    ///   - httpClient: an HTTP client of the caller's, as for ``DataQueue``.
+    ///   - logger: where the queue logs, as for ``DataQueue``.
     /// - Throws: ``DataQueueError`` with `.invalidConfiguration` for a bad URL.
     public init(
         baseURL: URL, encryptedBaseURL: URL, sealer: EnvelopeSealer,
         shouldEncrypt: @escaping @Sendable (FHIRResource) -> Bool = { _ in true },
         configuration: Configuration = Configuration(), authorization: (any AuthorizationProvider)? = nil,
         httpClient: HTTPClient? = nil, logger: Logger = Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
-    ) throws {
+    ) async throws {
         self.encryptedEndpoint = try DataQueue.queueName(for: encryptedBaseURL, setting: "encryption.endpoint")
         self.encryptedBaseURL = encryptedBaseURL
         self.sealer = sealer
         self.shouldEncrypt = shouldEncrypt
-        try super.init(
+        try await super.init(
             baseURL: baseURL, configuration: configuration, authorization: authorization, httpClient: httpClient,
             logger: logger)
         if sealer.recipient.isExpired {
@@ -65,8 +68,8 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {
 
     /// Encrypts resources the policy selects and routes them to the encrypted endpoint.
     ///
-    /// An encrypted resource is always posted: the receiver takes envelopes, not updates. ``update(_:)`` of a
-    /// resource the policy encrypts therefore throws rather than silently sending a create.
+    /// An encrypted resource is always posted: the receiver takes envelopes, not updates. An update of a
+    /// resource the policy encrypts (``DataQueue/update(_:)``) therefore throws rather than silently sending a create.
     ///
     /// - Throws: ``DataQueueError`` with `.invalidResource` for a `PUT` of a resource to encrypt, and as
     ///   ``DataQueue/prepareRequest(for:method:itemID:)`` otherwise.

@@ -12,7 +12,7 @@ import NIOCore
 /// the size for the server, and a server that refuses transactions gets single requests; both are remembered.
 ///
 /// Used by one task at a time (the flush's own), which is why its mutable state needs no lock.
-final class Flusher: @unchecked Sendable {
+final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by the flush task alone, which the compiler cannot see
     private let queue: DataQueue
     private let lock: any FlushOwnership
     private let recorder: DeliveryRecorder
@@ -40,7 +40,7 @@ final class Flusher: @unchecked Sendable {
     /// This flush's deliveries with a fullUrl whose server did not say where it stored them.
     private var unlocatedHere: [String: UUID] = [:]
     /// What is known of the server (read once per flush).
-    private var support: QueueStore.BundleSupport?
+    private var support: BundleSupport?
     private var capabilityRead = false
     /// The items of deliveries an earlier flush could not journal (already named in the log).
     private var heldBefore: Set<UUID> = []
@@ -283,7 +283,7 @@ final class Flusher: @unchecked Sendable {
 
     /// What is known of the server: from the store, and (when `needed` and not read within
     /// ``DataQueue/Configuration/capabilityLifetime``) from its CapabilityStatement, read at most once per flush.
-    private func capabilities(needed: Bool) async throws -> QueueStore.BundleSupport {
+    private func capabilities(needed: Bool) async throws -> BundleSupport {
         if let support, support.checkedAt != nil || !needed { return support }
         var support = try await queue.store.bundleSupport(queue: queue.queueName)
         let stale = support.checkedAt.map { Date().timeIntervalSince($0) > queue.configuration.capabilityLifetime } ?? true

@@ -28,7 +28,6 @@ public struct QueuedItem: Sendable, Encodable, Hashable {
     public let method: FHIRMethod
     /// The request path relative to its endpoint (the server's base URL, or the encrypted endpoint for an
     /// encrypted item): `Patient`, `Patient/123`, or empty for a Bundle posted to the base.
-    /// ``DataQueue/requestURL(for:)`` gives the full URL.
     public let url: String
     /// The resource type (the envelope's resource type for encrypted items).
     public let resourceType: String

@@ -2,6 +2,7 @@ import Foundation
 import Logging
 import NIOConcurrencyHelpers
 import ServiceLifecycle
+import Synchronization
 
 /// Delivers in the background: a `ServiceLifecycle.Service` that flushes its queues whenever there is
 /// something to send, for as long as its service group runs.
@@ -12,7 +13,7 @@ import ServiceLifecycle
 /// and a cron `dq flush`, on one database never send an item twice: the queue's flush lock decides who sends.
 ///
 /// ```swift
-/// let queue = try DataQueue(baseURL: url, configuration: configuration)
+/// let queue = try await DataQueue(baseURL: url, configuration: configuration)
 /// let group = ServiceGroup(
 ///     services: [DataQueueService(queues: [queue]), httpServer],
 ///     gracefulShutdownSignals: [.sigterm, .sigint], logger: logger)
@@ -101,7 +102,7 @@ public struct DataQueueService: Service {
     ///
     /// - Parameters:
     ///   - queues: the queues to deliver, one per server.
-    ///   - configuration: polling and draining. The default is ``Configuration/init(pollInterval:drainTimeout:)``.
+    ///   - configuration: polling and draining. The default is ``Configuration/init(pollInterval:drainTimeout:readyMaximumAge:journalRetention:watchdog:)``.
     ///   - logger: where the service logs state changes (server down → up), never per item. The default
     ///     discards everything.
     public init(
@@ -322,10 +323,10 @@ public struct DataQueueService: Service {
 
 /// A continuation resumed by whichever of several tasks comes first; later resumes are ignored.
 private final class ResumeOnce<Value: Sendable>: Sendable {
-    private let state = NIOLockedValueBox<(continuation: CheckedContinuation<Value, Never>?, early: Value??)>((nil, nil))
+    private let state = Mutex<(continuation: CheckedContinuation<Value, Never>?, early: Value??)>((nil, nil))
 
     func set(_ continuation: CheckedContinuation<Value, Never>) {
-        let early = state.withLockedValue { state -> Value?? in
+        let early = state.withLock { state -> Value?? in
             if let early = state.early { return early }
             state.continuation = continuation
             return nil
@@ -334,7 +335,7 @@ private final class ResumeOnce<Value: Sendable>: Sendable {
     }
 
     func resume(with value: Value) {
-        let continuation = state.withLockedValue { state -> CheckedContinuation<Value, Never>? in
+        let continuation = state.withLock { state -> CheckedContinuation<Value, Never>? in
             if state.continuation == nil && state.early == nil {
                 state.early = .some(value)
                 return nil

@@ -157,17 +157,17 @@ extension DataQueueSettings {
     ///   - logger: where the queue logs.
     /// - Throws: ``DataQueueError``: `.invalidConfiguration` for a bad setting, `.storage` when the database
     ///   cannot be opened.
-    public func makeQueue(readOnly: Bool = false, logger: Logger) throws -> DataQueue {
+    public func makeQueue(readOnly: Bool = false, logger: Logger) async throws -> DataQueue {
         var resolved = try resolve()
         resolved.configuration.readOnly = readOnly
         if let encryption = resolved.encryption {
             let types = encryption.resourceTypes
-            return try EncryptedDataQueue(
+            return try await EncryptedDataQueue(
                 baseURL: resolved.server, encryptedBaseURL: encryption.endpoint, sealer: encryption.sealer,
                 shouldEncrypt: { resource in types?.contains(resource.resourceType) ?? true },
                 configuration: resolved.configuration, authorization: resolved.authorization, logger: logger)
         }
-        return try DataQueue(
+        return try await DataQueue(
             baseURL: resolved.server, configuration: resolved.configuration, authorization: resolved.authorization,
             logger: logger)
     }

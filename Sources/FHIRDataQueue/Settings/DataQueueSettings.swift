@@ -13,7 +13,7 @@
 /// ```swift
 /// var settings = try DataQueueSettings.load(contentsOf: "/etc/dq/dq.json")
 /// try settings.apply(environment: ProcessInfo.processInfo.environment)
-/// let queue = try settings.makeQueue(logger: logger)
+/// let queue = try await settings.makeQueue(logger: logger)
 /// ```
 ///
 /// Every error is a ``DataQueueError`` with code `.invalidConfiguration` and a message that starts with

@@ -3,7 +3,7 @@ import Foundation
 /// The storage seam of a ``DataQueue``: items in per-server order, the delivery journal, parking, backoff
 /// state, and who may flush a server's queue.
 ///
-/// ``QueueStore`` (SQLite) is the store dq ships with. The storage conformance tests state each method's
+/// ``SQLiteQueueStore`` (SQLite) is the store dq ships with. The storage conformance tests state each method's
 /// contract against `any QueueStorage`, so that another store (a shared database for several instances) can
 /// stand behind the seam and be held to the same contract.
 ///
@@ -26,6 +26,11 @@ protocol QueueStorage: AnyObject, Sendable {
     /// it returns.
     nonisolated(nonsending) func insertGrouped(_ item: NewItem) async throws -> Int64
 
+    /// Stores `chunks` chunks of items in one transaction, in order, taking each from `take` as it is made
+    /// (nil: an input was bad, nothing is stored); refuses a `fullUrl` declared twice or already known, and a
+    /// reference to one that is not. A store that can write while later chunks are still being made does so.
+    func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64]
+
     /// Which of `fullURLs` are already known (queued or delivered).
     func knownFullURLs(_ fullURLs: Set<String>) async throws -> Set<String>
 
@@ -44,9 +49,9 @@ protocol QueueStorage: AnyObject, Sendable {
     /// The next pending items after sequence `after`, at most `maxCount` and (but for the first) `maxBytes`.
     func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem]
 
-    /// Moves delivered items to the journal in one transaction and clears the server's backoff. Called on
-    /// the journal's writer thread (``DeliveryRecorder``), hence synchronous.
-    func markDelivered(_ deliveries: [CompletedDelivery], owner: any FlushOwnership) -> Result<Void, DataQueueError>
+    /// Moves delivered items to the journal in one transaction and clears the server's backoff (called by
+    /// ``DeliveryRecorder``'s group commit).
+    func markDelivered(_ deliveries: [CompletedDelivery], owner: any FlushOwnership) async -> Result<Void, DataQueueError>
 
     /// Parks an item the server rejected, with its answer, and journals it.
     func park(_ item: QueuedItem, url: String, status: Int?, error: String, outcome: String?, owner: any FlushOwnership)
@@ -58,7 +63,7 @@ protocol QueueStorage: AnyObject, Sendable {
     ) async throws
 
     /// What the server was found to support for Bundles.
-    func bundleSupport(queue: String) async throws -> QueueStore.BundleSupport
+    func bundleSupport(queue: String) async throws -> BundleSupport
 
     /// Records what the server supports for Bundles (nil: unchanged).
     func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?, conditionalCreate: Set<String>?) async throws
@@ -112,6 +117,10 @@ protocol QueueStorage: AnyObject, Sendable {
     /// Deletes the journal lines (of every queue) written before `cutoff`, oldest first, in short
     /// transactions; returns how many. Lines are appended in time order, so it stops at the first newer one.
     func pruneJournal(before cutoff: Date) async throws -> Int
+
+    /// Gives the space of deleted rows back to the file system. The default does nothing (a database server
+    /// that vacuums on its own).
+    func vacuum() async throws
 
     /// Releases connections (a database server's); the SQLite store has nothing to release.
     func shutdown() async
@@ -231,4 +240,43 @@ struct CompletedDelivery: Sendable {
 
 extension QueueStorage {
     func checkFileIdentity() throws {}
+
+    func vacuum() async throws {}
+
+    /// Takes every chunk first, checks the references against the store, then stores all in one transaction.
+    func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64] {
+        // `take` waits for chunks still being made: on a thread of its own, not one of the cooperative pool.
+        let items = try await OwnThread.run("dq-bulk") {
+            var items: [NewItem] = []
+            for chunk in 0..<chunks {
+                guard let made = take(chunk) else { throw DataQueueError(.invalidResource, "an input is bad; nothing was queued") }
+                items += made
+            }
+            return items
+        }
+        var check = ReferenceCheck()
+        for (index, item) in items.enumerated() { check.add(item, index: index) }
+        try check.refuseDeclaredTwice()
+        try check.refuse(existing: try await knownFullURLs(check.lookups))
+        return try await insert(items)
+    }
+}
+
+/// What is known of a server's Bundle support: whether its CapabilityStatement declares transactions
+/// (and when it was read), and the largest Bundle it took after refusing a larger one.
+struct BundleSupport: Sendable, Equatable {
+    var transactions: Bool?
+    var checkedAt: Date?
+    var batchLimit: Int?
+    /// The resource types whose conditional create the CapabilityStatement declares; nil when not read.
+    var conditionalCreate: Set<String>? = nil
+
+    /// The JSON list stored for a set of conditional-create types.
+    static func encodeTypes(_ types: Set<String>) -> String {
+        String(decoding: (try? JSONEncoder().encode(types.sorted())) ?? Data("[]".utf8), as: UTF8.self)
+    }
+
+    static func decodeTypes(_ text: String?) -> Set<String>? {
+        text.flatMap { try? JSONDecoder().decode([String].self, from: Data($0.utf8)) }.map(Set.init)
+    }
 }

@@ -1,7 +1,6 @@
 import AsyncHTTPClient
 import Foundation
 import Logging
-import NIOConcurrencyHelpers
 import NIOCore
 import NIOFoundationCompat
 import NIOHTTP1
@@ -54,7 +53,7 @@ final class FHIRTransport: Sendable {
     let maximumResponseBytes = 1 << 20
     /// dq's own event loop and the task executor on it, chosen on first use: taking one from the shared group
     /// starts the group's threads, which commands that only read the queue never need.
-    private let loop = NIOLockedValueBox<(any EventLoop, EventLoopTaskExecutor)?>(nil)
+    private let loop = Mutex<(any EventLoop, EventLoopTaskExecutor)?>(nil)
 
     /// The event loop a flush's requests run on.
     var eventLoop: any EventLoop { ownLoop.0 }
@@ -63,7 +62,7 @@ final class FHIRTransport: Sendable {
     var taskExecutor: EventLoopTaskExecutor? { external == nil ? ownLoop.1 : nil }
 
     private var ownLoop: (any EventLoop, EventLoopTaskExecutor) {
-        loop.withLockedValue { chosen in
+        loop.withLock { chosen in
             if let chosen { return chosen }
             let next = clients?.eventLoop ?? external?.eventLoopGroup.next() ?? MultiThreadedEventLoopGroup.singleton.next()
             let made = (next, EventLoopTaskExecutor(next))
@@ -284,9 +283,9 @@ final class FHIRTransport: Sendable {
 }
 
 /// The version of dq.
-public enum DQVersion {
+package enum DQVersion {
     /// The version string, e.g. `0.1.0`.
-    public static let current = "0.1.0"
+    package static let current = "0.1.0"
 }
 
 /// Keeps a response's head and the first `limit` bytes of its body; the rest is read and discarded, so
@@ -346,8 +345,8 @@ private final class ResponseSummary: HTTPClientResponseDelegate, @unchecked Send
 /// Runs a task's jobs on one NIO event loop: with it as the task executor preference, a flush's code and
 /// its HTTP client share a thread, so each answer resumes the flush without waking another thread.
 ///
-/// The flush never blocks: storage work goes to GRDB's queue and to the journal's writer thread.
-final class EventLoopTaskExecutor: TaskExecutor, @unchecked Sendable {
+/// The flush never blocks: storage work goes to GRDB's queue (SQLite) or is asynchronous (PostgreSQL).
+final class EventLoopTaskExecutor: TaskExecutor, @unchecked Sendable {  // unchecked: TaskExecutor requires it; holds one let
     private let loop: any EventLoop
 
     init(_ loop: any EventLoop) { self.loop = loop }

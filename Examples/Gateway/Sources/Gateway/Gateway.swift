@@ -36,7 +36,7 @@ struct Gateway {
 
         var settings = try options.configPath.map(DataQueueSettings.load(contentsOf:)) ?? DataQueueSettings()
         try settings.apply(environment: ProcessInfo.processInfo.environment)
-        let queue = try settings.makeQueue(logger: logger)
+        let queue = try await settings.makeQueue(logger: logger)
 
         let router = Router()
         router.add(middleware: MetricsMiddleware())

@@ -1,0 +1,129 @@
+import Foundation
+import Synchronization
+import Testing
+
+@testable import FHIRDataQueue
+
+/// The one group-commit engine (``GroupCommit``) behind the SQLite enqueue batcher, the PostgreSQL one and the
+/// delivery journal: grouping, order, where commits run, and what a failure does.
+@Suite("Group commit")
+struct GroupCommitTests {
+    /// Polls `condition` (yielding) for up to 10 s.
+    func waitFor(_ condition: () -> Bool) async throws -> Bool {
+        for _ in 0..<10_000 {
+            if condition() { return true }
+            try await Task.sleep(for: .milliseconds(1))
+        }
+        return condition()
+    }
+
+    /// A commit that records each batch, numbers its inputs after those committed before, and waits at `gate`
+    /// in its first commit (so that others arrive while it runs).
+    final class Recorder: Sendable {
+        let batches = Mutex<[[String]]>([])
+        let threads = Mutex<Set<pthread_t>>([])
+        let gate = DispatchSemaphore(value: 0)
+        let fail = Mutex<Set<String>>([])
+
+        func commit(_ inputs: [String]) -> Result<[Int], DataQueueError> {
+            threads.withLock { _ = $0.insert(pthread_self()) }
+            let first = batches.withLock { batches in
+                batches.append(inputs)
+                return batches.count == 1
+            }
+            if first { gate.wait() }
+            if inputs.contains(where: { input in fail.withLock { $0.contains(input) } }) {
+                return .failure(DataQueueError(.storage, "refused"))
+            }
+            let base = batches.withLock { $0.flatMap { $0 }.count - inputs.count }
+            return .success(inputs.indices.map { base + $0 + 1 })
+        }
+    }
+
+    @Test("On its thread: inputs that arrive during a commit share the next, in arrival order; every commit runs on that thread")
+    func threadGroups() async throws {
+        let recorder = Recorder()
+        let engine = GroupCommit<String, Int>(committer: .thread(name: "dq-test") { recorder.commit($0) })
+        let leader = Task { try await engine.submit("0") }
+        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 }, "the leader is committing")
+        var followers: [Task<Int, any Error>] = []
+        for index in 1...10 {
+            followers.append(Task { try await engine.submit("\(index)") })
+            #expect(try await waitFor { engine.waitingCount == index }, "input \(index) waits for the commit")
+        }
+        recorder.gate.signal()
+        #expect(try await leader.value == 1)
+        var outputs: [Int] = []
+        for follower in followers { outputs.append(try await follower.value) }
+        #expect(outputs == Array(2...11), "each follower got its own output, in arrival order")
+        let committed = recorder.batches.withLock { $0 }
+        #expect(committed.count == 2, "two commits for eleven inputs: \(committed.map(\.count))")
+        #expect(committed.last == (1...10).map(String.init))
+        #expect(engine.commits == 2)
+        #expect(try await engine.submit("11") == 12)
+        #expect(recorder.batches.withLock { $0.last } == ["11"], "uncontended again: the next commits alone")
+        #expect(!recorder.threads.withLock { $0.contains(pthread_self()) })
+    }
+
+    @Test("Asynchronous: the first commits alone in its own task; those arriving meanwhile share the next commit, in order")
+    func asyncGroups() async throws {
+        let recorder = Recorder()
+        let engine = GroupCommit<String, Int>(
+            committer: .async { inputs in
+                // Off the cooperative pool's threads only in this test: the gate blocks.
+                await withCheckedContinuation { continuation in Thread { continuation.resume(returning: recorder.commit(inputs)) }.start() }
+            })
+        let leader = Task { try await engine.submit("0") }
+        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 })
+        var followers: [Task<Int, any Error>] = []
+        for index in 1...5 {
+            followers.append(Task { try await engine.submit("\(index)") })
+            #expect(try await waitFor { engine.waitingCount == index })
+        }
+        recorder.gate.signal()
+        #expect(try await leader.value == 1)
+        var outputs: [Int] = []
+        for follower in followers { outputs.append(try await follower.value) }
+        #expect(outputs == Array(2...6))
+        #expect(recorder.batches.withLock { $0 } == [["0"], ["1", "2", "3", "4", "5"]])
+    }
+
+    @Test("A failed commit fails its inputs only; the next commit goes through")
+    func failureWithoutStop() async throws {
+        let recorder = Recorder()
+        recorder.gate.signal()
+        recorder.fail.withLock { $0 = ["bad"] }
+        let engine = GroupCommit<String, Int>(committer: .thread(name: "dq-test") { recorder.commit($0) })
+        _ = try await engine.submit("a")
+        await #expect(throws: DataQueueError.self) { try await engine.submit("bad") }
+        #expect(try await engine.submit("c") == 3)
+        #expect(engine.stoppedBy == nil)
+    }
+
+    @Test(
+        "With stopsAtFailure, a failed commit stops the engine: its inputs and all added later are held, in order, for takeHeld",
+        arguments: ["thread", "async"])
+    func stopsAtFailure(mode: String) async throws {
+        let recorder = Recorder()
+        recorder.gate.signal()
+        recorder.fail.withLock { $0 = ["2"] }
+        let committer: GroupCommit<String, Int>.Committer =
+            mode == "thread" ? .thread(name: "dq-test") { recorder.commit($0) } : .async { recorder.commit($0) }
+        let engine = GroupCommit<String, Int>(maximumBatch: .max, stopsAtFailure: true, committer: committer)
+        engine.add("1")
+        await engine.waitUntilIdle()
+        #expect(recorder.batches.withLock { $0 } == [["1"]])
+        #expect(engine.takeHeld() == [], "nothing is held while the engine runs")
+        engine.add("2")
+        await engine.waitUntilIdle()
+        #expect(engine.stoppedBy?.message == "refused")
+        let lateOutcome = Mutex<Result<Int, DataQueueError>?>(nil)
+        engine.add("3") { result in lateOutcome.withLock { $0 = result } }
+        engine.add("4")
+        #expect(lateOutcome.withLock { $0.map { (try? $0.get()) == nil } } == true, "a later input is told at once")
+        await engine.waitUntilIdle()
+        #expect(recorder.batches.withLock { $0 } == [["1"], ["2"]], "nothing more reached the store")
+        #expect(engine.takeHeld() == ["2", "3", "4"])
+        #expect(engine.takeHeld() == [], "taken once")
+    }
+}
