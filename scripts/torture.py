@@ -724,6 +724,7 @@ def bad_inputs(work, rng, count, fuzz_seconds):
         lambda: b"",
     ]
     crashes = hangs = wrong = 0
+    notes = []  # what went wrong, to find its cause: the input kind, the exit status, the end of stderr
     for i in range(count):
         data = generators[i % len(generators)]()
         path = os.path.join(work, "bad-%d.json" % i)
@@ -736,8 +737,12 @@ def bad_inputs(work, rng, count, fuzz_seconds):
             continue
         if result.returncode < 0:
             crashes += 1
+            notes.append("enqueue of input kind %d (%s): signal %d: %s" % (
+                i % len(generators), path, -result.returncode, result.stderr[-300:].strip()))
         elif result.returncode != 65 or "bad-%d.json:" % i not in result.stderr:
             wrong += 1
+            notes.append("enqueue of input kind %d (%s): exit %d: %s" % (
+                i % len(generators), path, result.returncode, result.stderr[-300:].strip()))
     # Corrupt envelopes for dq decrypt.
     key = os.path.join(work, "k.pem")
     subprocess.run(["openssl", "genrsa", "-out", key, "2048"], capture_output=True, check=True)
@@ -752,14 +757,17 @@ def bad_inputs(work, rng, count, fuzz_seconds):
         result = dq(["decrypt", "--key", key, path], env, timeout=20)
         if result.returncode < 0:
             crashes += 1
+            notes.append("decrypt of envelope %d: signal %d: %s" % (i, -result.returncode, result.stderr[-300:].strip()))
         elif result.returncode != 65:
             wrong += 1
+            notes.append("decrypt of envelope %d: exit %d: %s" % (i, result.returncode, result.stderr[-300:].strip()))
     fuzz_runs = fuzz_crashes = 0
     if os.path.exists(BENCH) and fuzz_seconds > 0:
         fuzz = subprocess.run([BENCH, "fuzz", str(rng.randrange(1 << 30)), str(fuzz_seconds), key], capture_output=True,
                               text=True, timeout=fuzz_seconds + 60)
         if fuzz.returncode != 0:
             fuzz_crashes = 1
+            notes.append("fuzz: exit %d: %s" % (fuzz.returncode, (fuzz.stdout + fuzz.stderr)[-600:].strip()))
         else:
             fuzz_runs = json.loads(fuzz.stdout.strip().splitlines()[-1])["count"]
     unchanged = snapshot() == before
@@ -769,6 +777,8 @@ def bad_inputs(work, rng, count, fuzz_seconds):
                   "crashes %d, hangs %d, wrong exit %d, fuzz inputs %d" % (crashes + fuzz_crashes, hangs, wrong, fuzz_runs)))
     if not ok:
         FAILURES.append("bad input")
+    for note in notes:
+        print("    " + note, flush=True)
     print("  bad input: %s" % ("ok" if ok else "FAILED"), flush=True)
 
 
