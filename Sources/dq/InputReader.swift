@@ -119,7 +119,7 @@ struct InputReader {
         let results = ResultSlots(count: documents.count)
         defer { results.deallocate() }
         let chunk = 1024
-        DispatchQueue.concurrentPerform(iterations: (documents.count + chunk - 1) / chunk) { part in
+        ParallelWork.forEach((documents.count + chunk - 1) / chunk) { part in
             for index in part * chunk..<min(documents.count, (part + 1) * chunk) {
                 do {
                     results.set(index, .success(try QueueEntry(json: documents[index], maximumSize: maximumSize)))

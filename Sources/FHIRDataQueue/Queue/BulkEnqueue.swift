@@ -154,7 +154,7 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
             let range = chunk * chunkSize..<min(count, (chunk + 1) * chunkSize)
             let slots = Slots(count: range.count)
             let part = (range.count + workers - 1) / workers
-            DispatchQueue.concurrentPerform(iterations: workers) { worker in
+            ParallelWork.forEach(workers, threads: workers) { [make] worker in
                 for offset in worker * part..<min(range.count, (worker + 1) * part) {
                     slots.set(offset, make(range.lowerBound + offset))
                 }
