@@ -81,14 +81,18 @@ struct ServiceErrorTests {
             logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
         let running = Task { try await group.run() }
         try await Task.sleep(for: .milliseconds(200))
-        for suffix in ["", "-wal", "-shm"] { unlink(path + suffix) }
         if replace {
             // Another queue file moved into place (a restore): what is queued there must not wait for nothing.
+            // The file is made first and renamed over the old one in one step, as a restore does: unlinking
+            // first would let the service see a deleted file in between (it polls every 50 ms).
             let other = directory.appendingPathComponent("other.sqlite").path
             let made = try await DataQueue(
                 baseURL: URL(string: server.baseURL + "/fhir")!, configuration: DataQueue.Configuration(databasePath: other))
             try await made.shutdown()
+            for suffix in ["-wal", "-shm"] { unlink(path + suffix) }
             #expect(rename(other, path) == 0)
+        } else {
+            for suffix in ["", "-wal", "-shm"] { unlink(path + suffix) }
         }
         let ended = await #expect(throws: (any Error).self) { try await running.value }
         let text = String(describing: ended.map { $0 } as Any)

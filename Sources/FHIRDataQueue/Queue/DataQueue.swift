@@ -238,9 +238,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
             declared = fullURL.lowercased()
         }
         return NewItem(
-            id: id, queue: queueName, method: request.method, url: request.path, resourceType: request.resourceType,
-            resourceID: request.resourceID, encrypted: request.encrypted, contentType: request.contentType,
-            body: request.body, fullURL: declared,
+            id: id, queue: queueName, request: request, fullURL: declared,
             references: request.encrypted
                 ? [] : TransactionBundle.externalReferences(in: request.body, isBundle: request.path.isEmpty))
     }

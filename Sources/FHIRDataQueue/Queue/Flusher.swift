@@ -50,12 +50,18 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// One item ready to send.
     struct Prepared {
         var stored: StoredItem
-        var url: String
-        var body: Data
-        var ifNoneExist: String?
+        /// The request as it goes now: the URL from the configured endpoint, idempotent mode's condition,
+        /// references rewritten.
+        var request: OutgoingRequest
         /// Why it cannot be sent (it is parked with this reason), if so.
         var failure: String?
         var item: QueuedItem { stored.info }
+        var url: String { request.url }
+        var ifNoneExist: String? { request.ifNoneExist }
+        var body: Data {
+            get { request.body }
+            set { request.body = newValue }
+        }
     }
 
     /// What one step of the loop ended with.
@@ -215,10 +221,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         // A row whose path dq did not write is refused here, before anything is sent.
         let url = try queue.requestURL(for: stored.info)
         do {
-            let request = try queue.outgoingRequest(for: stored, url: url)
-            return Prepared(stored: stored, url: url, body: request.body, ifNoneExist: request.ifNoneExist)
+            var request = try queue.outgoingRequest(for: stored, url: url)
+            request.isBundle = stored.info.url.isEmpty  // a Bundle queued as one item
+            return Prepared(stored: stored, request: request)
         } catch let error as DataQueueError where error.code == .invalidResource {
-            return Prepared(stored: stored, url: url, body: stored.body, failure: error.message)
+            let request = OutgoingRequest(method: stored.info.method, url: url, contentType: stored.contentType, body: stored.body)
+            return Prepared(stored: stored, request: request, failure: error.message)
         }
     }
 
@@ -343,9 +351,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             try await park(prepared, status: nil, message: failure, outcome: nil, sent: false)
             return .next
         }
-        let request = OutgoingRequest(
-            method: prepared.item.method, url: prepared.url, contentType: prepared.stored.contentType,
-            ifNoneExist: prepared.ifNoneExist, body: prepared.body, isBundle: prepared.item.url.isEmpty)
+        let request = prepared.request
         let result = try await send(request, first: prepared.item, encrypted: prepared.item.encrypted)
         switch result {
         case .delivered(let response, let conditional):
@@ -464,9 +470,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         try await lock.markInFlight(sequence: group[0].item.sequence)
         let results = await withTaskGroup(of: (Int, DataQueue.DeliveryResult).self) { tasks in
             for (index, prepared) in group.enumerated() {
-                let request = OutgoingRequest(
-                    method: prepared.item.method, url: prepared.url, contentType: prepared.stored.contentType,
-                    body: prepared.body)
+                let request = prepared.request
                 tasks.addTask { [queue] in (index, await queue.deliver(request, encrypted: true)) }
             }
             var results = [DataQueue.DeliveryResult?](repeating: nil, count: group.count)

@@ -1,21 +1,46 @@
 import Foundation
 
-/// A request to store, before it has a sequence number.
+/// A request to store, before it has a sequence number: the ``PreparedRequest`` a resource became, with the
+/// item's identity (its id and its server's queue) and what links it to other items.
 struct NewItem: Sendable {
     var id: UUID
     var queue: String
-    var method: FHIRMethod
-    var url: String
-    var resourceType: String
-    var resourceID: String?
-    var encrypted: Bool
-    var contentType: String
-    var body: Data
+    var request: PreparedRequest
     /// The producer's `fullUrl` for the resource (`urn:uuid:…`), which later items may reference.
     var fullURL: String? = nil
     /// The `urn:uuid` fullUrls the body references (lowercased, in order; none for an encrypted item), found
     /// once when the item is made: a bulk enqueue finds them on the threads that make items, not on the writer.
     var references: [String] = []
+
+    var method: FHIRMethod { request.method }
+    /// The request path relative to the endpoint (stored as the item's `url`).
+    var url: String { request.path }
+    var resourceType: String { request.resourceType }
+    var resourceID: String? { request.resourceID }
+    var encrypted: Bool { request.encrypted }
+    var contentType: String { request.contentType }
+    var body: Data { request.body }
+
+    init(id: UUID, queue: String, request: PreparedRequest, fullURL: String? = nil, references: [String] = []) {
+        self.id = id
+        self.queue = queue
+        self.request = request
+        self.fullURL = fullURL
+        self.references = references
+    }
+
+    /// An item from its parts (rows moved between stores, tests).
+    init(
+        id: UUID, queue: String, method: FHIRMethod, url: String, resourceType: String, resourceID: String?, encrypted: Bool,
+        contentType: String, body: Data, fullURL: String? = nil, references: [String] = []
+    ) {
+        self.init(
+            id: id, queue: queue,
+            request: PreparedRequest(
+                method: method, path: url, contentType: contentType, body: body, resourceType: resourceType,
+                resourceID: resourceID, encrypted: encrypted),
+            fullURL: fullURL, references: references)
+    }
 }
 
 /// A stored item with what is needed to send it.
