@@ -5,7 +5,7 @@ export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 
 BENCH_APT := apache2-utils
-.PHONY: all build gateway release install deps peers test unit demo bench torture sanitize lint man docs clean
+.PHONY: all build gateway release install uninstall deps peers test unit demo bench torture sanitize lint man docs clean
 
 all: build
 
@@ -32,10 +32,23 @@ RELEASE_FLAGS := -c release --static-swift-stdlib -Xlinker -s
 release: deps
 	$(SWIFT) build $(RELEASE_FLAGS) --product dq
 
+# dq alone (one static binary), its man page and its shell completions. DESTDIR for packaging.
 PREFIX ?= /usr/local
 install: release
-	install -d $(DESTDIR)$(PREFIX)/bin
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/man/man1 \
+	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions $(DESTDIR)$(PREFIX)/share/zsh/site-functions \
+	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d
 	install -m 755 .build/release/dq $(DESTDIR)$(PREFIX)/bin/
+	$(SWIFT) package generate-manual --configuration release >/dev/null
+	install -m 644 .build/plugins/GenerateManual/outputs/dq/dq.1 $(DESTDIR)$(PREFIX)/share/man/man1/dq.1
+	.build/release/dq --generate-completion-script bash > $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq
+	.build/release/dq --generate-completion-script zsh > $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq
+	.build/release/dq --generate-completion-script fish > $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/dq $(DESTDIR)$(PREFIX)/share/man/man1/dq.1 \
+	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq \
+	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish
 
 peers:
 	scripts/peers.sh install
