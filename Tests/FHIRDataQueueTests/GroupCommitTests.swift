@@ -101,6 +101,31 @@ struct GroupCommitTests {
     }
 
     @Test(
+        "With stopsAtFailure, inputs that wait while the failing commit runs are held, and told the failure",
+        arguments: ["thread", "async"])
+    func waitingWhenStopped(mode: String) async throws {
+        let recorder = Recorder()  // the first commit waits at the gate, then fails
+        recorder.fail.withLock { $0 = ["1"] }
+        let committer: GroupCommit<String, Int>.Committer =
+            mode == "thread"
+            ? .thread(name: "dq-test") { recorder.commit($0) }
+            : .async { inputs in
+                await withCheckedContinuation { continuation in Thread { continuation.resume(returning: recorder.commit(inputs)) }.start() }
+            }
+        let engine = GroupCommit<String, Int>(maximumBatch: .max, stopsAtFailure: true, committer: committer)
+        engine.add("1")
+        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 }, "the first commit runs")
+        let told = Mutex<Result<Int, DataQueueError>?>(nil)
+        engine.add("2") { result in told.withLock { $0 = result } }
+        recorder.gate.signal()
+        await engine.waitUntilIdle()
+        #expect(try await waitFor { told.withLock { $0 != nil } }, "the waiting input is told")
+        #expect(told.withLock { $0.map { (try? $0.get()) == nil } } == true, "with the failure")
+        #expect(recorder.batches.withLock { $0 } == [["1"]], "nothing more reached the store")
+        #expect(engine.takeHeld() == ["1", "2"])
+    }
+
+    @Test(
         "With stopsAtFailure, a failed commit stops the engine: its inputs and all added later are held, in order, for takeHeld",
         arguments: ["thread", "async"])
     func stopsAtFailure(mode: String) async throws {

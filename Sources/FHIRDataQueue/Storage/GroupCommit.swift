@@ -157,15 +157,33 @@ final class GroupCommit<Input: Sendable, Output: Sendable>: @unchecked Sendable 
         return batch
     }
 
-    /// Under the lock: records a commit's end; returns the idle waiters to resume when nothing is left to do.
-    private func ended(_ inputs: @autoclosure () -> [Input], _ error: DataQueueError?) -> [CheckedContinuation<Void, Never>] {
+    /// Who to tell once a commit has ended, outside the lock.
+    private struct Ended {
+        var idle: [CheckedContinuation<Void, Never>]
+        /// When the commit stopped the engine: the completions of the inputs that waited, and the error.
+        var stopped: (completions: [Completion], error: DataQueueError)? = nil
+
+        func tell() {
+            for waiter in idle { waiter.resume() }
+            if let stopped {
+                for completion in stopped.completions { completion(.failure(stopped.error)) }
+            }
+        }
+    }
+
+    /// Under the lock: records a commit's end. When it stops the engine, the inputs waiting stay held and
+    /// their completions are told the failure (once: they are taken off the held inputs).
+    private func ended(_ inputs: @autoclosure () -> [Input], _ error: DataQueueError?) -> Ended {
         committing = false
         commitCount += 1
+        var stopped: (completions: [Completion], error: DataQueueError)?
         if let error, stopsAtFailure {
             failure = error
             failed = inputs()
+            stopped = (waiting.compactMap(\.completion), error)
+            waiting = waiting.map { Waiter(input: $0.input, completion: nil) }
         }
-        return takeIdleIfDone()
+        return Ended(idle: takeIdleIfDone(), stopped: stopped)
     }
 
     /// Under the lock: the idle waiters, when nothing waits (or the engine stopped).
@@ -192,7 +210,7 @@ final class GroupCommit<Input: Sendable, Output: Sendable>: @unchecked Sendable 
                 let wake = ended(batch.map(\.input), result.failure)
                 condition.unlock()
                 complete(batch, result)
-                for waiter in wake { waiter.resume() }
+                wake.tell()
                 condition.lock()
                 continue
             }
@@ -218,7 +236,7 @@ final class GroupCommit<Input: Sendable, Output: Sendable>: @unchecked Sendable 
             let result = await commit(batch.map(\.input))
             let wake = condition.withLock { ended(batch.map(\.input), result.failure) }
             complete(batch, result)
-            for waiter in wake { waiter.resume() }
+            wake.tell()
         }
     }
 
@@ -253,7 +271,7 @@ final class GroupCommit<Input: Sendable, Output: Sendable>: @unchecked Sendable 
         let more = !waiting.isEmpty && failure == nil
         if !more { running = false }
         condition.unlock()
-        for waiter in wake { waiter.resume() }
+        wake.tell()
         if more, case .async(let commit) = committer { Task { await self.drain(commit) } }
     }
 }
