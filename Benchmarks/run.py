@@ -456,23 +456,28 @@ def start_sekmet(work, name, port=None):
     return server, port, base
 
 
+def start_latency_proxy(port, latency_ms=25):
+    """scripts/faultproxy.py adding `latency_ms` each way in front of the server on `port`, ready: (process, base URL)."""
+    proxy_port = free_port()
+    proxy = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(proxy_port),
+                              "--upstream", "http://127.0.0.1:%d" % port, "--latency", str(latency_ms)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % proxy_port, timeout=1)
+            break
+        except Exception:
+            time.sleep(0.1)
+    return proxy, "http://127.0.0.1:%d/fhir" % proxy_port
+
+
 def case_drain_latency(args, work):
     """10: a backlog drained through a link with 25 ms added each way: Bundles against one request per item."""
     print("10. drain at latency (25 ms each way)", flush=True)
     bench_venv = os.path.join(ROOT, ".peers", "bench")
     server, port, direct = start_sekmet(work, "drain")
-    proxy_port = free_port()
-    proxy = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(proxy_port),
-                              "--upstream", "http://127.0.0.1:%d" % port, "--latency", "25"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    slow = "http://127.0.0.1:%d/fhir" % proxy_port
+    proxy, slow = start_latency_proxy(port)
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % proxy_port, timeout=1)
-                break
-            except Exception:
-                time.sleep(0.1)
         n = args.scale(10000)
         single_n = args.scale(300)  # one by one is bounded: its rate, not its 10,000 items
         lines = os.path.join(work, "drain.ndjson")
@@ -634,20 +639,85 @@ def case_postgres(args, work):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def case_at_rest(args, work):
+    """13: what sealing every item at rest costs: each figure against the same run without `at_rest`."""
+    print("13. sealed at rest against plain", flush=True)
+    key = os.path.join(work, "at-rest.key")
+    run([args.dq, "keygen", "--at-rest", "--out", key])
+    n = args.scale(2000)
+
+    def serial(sealed):
+        path = os.path.join(work, "ar-s-%f.sqlite" % time.time())
+        return bench_json(args, "enqueue-serial", path, n, 1024, "full", *([key] if sealed else []))["per_second"]
+
+    sealed, plain = interleaved([lambda: serial(True), lambda: serial(False)], serial_rounds(args))
+    row("13a durable enqueue, 1 item/commit, sealed (items/s)", sealed, "items/s", "the same, plain", plain, ">= 0.9")
+    m = args.scale(20000)
+
+    def concurrent(sealed):
+        path = os.path.join(work, "ar-c-%f.sqlite" % time.time())
+        return bench_json(args, "enqueue-concurrent", path, m, 1024, 64, *([key] if sealed else []))["per_second"]
+
+    sealed, plain = interleaved([lambda: concurrent(True), lambda: concurrent(False)], args.repeat)
+    row("13b durable enqueue, 64 producers, sealed (items/s)", sealed, "items/s", "the same, plain", plain, ">= 0.9")
+    k = args.scale(100000)
+    lines = os.path.join(work, "ar-bulk.ndjson")
+    write_ndjson(lines, k, 512)
+
+    def bulk(sealed):
+        env = dq_env(work, "http://127.0.0.1:9/fhir", "ar-b-%f.sqlite" % time.time())
+        if sealed:
+            env["DQ_AT_REST_KEY_FILE"] = key
+        start = time.perf_counter()
+        run([args.dq, "enqueue", "--ndjson", lines], env=env)
+        return k / (time.perf_counter() - start)
+
+    sealed, plain = interleaved([lambda: bulk(True), lambda: bulk(False)], args.repeat)
+    row("13c dq enqueue --ndjson %d, sealed (items/s)" % k, sealed, "items/s", "the same, plain", plain, ">= 0.8")
+
+    server, port, direct = start_sekmet(work, "at-rest")
+    proxy, slow = start_latency_proxy(port)
+    try:
+        single = args.scale(1000)
+        single_lines = os.path.join(work, "ar-single.ndjson")
+        write_ndjson(single_lines, single, 512)
+        drain = args.scale(5000)
+        drain_lines = os.path.join(work, "ar-drain.ndjson")
+        write_ndjson(drain_lines, drain, 512)
+
+        def flush(base, path, count, batch, sealed):
+            env = dict(dq_env(work, base, "ar-f-%f.sqlite" % time.time()), DQ_BATCH_SIZE=str(batch))
+            if sealed:
+                env["DQ_AT_REST_KEY_FILE"] = key
+            return timed_flush(args, env, path, count)
+
+        sealed, plain = interleaved(
+            [lambda: flush(direct, single_lines, single, 1, True), lambda: flush(direct, single_lines, single, 1, False)], args.repeat)
+        row("13d flush to sekmet-fhir one by one, sealed (items/s)", sealed, "items/s", "the same, plain", plain, ">= 0.95")
+        sealed, plain = interleaved(
+            [lambda: flush(slow, drain_lines, drain, 100, True), lambda: flush(slow, drain_lines, drain, 100, False)], args.repeat)
+        row("13e drain in Bundles of 100 at +25 ms, sealed (items/s)", sealed, "items/s", "the same, plain", plain, ">= 0.95")
+    finally:
+        proxy.terminate()
+        proxy.wait()
+        server.terminate()
+        server.wait()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dq", default=os.path.join(ROOT, ".build", "release", "dq"))
     parser.add_argument("--bench", default=os.path.join(ROOT, ".build", "release", "dq-bench"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
-    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10,11,12")
+    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10,11,12,13")
     parser.add_argument("--out", default=os.path.join(ROOT, "Benchmarks", "results.md"))
     args = parser.parse_args()
     factor = 0.1 if args.quick else 1.0
     args.scale = lambda n: max(1, int(n * factor))
     cases = {"1": case_enqueue, "4": case_flush_sink, "5": case_flush_fhir, "6": case_seal, "7": case_memory,
              "8": case_startup, "9": case_peers, "10": case_drain_latency,
-             "11": case_service, "12": case_postgres}
+             "11": case_service, "12": case_postgres, "13": case_at_rest}
     work = tempfile.mkdtemp(prefix="dq-bench-")
     try:
         for key in args.cases.split(","):

@@ -181,11 +181,19 @@ def integrity(path):
 
 # ---------------------------------------------------------------------------------------------------------
 
-def crash_loop(work, iterations, rng, batch):
-    print("crash loop (%s): %d iterations of enqueue and flush killed with SIGKILL" % (batching(batch), iterations),
+def crash_loop(work, iterations, rng, batch, at_rest=False):
+    sealed = ", sealed at rest" if at_rest else ""
+    print("crash loop (%s%s): %d iterations of enqueue and flush killed with SIGKILL" % (batching(batch), sealed, iterations),
           flush=True)
     fhir = FHIR(work)
-    env = env_for(work, fhir.base, "crash-%d.sqlite" % batch, batch=batch)
+    db = "crash-%d%s.sqlite" % (batch, "-sealed" if at_rest else "")
+    env = env_for(work, fhir.base, db, batch=batch)
+    if at_rest:
+        key = os.path.join(work, "crash-%d.key" % batch)
+        made = dq(["keygen", "--at-rest", "--out", key], env)
+        if made.returncode != 0:
+            raise SystemExit("dq keygen --at-rest failed: " + made.stderr)
+        env["DQ_AT_REST_KEY_FILE"] = key
     system = "urn:torture:crash:%d" % rng.randrange(1 << 30)
     committed, uncertain, kills = [], [], 0
     chunk_file = os.path.join(work, "chunk.ndjson")
@@ -216,8 +224,8 @@ def crash_loop(work, iterations, rng, batch):
             expected.extend(iteration_values)
         if hits not in (0, len(iteration_values)):
             atomic = False
-    good = ok and atomic and integrity(os.path.join(work, "crash-%d.sqlite" % batch))
-    check("crash loop (SIGKILL enqueue + flush), %s" % batching(batch), iterations, kills, 0, expected, actual, good,
+    good = ok and atomic and integrity(os.path.join(work, db))
+    check("crash loop (SIGKILL enqueue + flush), %s%s" % (batching(batch), sealed), iterations, kills, 0, expected, actual, good,
           "integrity_check ok" if good else "integrity/atomicity FAILED")
     fhir.kill()
 
@@ -835,7 +843,8 @@ def main():
     try:
         # Every promise holds with and without Bundles.
         runs = [
-            ("crash", lambda: [crash_loop(work, 25 if args.quick else 200, rng, batch) for batch in (1, 8)]),
+            ("crash", lambda: [crash_loop(work, 25 if args.quick else 200, rng, batch) for batch in (1, 8)]
+             + [crash_loop(work, 25 if args.quick else 200, rng, 8, at_rest=True)]),
             ("network", lambda: [network_faults(work, 150 if args.quick else 1000, rng, args.seed, batch) for batch in (1, 25)]),
             ("concurrency", lambda: concurrency(work, 3, 40 if args.quick else 300, rng)),
             ("daemon", lambda: daemon_faults(work, rng, 30 if args.quick else 200)),

@@ -3,8 +3,8 @@ import Foundation
 
 /// Micro-benchmarks of the library that `Benchmarks/run.py` calls; each prints one JSON line.
 ///
-///   dq-bench enqueue-serial DB COUNT BODY_BYTES full|normal
-///   dq-bench enqueue-concurrent DB COUNT BODY_BYTES PRODUCERS
+///   dq-bench enqueue-serial DB COUNT BODY_BYTES full|normal [AT_REST_KEY_FILE]
+///   dq-bench enqueue-concurrent DB COUNT BODY_BYTES PRODUCERS [AT_REST_KEY_FILE]
 ///   dq-bench seal CERT_PEM RESOURCE_BYTES COUNT c3pro|authenticated
 @main
 struct DQBenchmarks {
@@ -36,6 +36,7 @@ struct DQBenchmarks {
             let (path, count, size) = (arguments[2], Int(arguments[3])!, Int(arguments[4])!)
             var configuration = DataQueue.Configuration(databasePath: path)
             configuration.durability = Durability(rawValue: arguments[5])!
+            if arguments.count > 6 { configuration.atRest = AtRestKeys(current: try AtRestKey(contentsOfFile: arguments[6])) }
             let queue = try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
             let resources = (0..<count).map { resource($0, size: size) }
             let start = ContinuousClock.now
@@ -45,8 +46,9 @@ struct DQBenchmarks {
             try await queue.shutdown()
         case "enqueue-concurrent":
             let (path, count, size, producers) = (arguments[2], Int(arguments[3])!, Int(arguments[4])!, Int(arguments[5])!)
-            let queue = try await DataQueue(
-                baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
+            var configuration = DataQueue.Configuration(databasePath: path)
+            if arguments.count > 6 { configuration.atRest = AtRestKeys(current: try AtRestKey(contentsOfFile: arguments[6])) }
+            let queue = try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
             let perProducer = count / producers
             // Made before the clock starts, as the references (enqueue-serial, the Python queues) do.
             let resources = (0..<perProducer * producers).map { resource($0, size: size) }

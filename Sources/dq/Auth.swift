@@ -10,14 +10,28 @@ extension DQ {
     struct Keygen: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
             commandName: "keygen",
-            abstract: "Make a key pair for SMART Backend Services (private_key_jwt) and print the public JWKS.",
-            discussion: "The private key is written mode 0600 and never printed; register the printed JWKS with the server.")
+            abstract: "Make a key pair for SMART Backend Services (private_key_jwt), or with --at-rest a key that seals the queue.",
+            discussion:
+                "The private key is written mode 0600 and never printed; register the printed JWKS with the server. With --at-rest the key file is written mode 0600 and its key id printed."
+        )
 
         @Option(help: "ES384 (P-384), ES256 (P-256), RS384 or RS256 (RSA 2048).") var alg: String = "ES384"
-        @Option(help: "Where to write the private key (PEM). Refuses to overwrite.") var out: String
+        @Option(help: "Where to write the private key (PEM), or the at-rest key. Refuses to overwrite.") var out: String
         @Option(help: "The key id (default: the key's RFC 7638 thumbprint).") var kid: String?
+        @Flag(help: "Make a 256-bit key that seals the queue at rest (\"at_rest.key_file\"), and print its key id.")
+        var atRest = false
 
         func run() async throws {
+            if atRest {
+                do {
+                    let key = try AtRestKey.generate(writingTo: out)
+                    print("at-rest key \(key.id) written to \(out) (mode 0600); keep a copy: without it the queue cannot be read")
+                } catch let error as DataQueueError {
+                    printError("dq: \(error.message)")
+                    throw ExitCode(Exit.ioError)
+                }
+                return
+            }
             guard let algorithm = ClientAssertionKey.Algorithm(rawValue: alg.uppercased()) else {
                 throw ValidationError("--alg must be ES384, ES256, RS384 or RS256")
             }

@@ -23,7 +23,7 @@ struct DQ: AsyncParsableCommand {
         version: DQVersion.current,
         subcommands: [
             Enqueue.self, Send.self, Flush.self, Run.self, Status.self, List.self, Show.self, Retry.self, Resolve.self, Drop.self, Log.self,
-            Prune.self,
+            Prune.self, Rekey.self,
             Doctor.self, Decrypt.self, Keygen.self, Register.self, Login.self, Logout.self, Migrate.self, Version.self,
         ])
 
@@ -167,6 +167,7 @@ func withQueue<T>(
 /// ``withQueue(_:sending:readOnly:_:)`` for a command that also reads settings of its own (`dq run`).
 func withQueue<T>(
     _ options: QueueOptions, sending: SendingOptions? = nil, readOnly: Bool = false,
+    adjust: (inout DataQueueSettings) throws -> Void = { _ in },
     _ body: (DataQueue, DataQueueSettings) async throws -> T
 ) async throws -> T {
     // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
@@ -176,7 +177,9 @@ func withQueue<T>(
     let settings: DataQueueSettings
     let logger: Logger
     do {
-        settings = try DataQueueSettings.load(options: options, sending: sending)
+        var loaded = try DataQueueSettings.load(options: options, sending: sending)
+        try adjust(&loaded)
+        settings = loaded
         let format = try DQLogHandler.Format.named(
             options.logFormat ?? ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"] ?? settings.logFormat)
         let journal = DQLogHandler.writesToJournal()

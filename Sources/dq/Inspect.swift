@@ -60,12 +60,14 @@ extension DQ {
                 let signIn = try (queue.authorization as? AuthorizationCodeClient).map { client in
                     try client.storedSignIn().map(SignInSummary.init) ?? SignInSummary(signedIn: false)
                 }
-                if json { try printJSON(StatusOutput(status: status, signIn: signIn)); return }
+                let sealing = try await queue.sealingSummary()
+                if json { try printJSON(StatusOutput(status: status, signIn: signIn, sealing: sealing)); return }
                 for line in StatusReport.lines(status) { print(line) }
                 // A PostgreSQL schema of an older dq (read-only here) has not the column yet: not read.
                 let capabilities = (try? await queue.serverCapabilities()) ?? ServerCapabilities()
                 print(StatusReport.capabilitiesLine(capabilities, idempotent: queue.configuration.idempotent))
                 print(StatusReport.databaseLine(queue.configuration.databasePath))
+                print(StatusReport.sealingLine(sealing))
                 if let signIn { signIn.printLines() }
                 for other in try await queue.allQueueStatuses() where StatusReport.isElsewhere(other, of: status.queue) {
                     print(StatusReport.elsewhereLine(other))
@@ -86,13 +88,18 @@ extension DQ {
     struct StatusOutput: Encodable {
         let status: QueueStatus
         let signIn: SignInSummary?
+        let sealing: DataQueue.SealingSummary
 
-        enum CodingKeys: String, CodingKey { case signIn = "sign_in" }
+        enum CodingKeys: String, CodingKey {
+            case signIn = "sign_in"
+            case sealing = "at_rest"
+        }
 
         func encode(to encoder: any Encoder) throws {
             try status.encode(to: encoder)
             var container = encoder.container(keyedBy: CodingKeys.self)
             try container.encodeIfPresent(signIn, forKey: .signIn)
+            try container.encode(sealing, forKey: .sealing)
         }
     }
 

@@ -56,6 +56,9 @@ extension DQ {
         }
 
         func run() async throws {
+            // A SIGHUP before the reload service listens (while the queue opens) must not end dq run (its default
+            // action): it is ignored until then; the service's own handler takes over.
+            signal(SIGHUP, SIG_IGN)
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
             recordBuildInfo()

@@ -53,6 +53,15 @@ enum StatusReport {
         return line
     }
 
+    /// How the database is sealed at rest: not at all, or under which keys, with how many items each seals.
+    static func sealingLine(_ sealing: DataQueue.SealingSummary) -> String {
+        guard !sealing.keys.isEmpty || !sealing.items.isEmpty else { return "at rest:    not sealed (items are stored as given)" }
+        var parts = sealing.items.sorted { $0.key < $1.key }.map { "key \($0.key): \($0.value) item(s)" }
+        parts += sealing.keys.filter { sealing.items[$0] == nil }.sorted().map { "key \($0): 0 items" }
+        if sealing.plain > 0 { parts.append("\(sealing.plain) item(s) not sealed yet") }
+        return "at rest:    sealed (AES-256-GCM); " + parts.joined(separator: ", ")
+    }
+
     static func databaseLine(_ database: String) -> String {
         "database:   \(QueuePaths.displayDatabase(database))"
     }

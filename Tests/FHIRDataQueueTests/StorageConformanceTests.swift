@@ -325,6 +325,83 @@ struct StorageConformanceTests {
         await owner.release()
     }
 
+    @Test(
+        "Sealed at rest: the stored values hold nothing of an item, all reads back; the journal finds fullUrls by keyed hash; a rekey reseals; other keys are refused",
+        arguments: StoreKind.withHostClient)
+    func sealedAtRest(kind: StoreKind) async throws {
+        let inner = try await kind.make(in: directory)
+        let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+        let lazily = kind == .postgresHostClient
+        let first = AtRestKey.generate().key
+        let store = try await SealedStorage.open(inner, keys: AtRestKeys(current: first), readOnly: false, lazily: lazily, logger: logger)
+        var put = item(1)
+        put.request.method = .put
+        put.request.resourceID = "secret-id"
+        put.request.path = "Patient/secret-id"
+        let sequences = try await store.insert([item(0, fullURL: "urn:uuid:sealed-a"), put])
+        let grouped = try await store.insertGrouped(item(2))
+
+        let raw = try await inner.rawItems(after: 0, limit: 10)
+        #expect(raw.map(\.info.sequence) == sequences + [grouped])
+        for row in raw {
+            #expect(String(decoding: row.body, as: UTF8.self).contains("resourceType") == false, "the body is sealed")
+            #expect(row.info.url.hasPrefix("dqs1.\(first.id).") && !row.info.url.contains("Patient"))
+        }
+        #expect(raw[0].fullURL?.hasPrefix("dqx1.") == true && raw[0].fullURL?.contains("sealed-a") == false)
+        #expect(raw[1].info.resourceID?.hasPrefix("dqs1.") == true)
+        #expect(try await inner.sealKeys().map(\.id) == [first.id])
+        #expect(try await inner.sealedCounts() == [first.id: 3])
+
+        let drained = try await drain(store)
+        #expect(bodies(drained) == (0..<3).map { #"{"resourceType":"Patient","n":\#($0)}"# })
+        #expect(
+            drained[0].fullURL == "urn:uuid:sealed-a" && drained[0].info.url == "Patient" && drained.allSatisfy { $0.unreadable == nil })
+        #expect(drained[1].info.url == "Patient/secret-id" && drained[1].info.resourceID == "secret-id")
+        #expect(try await store.knownFullURLs(["urn:uuid:sealed-a", "urn:uuid:b"]) == ["urn:uuid:sealed-a"])
+
+        let owner = try #require(try await store.acquireFlush(queue: Self.server, until: .now))
+        let recorder = DeliveryRecorder(store: store, owner: owner)
+        try recorder.record(
+            CompletedDelivery(
+                item: drained[0].info, url: "http://h/fhir/Patient", status: 201, location: "http://h/fhir/Patient/a/_history/1",
+                serverID: "a", versionID: "1", fullURL: "urn:uuid:sealed-a"))
+        try await recorder.finish()
+        #expect(try await store.deliveredLocations(fullURLs: ["urn:uuid:sealed-a"]) == ["urn:uuid:sealed-a": "Patient/a"])
+        #expect(try await inner.deliveries(queue: nil, limit: 10).first?.fullURL?.hasPrefix("dqx1.") == true)
+        try await store.park(
+            drained[1].info, url: "http://h/fhir/Patient/secret-id", status: 400, error: "rejected", outcome: "secret answer", owner: owner)
+        await owner.release()
+        #expect(try await inner.items(queue: Self.server, state: .parked, limit: 10).first?.outcome?.hasPrefix("dqs1.") == true)
+        #expect(try await store.items(queue: Self.server, state: .parked, limit: 10).first?.outcome == "secret answer")
+
+        // A replacement made from a stale read changes nothing.
+        let stale = SealedReplacement(
+            sequence: grouped, url: "x", resourceID: nil, body: Data("x".utf8), fullURL: nil, outcome: nil,
+            expectedBody: Data("not what is stored".utf8), expectedOutcome: nil)
+        #expect(try await inner.replaceSealed([stale]) == 0)
+
+        // A rekey: the second key seals, the first opens what it sealed until everything is sealed again.
+        let second = AtRestKey.generate().key
+        let rekeyed = try #require(
+            try await SealedStorage.open(
+                inner, keys: AtRestKeys(current: second, old: [first]), readOnly: false, lazily: false, logger: logger) as? SealedStorage)
+        #expect(try await rekeyed.sealAll(only: .notUnderCurrentKey) { _ in } == 2)
+        #expect(try await inner.sealedCounts() == [second.id: 2])
+        #expect(Set(try await inner.sealKeys().map(\.id)) == [first.id, second.id])
+        let alone = try await SealedStorage.open(inner, keys: AtRestKeys(current: second), readOnly: false, lazily: lazily, logger: logger)
+        #expect(bodies(try await drain(alone)) == [#"{"resourceType":"Patient","n":2}"#], "the parked item is not pending")
+        #expect(try await alone.deliveredLocations(fullURLs: ["urn:uuid:sealed-a"]) == ["urn:uuid:sealed-a": "Patient/a"], "one index key")
+
+        // Another key, and no key, are refused for writing; nothing is changed.
+        for keys in [AtRestKeys(current: AtRestKey.generate().key), nil] {
+            await #expect(throws: DataQueueError.self) {
+                let refused = try await SealedStorage.open(inner, keys: keys, readOnly: false, lazily: lazily, logger: logger)
+                _ = try await refused.insert([item(9)])
+            }
+        }
+        #expect(try await inner.rawItems(after: 0, limit: 10).count == 2)
+    }
+
     @Test("Pruning the journal removes only lines older than asked, oldest first, and never a queued item", arguments: StoreKind.available)
     func pruneJournal(kind: StoreKind) async throws {
         let store = try await kind.make(in: directory)

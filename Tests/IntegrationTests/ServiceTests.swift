@@ -347,12 +347,13 @@ struct ServiceTests {
             Peers.dqBinary, ["run", "--poll-interval", "0.1", "--config", config, "--metrics-address", "127.0.0.1:\(port)"],
             environment: env)
         let ready = { (try? await HTTP.get("http://127.0.0.1:\(port)/readyz").0) ?? 0 }
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
         #expect(try await eventually { await ready() == 200 })
         let files = ["", "-wal", "-shm"].map { work.file("queue.sqlite") + $0 }.filter { FileManager.default.fileExists(atPath: $0) }
         #expect(try await ChildProcess("/usr/bin/chattr", ["+i"] + files).wait().status == 0)
         defer { _ = try? Process.run(URL(fileURLWithPath: "/usr/bin/chattr"), arguments: ["-i"] + files).waitUntilExit() }
         try await server.start()
-        #expect(try await eventually { await ready() == 503 }, "not ready while writes fail")
+        #expect(try await eventually { await ready() == 503 }, "not ready while writes fail: \(log()), running: \(run.process.isRunning)")
         #expect(try await ChildProcess("/usr/bin/chattr", ["-i"] + files).wait().status == 0)
         #expect(try await eventually { await ready() == 200 }, "ready again once the files take writes")
         #expect(

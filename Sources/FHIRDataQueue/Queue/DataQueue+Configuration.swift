@@ -105,6 +105,11 @@ extension DataQueue {
         /// Opens an existing queue for reading only (status, listings, the journal): no file or directory
         /// is created and nothing is written; a missing database is an error. The default is `false`.
         public var readOnly: Bool
+        /// Seals every queued item at rest (AES-256-GCM) under these keys: the body, request path, resource id,
+        /// `fullUrl` and a parked item's answer are never stored readable (see the README's security model).
+        /// A queue sealed once needs a key that opens it from then on; setting keys for a plain queue seals
+        /// the items already there when it opens. The default is nil: items are stored as given.
+        public var atRest: AtRestKeys? = nil
 
         /// Creates a configuration. Every parameter has the default stated on its property.
         public init(

@@ -117,10 +117,20 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         self.flushLockPath = Self.flushLockPath(database: configuration.databasePath, queue: queueName)
         self.metrics = QueueMetrics(destination: queueName)
         // Opening may wait for another process's lock and migrate the schema: on a thread of its own.
-        self.store = try await OwnThread.run("dq-open") {
+        let opened = try await OwnThread.run("dq-open") {
             try Self.makeStore(
                 configuration.storage, durability: configuration.durability, readOnly: configuration.readOnly,
                 leaseDuration: configuration.leaseDuration, logger: logger)
+        }
+        do {
+            // A host's PostgreSQL client may not run yet (its ServiceGroup starts after the queue is made).
+            var lazily = false
+            if case .postgres = configuration.storage { lazily = true }
+            self.store = try await SealedStorage.open(
+                opened, keys: configuration.atRest, readOnly: configuration.readOnly, lazily: lazily, logger: logger)
+        } catch {
+            await opened.shutdown()
+            throw error
         }
         self.transport = try FHIRTransport(
             timeout: configuration.requestTimeout, connectTimeout: configuration.connectTimeout,
@@ -614,6 +624,10 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     /// body. Digits alone are tried both ways and throw when they name two different items; `#42` is sequence 42.
     public func item(_ reference: String) async throws -> (QueuedItem, Data) {
         let stored = try await store.item(reference)
+        if let reason = stored.unreadable {
+            // Sealed at rest: without its key a configuration error, with a seal that does not verify damage.
+            throw DataQueueError(reason.contains("at_rest.key_file") ? .invalidConfiguration : .damaged, reason)
+        }
         return (stored.info, stored.body)
     }
 
@@ -728,6 +742,11 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         try await withReadOnlyStore(databasePath) { try await $0.allStatuses() }
     }
 
+    /// How the database at `databasePath` is sealed at rest, read without a key (opened read-only).
+    package static func sealingSummary(databasePath: String) async throws -> SealingSummary {
+        try await withReadOnlyStore(databasePath) { try await summary(of: $0) }
+    }
+
     /// Runs `body` on the store of `databasePath` opened read-only, then closes it.
     private static func withReadOnlyStore<T: Sendable>(
         _ databasePath: String, _ body: (any QueueStorage) async throws -> T
@@ -793,6 +812,8 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                 }
                 locks.append(lock)
             }
+            // A sealed queue stays sealed: its items move as they are, with the keys that open them.
+            for record in try await source.sealKeys() { try await target.addSealKey(record) }
             var report = MigrationReport()
             let journal = try await source.deliveries(queue: nil, limit: Int(Int32.max))
             for start in stride(from: 0, to: journal.count, by: 1000) {

@@ -218,6 +218,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// The request of one item as it goes now: its URL from the configured endpoint, idempotent mode's
     /// condition, and (later) its references.
     private func prepare(_ stored: StoredItem) throws -> Prepared {
+        if let reason = stored.unreadable {
+            // Nothing of it can be trusted: it is parked with the reason, and nothing is sent.
+            let url = (try? queue.endpoint(encrypted: stored.info.encrypted)) ?? queue.queueName
+            let request = OutgoingRequest(method: stored.info.method, url: url, contentType: stored.contentType, body: Data())
+            return Prepared(stored: stored, request: request, failure: reason)
+        }
         // A row whose path dq did not write is refused here, before anything is sent.
         let url = try queue.requestURL(for: stored.info)
         do {
@@ -465,7 +471,13 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         var group: [Prepared] = []
         for stored in prefetched {
             guard group.count < maximum, stored.info.encrypted else { break }
-            group.append(try prepare(stored))
+            let prepared = try prepare(stored)
+            if prepared.failure != nil {
+                // It cannot go (its seal at rest does not open): parked alone, and the group ends before it.
+                if group.isEmpty { return try await sendSingle(prepared) }
+                break
+            }
+            group.append(prepared)
         }
         try await lock.markInFlight(sequence: group[0].item.sequence)
         let results = await withTaskGroup(of: (Int, DataQueue.DeliveryResult).self) { tasks in

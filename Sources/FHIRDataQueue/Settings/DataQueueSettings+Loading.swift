@@ -143,6 +143,7 @@ extension DataQueueSettings {
             }
             configuration.encryptedInFlight = Int(value)
         }
+        configuration.atRest = try resolveAtRest()
         return Resolved(
             server: serverURL, configuration: configuration, authorization: authorization,
             encryption: try encryption.map(resolveEncryption))
@@ -173,6 +174,20 @@ extension DataQueueSettings {
     }
 
     // MARK: - Pieces
+
+    /// The `at_rest` keys, read from their files (found as other `…_file` secrets are).
+    private func resolveAtRest() throws -> AtRestKeys? {
+        guard let atRest else { return nil }
+        guard let name = atRest.keyFile, !name.isEmpty else {
+            throw Self.configError("\"at_rest.key_file\" is missing (make a key with dq keygen --at-rest --out FILE)")
+        }
+        let environment = ProcessInfo.processInfo.environment
+        let current = try AtRestKey(contentsOfFile: secretFilePath(name, environment: environment), setting: "at_rest.key_file")
+        let old = try (atRest.oldKeyFiles ?? []).map {
+            try AtRestKey(contentsOfFile: secretFilePath($0, environment: environment), setting: "at_rest.old_key_files")
+        }
+        return AtRestKeys(current: current, old: old)
+    }
 
     private func relative(_ path: String) -> String {
         if path.hasPrefix("/") { return path }

@@ -68,6 +68,8 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var auth: Auth?
     /// `encryption`: the encrypted endpoint (see ``EncryptedDataQueue``).
     public var encryption: Encryption?
+    /// `at_rest`: the keys that seal queued items on disk (see ``DataQueue/Configuration/atRest``).
+    public var atRest: AtRest?
     /// The directory that relative paths in the file (keys, certificates, credentials) are relative to: the
     /// file's own directory when loaded with ``load(contentsOf:)``. Not read from the file.
     public var baseDirectory: String?
@@ -172,6 +174,18 @@ public struct DataQueueSettings: Sendable, Decodable {
         public init() {}
     }
 
+    /// The `at_rest` object.
+    public struct AtRest: Sendable, Decodable {
+        /// `key_file` (or `DQ_AT_REST_KEY_FILE`): the key that seals new items, made by `dq keygen --at-rest`
+        /// (a relative name is looked up in `$CREDENTIALS_DIRECTORY` when set, else beside the config file).
+        public var keyFile: String?
+        /// `old_key_files`: keys that open items sealed before a rekey, listed until none is sealed under them.
+        public var oldKeyFiles: [String]?
+
+        /// Empty `at_rest` settings.
+        public init() {}
+    }
+
     /// The `encryption` object.
     public struct Encryption: Sendable, Decodable {
         /// `endpoint`: where envelopes are posted.
@@ -236,6 +250,10 @@ public struct DataQueueSettings: Sendable, Decodable {
             guard let value = Double(text) else { throw Self.configError("DQ_LEASE_SECONDS must be a number of seconds") }
             leaseSeconds = value
         }
+        if let value = environment["DQ_AT_REST_KEY_FILE"] {
+            atRest = atRest ?? AtRest()
+            atRest?.keyFile = value
+        }
         if let value = environment["DQ_TOKEN"] {
             auth = auth ?? Auth()
             auth?.bearerToken = value
@@ -261,7 +279,7 @@ public struct DataQueueSettings: Sendable, Decodable {
     package static let environmentVariables: Set<String> = [
         "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
         "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_LEASE_SECONDS", "DQ_TOKEN",
-        "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT",
+        "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
     ]
 
     /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
@@ -373,6 +391,13 @@ public struct DataQueueSettings: Sendable, Decodable {
                 exposedSecretFiles.append(path)
             }
             return text
+        }
+        // At-rest keys are read when the settings are resolved; here only whether others can read them.
+        for name in [atRest?.keyFile].compactMap({ $0 }) + (atRest?.oldKeyFiles ?? []) {
+            let path = secretFilePath(name, environment: environment)
+            if let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0 {
+                exposedSecretFiles.append(path)
+            }
         }
         if let name = auth?.bearerTokenFile {
             let token = try read(name, key: "auth.bearer_token_file")
@@ -545,6 +570,7 @@ public struct DataQueueSettings: Sendable, Decodable {
 
     private enum CodingKeys: String, CodingKey, CaseIterable {
         case server, database, durability, idempotent, retry, auth, encryption
+        case atRest = "at_rest"
         case maxResourceBytes = "max_resource_bytes"
         case timeoutSeconds = "timeout_seconds"
         case connectTimeoutSeconds = "connect_timeout_seconds"
@@ -585,6 +611,22 @@ public struct DataQueueSettings: Sendable, Decodable {
         tls = try SettingsKeys.value(container, .tls, "must be an object")
         auth = try SettingsKeys.value(container, .auth, "must be an object")
         encryption = try SettingsKeys.value(container, .encryption, "must be an object")
+        atRest = try SettingsKeys.value(container, .atRest, "must be an object")
+    }
+}
+
+extension DataQueueSettings.AtRest {
+    private enum CodingKeys: String, CodingKey, CaseIterable {
+        case keyFile = "key_file"
+        case oldKeyFiles = "old_key_files"
+    }
+
+    /// Decodes the `at_rest` object, refusing unknown keys.
+    public init(from decoder: any Decoder) throws {
+        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        keyFile = try SettingsKeys.value(container, .keyFile, "must be a string (a key file)")
+        oldKeyFiles = try SettingsKeys.value(container, .oldKeyFiles, "must be a list of key files")
     }
 }
 

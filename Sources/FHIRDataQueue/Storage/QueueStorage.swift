@@ -122,6 +122,28 @@ protocol QueueStorage: AnyObject, Sendable {
     /// that vacuums on its own).
     func vacuum() async throws
 
+    // MARK: Sealing at rest (see ``SealedStorage``)
+
+    /// The seal key table: the at-rest keys items were sealed under (empty: a plain queue).
+    func sealKeys() async throws -> [SealKeyRecord]
+
+    /// Adds a seal key (nothing when its id is there).
+    func addSealKey(_ record: SealKeyRecord) async throws
+
+    /// How many items (of every queue) each at-rest key seals, by key id; `""` counts plain items.
+    func sealedCounts() async throws -> [String: Int]
+
+    /// Items of every queue after sequence `after`, pending and parked, as stored: at most `limit`.
+    func rawItems(after: Int64, limit: Int) async throws -> [StoredItem]
+
+    /// Replaces the stored values of items, each only while its body and outcome are still the expected ones;
+    /// returns how many changed.
+    func replaceSealed(_ replacements: [SealedReplacement]) async throws -> Int
+
+    /// After items were sealed: removes what the store keeps of their earlier values beyond the rows (SQLite:
+    /// the WAL's frames). The default does nothing.
+    func scrubAfterSealing() async throws
+
     /// Releases connections (a database server's); the SQLite store has nothing to release.
     func shutdown() async
 
@@ -217,6 +239,19 @@ struct ItemReference: Sendable, Equatable {
     }
 }
 
+/// New stored values of one item (sealed, or sealed under another key), replacing what was read.
+struct SealedReplacement: Sendable {
+    var sequence: Int64
+    var url: String
+    var resourceID: String?
+    var body: Data
+    var fullURL: String?
+    var outcome: String?
+    /// The body and outcome as read: the replacement is made only if they are unchanged.
+    var expectedBody: Data
+    var expectedOutcome: String?
+}
+
 /// A delivery to record in the journal.
 struct CompletedDelivery: Sendable {
     var item: QueuedItem
@@ -242,6 +277,8 @@ extension QueueStorage {
     func checkFileIdentity() throws {}
 
     func vacuum() async throws {}
+
+    func scrubAfterSealing() async throws {}
 
     /// Takes every chunk first, checks the references against the store, then stores all in one transaction.
     func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64] {

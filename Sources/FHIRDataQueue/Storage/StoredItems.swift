@@ -52,4 +52,6 @@ struct StoredItem: Sendable {
     var body: Data
     /// The producer's `fullUrl`, if it gave one.
     var fullURL: String? = nil
+    /// Why the item cannot be read (its seal at rest does not open): it is parked with this reason, never sent.
+    var unreadable: String? = nil
 }

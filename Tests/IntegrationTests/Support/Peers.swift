@@ -159,7 +159,12 @@ final class ChildProcess: @unchecked Sendable {
     /// What the process wrote to standard output so far.
     var outputSoFar: String { (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? "" }
 
-    func kill(_ signal: Int32 = SIGKILL) { Glibc.kill(process.processIdentifier, signal) }
+    /// Sends `signal` while the process runs. Once it has exited (and been reaped) its pid may belong to another
+    /// process already (another test's `dq run`, under a parallel suite): that one is never signalled.
+    func kill(_ signal: Int32 = SIGKILL) {
+        guard process.isRunning else { return }
+        Glibc.kill(process.processIdentifier, signal)
+    }
 
     /// Kills the process if it still runs (a peer that never became ready) and returns its output.
     func stop() async -> ProcessResult {

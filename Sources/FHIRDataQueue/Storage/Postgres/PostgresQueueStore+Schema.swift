@@ -48,6 +48,11 @@ extension PostgresQueueStore {
         CREATE TABLE IF NOT EXISTS dq_note (
           queue text PRIMARY KEY, token bigint NOT NULL, in_flight_seq bigint, in_flight_at double precision)
         """,
+        // Sealing at rest: the at-rest keys the items are sealed under, each with the index key wrapped under it.
+        """
+        CREATE TABLE IF NOT EXISTS dq_seal_key (
+          key_id text PRIMARY KEY, index_key bytea NOT NULL, added_at double precision NOT NULL)
+        """,
         // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
         // that a start does not rewrite the catalog and two dq versions sharing a database each call their own.
         """
@@ -103,7 +108,7 @@ extension PostgresQueueStore {
            AND to_regclass('dq_item_by_full_url') IS NOT NULL AND to_regclass('dq_delivery') IS NOT NULL
            AND to_regclass('dq_delivery_by_queue') IS NOT NULL AND to_regclass('dq_delivery_by_uuid') IS NOT NULL
            AND to_regclass('dq_delivery_by_full_url') IS NOT NULL AND to_regclass('dq_lease') IS NOT NULL
-           AND to_regclass('dq_note') IS NOT NULL
+           AND to_regclass('dq_note') IS NOT NULL AND to_regclass('dq_seal_key') IS NOT NULL
            AND to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NOT NULL
            AND to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_server_state')

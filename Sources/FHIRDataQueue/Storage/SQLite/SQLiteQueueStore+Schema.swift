@@ -241,6 +241,19 @@ extension SQLiteQueueStore {
             // list; NULL: not read): idempotent mode trusts a 200 to a conditional create only for those.
             try db.execute(sql: "ALTER TABLE server_state ADD COLUMN conditional_create TEXT")
         }
+        migrator.registerMigration("v6") { db in
+            // Sealing at rest: the at-rest keys the queue's items are sealed under, each with the queue's index
+            // key wrapped under it (see ``Sealer``). A queue with a row here is sealed; a dq older than this
+            // migration refuses the file (it would send sealed bytes).
+            try db.execute(
+                sql: """
+                    CREATE TABLE seal_key (
+                      key_id TEXT PRIMARY KEY,
+                      index_key BLOB NOT NULL,
+                      added_at REAL NOT NULL
+                    )
+                    """)
+        }
         return migrator
     }
 

@@ -1,0 +1,83 @@
+import Foundation
+import Logging
+import PostgresNIO
+
+// The seal key table, and the raw rows a seal or rekey rewrites (see ``SealedStorage``).
+extension PostgresQueueStore {
+    func sealKeys() async throws -> [SealKeyRecord] {
+        try await run("read the seal keys") { [self] in
+            var records: [SealKeyRecord] = []
+            do {
+                for try await (id, wrapped) in try await client.query(
+                    "SELECT key_id, index_key FROM dq_seal_key ORDER BY added_at, key_id", logger: logger
+                ).decode((String, Data).self) {
+                    records.append(SealKeyRecord(id: id, wrappedIndexKey: wrapped))
+                }
+            } catch let error as PSQLError where error.serverInfo?[.sqlState] == "42P01" {
+                // A schema of a dq from before sealing, read without writing: not sealed.
+                return []
+            }
+            return records
+        }
+    }
+
+    func addSealKey(_ record: SealKeyRecord) async throws {
+        _ = try await run("add a seal key") { [self] in
+            try await client.query(
+                """
+                INSERT INTO dq_seal_key (key_id, index_key, added_at)
+                VALUES (\(record.id), \(record.wrappedIndexKey), \(Date().timeIntervalSince1970)) ON CONFLICT (key_id) DO NOTHING
+                """, logger: logger)
+        }
+    }
+
+    func sealedCounts() async throws -> [String: Int] {
+        try await run("count sealed items") { [self] in
+            var counts: [String: Int] = [:]
+            // A sealed body starts with `DQS1` and its key id (see ``Sealer``); anything else is plain.
+            for try await (key, count) in try await client.query(
+                """
+                SELECT CASE WHEN substring(body FROM 1 FOR 4) = '\\x44515331'::bytea
+                            THEN encode(substring(body FROM 5 FOR 16), 'escape') ELSE '' END AS k, count(*)
+                FROM dq_item GROUP BY k
+                """, logger: logger
+            ).decode((String, Int).self) {
+                counts[key] = count
+            }
+            return counts
+        }
+    }
+
+    func rawItems(after: Int64, limit: Int) async throws -> [StoredItem] {
+        try await run("read the queue") { [self] in
+            try await rows(
+                PostgresQuery(
+                    unsafeSQL: "SELECT \(Self.storedColumns) FROM dq_item WHERE seq > $1 ORDER BY seq LIMIT $2",
+                    binds: Self.binds(after, Int64(limit))),
+                Self.storedItem)
+        }
+    }
+
+    func replaceSealed(_ replacements: [SealedReplacement]) async throws -> Int {
+        guard !replacements.isEmpty else { return 0 }
+        return try await run("seal items") { [self] in
+            try await client.withTransaction(logger: logger) { connection in
+                var changed = 0
+                for r in replacements {
+                    // Only if the row is still as it was read: a flush may have delivered or parked it meanwhile.
+                    for try await _ in try await connection.query(
+                        """
+                        UPDATE dq_item SET url = \(r.url), resource_id = \(r.resourceID), body = \(r.body), full_url = \(r.fullURL),
+                                           outcome = \(r.outcome)
+                        WHERE seq = \(r.sequence) AND body = \(r.expectedBody) AND outcome IS NOT DISTINCT FROM \(r.expectedOutcome)
+                        RETURNING seq
+                        """, logger: logger)
+                    {
+                        changed += 1
+                    }
+                }
+                return changed
+            }
+        }
+    }
+}

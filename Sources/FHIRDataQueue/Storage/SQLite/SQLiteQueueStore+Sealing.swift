@@ -1,0 +1,77 @@
+import Foundation
+import GRDB
+
+// The seal key table, and the raw rows a seal or rekey rewrites (see ``SealedStorage``).
+extension SQLiteQueueStore {
+    func sealKeys() async throws -> [SealKeyRecord] {
+        try await read("read the seal keys") { db in
+            try Row.fetchAll(db, sql: "SELECT key_id, index_key FROM seal_key ORDER BY added_at, key_id").map {
+                SealKeyRecord(id: $0["key_id"], wrappedIndexKey: $0["index_key"])
+            }
+        }
+    }
+
+    func addSealKey(_ record: SealKeyRecord) async throws {
+        try await immediate("add a seal key") { db in
+            try db.execute(
+                sql: "INSERT OR IGNORE INTO seal_key (key_id, index_key, added_at) VALUES (?, ?, ?)",
+                arguments: [record.id, record.wrappedIndexKey, Date().timeIntervalSince1970])
+        }
+    }
+
+    func sealedCounts() async throws -> [String: Int] {
+        try await read("count sealed items") { db in
+            var counts: [String: Int] = [:]
+            // A sealed body starts with `DQS1` and its key id (see ``Sealer``); anything else is plain.
+            for row in try Row.fetchAll(
+                db,
+                sql: """
+                    SELECT CASE WHEN substr(body, 1, 4) = X'44515331' THEN CAST(substr(body, 5, 16) AS TEXT) ELSE '' END AS k,
+                           count(*) AS n
+                    FROM item GROUP BY k
+                    """)
+            {
+                counts[row["k"]] = row["n"]
+            }
+            return counts
+        }
+    }
+
+    func rawItems(after: Int64, limit: Int) async throws -> [StoredItem] {
+        try await exportBatch(after: after, limit: limit)
+    }
+
+    func replaceSealed(_ replacements: [SealedReplacement]) async throws -> Int {
+        guard !replacements.isEmpty else { return 0 }
+        return try await immediate("seal items") { db in
+            // What the rows held before (plain values) is overwritten with zeros where it lay, not just freed.
+            try db.execute(sql: "PRAGMA secure_delete = ON")
+            defer { try? db.execute(sql: "PRAGMA secure_delete = OFF") }
+            var changed = 0
+            for replacement in replacements {
+                // Only if the row is still as it was read: a flush may have delivered or parked it meanwhile.
+                try db.execute(
+                    sql: """
+                        UPDATE item SET url = ?, resource_id = ?, body = ?, full_url = ?, outcome = ?
+                        WHERE seq = ? AND body = ? AND outcome IS ?
+                        """,
+                    arguments: [
+                        replacement.url, replacement.resourceID, replacement.body, replacement.fullURL, replacement.outcome,
+                        replacement.sequence, replacement.expectedBody, replacement.expectedOutcome,
+                    ])
+                changed += db.changesCount
+            }
+            return changed
+        }
+    }
+
+    /// Writes the WAL back into the file and empties it, so that no frame of an earlier (plain) version of a row
+    /// stays on disk; skipped while another connection reads (its next checkpoint does it).
+    func scrubAfterSealing() async throws {
+        do {
+            try await database.writeWithoutTransaction { db in _ = try? Row.fetchAll(db, sql: "PRAGMA wal_checkpoint(TRUNCATE)") }
+        } catch {
+            throw SQLiteQueueStore.mapError(error, doing: "scrub the WAL")
+        }
+    }
+}

@@ -1,0 +1,453 @@
+import Crypto
+import Foundation
+import Logging
+import Synchronization
+
+/// A store whose items are sealed at rest: every value that comes from a resource (body, request path, resource
+/// id, `fullUrl`, the server's answer to a parked item) is sealed before it reaches the store it wraps and opened
+/// when read back (see ``Sealer``). What orders and schedules items (sequence, state, attempts, times, the
+/// resource type, sizes) stays readable; so does the delivery journal, which holds no resource content.
+///
+/// One wrapper for every store: SQLite and PostgreSQL keep storing bytes and text, and the seal key table
+/// (``QueueStorage/sealKeys()``) says that a queue is sealed and under which keys.
+final class SealedStorage: QueueStorage {
+    let inner: any QueueStorage
+    private let keys: AtRestKeys?
+    private let readOnly: Bool
+    private let logger: Logger
+    /// How the queue is sealed, found on first use (see ``state()``).
+    private let found = Mutex<Task<State, any Error>?>(nil)
+
+    /// How the store is sealed, and what this process can do with it.
+    struct State: Sendable {
+        /// Nil for a plain queue opened without keys (every call passes through), and for a sealed queue
+        /// opened read-only without its key (counts and the journal can be read, no content, nothing written).
+        var sealer: Sealer?
+        /// The at-rest keys of the store's seal key table (empty: a plain queue).
+        var keyIDs: [String]
+    }
+
+    private init(inner: any QueueStorage, keys: AtRestKeys?, readOnly: Bool, logger: Logger) {
+        self.inner = inner
+        self.keys = keys
+        self.readOnly = readOnly
+        self.logger = logger
+    }
+
+    /// The store to use for `inner` with the at-rest `keys` configured (nil: none).
+    ///
+    /// A sealed queue opened (for writing) without a key that opens it is a configuration error naming the key
+    /// ids it needs, and nothing is changed; a plain queue opened with a key becomes sealed, its items sealed
+    /// in batches. Unless `lazily`, this is found out now (and a plain queue without keys gets `inner` itself);
+    /// `lazily` (a host's PostgreSQL client, which may not run yet) defers it to the first call.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when the keys do not fit the queue.
+    static func open(_ inner: any QueueStorage, keys: AtRestKeys?, readOnly: Bool, lazily: Bool, logger: Logger) async throws
+        -> any QueueStorage
+    {
+        let store = SealedStorage(inner: inner, keys: keys, readOnly: readOnly, logger: logger)
+        if lazily { return store }
+        let state = try await store.state()
+        return state.sealer == nil && state.keyIDs.isEmpty ? inner : store
+    }
+
+    static func keyNeeded(_ ids: [String]) -> DataQueueError {
+        DataQueueError(
+            .invalidConfiguration,
+            "configuration: the queue is sealed at rest under key \(ids.joined(separator: ", ")); "
+                + "set \"at_rest.key_file\" (or DQ_AT_REST_KEY_FILE) to that key")
+    }
+
+    /// How the queue is sealed: found once; a failure (the database unreachable) is tried again next time.
+    func state() async throws -> State {
+        let task = found.withLock { current -> Task<State, any Error> in
+            if let current { return current }
+            let made = Task { try await self.findState() }
+            current = made
+            return made
+        }
+        do {
+            return try await task.value
+        } catch {
+            found.withLock { if $0 == task { $0 = nil } }
+            throw error
+        }
+    }
+
+    /// The sealer; nil for a plain queue without keys.
+    ///
+    /// - Throws: the error naming the key a sealed queue needs, when none of the configured keys opens it.
+    func sealerIfSealed() async throws -> Sealer? {
+        let state = try await state()
+        if state.sealer == nil && !state.keyIDs.isEmpty { throw Self.keyNeeded(state.keyIDs) }
+        return state.sealer
+    }
+
+    /// The sealer of a queue that must be sealed (a rekey).
+    var sealer: Sealer {
+        get async throws {
+            guard let sealer = try await sealerIfSealed() else {
+                throw DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
+            }
+            return sealer
+        }
+    }
+
+    private func findState() async throws -> State {
+        let records = try await inner.sealKeys()
+        let ids = records.map(\.id)
+        guard let keys else {
+            // Read-only without the key: status and the journal, never content.
+            guard records.isEmpty || readOnly else { throw Self.keyNeeded(ids) }
+            return State(sealer: nil, keyIDs: ids)
+        }
+        var indexKey: SymmetricKey?
+        for record in records {
+            if let key = keys.key(id: record.id), let unwrapped = Sealer.unwrap(record.wrappedIndexKey, under: key) {
+                indexKey = unwrapped
+                break
+            }
+        }
+        if indexKey == nil && !records.isEmpty {
+            throw DataQueueError(
+                .invalidConfiguration,
+                "configuration: the queue is sealed at rest under key \(ids.joined(separator: ", ")); the configured "
+                    + "at-rest key\(keys.ids.count > 1 ? "s are" : " is") \(keys.ids.joined(separator: ", ")): "
+                    + "set \"at_rest.key_file\" (or \"at_rest.old_key_files\") to the key that sealed it")
+        }
+        // A plain queue read without writing stays plain.
+        if readOnly && records.isEmpty { return State(sealer: nil, keyIDs: []) }
+        var sealer = Sealer(keys: keys, indexKey: indexKey ?? SymmetricKey(size: .bits256))
+        if !readOnly {
+            if !records.contains(where: { $0.id == keys.current.id }) {
+                try await inner.addSealKey(
+                    SealKeyRecord(id: keys.current.id, wrappedIndexKey: Sealer.wrap(indexKey: sealer.indexKey, under: keys.current)))
+                // Another process may have sealed the queue at the same moment with the same key: its index key won.
+                let stored = try await inner.sealKeys().first { $0.id == keys.current.id }
+                if let stored, let unwrapped = Sealer.unwrap(stored.wrappedIndexKey, under: keys.current) {
+                    sealer = Sealer(keys: keys, indexKey: unwrapped)
+                }
+            }
+            if let plain = try await inner.sealedCounts()[""], plain > 0 {
+                logger.notice("sealing the items queued before at_rest was set", metadata: ["items": "\(plain)"])
+                let sealed = try await sealAll(sealer, only: .plain) { [logger] done in
+                    logger.info("sealed items", metadata: ["done": "\(done)", "of": "\(plain)"])
+                }
+                try await inner.scrubAfterSealing()
+                logger.notice("sealed the items queued before at_rest was set", metadata: ["items": "\(sealed)"])
+            }
+        }
+        return State(sealer: sealer, keyIDs: Array(Set(ids + [keys.current.id])).sorted())
+    }
+
+    /// Which items ``sealAll(only:progress:)`` seals.
+    enum Unsealed {
+        /// Plain items (a queue that at_rest was just turned on for).
+        case plain
+        /// Plain items and those sealed under another key than the current one (a rekey).
+        case notUnderCurrentKey
+    }
+
+    /// Seals items again under the current key, in batches, each batch in one transaction, while producers
+    /// and a flush go on: a row that changed since it was read (delivered, parked) is left to them. An item whose
+    /// seal does not open is left as it is (a flush parks it, named). Returns how many were sealed.
+    func sealAll(only which: Unsealed, progress: (Int) -> Void) async throws -> Int {
+        try await sealAll(try await sealer, only: which, progress: progress)
+    }
+
+    private func sealAll(_ sealer: Sealer, only which: Unsealed, progress: (Int) -> Void) async throws -> Int {
+        var after: Int64 = 0
+        var total = 0
+        while true {
+            let batch = try await inner.rawItems(after: after, limit: 256)
+            guard let last = batch.last else { break }
+            after = last.info.sequence
+            var replacements: [SealedReplacement] = []
+            for raw in batch {
+                let key = Sealer.keyID(ofBody: raw.body)
+                let current = sealer.keys.current.id
+                let outcomeKey = raw.info.outcome.map { Sealer.keyID(ofText: $0) ?? "" }
+                if key == current && (outcomeKey == nil || outcomeKey == current) { continue }
+                if which == .plain && key != nil { continue }
+                let opened: StoredItem
+                if key == nil {
+                    // Plain only when nothing of it is sealed; a sealed path with a body that is not is damage, left
+                    // for a flush to park.
+                    guard Sealer.keyID(ofText: raw.info.url) == nil else { continue }
+                    opened = raw
+                } else {
+                    let candidate = Self.open(raw, sealer, keyIDs: [])
+                    if candidate.unreadable != nil { continue }
+                    opened = candidate
+                }
+                let item = opened.info
+                replacements.append(
+                    SealedReplacement(
+                        sequence: item.sequence, url: sealer.seal(text: item.url, .url, item: item.id, queue: item.queue),
+                        resourceID: item.resourceID.map { sealer.seal(text: $0, .resourceID, item: item.id, queue: item.queue) },
+                        body: sealer.seal(body: opened.body, fullURL: opened.fullURL, item: item.id, queue: item.queue),
+                        fullURL: opened.fullURL.map(sealer.index),
+                        outcome: item.outcome.map { sealer.seal(text: $0, .outcome, item: item.id, queue: item.queue) },
+                        expectedBody: raw.body, expectedOutcome: raw.info.outcome))
+            }
+            if !replacements.isEmpty {
+                total += try await inner.replaceSealed(replacements)
+                progress(total)
+            }
+        }
+        return total
+    }
+
+    // MARK: Opening
+
+    /// A stored item with its values opened (`sealer` nil: the queue's key is not configured); one that does
+    /// not open is marked ``StoredItem/unreadable`` and holds no content.
+    static func open(_ stored: StoredItem, _ sealer: Sealer?, keyIDs: [String]) -> StoredItem {
+        let item = stored.info
+        do {
+            guard let sealer else { throw Sealer.Failure(message: keyNeeded(keyIDs).message) }
+            let (body, fullURL) = try sealer.open(body: stored.body, item: item.id, queue: item.queue)
+            var opened = stored
+            opened.info = try open(item, sealer)
+            opened.body = body
+            opened.fullURL = fullURL
+            return opened
+        } catch {
+            var unreadable = stored
+            unreadable.info = replacing(item, url: "", resourceID: nil, outcome: nil)
+            unreadable.body = Data()
+            unreadable.fullURL = nil
+            unreadable.unreadable = "the item cannot be read: " + ((error as? Sealer.Failure)?.message ?? "\(error)")
+            return unreadable
+        }
+    }
+
+    /// An item's listed values opened (path, resource id, the server's answer).
+    static func open(_ item: QueuedItem, _ sealer: Sealer) throws -> QueuedItem {
+        // The server's answer is for the operator: one that does not open says why, and the item still goes.
+        let outcome = item.outcome.map { text in
+            (try? sealer.open(text: text, .outcome, item: item.id, queue: item.queue)) ?? "(the sealed answer cannot be read)"
+        }
+        return replacing(
+            item, url: try sealer.open(text: item.url, .url, item: item.id, queue: item.queue),
+            resourceID: try item.resourceID.map { try sealer.open(text: $0, .resourceID, item: item.id, queue: item.queue) },
+            outcome: outcome)
+    }
+
+    /// For an operator's list: an item that does not open is shown with the reason in place of its path.
+    private static func openForListing(_ item: QueuedItem, _ sealer: Sealer?) -> QueuedItem {
+        do {
+            guard let sealer else { throw Sealer.Failure(message: "sealed at rest; no key configured") }
+            return try open(item, sealer)
+        } catch {
+            let reason = (error as? Sealer.Failure)?.message ?? "\(error)"
+            return replacing(item, url: "(unreadable: \(reason))", resourceID: nil, outcome: nil)
+        }
+    }
+
+    static func replacing(_ item: QueuedItem, url: String, resourceID: String?, outcome: String?) -> QueuedItem {
+        QueuedItem(
+            sequence: item.sequence, id: item.id, queue: item.queue, method: item.method, url: url, resourceType: item.resourceType,
+            resourceID: resourceID, encrypted: item.encrypted, state: item.state, attempts: item.attempts, enqueuedAt: item.enqueuedAt,
+            lastAttemptAt: item.lastAttemptAt, lastStatus: item.lastStatus, lastError: item.lastError, outcome: outcome,
+            size: item.size)
+    }
+
+    /// The stored forms of `fullURLs` to look for: each one's keyed hash, and the value itself (journal lines
+    /// and items written before the queue was sealed hold it plain).
+    private static func lookups(_ fullURLs: some Sequence<String>, _ sealer: Sealer) -> [String: String] {
+        var forms: [String: String] = [:]
+        for url in fullURLs {
+            forms[sealer.index(url)] = url
+            forms[url] = url
+        }
+        return forms
+    }
+
+    // MARK: Enqueue
+
+    func insert(_ items: [NewItem]) async throws -> [Int64] {
+        guard let sealer = try await sealerIfSealed() else { return try await inner.insert(items) }
+        return try await inner.insert(items.map(sealer.seal))
+    }
+
+    nonisolated(nonsending) func insertGrouped(_ item: NewItem) async throws -> Int64 {
+        guard let sealer = try await sealerIfSealed() else { return try await inner.insertGrouped(item) }
+        return try await inner.insertGrouped(sealer.seal(item))
+    }
+
+    func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64] {
+        guard let sealer = try await sealerIfSealed() else { return try await inner.insert(chunks: chunks, take: take) }
+        // The store checks references by their keyed hashes; an error names the fullUrls the input gave.
+        let named = Mutex<[String: String]>([:])
+        do {
+            return try await inner.insert(chunks: chunks) { chunk in
+                guard let items = take(chunk) else { return nil }
+                let linked = items.flatMap { item in item.references + (item.fullURL.map { [$0] } ?? []) }
+                if !linked.isEmpty {
+                    let forms = Self.lookups(linked, sealer)
+                    named.withLock { $0.merge(forms) { first, _ in first } }
+                }
+                return items.map(sealer.seal)
+            }
+        } catch let error as DataQueueError where error.message.contains(Sealer.indexPrefix) {
+            var message = error.message
+            for (hash, url) in named.withLock({ $0 }) where hash != url { message = message.replacingOccurrences(of: hash, with: url) }
+            throw DataQueueError(error.code, message)
+        }
+    }
+
+    func knownFullURLs(_ fullURLs: Set<String>) async throws -> Set<String> {
+        guard let sealer = try await sealerIfSealed() else { return try await inner.knownFullURLs(fullURLs) }
+        let forms = Self.lookups(fullURLs, sealer)
+        return Set(try await inner.knownFullURLs(Set(forms.keys)).compactMap { forms[$0] })
+    }
+
+    // MARK: Flushing
+
+    func checkFileIdentity() throws { try inner.checkFileIdentity() }
+
+    func acquireFlush(queue: String, until deadline: ContinuousClock.Instant) async throws -> (any FlushOwnership)? {
+        _ = try await sealerIfSealed()
+        return try await inner.acquireFlush(queue: queue, until: deadline)
+    }
+
+    func checkStates(queue: String) async throws { try await inner.checkStates(queue: queue) }
+
+    func serverState(queue: String) async throws -> (failures: Int, nextAttemptAt: Date?, lastError: String?) {
+        try await inner.serverState(queue: queue)
+    }
+
+    func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
+        let batch = try await inner.pendingBatch(queue: queue, after: after, maxCount: maxCount, maxBytes: maxBytes)
+        guard let sealer = try await sealerIfSealed() else { return batch }
+        return batch.map { Self.open($0, sealer, keyIDs: []) }
+    }
+
+    func markDelivered(_ deliveries: [CompletedDelivery], owner: any FlushOwnership) async -> Result<Void, DataQueueError> {
+        let sealer: Sealer?
+        do {
+            sealer = try await sealerIfSealed()
+        } catch {
+            return .failure(error as? DataQueueError ?? DataQueueError(.storage, "\(error)"))
+        }
+        guard let sealer else { return await inner.markDelivered(deliveries, owner: owner) }
+        return await inner.markDelivered(
+            deliveries.map { delivery in
+                var indexed = delivery
+                indexed.fullURL = delivery.fullURL.map(sealer.index)
+                return indexed
+            }, owner: owner)
+    }
+
+    func park(_ item: QueuedItem, url: String, status: Int?, error: String, outcome: String?, owner: any FlushOwnership) async throws {
+        let sealer = try await sealerIfSealed()
+        let stored = sealer.map { sealer in outcome.map { sealer.seal(text: $0, .outcome, item: item.id, queue: item.queue) } } ?? outcome
+        try await inner.park(item, url: url, status: status, error: error, outcome: stored, owner: owner)
+    }
+
+    func recordFailure(
+        queue: String, item: QueuedItem?, status: Int?, error: String, nextAttemptAt: Date?, owner: any FlushOwnership
+    ) async throws {
+        try await inner.recordFailure(queue: queue, item: item, status: status, error: error, nextAttemptAt: nextAttemptAt, owner: owner)
+    }
+
+    func bundleSupport(queue: String) async throws -> BundleSupport { try await inner.bundleSupport(queue: queue) }
+
+    func recordBundleSupport(queue: String, transactions: Bool?, batchLimit: Int?, conditionalCreate: Set<String>?) async throws {
+        try await inner.recordBundleSupport(
+            queue: queue, transactions: transactions, batchLimit: batchLimit, conditionalCreate: conditionalCreate)
+    }
+
+    func deliveredLocations(fullURLs: [String]) async throws -> [String: String] {
+        try await byFullURL(fullURLs) { try await self.inner.deliveredLocations(fullURLs: $0) }
+    }
+
+    func unlocatedDeliveries(fullURLs: [String]) async throws -> [String: UUID] {
+        try await byFullURL(fullURLs) { try await self.inner.unlocatedDeliveries(fullURLs: $0) }
+    }
+
+    /// What `find` (a journal lookup by stored fullUrl) says of `fullURLs`, looked up in their stored forms.
+    private func byFullURL<Value>(
+        _ fullURLs: [String], _ find: ([String]) async throws -> [String: Value]
+    ) async throws -> [String: Value] {
+        guard let sealer = try await sealerIfSealed() else { return try await find(fullURLs) }
+        let forms = Self.lookups(fullURLs, sealer)
+        var found: [String: Value] = [:]
+        for (stored, value) in try await find(Array(forms.keys)) {
+            if let url = forms[stored] { found[url] = value }
+        }
+        return found
+    }
+
+    func resolveLocation(itemID: UUID, location: String, serverID: String, versionID: String?, note: String) async throws -> Bool {
+        try await inner.resolveLocation(itemID: itemID, location: location, serverID: serverID, versionID: versionID, note: note)
+    }
+
+    // MARK: Operators
+
+    func status(queue: String) async throws -> QueueStatus { try await inner.status(queue: queue) }
+
+    func queues() async throws -> [String] { try await inner.queues() }
+
+    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {
+        let items = try await inner.items(queue: queue, state: state, limit: limit)
+        let found = try await self.state()
+        if found.keyIDs.isEmpty { return items }
+        return items.map { Self.openForListing($0, found.sealer) }
+    }
+
+    func item(_ reference: String) async throws -> StoredItem {
+        let item = try await inner.item(reference)
+        let found = try await state()
+        if found.keyIDs.isEmpty { return item }
+        return Self.open(item, found.sealer, keyIDs: found.keyIDs)
+    }
+
+    func retry(sequence: Int64, conditionalCreate: Bool?) async throws -> Bool {
+        _ = try await sealerIfSealed()
+        return try await inner.retry(sequence: sequence, conditionalCreate: conditionalCreate)
+    }
+
+    func retryAllParked(queue: String) async throws -> Int {
+        _ = try await sealerIfSealed()
+        return try await inner.retryAllParked(queue: queue)
+    }
+
+    func drop(_ item: QueuedItem, url: String) async throws {
+        _ = try await sealerIfSealed()
+        try await inner.drop(item, url: url)
+    }
+
+    func journalLine(_ reference: String) async throws -> DeliveryRecord? { try await inner.journalLine(reference) }
+
+    func allStatuses() async throws -> [QueueStatus] { try await inner.allStatuses() }
+
+    func integrityCheck() async throws -> [String] { try await inner.integrityCheck() }
+
+    func deliveries(queue: String?, limit: Int) async throws -> [DeliveryRecord] {
+        try await inner.deliveries(queue: queue, limit: limit)
+    }
+
+    func pruneJournal(before cutoff: Date) async throws -> Int { try await inner.pruneJournal(before: cutoff) }
+
+    func vacuum() async throws { try await inner.vacuum() }
+
+    func shutdown() async { await inner.shutdown() }
+
+    func watchEnqueues(_ enqueued: @escaping @Sendable (String) -> Void) async { await inner.watchEnqueues(enqueued) }
+
+    // MARK: Sealing
+
+    func sealKeys() async throws -> [SealKeyRecord] { try await inner.sealKeys() }
+
+    func addSealKey(_ record: SealKeyRecord) async throws { try await inner.addSealKey(record) }
+
+    func sealedCounts() async throws -> [String: Int] { try await inner.sealedCounts() }
+
+    func rawItems(after: Int64, limit: Int) async throws -> [StoredItem] { try await inner.rawItems(after: after, limit: limit) }
+
+    func replaceSealed(_ replacements: [SealedReplacement]) async throws -> Int { try await inner.replaceSealed(replacements) }
+
+    func scrubAfterSealing() async throws { try await inner.scrubAfterSealing() }
+}

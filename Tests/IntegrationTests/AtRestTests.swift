@@ -1,0 +1,353 @@
+import Foundation
+import GRDB
+import Testing
+
+#if canImport(Glibc)
+    import Glibc
+#endif
+
+/// Sealing at rest (`at_rest`): no byte of a queued resource readable in the queue's files or a `pg_dump`,
+/// keys that must fit, damaged rows parked and named, and a rekey while `dq run` and producers go on; every
+/// resource on sekmet-fhir as sent.
+@Suite("Sealing the queue at rest", .serialized, .enabled(if: Peers.enabled))
+struct AtRestTests {
+    let work: TemporaryDirectory
+    let resources = Resources()
+    /// In every queued resource's content; must appear in no byte the queue stores.
+    let marker = "MARKER" + UUID().uuidString.prefix(8).lowercased()
+
+    init() throws { work = try TemporaryDirectory() }
+
+    func environment(_ server: String, key: String?, database: String? = nil) -> [String: String] {
+        var env = ["DQ_SERVER": server, "DQ_DATABASE": database ?? work.file("queue.sqlite"), "HOME": work.path]
+        if let key { env["DQ_AT_REST_KEY_FILE"] = key }
+        if database?.hasPrefix("postgres") == true { env["PGPASSWORD"] = Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "" }
+        return env
+    }
+
+    /// Makes an at-rest key with `dq keygen --at-rest`; returns its file and key id.
+    func keygen(_ name: String) async throws -> (file: String, id: String) {
+        let file = work.file(name)
+        let made = try await dq(["keygen", "--at-rest", "--out", file], ["HOME": work.path])
+        #expect(made.status == 0, "\(made.stderr)")
+        let id = try #require(made.stdout.split(separator: " ").dropFirst(2).first.map(String.init))
+        #expect(id.count == 16 && id.allSatisfy(\.isHexDigit), "\(made.stdout)")
+        let mode = try #require(try FileManager.default.attributesOfItem(atPath: file)[.posixPermissions] as? Int)
+        #expect(mode & 0o777 == 0o600)
+        #expect(!made.stdout.contains(try String(contentsOfFile: file, encoding: .utf8).dropFirst(14).prefix(20)), "the key is not printed")
+        return (file, id)
+    }
+
+    /// NDJSON of every shape of item, each with the marker in its content: `count` Observations (POST), Patients
+    /// updated with an id (PUT), Patients with a `urn:uuid` fullUrl and Observations that reference them.
+    func mixedInput(observations count: Int, linked: Int) throws -> (posts: String, puts: String, linked: String) {
+        let posts = (0..<count).map { resources.observation($0, extra: " \(marker)") }.joined(separator: "\n")
+        let puts = (0..<linked).map {
+            #"{"resourceType":"Patient","id":"rest\#($0)x\#(marker.suffix(4))","identifier":[{"system":"\#(resources.system)","value":"p\#($0)"}],"name":[{"family":"\#(marker)"}]}"#
+        }.joined(separator: "\n")
+        var lines: [String] = []
+        for index in 0..<linked {
+            let fullURL = "urn:uuid:" + UUID().uuidString.lowercased()
+            lines.append(
+                #"{"fullUrl":"\#(fullURL)","resource":{"resourceType":"Patient","identifier":[{"system":"\#(resources.system)","value":"l\#(index)"}],"name":[{"family":"\#(marker)"}]}}"#
+            )
+            lines.append(
+                resources.observation(10_000 + index, extra: " \(marker)")
+                    .replacingOccurrences(of: #""status":"final","#, with: #""status":"final","subject":{"reference":"\#(fullURL)"},"#))
+        }
+        return (
+            try work.write("posts.ndjson", posts), try work.write("puts.ndjson", puts),
+            try work.write("linked.ndjson", lines.joined(separator: "\n"))
+        )
+    }
+
+    /// A transaction Bundle queued as one item, with the marker in its entries.
+    func transaction() throws -> String {
+        let patient = "urn:uuid:" + UUID().uuidString.lowercased()
+        return try work.write(
+            "bundle.json",
+            #"""
+            {"resourceType":"Bundle","type":"transaction","entry":[
+             {"fullUrl":"\#(patient)","resource":{"resourceType":"Patient","identifier":[{"system":"\#(resources.system)","value":"b0"}],"name":[{"family":"\#(marker)"}]},"request":{"method":"POST","url":"Patient"}},
+             {"resource":{"resourceType":"Observation","status":"final","identifier":[{"system":"\#(resources.system)","value":"b1"}],"code":{"text":"\#(marker)"},"subject":{"reference":"\#(patient)"}},"request":{"method":"POST","url":"Observation"}}]}
+            """#)
+    }
+
+    /// Whether `needle` is in any of the files (missing files hold nothing).
+    func found(_ needle: String, in paths: [String]) -> [String] {
+        paths.filter { path in
+            guard let data = FileManager.default.contents(atPath: path) else { return false }
+            return data.range(of: Data(needle.utf8)) != nil
+        }
+    }
+
+    func queueFiles() -> [String] {
+        let database = work.file("queue.sqlite")
+        return [database, database + "-wal", database + "-shm"]
+    }
+
+    @Test(
+        "A sealed SQLite queue: the marker of 1,001 resources (POST, PUT with id, urn:uuid references, a transaction Bundle) is in no byte of the file, WAL or SHM; all arrive as sent"
+    )
+    func sealedSQLite() async throws {
+        let server = try await FHIRServer.start()
+        let (key, keyID) = try await keygen("rest.key")
+        let env = environment(server.base, key: key)
+        let input = try mixedInput(observations: 700, linked: 100)
+        #expect(try await dq(["enqueue", "--ndjson", input.posts], env).status == 0)
+        let puts = try await dq(["enqueue", "--ndjson", "--method", "put", input.puts], env)
+        #expect(puts.status == 0, "\(puts.stderr)")
+        #expect(try await dq(["enqueue", "--ndjson", input.linked], env).status == 0)
+        #expect(try await dq(["enqueue", try transaction()], env).status == 0)
+
+        #expect(found(marker, in: queueFiles()).isEmpty, "the marker is readable in \(found(marker, in: queueFiles()))")
+        // The PUTs' resource ids (in their paths) are sealed too.
+        #expect(found("x" + marker.suffix(4), in: queueFiles()).isEmpty)
+        let status = try await dq(["status", "--json"], env)
+        let summary = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(summary["pending"] as? Int == 1001)
+        let atRest = try #require(summary["at_rest"] as? [String: Any])
+        #expect(atRest["keys"] as? [String] == [keyID])
+        #expect((atRest["items"] as? [String: Int])?[keyID] == 1001 && atRest["plain"] as? Int == 0, "\(atRest)")
+        // With the key, operators see the items as they are.
+        let list = try await dq(["list", "--json"], env)
+        #expect(list.stdout.contains("Patient/rest0x\(marker.suffix(4))"), "\(list.stdout.prefix(400))")
+
+        let flush = try await dq(["flush"], env)
+        #expect(flush.status == 0, "\(flush.stderr)")
+        let observations = try await server.resources("Observation", system: resources.system)
+        #expect(observations.count == 801)
+        #expect(observations.map(\.0).prefix(700) == ArraySlice((0..<700).map(String.init)), "in order")
+        for (value, observation) in observations {
+            let text = (observation["code"] as? [String: Any])?["text"] as? String ?? ""
+            #expect(text.contains(marker), "observation \(value) arrived as sent")
+        }
+        let patients = try await server.resources("Patient", system: resources.system)
+        #expect(patients.count == 201)
+        #expect(patients.filter { $0.0.hasPrefix("p") }.allSatisfy { ($0.1["id"] as? String)?.hasPrefix("rest") == true })
+        // Every reference resolved to a Patient the server holds.
+        let patientIDs = Set(patients.compactMap { $0.1["id"] as? String })
+        for (value, observation) in observations where value.count == 5 {
+            let reference = (observation["subject"] as? [String: Any])?["reference"] as? String ?? ""
+            #expect(reference.hasPrefix("Patient/") && patientIDs.contains(String(reference.dropFirst(8))), "\(value): \(reference)")
+        }
+        // The journal holds no content either.
+        #expect(found(marker, in: queueFiles()).isEmpty)
+    }
+
+    @Test("The same queue without at_rest holds the marker readable: the scan above can fail")
+    func plainQueueIsReadable() async throws {
+        let env = environment("http://127.0.0.1:9/fhir", key: nil)
+        let input = try mixedInput(observations: 3, linked: 1)
+        #expect(try await dq(["enqueue", "--ndjson", input.posts], env).status == 0)
+        #expect(!found(marker, in: queueFiles()).isEmpty)
+        let status = try await dq(["status"], env)
+        #expect(status.stdout.contains("at rest:    not sealed"), "\(status.stdout)")
+    }
+
+    @Test(
+        "No key, the wrong key: 78 naming the key the queue needs, nothing sent or changed; a flipped byte and a row copied over another are parked and named; the rest is delivered (65)"
+    )
+    func keysAndDamage() async throws {
+        let server = try await FHIRServer.start()
+        let (key, keyID) = try await keygen("a.key")
+        let (other, otherID) = try await keygen("b.key")
+        let env = environment(server.base, key: key)
+        let file = try work.write("five.ndjson", (0..<5).map { resources.observation($0, extra: " \(marker)") }.joined(separator: "\n"))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+
+        for (name, attempt) in [("no key", environment(server.base, key: nil)), ("the wrong key", environment(server.base, key: other))] {
+            let flush = try await dq(["flush"], attempt)
+            #expect(flush.status == 78, "\(name): \(flush.stderr)")
+            #expect(flush.stderr.contains(keyID), "\(name) names the key the queue needs: \(flush.stderr)")
+            let enqueue = try await dq(["enqueue", try work.write("late.json", resources.observation(9))], attempt)
+            #expect(enqueue.status == 78, "\(name): plain or foreign items are refused: \(enqueue.stderr)")
+        }
+        #expect(try await dq(["flush"], environment(server.base, key: other)).stderr.contains(otherID))
+        #expect(try await server.values("Observation", system: resources.system).isEmpty, "nothing was sent")
+        // Read without the key: the counts, not the content.
+        let status = try await dq(["status", "--json"], environment(server.base, key: nil))
+        #expect(status.status == 0, "\(status.stderr)")
+        let counts = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(counts["pending"] as? Int == 5, "\(status.stdout)")
+        let show = try await dq(["show", "--body", "#2"], environment(server.base, key: nil))
+        #expect(show.status != 0 && show.stderr.contains(keyID), "\(show.stdout)\(show.stderr)")
+
+        // A flipped byte in item 2's body; item 4 given item 3's sealed values (a row copied over another).
+        let database = try DatabaseQueue(path: work.file("queue.sqlite"))
+        try await database.write { db in
+            let sequences = try Int64.fetchAll(db, sql: "SELECT seq FROM item ORDER BY seq")
+            #expect(sequences.count == 5)
+            try db.execute(
+                sql: "UPDATE item SET body = substr(body, 1, 40) || X'00' || substr(body, 42) WHERE seq = ?", arguments: [sequences[1]])
+            try db.execute(
+                sql: """
+                    UPDATE item SET body = (SELECT body FROM item WHERE seq = ?), url = (SELECT url FROM item WHERE seq = ?)
+                    WHERE seq = ?
+                    """, arguments: [sequences[2], sequences[2], sequences[3]])
+        }
+        try database.close()
+        let flush = try await dq(["flush", "--json"], env)
+        #expect(flush.status == 65, "\(flush.stderr)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "2", "4"])
+        let parked = try await dq(["list", "--parked", "--json"], env)
+        let items = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [[String: Any]])
+        #expect(items.count == 2)
+        for item in items {
+            #expect((item["lastError"] as? String ?? "").contains("does not verify"), "\(item)")
+        }
+    }
+
+    @Test(
+        "Turning at_rest on seals what is queued; dq rekey under a running dq run with producers: every item delivered once, in order, none left under the old key"
+    )
+    func rekeyUnderLoad() async throws {
+        let server = try FHIRServer()  // down at first: items wait
+        let (first, firstID) = try await keygen("first.key")
+        let (second, secondID) = try await keygen("second.key")
+        let database = work.file("queue.sqlite")
+        let plainEnv = ["DQ_DATABASE": database, "HOME": work.path, "DQ_SERVER": server.base]
+        // Queued before at_rest was set: sealed when a queue with a key opens it.
+        let early = try work.write("early.ndjson", (0..<20).map { resources.observation($0, extra: " \(marker)") }.joined(separator: "\n"))
+        #expect(try await dq(["enqueue", "--ndjson", early], plainEnv).status == 0)
+        #expect(!found(marker, in: queueFiles()).isEmpty)
+        let config = try work.write(
+            "dq.json",
+            #"{"server": "\#(server.base)", "retry": {"initial_seconds": 0.1, "maximum_seconds": 0.3}, "at_rest": {"key_file": "first.key"}}"#
+        )
+        let env = ["DQ_DATABASE": database, "HOME": work.path, "DQ_LOG_LEVEL": "notice"]
+        let status = try await dq(["status", "--json", "--config", config], env)
+        let sealing = try #require(
+            (try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])?["at_rest"] as? [String: Any])
+        #expect(sealing["plain"] as? Int == 20, "read-only: not sealed yet: \(sealing)")
+        #expect(try await dq(["enqueue", "--config", config, try work.write("one.json", resources.observation(20))], env).status == 0)
+        #expect(found(marker, in: queueFiles()).isEmpty, "the queue opened with a key sealed the 20 early items")
+
+        // dq run starts while the server is still down: what is queued waits, sealed under the first key.
+        let run = try ChildProcess(Peers.dqBinary, ["run", "--config", config, "--poll-interval", "0.1"], environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        // Producers go on throughout (each enqueue reads the configuration when it starts).
+        let producer = Task {
+            var next = 21
+            while !Task.isCancelled && next < 400 {
+                let batch = (next..<next + 10).map { resources.observation($0, extra: " \(marker)") }.joined(separator: "\n")
+                let file = try work.write("p\(next).ndjson", batch)
+                let result = try await dq(["enqueue", "--config", config, "--ndjson", file], env)
+                if result.status != 0 { throw TestFailure("enqueue failed: \(result.stderr)") }
+                next += 10
+            }
+            return next
+        }
+        // dq run is up (its signal handlers too) once it has tried the server that is down.
+        #expect(try await eventually { log().contains("delivery stopped") }, "\(log())")
+        // The rotation: the new key seals, the old one opens; dq run reloads; then dq rekey reseals the rest.
+        try Data(
+            #"{"server": "\#(server.base)", "retry": {"initial_seconds": 0.1, "maximum_seconds": 0.3}, "at_rest": {"key_file": "second.key", "old_key_files": ["first.key"]}}"#
+                .utf8
+        ).write(to: URL(fileURLWithPath: config))
+        run.kill(SIGHUP)
+        #expect(try await eventually { log().contains("configuration reloaded") }, "\(log())")
+        let rekey = try await dq(["rekey", "--config", config, "--json"], env)
+        #expect(rekey.status == 0, "\(rekey.stderr)")
+        let report = try #require(try JSONSerialization.jsonObject(with: Data(rekey.stdout.utf8)) as? [String: Any])
+        #expect((report["resealed"] as? Int ?? 0) >= 21, "the items sealed under the first key were sealed again: \(report)")
+        try await server.start()
+        let produced = try await producer.value
+        #expect(produced == 401)
+        #expect(
+            try await eventually(timeout: .seconds(120)) {
+                try await server.values("Observation", system: resources.system).count >= produced
+            }, "\(log().suffix(2000))")
+        run.kill(SIGTERM)
+        let result = await run.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "\(result.stderr.suffix(2000))")
+        #expect(try await server.values("Observation", system: resources.system) == (0..<produced).map(String.init), "once each, in order")
+        // Nothing is left under the first key: a rekey now names it as unused.
+        let after = try await dq(["rekey", "--config", config], env)
+        #expect(after.status == 0 && after.stdout.contains("key \(firstID) seals no item any more"), "\(after.stdout)\(after.stderr)")
+        let final = try await dq(["status", "--json", "--config", config], env)
+        let finalSealing = try #require(
+            (try JSONSerialization.jsonObject(with: Data(final.stdout.utf8)) as? [String: Any])?["at_rest"] as? [String: Any])
+        #expect((finalSealing["items"] as? [String: Int])?[firstID] == nil, "\(finalSealing)")
+        #expect(Set(finalSealing["keys"] as? [String] ?? []) == [firstID, secondID], "\(finalSealing)")
+        #expect(found(marker, in: queueFiles()).isEmpty)
+    }
+
+    @Test("A SIGHUP while dq run opens the queue (sealing 20,000 items queued before at_rest) does not end it; all arrive")
+    func hangupWhileOpening() async throws {
+        let server = try await FHIRServer.start()
+        let (key, _) = try await keygen("open.key")
+        let count = 20_000
+        let lines = try work.write("many.ndjson", resources.ndjson(0..<count))
+        #expect(try await dq(["enqueue", "--ndjson", lines], environment(server.base, key: nil)).status == 0)
+        var env = environment(server.base, key: key)
+        env["DQ_LOG_LEVEL"] = "notice"
+        let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { log().contains("sealing the items queued before at_rest was set") }, "\(log())")
+        #expect(!log().contains("sealed the items queued"), "the SIGHUP below comes while the queue opens")
+        run.kill(SIGHUP)
+        // Until the queue is empty, looked at once a second (reading the server's history of 20,000 resources in a
+        // tight loop would starve the tests that run beside this one).
+        var drained = false
+        for _ in 0..<240 where !drained {
+            try await Task.sleep(for: .seconds(1))
+            let status = try await dq(["status", "--json"], env)
+            let counts = try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any]
+            drained = counts?["pending"] as? Int == 0 && counts?["parked"] as? Int == 0
+        }
+        #expect(drained, "\(log().suffix(1000))")
+        #expect(run.process.isRunning, "a SIGHUP before the reload service listens is not the end of dq run")
+        run.kill(SIGTERM)
+        #expect(await run.wait(timeout: .seconds(30)).status == 0)
+        #expect(try await server.values("Observation", system: resources.system) == (0..<count).map(String.init))
+    }
+
+    @Test("A sealed PostgreSQL queue: the marker is in no byte of a pg_dump; every resource arrives; no key is 78")
+    func sealedPostgres() async throws {
+        let server = try await FHIRServer.start()
+        let (key, keyID) = try await keygen("pg.key")
+        let database = try await PostgresTests.freshDatabase()
+        let env = environment(server.base, key: key, database: database)
+        let input = try mixedInput(observations: 200, linked: 20)
+        #expect(try await dq(["enqueue", "--ndjson", input.posts], env).status == 0)
+        #expect(try await dq(["enqueue", "--ndjson", "--method", "put", input.puts], env).status == 0)
+        #expect(try await dq(["enqueue", "--ndjson", input.linked], env).status == 0)
+        #expect(try await dq(["enqueue", try transaction()], env).status == 0)
+
+        // pg_dump writes bytea as hex: the marker is looked for as text and as hex.
+        let hex = marker.utf8.map { String(format: "%02x", $0) }.joined()
+        let dump = try await pgDump(database)
+        #expect(dump.contains("dq_item"), "the dump holds the queue")
+        #expect(!dump.contains(marker) && !dump.contains(hex), "the marker is readable in the dump")
+        // The same items in a plain queue are readable in its dump: the scan can fail.
+        let plain = try await PostgresTests.freshDatabase()
+        #expect(try await dq(["enqueue", "--ndjson", input.posts], environment(server.base, key: nil, database: plain)).status == 0)
+        #expect(try await pgDump(plain).contains(hex))
+        let refused = try await dq(["flush"], environment(server.base, key: nil, database: database))
+        #expect(refused.status == 78 && refused.stderr.contains(keyID), "\(refused.stderr)")
+
+        #expect(try await dq(["flush"], env).status == 0)
+        let observations = try await server.resources("Observation", system: resources.system)
+        #expect(observations.count == 221)
+        #expect(observations.allSatisfy { (($0.1["code"] as? [String: Any])?["text"] as? String ?? "").contains(marker) })
+        #expect(try await server.resources("Patient", system: resources.system).count == 41)
+        let after = try await pgDump(database)
+        #expect(!after.contains(marker) && !after.contains(hex))
+    }
+
+    /// `pg_dump` of the test server's database `url` (data and schema, as text).
+    func pgDump(_ url: String) async throws -> String {
+        let components = try #require(URLComponents(string: url))
+        let result = try await ChildProcess(
+            "/usr/bin/pg_dump",
+            [
+                "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
+                String(components.path.dropFirst()),
+            ],
+            environment: ["PGPASSWORD": Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        ).wait()
+        try #require(result.status == 0, "pg_dump failed: \(result.stderr.prefix(300))")
+        return result.stdout
+    }
+}
