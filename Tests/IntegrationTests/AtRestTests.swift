@@ -146,6 +146,26 @@ struct AtRestTests {
     }
 
     @Test(
+        "A key file others can read draws the warning secrets get; a file that is not a key is 78 naming the setting; no key byte is printed"
+    )
+    func keyFiles() async throws {
+        let (key, keyID) = try await keygen("k.key")
+        let secret = try String(contentsOfFile: key, encoding: .utf8)
+        chmod(key, 0o644)
+        let env = environment("http://127.0.0.1:9/fhir", key: key)
+        let queued = try await dq(["enqueue", try work.write("o.json", resources.observation(0))], env)
+        #expect(queued.status == 0, "\(queued.stderr)")
+        #expect(queued.stderr.contains("the secret file \(key) is readable by others"), "\(queued.stderr)")
+        let status = try await dq(["status"], env)
+        #expect(status.stdout.contains("at rest:    sealed (AES-256-GCM); key \(keyID): 1 item(s)"), "\(status.stdout)")
+        let notAKey = try work.write("not.key", "hello\n")
+        let refused = try await dq(["status"], environment("http://127.0.0.1:9/fhir", key: notAKey))
+        #expect(refused.status == 78 && refused.stderr.contains("\"at_rest.key_file\""), "\(refused.stderr)")
+        let body = String(secret.dropFirst("dq-at-rest-v1:".count).prefix(24))
+        for result in [queued, status, refused] { #expect(!(result.stdout + result.stderr).contains(body)) }
+    }
+
+    @Test(
         "No key, the wrong key: 78 naming the key the queue needs, nothing sent or changed; a flipped byte and a row copied over another are parked and named; the rest is delivered (65)"
     )
     func keysAndDamage() async throws {
@@ -290,7 +310,7 @@ struct AtRestTests {
         // Until the queue is empty, looked at once a second (reading the server's history of 20,000 resources in a
         // tight loop would starve the tests that run beside this one).
         var drained = false
-        for _ in 0..<240 where !drained {
+        for _ in 0..<240 where !drained && run.process.isRunning {
             try await Task.sleep(for: .seconds(1))
             let status = try await dq(["status", "--json"], env)
             let counts = try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any]

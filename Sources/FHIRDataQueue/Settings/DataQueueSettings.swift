@@ -346,6 +346,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         var settings = try configPath.map { path in try load(contentsOf: path) { try decode($0, path) } } ?? DataQueueSettings()
         try settings.readSecretFiles(environment: environment)
         try settings.apply(environment: environment)
+        settings.noteExposedKeyFiles(environment: environment)
         if let server { settings.server = server }
         if let database { settings.database = database }
         return settings
@@ -392,13 +393,6 @@ public struct DataQueueSettings: Sendable, Decodable {
             }
             return text
         }
-        // At-rest keys are read when the settings are resolved; here only whether others can read them.
-        for name in [atRest?.keyFile].compactMap({ $0 }) + (atRest?.oldKeyFiles ?? []) {
-            let path = secretFilePath(name, environment: environment)
-            if let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0 {
-                exposedSecretFiles.append(path)
-            }
-        }
         if let name = auth?.bearerTokenFile {
             let token = try read(name, key: "auth.bearer_token_file")
             auth?.bearerToken = token
@@ -406,6 +400,17 @@ public struct DataQueueSettings: Sendable, Decodable {
         if let name = auth?.clientSecretFile {
             let secret = try read(name, key: "auth.client_secret_file")
             auth?.clientSecret = secret
+        }
+    }
+
+    /// Adds the at-rest key files (from the file or `DQ_AT_REST_KEY_FILE`) that others than their owner can read
+    /// to ``exposedSecretFiles``; the keys themselves are read when the settings are resolved.
+    package mutating func noteExposedKeyFiles(environment: [String: String]) {
+        for name in [atRest?.keyFile].compactMap({ $0 }) + (atRest?.oldKeyFiles ?? []) {
+            let path = secretFilePath(name, environment: environment)
+            if let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0 {
+                exposedSecretFiles.append(path)
+            }
         }
     }
 
