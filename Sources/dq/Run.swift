@@ -96,9 +96,18 @@ extension DQ {
                     watchdog: SystemdNotify.watchdog()),
                 logger: logger)
             var services: [ServiceGroupConfiguration.ServiceConfiguration] = [.init(service: service)]
+            // The metrics server listens before the group runs (an address in use fails the start): until the
+            // group traps SIGTERM, /readyz says it is starting, so that nothing takes it as up and stops it then.
+            let trapping = GroupStarted()
             if let metricsAddress, let (host, port) = MetricsServer.parse(metricsAddress) {
                 let started = try await MetricsServer.start(
-                    host: host, port: port, registry: registry, readiness: { await service.readiness() })
+                    host: host, port: port, registry: registry,
+                    readiness: {
+                        guard trapping.isSet else {
+                            return DataQueueService.Readiness(reasons: ["starting: the service group is not running yet"])
+                        }
+                        return await service.readiness()
+                    })
                 services.append(.init(service: started))
                 logger.info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
             }
@@ -108,7 +117,8 @@ extension DQ {
                     service: ReloadOnHangup(current: settings, options: queueOptions, sending: sending, request: reload, logger: logger),
                     successTerminationBehavior: .gracefullyShutdownGroup))
             // Last: it starts once the group traps the signals (READY=1), and hears the stop first.
-            services.append(.init(service: SystemdNotify(status: "delivering to \(queue.queueName)", reload: reload)))
+            services.append(
+                .init(service: SystemdNotify(status: "delivering to \(queue.queueName)", reload: reload, started: trapping)))
             let group = ServiceGroup(
                 configuration: ServiceGroupConfiguration(
                     services: services, gracefulShutdownSignals: [.sigterm, .sigint], logger: logger))
@@ -205,8 +215,11 @@ struct SystemdNotify: Service {
     let status: String
     /// A stop for a reload is not a stop: no STOPPING=1 then (the next round says READY=1).
     var reload: ReloadRequest? = nil
+    /// Set when this service starts: the group traps its signals by then.
+    var started: GroupStarted? = nil
 
     func run() async throws {
+        started?.set()
         Self.send("READY=1\nSTATUS=\(status)")
         try? await gracefulShutdown()
         // The reload service hands its configuration over before the group begins to stop.
@@ -250,4 +263,13 @@ struct SystemdNotify: Service {
 /// `dq_build_info{version="…"} 1`, the usual way to put a version on a dashboard.
 func recordBuildInfo() {
     Gauge(label: "dq_build_info", dimensions: [("version", DQVersion.current)]).record(1)
+}
+
+/// Whether a service group has started its services (and so traps its shutdown signals).
+final class GroupStarted: Sendable {
+    private let flag = Atomic<Bool>(false)
+
+    var isSet: Bool { flag.load(ordering: .acquiring) }
+
+    func set() { flag.store(true, ordering: .releasing) }
 }

@@ -88,6 +88,36 @@ struct GroupCommitTests {
         #expect(recorder.batches.withLock { $0 } == [["0"], ["1", "2", "3", "4", "5"]])
     }
 
+    @Test(
+        "A caller cancelled while its input waits takes it back: never committed, told at once; one whose commit began waits for it",
+        arguments: ["thread", "async"])
+    func cancelledWhileWaiting(mode: String) async throws {
+        let recorder = Recorder()
+        let committer: GroupCommit<String, Int>.Committer =
+            mode == "thread"
+            ? .thread(name: "dq-test") { recorder.commit($0) }
+            : .async { inputs in
+                await withCheckedContinuation { continuation in Thread { continuation.resume(returning: recorder.commit(inputs)) }.start() }
+            }
+        let engine = GroupCommit<String, Int>(committer: committer)
+        let leader = Task { try await engine.submit("0") }
+        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 }, "the first commit runs (and waits at the gate)")
+        let kept = Task { try await engine.submit("1") }
+        #expect(try await waitFor { engine.waitingCount == 1 })
+        let cancelled = Task { try await engine.submit("2") }
+        #expect(try await waitFor { engine.waitingCount == 2 })
+        cancelled.cancel()
+        await #expect(throws: DataQueueError.self, "told at once, while the first commit still runs") { try await cancelled.value }
+        #expect(engine.waitingCount == 1, "taken back")
+        // The leader's commit began before its task was cancelled: it goes on, and its caller gets the outcome.
+        leader.cancel()
+        recorder.gate.signal()
+        #expect(try await leader.value == 1)
+        #expect(try await kept.value == 2)
+        await engine.waitUntilIdle()
+        #expect(recorder.batches.withLock { $0 } == [["0"], ["1"]], "the cancelled input never reached the store")
+    }
+
     @Test("A failed commit fails its inputs only; the next commit goes through")
     func failureWithoutStop() async throws {
         let recorder = Recorder()

@@ -327,7 +327,7 @@ struct ServiceTests {
         let failed = try await eventually {
             guard let (status, body) = try? await HTTP.get("http://127.0.0.1:\(port)/readyz") else { return false }
             answer = (status, String(decoding: body, as: UTF8.self))
-            return status == 503
+            return status == 503 && answer.1.contains("the oldest pending item waits")
         }
         #expect(failed && answer.1.contains("the oldest pending item waits"), "\(answer)")
         strict.kill(SIGTERM)

@@ -79,6 +79,11 @@ public struct DataQueueService: Service {
         /// What is wrong, one line per queue and problem (never a body or a secret).
         public var reasons: [String]
 
+        /// A readiness with these reasons (none: ready).
+        public init(reasons: [String]) {
+            self.reasons = reasons
+        }
+
         private enum CodingKeys: String, CodingKey { case ready, reasons }
 
         /// Encodes `ready` and `reasons`.

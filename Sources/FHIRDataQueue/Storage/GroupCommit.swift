@@ -34,6 +34,8 @@ final class GroupCommit<Input: Sendable, Output: Sendable>: @unchecked Sendable 
     private struct Waiter {
         let input: Input
         let completion: Completion?
+        /// Names a ``submit(_:)``'s input, so that a cancelled caller can take it back while it waits.
+        var ticket: UInt64? = nil
     }
 
     /// The largest number of inputs one commit carries.
@@ -57,6 +59,7 @@ final class GroupCommit<Input: Sendable, Output: Sendable>: @unchecked Sendable 
     private var failed: [Input] = []
     private var idle: [CheckedContinuation<Void, Never>] = []
     private var commitCount = 0
+    private var nextTicket: UInt64 = 0
 
     init(maximumBatch: Int = 512, stopsAtFailure: Bool = false, spinsBeforeSleep: Int = 0, committer: Committer) {
         self.maximumBatch = maximumBatch
@@ -75,23 +78,65 @@ final class GroupCommit<Input: Sendable, Output: Sendable>: @unchecked Sendable 
     var stoppedBy: DataQueueError? { condition.withLock { failure } }
 
     /// Commits `input` with the next group and returns its output once that commit is done.
+    ///
+    /// A caller cancelled while its input still waits takes it back: it is never committed, and the caller
+    /// gets ``cancelledBeforeCommit``. Once its commit has begun, the caller waits for its outcome (the store
+    /// may keep it), so that "not stored" is only said when it is true.
     nonisolated(nonsending) func submit(_ input: Input) async throws -> Output {
         if case .async(let commit) = committer, claimAlone() {
             let result = await commit([input])
             finish(alone: result, input: input)
             return try result.get()[0]
         }
-        return try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Output, any Error>) in
-            add(input) { result in continuation.resume(with: result.mapError { $0 as any Error }) }
+        let ticket = condition.withLock {
+            nextTicket += 1
+            return nextTicket
         }
+        return try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Output, any Error>) in
+                add(input, ticket: ticket) { result in continuation.resume(with: result.mapError { $0 as any Error }) }
+            }
+        } onCancel: {
+            takeBack(ticket)
+        }
+    }
+
+    /// What a caller cancelled before its commit began is told: nothing was stored.
+    static var cancelledBeforeCommit: DataQueueError {
+        DataQueueError(.transport, "the write was cancelled before its commit began; nothing was stored")
+    }
+
+    /// Removes the input of `ticket` if it still waits (not in a commit, not held after a failure), and tells
+    /// its caller.
+    private func takeBack(_ ticket: UInt64) {
+        condition.lock()
+        guard failure == nil, let index = waiting.firstIndex(where: { $0.ticket == ticket }) else {
+            condition.unlock()
+            return
+        }
+        let waiter = waiting.remove(at: index)
+        let wake = takeIdleIfDone()
+        condition.unlock()
+        waiter.completion?(.failure(Self.cancelledBeforeCommit))
+        for continuation in wake { continuation.resume() }
     }
 
     /// Adds `input` for the next commit without waiting; `completion` (if any) is called once it is committed
     /// or its commit failed. After the engine stopped at a failure the input is held, and `completion` is
     /// called at once with that failure.
     func add(_ input: Input, completion: Completion? = nil) {
+        add(input, ticket: nil, completion: completion)
+    }
+
+    private func add(_ input: Input, ticket: UInt64?, completion: Completion?) {
         condition.lock()
-        waiting.append(Waiter(input: input, completion: completion))
+        if ticket != nil && Task.isCancelled {
+            // A submit cancelled before its input was added: not added at all.
+            condition.unlock()
+            completion?(.failure(Self.cancelledBeforeCommit))
+            return
+        }
+        waiting.append(Waiter(input: input, completion: completion, ticket: ticket))
         if let failure {
             condition.unlock()
             completion?(.failure(failure))

@@ -17,6 +17,8 @@ final class SealedStorage: QueueStorage {
     private let logger: Logger
     /// How the queue is sealed, found on first use (see ``state()``).
     private let found = Mutex<Task<State, any Error>?>(nil)
+    /// The state once found: read without a suspension (an enqueue does not hop executors for it).
+    private let known = Mutex<State?>(nil)
 
     /// How the store is sealed, and what this process can do with it.
     struct State: Sendable {
@@ -59,7 +61,8 @@ final class SealedStorage: QueueStorage {
     }
 
     /// How the queue is sealed: found once; a failure (the database unreachable) is tried again next time.
-    func state() async throws -> State {
+    nonisolated(nonsending) func state() async throws -> State {
+        if let state = known.withLock({ $0 }) { return state }
         let task = found.withLock { current -> Task<State, any Error> in
             if let current { return current }
             let made = Task { try await self.findState() }
@@ -67,7 +70,9 @@ final class SealedStorage: QueueStorage {
             return made
         }
         do {
-            return try await task.value
+            let state = try await task.value
+            known.withLock { $0 = state }
+            return state
         } catch {
             found.withLock { if $0 == task { $0 = nil } }
             throw error
@@ -77,7 +82,7 @@ final class SealedStorage: QueueStorage {
     /// The sealer; nil for a plain queue without keys.
     ///
     /// - Throws: the error naming the key a sealed queue needs, when none of the configured keys opens it.
-    func sealerIfSealed() async throws -> Sealer? {
+    nonisolated(nonsending) func sealerIfSealed() async throws -> Sealer? {
         let state = try await state()
         if state.sealer == nil && !state.keyIDs.isEmpty { throw Self.keyNeeded(state.keyIDs) }
         return state.sealer
