@@ -71,8 +71,9 @@ def wait_http(url, seconds=60):
 class FHIR:
     def __init__(self, work, tokens=None):
         self.port = free_port()
-        self.dir = os.path.join(work, "fhir-%d" % self.port)
-        os.makedirs(self.dir)
+        # A directory of its own: a port handed out again (after an earlier server here stopped) must neither
+        # collide with that server's directory nor serve its data.
+        self.dir = tempfile.mkdtemp(prefix="fhir-%d-" % self.port, dir=work)
         auth = "  types: [bearer]\n  tokens: [%s]\n" % ", ".join(tokens) if tokens else "  types: [none]\n"
         with open(os.path.join(self.dir, "settings.yaml"), "w") as f:
             f.write("host: 127.0.0.1\nport: %d\nbase_url: http://127.0.0.1:%d/fhir\ndata_dir: %s/data\n"
