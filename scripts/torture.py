@@ -353,6 +353,10 @@ def write_faults(work, rng, quick):
         with open(log, errors="replace") as f:
             text = f.read()
         quiet = after == at_report and text.count("flush failed") == 1
+        if not (reported and quiet and code == 0 and ok):
+            # What dq run said, so that a failure on a loaded machine names its cause.
+            print("  %s: reported %s, sent after the line %d, 'flush failed' lines %d, exit %s, flushed after %s; its log:\n%s"
+                  % (name, reported, after - at_report, text.count("flush failed"), code, ok, text[-4000:]), flush=True)
         check("%s under dq run (logged, nothing sent after; clean SIGTERM)" % name.replace("-", " "), 1, 0, 1, values,
               fhir.values("Observation", system), reported and quiet and code == 0 and ok,
               "exit %s; %d sent while failing, %d after the log line" % (code, at_report, after - at_report), copies=2)
