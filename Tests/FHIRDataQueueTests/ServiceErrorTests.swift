@@ -38,6 +38,7 @@ struct ServiceErrorTests {
     func storageErrorLoggedOnce() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
         let path = directory.appendingPathComponent("q.sqlite").path
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
         var configuration = DataQueue.Configuration(databasePath: path)
@@ -68,10 +69,59 @@ struct ServiceErrorTests {
         try await server.shutdown()
     }
 
+    @Test("A flush that backs off after a journal write failed is not a recovery: the error is not logged again when it recurs")
+    func backoffIsNoRecovery() async throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let path = directory.appendingPathComponent("q.sqlite").path
+        let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
+        var configuration = DataQueue.Configuration(databasePath: path)
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0.1, maximumDelay: 0.1, jitter: 0)
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        let store = try #require(queue.store as? SQLiteQueueStore)
+        // The journal write of a delivery fails (reads and other writes work): the server has the item, and
+        // nothing more is sent until its delivery is journaled.
+        try await store.database.write { db in
+            try db.execute(sql: "CREATE TRIGGER refuse BEFORE DELETE ON item BEGIN SELECT RAISE(ABORT, 'refused'); END")
+        }
+        try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
+
+        let captured = Lines()
+        let logger = Logger(label: "test") { _ in CapturingHandler(captured: captured) }
+        let group = ServiceGroup(
+            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)), logger: logger)],
+            logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
+        let running = Task { try await group.run() }
+        func failures() -> Int { captured.lines.withLock { $0.filter { $0.1 == "flush failed; items stay queued" }.count } }
+        while failures() == 0 { try await Task.sleep(for: .milliseconds(20)) }
+        // A backoff a moment long (as one written before the database stopped taking writes), then the same error.
+        let until = Date().addingTimeInterval(0.5).timeIntervalSince1970
+        try await store.database.write { db in
+            try db.execute(
+                sql: """
+                    INSERT INTO server_state (queue, failures, next_attempt_at, last_error) VALUES (?, 1, ?, 'x')
+                    ON CONFLICT(queue) DO UPDATE SET failures = 1, next_attempt_at = excluded.next_attempt_at
+                    """,
+                arguments: [queue.queueName, until])
+        }
+        try await Task.sleep(for: .seconds(1.5))
+        await group.triggerGracefulShutdown()
+        try await running.value
+        let lines = captured.lines.withLock { $0.map(\.1) }
+        #expect(failures() == 1, "\(lines)")
+        #expect(!lines.contains("flushes work again"), "\(lines)")
+        let posts = server.requests.filter { $0.method == "POST" }
+        #expect(posts.count == 1, "\(server.requests.map { "\($0.method) \($0.uri)" })")
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
     @Test("A queue database deleted or replaced under the service ends it with that error, sending nothing more", arguments: [false, true])
     func databaseReplaced(replace: Bool) async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
         let path = directory.appendingPathComponent("q.sqlite").path
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
         let queue = try await DataQueue(

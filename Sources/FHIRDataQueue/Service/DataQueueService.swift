@@ -199,6 +199,10 @@ public struct DataQueueService: Service {
                 return error
             }
             let outcome = await flushDraining(queue)
+            if case .failure = outcome, Task.isCancelled || Task.isShuttingDownGracefully {
+                // A flush that shutdown cut short ended for that reason, not for a new failure.
+                break
+            }
             if case .failure(let error) = outcome, !(error is CancellationError) {
                 queue.metrics.flushError(error)
                 errors += 1
@@ -218,7 +222,12 @@ public struct DataQueueService: Service {
                 await cancelWhenGracefulShutdown { try? await beatingSleep(for: .milliseconds(Int64(delay * 1000))) }
                 continue
             }
-            if lastError != nil {
+            // Only a flush that ran says writes work again: one that backed off (a backoff written before the
+            // failure) or found another flusher tried nothing, and the failure would be logged anew after it.
+            var ran = true
+            if case .success(let report) = outcome, case .backoff = report.stop { ran = false }
+            if case .success(let report) = outcome, case .busy = report.stop { ran = false }
+            if lastError != nil && ran {
                 logger.notice("flushes work again", metadata: ["queue": "\(queue.queueName)"])
                 lastError = nil
                 errors = 0
