@@ -8,14 +8,16 @@ import Testing
 @Suite("Bulk enqueue, checked while it is written", .serialized, .hostClientsShutDown)
 struct BulkEnqueueTests {
     let directory: URL
+    let scratch: Scratch
 
     init() throws {
-        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-bulk-\(UUID().uuidString)")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        scratch = try Scratch("dq-bulk")
+        directory = scratch.url
     }
 
-    func queue(_ kind: StoreKind) async throws -> DataQueue {
+    func queue(_ kind: StoreKind, atRest: AtRestKeys? = nil) async throws -> DataQueue {
         var configuration = DataQueue.Configuration(durability: .normal)
+        configuration.atRest = atRest
         switch kind {
         case .sqlite:
             configuration.databasePath = directory.appendingPathComponent("q.sqlite").path
@@ -66,6 +68,47 @@ struct BulkEnqueueTests {
         let values = try await pendingValues(queue)
         #expect(values.count == 10_001)
         #expect(values == ["-1"] + (0..<10_000).map(String.init))
+        try await queue.shutdown()
+    }
+
+    @Test(
+        "Sealed at rest: entries are sealed where they are made, stored sealed once, read back as given; an error names the fullUrl, not its hash",
+        arguments: StoreKind.withHostClient)
+    func sealed(kind: StoreKind) async throws {
+        let key = AtRestKey.generate().key
+        let queue = try await queue(kind, atRest: AtRestKeys(current: key))
+        let patient = "urn:uuid:" + UUID().uuidString.lowercased()
+        let count = 5_000
+        let items = try await queue.enqueue(count: count) { index in
+            QueueEntry(
+                try FHIRResource(json: Self.observation(index, subject: index == count - 1 ? patient : nil)),
+                fullURL: index == 0 ? patient : nil)
+        }
+        #expect(items.count == count)
+        #expect(items.allSatisfy { $0.url == "Observation" })
+        #expect(items[1].size == Self.observation(1).count, "the caller is told the size of what it gave")
+        let sealed = try #require(queue.store as? SealedStorage)
+        let raw = try await sealed.inner.rawItems(after: 0, limit: 2 * count)
+        #expect(raw.count == count)
+        #expect(raw.allSatisfy { Sealer.keyID(ofBody: $0.body) == key.id && $0.info.url.hasPrefix("dqs1.\(key.id).") })
+        #expect(raw[0].fullURL?.hasPrefix("dqx1.") == true)
+        // Read through the seal: sealed twice, a body would open to another sealed body.
+        #expect(try await pendingValues(queue) == (0..<count).map(String.init))
+
+        let unknown = "urn:uuid:" + UUID().uuidString.lowercased()
+        await #expect {
+            try await queue.enqueue(count: 10) { index in
+                QueueEntry(try FHIRResource(json: Self.observation(index, subject: index == 9 ? unknown : nil)))
+            }
+        } throws: { error in
+            let message = (error as? DataQueueError)?.message ?? ""
+            return message.contains(unknown) && !message.contains("dqx1.")
+        }
+        let reused = try await queue.enqueue(count: 2) { index in
+            QueueEntry(try FHIRResource(json: Self.observation(count + index, subject: patient)))
+        }
+        #expect(reused.count == 2, "a reference to a fullUrl queued before resolves through its keyed hash")
+        #expect(try await pendingValues(queue).count == count + 2)
         try await queue.shutdown()
     }
 

@@ -71,10 +71,14 @@ extension DataQueue {
     @discardableResult
     public func enqueue(count: Int, entry: @escaping @Sendable (Int) throws -> QueueEntry) async throws -> [QueuedItem] {
         guard count > 0 else { return [] }
+        // Sealing (in a sealed queue) is done here, on every core, rather than on the writer's thread.
+        let preparation = try await store.preparation()
         let maker = ChunkMaker(count: count, chunkSize: 4096) { [self] index in
             do {
                 let made = try entry(index)
-                return .success(try newItem(for: made.resource, method: made.method, fullURL: made.fullURL))
+                let item = try newItem(for: made.resource, method: made.method, fullURL: made.fullURL)
+                guard let preparation else { return .success(MadeItem(stored: item, described: nil)) }
+                return .success(MadeItem(stored: preparation.prepare(item), described: DescribedItem(item)))
             } catch let error as DataQueueError {
                 return .failure(error)
             } catch {
@@ -83,20 +87,21 @@ extension DataQueue {
         }
         maker.start()
         let sequences: [Int64]
-        var chunks: [[NewItem]] = []
+        var chunks: [[MadeItem]] = []
         do {
             // Each chunk is stored as it is made (where the store can); the chunks are kept to describe the items.
             let kept = ChunksKept()
             sequences = try await store.insert(chunks: maker.chunks) { chunk in
                 guard let made = maker.take(chunk) else { return nil }
                 kept.append(made)
-                return made
+                return made.map(\.stored)
             }
             chunks = kept.chunks
         } catch {
             maker.stopUnlessBad()
             let problems = maker.finish()
             if !problems.isEmpty { throw EnqueueProblems(problems: problems) }
+            if let preparation, let error = error as? DataQueueError { throw preparation.explain(error) }
             throw error
         }
         metrics.enqueued.increment(by: sequences.count)
@@ -104,16 +109,41 @@ extension DataQueue {
         let now = Date()
         var queued: [QueuedItem] = []
         queued.reserveCapacity(sequences.count)
-        for (item, sequence) in zip(chunks.joined(), sequences) { queued.append(queuedItem(item, sequence: sequence, at: now)) }
+        for (made, sequence) in zip(chunks.joined(), sequences) {
+            if let described = made.described {
+                queued.append(queuedItem(described.item, sequence: sequence, at: now, size: described.size))
+            } else {
+                queued.append(queuedItem(made.stored, sequence: sequence, at: now))
+            }
+        }
         return queued
+    }
+}
+
+/// An item of a bulk enqueue: as it is stored, and (when that is not as it was made: sealed) what its caller
+/// is told of it.
+private struct MadeItem: Sendable {
+    var stored: NewItem
+    var described: DescribedItem?
+}
+
+/// An item as made, without its body (which is kept only in its stored, sealed form), and the body's size.
+private struct DescribedItem: Sendable {
+    var item: NewItem
+    var size: Int
+
+    init(_ item: NewItem) {
+        size = item.body.count
+        self.item = item
+        self.item.request.body = Data()
     }
 }
 
 /// The chunks a pipelined enqueue inserted, collected on the writer's thread and read after its transaction.
 private final class ChunksKept: @unchecked Sendable {  // unchecked: one writer thread, read after it has finished
     // Written only by the writer's closure, which runs on one thread at a time; read after it returned.
-    private(set) var chunks: [[NewItem]] = []
-    func append(_ chunk: [NewItem]) { chunks.append(chunk) }
+    private(set) var chunks: [[MadeItem]] = []
+    func append(_ chunk: [MadeItem]) { chunks.append(chunk) }
 }
 
 /// Makes the items of a bulk enqueue, chunk after chunk in input order, each chunk on every core, on a thread
@@ -123,16 +153,16 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
     let count: Int
     let chunkSize: Int
     var chunks: Int { (count + chunkSize - 1) / chunkSize }
-    private let make: @Sendable (Int) -> Result<NewItem, DataQueueError>
+    private let make: @Sendable (Int) -> Result<MadeItem, DataQueueError>
     // Guarded by `condition`.
     private let condition = NSCondition()
-    private var ready: [Int: [NewItem]] = [:]
+    private var ready: [Int: [MadeItem]] = [:]
     private var madeChunks = 0
     private var problems: [(index: Int, error: DataQueueError)] = []
     private var stopped = false
     private var done = false
 
-    init(count: Int, chunkSize: Int, make: @escaping @Sendable (Int) -> Result<NewItem, DataQueueError>) {
+    init(count: Int, chunkSize: Int, make: @escaping @Sendable (Int) -> Result<MadeItem, DataQueueError>) {
         self.count = count
         self.chunkSize = chunkSize
         self.make = make
@@ -161,7 +191,7 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
             }
             let results = slots.collect()
             condition.lock()
-            var items: [NewItem] = []
+            var items: [MadeItem] = []
             if problems.isEmpty { items.reserveCapacity(range.count) }
             for (offset, result) in results.enumerated() {
                 switch result {
@@ -181,7 +211,7 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
     }
 
     /// Chunk `chunk`'s items once made; nil when an input so far was bad (or the maker was stopped).
-    func take(_ chunk: Int) -> [NewItem]? {
+    func take(_ chunk: Int) -> [MadeItem]? {
         condition.lock()
         defer { condition.unlock() }
         while madeChunks <= chunk && !done { condition.wait() }
@@ -208,7 +238,7 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
     /// One slot per input of a chunk, each written by one worker (disjoint offsets) and read after all of them
     /// finished: the reason the `@unchecked Sendable` is sound.
     private final class Slots: @unchecked Sendable {
-        private let slots: UnsafeMutableBufferPointer<Result<NewItem, DataQueueError>?>
+        private let slots: UnsafeMutableBufferPointer<Result<MadeItem, DataQueueError>?>
         init(count: Int) {
             slots = .allocate(capacity: count)
             slots.initialize(repeating: nil)
@@ -217,7 +247,7 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
             slots.deinitialize()
             slots.deallocate()
         }
-        func set(_ offset: Int, _ value: Result<NewItem, DataQueueError>) { slots[offset] = value }
-        func collect() -> [Result<NewItem, DataQueueError>] { slots.map { $0! } }
+        func set(_ offset: Int, _ value: Result<MadeItem, DataQueueError>) { slots[offset] = value }
+        func collect() -> [Result<MadeItem, DataQueueError>] { slots.map { $0! } }
     }
 }

@@ -327,12 +327,12 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         try await enqueue(resources.map { QueueEntry($0.0, method: $0.1) })
     }
 
-    func queuedItem(_ item: NewItem, sequence: Int64, at enqueuedAt: Date = Date()) -> QueuedItem {
+    func queuedItem(_ item: NewItem, sequence: Int64, at enqueuedAt: Date = Date(), size: Int? = nil) -> QueuedItem {
         QueuedItem(
             sequence: sequence, id: item.id, queue: item.queue, method: item.method, url: item.url,
             resourceType: item.resourceType, resourceID: item.resourceID, encrypted: item.encrypted, state: .pending,
             attempts: 0, enqueuedAt: enqueuedAt, lastAttemptAt: nil, lastStatus: nil, lastError: nil, outcome: nil,
-            size: item.body.count)
+            size: size ?? item.body.count)
     }
 
     // MARK: - Sending

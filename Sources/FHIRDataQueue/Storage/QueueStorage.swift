@@ -31,6 +31,11 @@ protocol QueueStorage: AnyObject, Sendable {
     /// reference to one that is not. A store that can write while later chunks are still being made does so.
     func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64]
 
+    /// What is done to each new item before it is stored (sealing, in a sealed queue), for a bulk enqueue to
+    /// run on the threads that make its items rather than on the writer's; nil when items are stored as made.
+    /// ``insert(chunks:take:)`` takes items prepared by it (and prepares any that were not).
+    func preparation() async throws -> (any ItemPreparation)?
+
     /// Which of `fullURLs` are already known (queued or delivered).
     func knownFullURLs(_ fullURLs: Set<String>) async throws -> Set<String>
 
@@ -239,6 +244,15 @@ struct ItemReference: Sendable, Equatable {
     }
 }
 
+/// What a store does to a new item before storing it, safe to run on several threads at once.
+protocol ItemPreparation: Sendable {
+    /// The item as it is to be stored.
+    func prepare(_ item: NewItem) -> NewItem
+
+    /// `error` of an insert of prepared items, in the words of the items as given (a fullUrl, not its hash).
+    func explain(_ error: DataQueueError) -> DataQueueError
+}
+
 /// New stored values of one item (sealed, or sealed under another key), replacing what was read.
 struct SealedReplacement: Sendable {
     var sequence: Int64
@@ -279,6 +293,8 @@ extension QueueStorage {
     func vacuum() async throws {}
 
     func scrubAfterSealing() async throws {}
+
+    func preparation() async throws -> (any ItemPreparation)? { nil }
 
     /// Takes every chunk first, checks the references against the store, then stores all in one transaction.
     func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64] {

@@ -260,7 +260,7 @@ final class SealedStorage: QueueStorage {
 
     /// The stored forms of `fullURLs` to look for: each one's keyed hash, and the value itself (journal lines
     /// and items written before the queue was sealed hold it plain).
-    private static func lookups(_ fullURLs: some Sequence<String>, _ sealer: Sealer) -> [String: String] {
+    fileprivate static func lookups(_ fullURLs: some Sequence<String>, _ sealer: Sealer) -> [String: String] {
         var forms: [String: String] = [:]
         for url in fullURLs {
             forms[sealer.index(url)] = url
@@ -283,22 +283,42 @@ final class SealedStorage: QueueStorage {
 
     func insert(chunks: Int, take: @escaping @Sendable (Int) -> [NewItem]?) async throws -> [Int64] {
         guard let sealer = try await sealerIfSealed() else { return try await inner.insert(chunks: chunks, take: take) }
-        // The store checks references by their keyed hashes; an error names the fullUrls the input gave.
-        let named = Mutex<[String: String]>([:])
+        // Items a bulk enqueue sealed on its own threads pass as they are; any other is sealed here.
+        let preparation = Sealing(sealer: sealer)
         do {
-            return try await inner.insert(chunks: chunks) { chunk in
-                guard let items = take(chunk) else { return nil }
-                let linked = items.flatMap { item in item.references + (item.fullURL.map { [$0] } ?? []) }
-                if !linked.isEmpty {
-                    let forms = Self.lookups(linked, sealer)
-                    named.withLock { $0.merge(forms) { first, _ in first } }
-                }
-                return items.map(sealer.seal)
+            return try await inner.insert(chunks: chunks) { chunk in take(chunk)?.map(preparation.prepare) }
+        } catch let error as DataQueueError {
+            throw preparation.explain(error)
+        }
+    }
+
+    func preparation() async throws -> (any ItemPreparation)? {
+        try await sealerIfSealed().map { Sealing(sealer: $0) }
+    }
+
+    /// Seals new items (once: a sealed body is left as it is), remembering the fullUrls they name, so that an
+    /// error of the store (which knows their keyed hashes) can name them.
+    private final class Sealing: ItemPreparation {
+        let sealer: Sealer
+        private let named = Mutex<[String: String]>([:])
+
+        init(sealer: Sealer) { self.sealer = sealer }
+
+        func prepare(_ item: NewItem) -> NewItem {
+            guard Sealer.keyID(ofBody: item.body) == nil else { return item }
+            let linked = item.references + (item.fullURL.map { [$0] } ?? [])
+            if !linked.isEmpty {
+                let forms = SealedStorage.lookups(linked, sealer)
+                named.withLock { $0.merge(forms) { first, _ in first } }
             }
-        } catch let error as DataQueueError where error.message.contains(Sealer.indexPrefix) {
+            return sealer.seal(item)
+        }
+
+        func explain(_ error: DataQueueError) -> DataQueueError {
+            guard error.message.contains(Sealer.indexPrefix) else { return error }
             var message = error.message
             for (hash, url) in named.withLock({ $0 }) where hash != url { message = message.replacingOccurrences(of: hash, with: url) }
-            throw DataQueueError(error.code, message)
+            return DataQueueError(error.code, message)
         }
     }
 
