@@ -72,6 +72,7 @@ struct AuthDecisionTests {
     @Test("Stored credentials are 0600, replaced atomically, one file per registration endpoint")
     func credentialStore() throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-cred-\(UUID().uuidString.prefix(8))").path
+        defer { try? FileManager.default.removeItem(atPath: directory) }
         let store = CredentialStore(directory: directory)
         let first = StoredCredentials(
             registrationURI: "https://r/register", clientID: "a", clientSecret: "s", tokenEndpointAuthMethod: nil,

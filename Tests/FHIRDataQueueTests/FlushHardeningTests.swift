@@ -12,10 +12,11 @@ import Testing
 @Suite("Flush hardening")
 struct FlushHardeningTests {
     let directory: URL
+    let scratch: Scratch
 
     init() throws {
-        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-flush-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        scratch = try Scratch("dq-flush")
+        directory = scratch.url
     }
 
     var databasePath: String { directory.appendingPathComponent("q.sqlite").path }

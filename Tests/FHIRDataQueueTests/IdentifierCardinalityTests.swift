@@ -42,6 +42,8 @@ struct IdentifierCardinalityTests {
 
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-cardinality-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+
+        defer { try? FileManager.default.removeItem(at: directory) }
         var files: [String] = []
         var conditions = 0
         for type in types {
@@ -74,6 +76,7 @@ struct IdentifierCardinalityTests {
         let venv = try #require(Self.venv.flatMap { $0.isEmpty ? nil : $0 }, "DQ_PEERS_VENV is not set: run make test")
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-cardinality-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
         let list = directory.appendingPathComponent("qr.json")
         try Data(#"{"resourceType":"QuestionnaireResponse","status":"completed","identifier":[{"system":"a","value":"b"}]}"#.utf8)
             .write(to: list)

@@ -8,10 +8,11 @@ import Testing
 @Suite("Input, settings and file hardening")
 struct InputHardeningTests {
     let directory: URL
+    let scratch: Scratch
 
     init() throws {
-        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-input-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        scratch = try Scratch("dq-input")
+        directory = scratch.url
     }
 
     func path(_ name: String) -> String { directory.appendingPathComponent(name).path }

@@ -10,10 +10,11 @@ import Testing
 @Suite("The SQLite queue store")
 struct QueueStoreTests {
     let directory: URL
+    let scratch: Scratch
 
     init() throws {
-        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-unit-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        scratch = try Scratch("dq-unit")
+        directory = scratch.url
     }
 
     var path: String { directory.appendingPathComponent("q.sqlite").path }

@@ -10,10 +10,11 @@ import Testing
 @Suite("Server locations without Location")
 struct ServerLocationTests {
     let directory: URL
+    let scratch: Scratch
 
     init() throws {
-        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-location-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        scratch = try Scratch("dq-location")
+        directory = scratch.url
     }
 
     /// How the server answers the Patient's create.
@@ -146,10 +147,11 @@ struct ServerLocationTests {
 @Suite("Conditional create, where the server declares it")
 struct ConditionalCreateTrustTests {
     let directory: URL
+    let scratch: Scratch
 
     init() throws {
-        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-conditional-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        scratch = try Scratch("dq-conditional")
+        directory = scratch.url
     }
 
     /// What `/metadata` answers.

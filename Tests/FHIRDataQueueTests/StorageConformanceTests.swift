@@ -137,11 +137,12 @@ extension Trait where Self == HostClientScope {
 @Suite("Storage conformance", .serialized, .hostClientsShutDown)
 struct StorageConformanceTests {
     let directory: URL
+    let scratch: Scratch
     static let server = "http://h/fhir"
 
     init() throws {
-        directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-store-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        scratch = try Scratch("dq-store")
+        directory = scratch.url
     }
 
     func item(_ index: Int, queue: String = Self.server, fullURL: String? = nil) -> NewItem {

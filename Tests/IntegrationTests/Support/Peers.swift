@@ -154,6 +154,12 @@ final class ChildProcess: @unchecked Sendable {
         }
     }
 
+    /// The output files go with the process (a test that killed it without waiting leaves none in /tmp).
+    deinit {
+        try? FileManager.default.removeItem(atPath: stdoutPath)
+        try? FileManager.default.removeItem(atPath: stderrPath)
+    }
+
     var pid: Int32 { process.processIdentifier }
 
     /// What the process wrote to standard output so far.
