@@ -403,6 +403,38 @@ struct StorageConformanceTests {
         #expect(try await inner.rawItems(after: 0, limit: 10).count == 2)
     }
 
+    @Test(
+        "A queue sealed after deliveries: its journal's fullUrls become keyed hashes, and a bulk enqueue may reference them",
+        arguments: StoreKind.available)
+    func sealedAfterDeliveries(kind: StoreKind) async throws {
+        let inner = try await kind.make(in: directory)
+        let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+        let patient = "urn:uuid:" + UUID().uuidString.lowercased()
+        _ = try await inner.insert([item(0, fullURL: patient)])
+        let delivered = try await drain(inner)
+        let owner = try #require(try await inner.acquireFlush(queue: Self.server, until: .now))
+        let recorder = DeliveryRecorder(store: inner, owner: owner)
+        try recorder.record(
+            CompletedDelivery(
+                item: delivered[0].info, url: "http://h/fhir/Patient", status: 201, location: "http://h/fhir/Patient/p/_history/1",
+                serverID: "p", versionID: "1", fullURL: patient))
+        try await recorder.finish()
+        await owner.release()
+        #expect(try await inner.deliveries(queue: nil, limit: 10).first?.fullURL == patient, "written plain, before sealing")
+
+        let store = try await SealedStorage.open(
+            inner, keys: AtRestKeys(current: AtRestKey.generate().key), readOnly: false, lazily: false, logger: logger)
+        let lines = try await inner.deliveries(queue: nil, limit: 10)
+        #expect(lines.count == 1 && lines[0].fullURL?.hasPrefix(Sealer.indexPrefix) == true, "\(lines.map(\.fullURL))")
+        #expect(try await store.deliveredLocations(fullURLs: [patient]) == [patient: "Patient/p"])
+        var referring = item(1)
+        referring.references = [patient]
+        let observation = referring
+        let stored = try await store.insert(chunks: 1) { _ in [observation] }
+        #expect(stored.count == 1)
+        #expect(try await inner.plainJournalFullURLs(limit: 10).isEmpty)
+    }
+
     @Test("Pruning the journal removes only lines older than asked, oldest first, and never a queued item", arguments: StoreKind.available)
     func pruneJournal(kind: StoreKind) async throws {
         let store = try await kind.make(in: directory)

@@ -36,4 +36,12 @@ struct UUIDTests {
         let fixed = try #require(UUID(uuidString: "00FF10A0-B1C2-4D3E-8F40-123456789ABC"))
         #expect(fixed.lowercasedString == "00ff10a0-b1c2-4d3e-8f40-123456789abc")
     }
+
+    @Test("Hex digits: two lowercase digits per byte, as String(format: \"%02x\") writes them")
+    func hex() {
+        #expect([UInt8]().hexString == "")
+        #expect([0x00, 0x0F, 0xA0, 0xFF].hexString == "000fa0ff")
+        let bytes = (0..<256).map { UInt8($0) }
+        #expect(bytes.hexString == bytes.map { String(format: "%02x", $0) }.joined())
+    }
 }

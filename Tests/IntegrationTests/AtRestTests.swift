@@ -223,8 +223,8 @@ struct AtRestTests {
     )
     func rekeyUnderLoad() async throws {
         let server = try FHIRServer()  // down at first: items wait
-        let (first, firstID) = try await keygen("first.key")
-        let (second, secondID) = try await keygen("second.key")
+        let (_, firstID) = try await keygen("first.key")
+        let (_, secondID) = try await keygen("second.key")
         let database = work.file("queue.sqlite")
         let plainEnv = ["DQ_DATABASE": database, "HOME": work.path, "DQ_SERVER": server.base]
         // Queued before at_rest was set: sealed when a queue with a key opens it.

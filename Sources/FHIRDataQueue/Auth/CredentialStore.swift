@@ -46,7 +46,7 @@ public struct CredentialStore: Sendable {
 
     /// The file that holds the credentials of `registrationURI`.
     public func path(for registrationURI: String) -> String {
-        let digest = SHA256.hash(data: Data(registrationURI.utf8)).prefix(12).map { String(format: "%02x", $0) }.joined()
+        let digest = SHA256.hash(data: Data(registrationURI.utf8)).prefix(12).hexString
         return directory + "/client-" + digest + ".json"
     }
 

@@ -99,7 +99,7 @@ public struct SignInStore: Sendable {
     /// The file: `login-<12 bytes of SHA-256 of the base URL and client id>.json`.
     public var path: String {
         let digest = SHA256.hash(data: Data((fhirBaseURL + "\n" + clientID).utf8)).prefix(12)
-        return directory + "/login-" + digest.map { String(format: "%02x", $0) }.joined() + ".json"
+        return directory + "/login-" + digest.hexString + ".json"
     }
 
     /// The stored sign-in, or nil when there is none.

@@ -27,7 +27,7 @@ public struct AtRestKey: Sendable, Equatable {
         var hasher = SHA256()
         hasher.update(data: Data("dq at-rest key id v1\0".utf8))
         hasher.update(data: bytes)
-        id = hasher.finalize().prefix(8).map { String(format: "%02x", $0) }.joined()
+        id = hasher.finalize().prefix(8).hexString
     }
 
     /// Reads the key file at `path`.
@@ -158,7 +158,7 @@ struct Sealer: Sendable {
     /// The keyed hash stored for a `fullUrl` (in the queue and in the journal), found by equality.
     func index(_ fullURL: String) -> String {
         let mac = HMAC<SHA256>.authenticationCode(for: Data(fullURL.utf8), using: indexKey)
-        return Self.indexPrefix + mac.map { String(format: "%02x", $0) }.joined()
+        return Self.indexPrefix + mac.hexString
     }
 
     /// A new item with every value that comes from the resource sealed (its `fullUrl` as its keyed hash, its
@@ -170,6 +170,7 @@ struct Sealer: Sendable {
         sealed.request.body = seal(body: item.body, fullURL: item.fullURL, item: item.id, queue: item.queue)
         sealed.fullURL = item.fullURL.map(index)
         sealed.references = item.references.map(index)
+        sealed.sealed = true
         return sealed
     }
 

@@ -153,7 +153,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
 
     /// The lock file of one queue's flushes.
     static func flushLockPath(database: String, queue: String) -> String {
-        let digest = SHA256.hash(data: Data(queue.utf8)).prefix(8).map { String(format: "%02x", $0) }.joined()
+        let digest = SHA256.hash(data: Data(queue.utf8)).prefix(8).hexString
         return database + ".flush-" + digest + ".lock"
     }
 

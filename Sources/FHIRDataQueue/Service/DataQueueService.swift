@@ -198,9 +198,15 @@ public struct DataQueueService: Service {
                     "stopping", metadata: ["queue": "\(queue.queueName)", "error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
                 return error
             }
-            let outcome = await flushDraining(queue)
-            if case .failure = outcome, Task.isCancelled || Task.isShuttingDownGracefully {
-                // A flush that shutdown cut short ended for that reason, not for a new failure.
+            // nil: shutdown did not wait for the flush (its drain timeout, or cancellation).
+            guard let outcome = await flushDraining(queue) else { break }
+            if case .failure(let error) = outcome, Task.isCancelled || Task.isShuttingDownGracefully {
+                // A flush that shutdown cut short may end with an error of that: not a new failure to alert on.
+                if !(error is CancellationError) {
+                    logger.notice(
+                        "the last flush ended with an error while stopping",
+                        metadata: ["queue": "\(queue.queueName)", "error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
+                }
                 break
             }
             if case .failure(let error) = outcome, !(error is CancellationError) {
@@ -224,9 +230,13 @@ public struct DataQueueService: Service {
             }
             // Only a flush that ran says writes work again: one that backed off (a backoff written before the
             // failure) or found another flusher tried nothing, and the failure would be logged anew after it.
-            var ran = true
-            if case .success(let report) = outcome, case .backoff = report.stop { ran = false }
-            if case .success(let report) = outcome, case .busy = report.stop { ran = false }
+            var ran = false
+            if case .success(let report) = outcome {
+                switch report.stop {
+                case .backoff, .busy: ran = false
+                default: ran = true
+                }
+            }
             if lastError != nil && ran {
                 logger.notice("flushes work again", metadata: ["queue": "\(queue.queueName)"])
                 lastError = nil

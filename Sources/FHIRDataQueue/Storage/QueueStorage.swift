@@ -149,6 +149,15 @@ protocol QueueStorage: AnyObject, Sendable {
     /// the WAL's frames). The default does nothing.
     func scrubAfterSealing() async throws
 
+    /// Up to `limit` distinct `fullUrl`s of journal lines stored as given (written before the queue was sealed).
+    /// Cheap when there are none: a plain fullUrl starts with `urn:` and a keyed hash with `dqx1.`, so every
+    /// plain one sorts from `e` on (in any collation), a range of the fullUrl index.
+    func plainJournalFullURLs(limit: Int) async throws -> [String]
+
+    /// Stores each journal `fullUrl` that is a key of `hashes` as its value (its keyed hash), in one transaction;
+    /// returns how many lines changed.
+    func replaceJournalFullURLs(_ hashes: [String: String]) async throws -> Int
+
     /// Releases connections (a database server's); the SQLite store has nothing to release.
     func shutdown() async
 

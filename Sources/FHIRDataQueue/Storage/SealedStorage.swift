@@ -141,6 +141,8 @@ final class SealedStorage: QueueStorage {
                 try await inner.scrubAfterSealing()
                 logger.notice("sealed the items queued before at_rest was set", metadata: ["items": "\(sealed)"])
             }
+            // Also after an open that stopped half-way: the look-up for plain ones is one probe of an index.
+            if try await sealJournal(sealer) > 0 { try await inner.scrubAfterSealing() }
         }
         return State(sealer: sealer, keyIDs: Array(Set(ids + [keys.current.id])).sorted())
     }
@@ -201,6 +203,21 @@ final class SealedStorage: QueueStorage {
             }
         }
         return total
+    }
+
+    /// Journal lines written before the queue was sealed name fullUrls as given: they are stored as their keyed
+    /// hashes, as later lines are, so that a reference to one is found by the store's own checks (a bulk
+    /// enqueue's). Returns how many fullUrls were hashed.
+    private func sealJournal(_ sealer: Sealer) async throws -> Int {
+        var total = 0
+        while true {
+            let plain = try await inner.plainJournalFullURLs(limit: 1000)
+            guard !plain.isEmpty else { return total }
+            let changed = try await inner.replaceJournalFullURLs(Dictionary(plain.map { ($0, sealer.index($0)) }) { first, _ in first })
+            // None changed would mean the store cannot change them: never loop on that.
+            guard changed > 0 else { return total }
+            total += changed
+        }
     }
 
     // MARK: Opening
@@ -305,7 +322,7 @@ final class SealedStorage: QueueStorage {
         init(sealer: Sealer) { self.sealer = sealer }
 
         func prepare(_ item: NewItem) -> NewItem {
-            guard Sealer.keyID(ofBody: item.body) == nil else { return item }
+            guard !item.sealed else { return item }
             let linked = item.references + (item.fullURL.map { [$0] } ?? [])
             if !linked.isEmpty {
                 let forms = SealedStorage.lookups(linked, sealer)
@@ -475,4 +492,8 @@ final class SealedStorage: QueueStorage {
     func replaceSealed(_ replacements: [SealedReplacement]) async throws -> Int { try await inner.replaceSealed(replacements) }
 
     func scrubAfterSealing() async throws { try await inner.scrubAfterSealing() }
+
+    func plainJournalFullURLs(limit: Int) async throws -> [String] { try await inner.plainJournalFullURLs(limit: limit) }
+
+    func replaceJournalFullURLs(_ hashes: [String: String]) async throws -> Int { try await inner.replaceJournalFullURLs(hashes) }
 }

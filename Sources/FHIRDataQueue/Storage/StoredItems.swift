@@ -11,6 +11,8 @@ struct NewItem: Sendable {
     /// The `urn:uuid` fullUrls the body references (lowercased, in order; none for an encrypted item), found
     /// once when the item is made: a bulk enqueue finds them on the threads that make items, not on the writer.
     var references: [String] = []
+    /// Whether ``Sealer/seal(_:)`` made this item (its values are sealed, its fullUrl and references hashed).
+    var sealed = false
 
     var method: FHIRMethod { request.method }
     /// The request path relative to the endpoint (stored as the item's `url`).

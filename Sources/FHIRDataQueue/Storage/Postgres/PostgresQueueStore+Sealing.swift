@@ -80,4 +80,38 @@ extension PostgresQueueStore {
             }
         }
     }
+
+    func plainJournalFullURLs(limit: Int) async throws -> [String] {
+        try await run("read the journal") { [self] in
+            var urls: [String] = []
+            for try await url in try await client.query(
+                """
+                SELECT DISTINCT full_url FROM dq_delivery
+                WHERE full_url IS NOT NULL AND full_url >= 'e' LIMIT \(limit)
+                """, logger: logger
+            ).decode(String.self) {
+                urls.append(url)
+            }
+            return urls
+        }
+    }
+
+    func replaceJournalFullURLs(_ hashes: [String: String]) async throws -> Int {
+        guard !hashes.isEmpty else { return 0 }
+        // One statement, rows in one order: two processes sealing at once do not deadlock.
+        let pairs = hashes.sorted { $0.key < $1.key }
+        let (plain, hashed) = (pairs.map(\.key), pairs.map(\.value))
+        return try await run("seal the journal's fullUrls") { [self] in
+            var changed = 0
+            for try await _ in try await client.query(
+                """
+                UPDATE dq_delivery AS d SET full_url = v.hash FROM unnest(\(plain)::text[], \(hashed)::text[]) AS v(plain, hash)
+                WHERE d.full_url = v.plain RETURNING 1
+                """, logger: logger)
+            {
+                changed += 1
+            }
+            return changed
+        }
+    }
 }

@@ -65,6 +65,30 @@ extension SQLiteQueueStore {
         }
     }
 
+    func plainJournalFullURLs(limit: Int) async throws -> [String] {
+        try await read("read the journal") { db in
+            try String.fetchAll(
+                db,
+                sql: "SELECT DISTINCT full_url FROM delivery WHERE full_url IS NOT NULL AND full_url >= 'e' LIMIT ?",
+                arguments: [limit])
+        }
+    }
+
+    func replaceJournalFullURLs(_ hashes: [String: String]) async throws -> Int {
+        guard !hashes.isEmpty else { return 0 }
+        return try await immediate("seal the journal's fullUrls") { db in
+            try db.execute(sql: "PRAGMA secure_delete = ON")
+            defer { try? db.execute(sql: "PRAGMA secure_delete = OFF") }
+            let update = try db.cachedStatement(sql: "UPDATE delivery SET full_url = ? WHERE full_url = ?")
+            var changed = 0
+            for (plain, hash) in hashes {
+                try update.execute(arguments: [hash, plain])
+                changed += db.changesCount
+            }
+            return changed
+        }
+    }
+
     /// Writes the WAL back into the file and empties it, so that no frame of an earlier (plain) version of a row
     /// stays on disk; skipped while another connection reads (its next checkpoint does it).
     func scrubAfterSealing() async throws {
