@@ -87,7 +87,7 @@ extension DQ {
         func run() async throws {
             let registry = metricsTextfile.map { _ in PrometheusCollectorRegistry() }
             if let registry {
-                MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
+                MetricsSystem.bootstrap(Exposition.factory(registry))
                 recordBuildInfo()
             }
             let code: Int32 = try await withQueue(queueOptions, sending: sending) { queue, settings in
@@ -161,7 +161,7 @@ extension DQ {
         /// node_exporter never reads half a file. A failure is a warning: the flush itself went as it went.
         func writeTextfile(_ registry: PrometheusCollectorRegistry, to path: String) {
             let temporary = path + ".\(getpid()).tmp"
-            let bytes = Data(registry.emitToBuffer())
+            let bytes = Data(Exposition.emit(registry))
             guard FileManager.default.createFile(atPath: temporary, contents: bytes, attributes: [.posixPermissions: 0o644]),
                 rename(temporary, path) == 0
             else {

@@ -103,7 +103,7 @@ private final class MetricsHandler: ChannelInboundHandler {
             let (status, contentType, body): (HTTPResponseStatus, String, [UInt8])
             switch (head.method, path) {
             case (.GET, "/metrics"):
-                (status, contentType, body) = (.ok, "text/plain; version=0.0.4; charset=utf-8", registry.emitToBuffer())
+                (status, contentType, body) = (.ok, "text/plain; version=0.0.4; charset=utf-8", Exposition.emit(registry))
             case (.GET, "/healthz"):
                 (status, contentType, body) = (.ok, "text/plain; charset=utf-8", Array("ok\n".utf8))
             default:

@@ -60,7 +60,7 @@ extension DQ {
             // action): it is ignored until then; the service's own handler takes over.
             signal(SIGHUP, SIG_IGN)
             let registry = PrometheusCollectorRegistry()
-            MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
+            MetricsSystem.bootstrap(Exposition.factory(registry))
             recordBuildInfo()
             try await withQueue(queueOptions, sending: sending) { first, firstSettings in
                 // SIGHUP: a configuration that validates replaces the running one once the group has drained

@@ -257,6 +257,17 @@ struct ServiceTests {
         #expect(abs(last - Date().timeIntervalSince1970) < 600, "a recent Unix time: \(last)")
         #expect((samples["dq_build_info"]?.last as? [String: String])?["version"] != nil, "\(parsed.stdout)")
         #expect(!FileManager.default.fileExists(atPath: textfile + ".tmp"), "no temporary file left")
+        // Every family has its HELP text, as the parser reads it.
+        let helpScript = """
+            import sys, json
+            from prometheus_client.parser import text_string_to_metric_families
+            print(json.dumps({f.name: f.documentation for f in text_string_to_metric_families(open(sys.argv[1]).read())}))
+            """
+        let help = try await ChildProcess(Peers.venv + "/bin/python", ["-c", helpScript, textfile]).wait()
+        let documented = try JSONSerialization.jsonObject(with: Data(help.stdout.utf8)) as? [String: String] ?? [:]
+        #expect(documented.count >= 8, "\(help.stdout) \(help.stderr)")
+        #expect(documented.values.allSatisfy { !$0.isEmpty }, "\(documented)")
+        #expect(documented["dq_queue_depth"] == "Items pending in the queue now.", "\(documented)")
 
         // A later cron flush with nothing to do still reports when the last delivery was.
         #expect(try await dq(["flush", "--metrics-textfile", textfile], env).status == 0)
@@ -413,6 +424,9 @@ struct ServiceTests {
         let text = String(decoding: body, as: UTF8.self)
         #expect(scraped, "\(text)")
         #expect(text.contains("dq_request_duration_seconds_bucket"))
+        // Buckets past the 30 s default request timeout; HELP text on the families.
+        #expect(text.contains(#"dq_request_duration_seconds_bucket{destination="\#(queue)",le="120.0"}"#), "\(text)")
+        #expect(text.contains("# HELP dq_items_delivered_total Items this process delivered"), "\(text)")
         let (health, ok) = try await HTTP.get("http://127.0.0.1:\(port)/healthz")
         #expect(health == 200 && String(decoding: ok, as: UTF8.self) == "ok\n")
         run.kill(SIGTERM)
