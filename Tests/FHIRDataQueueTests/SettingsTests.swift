@@ -152,6 +152,36 @@ struct SettingsTests {
         #expect(error?.message.contains("x") == false || !expected.contains("bearer"), "no value in the error")
     }
 
+    @Test("Every number setting, retry, no_proxy, ca_bundle_only and auth's names have a DQ_ variable that wins over the file")
+    func environmentForEverySetting() throws {
+        let file = #"{"server":"http://a/fhir","timeout_seconds":5,"retry":{"jitter":0.1},"auth":{"client_id":"file-id","token_uri":"http://t/x"}}"#
+        var settings = try DataQueueSettings.decode(Data(file.utf8))
+        try settings.apply(environment: [
+            "DQ_MAX_RESOURCE_BYTES": "4096", "DQ_TIMEOUT_SECONDS": "12.5", "DQ_CONNECT_TIMEOUT_SECONDS": "3",
+            "DQ_SETTLE_SECONDS": "2", "DQ_BATCH_MAX_BYTES": "65536", "DQ_READY_MAX_AGE_SECONDS": "600", "DQ_JOURNAL_RETENTION_DAYS": "7",
+            "DQ_RETRY_INITIAL_SECONDS": "0.5", "DQ_RETRY_MAXIMUM_SECONDS": "60", "DQ_RETRY_JITTER": "0",
+            "DQ_NO_PROXY": "localhost,.internal", "DQ_CA_BUNDLE_ONLY": "false", "DQ_CLIENT_ID": "env-id", "DQ_SCOPE": "system/*.write",
+            "DQ_CLIENT_SECRET": "s3cret",
+        ])
+        let resolved = try settings.resolve()
+        let configuration = resolved.configuration
+        #expect(configuration.maximumResourceSize == 4096)
+        #expect(configuration.requestTimeout == 12.5 && configuration.connectTimeout == 3 && configuration.settleDelay == 2)
+        #expect(configuration.batchMaxBytes == 65536)
+        #expect(try settings.journalRetention() == 7 * 86_400)
+        #expect(settings.readyMaxAgeSeconds == 600)
+        #expect(configuration.retryPolicy.initialDelay == 0.5 && configuration.retryPolicy.maximumDelay == 60)
+        #expect(configuration.retryPolicy.jitter == 0)
+        #expect(configuration.network.noProxy == "localhost,.internal" && !configuration.network.caBundleOnly)
+        let client = try #require(resolved.authorization as? OAuth2ClientCredentials)
+        #expect(client.configuration.clientID == "env-id" && client.configuration.scope == "system/*.write")
+        for name in ["DQ_TIMEOUT_SECONDS", "DQ_RETRY_JITTER", "DQ_CA_BUNDLE_ONLY"] {
+            let error = try #require(throws: DataQueueError.self) { try settings.apply(environment: [name: "soon"]) }
+            #expect(error.message.contains(name), "\(error.message)")
+        }
+        #expect(DataQueueSettings.unknownEnvironmentVariables(in: ["DQ_RETRY_JITTER": "0", "DQ_NO_PROXY": ""]).isEmpty)
+    }
+
     @Test("A bad DQ_DURABILITY or DQ_BATCH_SIZE is named by the variable, not the file's key")
     func environmentNamed() throws {
         var settings = DataQueueSettings()

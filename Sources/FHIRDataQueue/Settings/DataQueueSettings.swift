@@ -208,10 +208,14 @@ public struct DataQueueSettings: Sendable, Decodable {
     public init() {}
 
     /// Applies the `DQ_*` environment variables over the file: `DQ_SERVER`, `DQ_DATABASE`, `DQ_DURABILITY`,
-    /// `DQ_IDEMPOTENT`, `DQ_CA_BUNDLE`, `DQ_TOKEN`, `DQ_CLIENT_SECRET`, `DQ_PROXY`, `DQ_CLIENT_CERTIFICATE`,
-    /// `DQ_CLIENT_KEY`; and the usual `HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY` (see ``environmentNetwork``).
+    /// `DQ_IDEMPOTENT`, `DQ_CA_BUNDLE`, `DQ_CA_BUNDLE_ONLY`, `DQ_TOKEN`, `DQ_CLIENT_SECRET`, `DQ_PROXY`,
+    /// `DQ_NO_PROXY`, `DQ_CLIENT_CERTIFICATE`, `DQ_CLIENT_KEY`, `DQ_AT_REST_KEY_FILE`, `DQ_AT_REST_OLD_KEY_FILES`
+    /// (a comma list); each number setting as `DQ_` and its key (`DQ_TIMEOUT_SECONDS`, `DQ_RETRY_JITTER`, …);
+    /// `auth`'s `DQ_CLIENT_ID`, `DQ_TOKEN_URI`, `DQ_SCOPE`, `DQ_ISSUER`, `DQ_BEARER_TOKEN_FILE`,
+    /// `DQ_CLIENT_SECRET_FILE`; and the usual `HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY` (see ``environmentNetwork``).
     ///
-    /// - Throws: ``DataQueueError`` for a `DQ_IDEMPOTENT` that is not a boolean.
+    /// - Throws: ``DataQueueError`` for a flag that is not a boolean or a number that is not one, naming the
+    ///   variable.
     public mutating func apply(environment: [String: String]) throws {
         if let value = environment["DQ_SERVER"] { server = value }
         if let value = environment["DQ_DATABASE"] { database = value }
@@ -219,12 +223,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             guard Durability(rawValue: value) != nil else { throw Self.configError("DQ_DURABILITY must be \"full\" or \"normal\"") }
             durability = value
         }
-        if let text = environment["DQ_IDEMPOTENT"] {
-            guard let flag = ["1": true, "true": true, "0": false, "false": false][text.lowercased()] else {
-                throw Self.configError("DQ_IDEMPOTENT must be true or false")
-            }
-            idempotent = flag
-        }
+        if let text = environment["DQ_IDEMPOTENT"] { idempotent = try Self.flag(text, name: "DQ_IDEMPOTENT") }
         if let value = environment["DQ_CA_BUNDLE"] {
             // Over the file's, whichever of its two names the file used.
             if tls?.caBundle != nil { tls?.caBundle = value } else { caBundle = value }
@@ -254,6 +253,22 @@ public struct DataQueueSettings: Sendable, Decodable {
             atRest = atRest ?? AtRest()
             atRest?.keyFile = value
         }
+        if let value = environment["DQ_AT_REST_OLD_KEY_FILES"] {
+            atRest = atRest ?? AtRest()
+            atRest?.oldKeyFiles = value.split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
+        }
+        try applyNumbers(environment: environment)
+        if let value = environment["DQ_NO_PROXY"] { noProxy = value }
+        if let text = environment["DQ_CA_BUNDLE_ONLY"] {
+            tls = tls ?? TLS()
+            tls?.caBundleOnly = try Self.flag(text, name: "DQ_CA_BUNDLE_ONLY")
+        }
+        for (name, key) in Self.authTextVariables {
+            if let value = environment[name] {
+                auth = auth ?? Auth()
+                auth?[keyPath: key] = value
+            }
+        }
         if let value = environment["DQ_TOKEN"] {
             auth = auth ?? Auth()
             auth?.bearerToken = value
@@ -261,6 +276,53 @@ public struct DataQueueSettings: Sendable, Decodable {
         if let value = environment["DQ_CLIENT_SECRET"] {
             auth = auth ?? Auth()
             auth?.clientSecret = value
+        }
+    }
+
+    /// `true`/`false` (or `1`/`0`) in a variable.
+    private static func flag(_ text: String, name: String) throws -> Bool {
+        guard let flag = ["1": true, "true": true, "0": false, "false": false][text.lowercased()] else {
+            throw configError("\(name) must be true or false")
+        }
+        return flag
+    }
+
+    /// The settings that are numbers, each with its variable (`DQ_` and the key, upper-case; `retry.` keys as
+    /// `DQ_RETRY_…`); the value is checked as the file's is, when the settings are resolved.
+    private static let numberVariables: [(name: String, key: any WritableKeyPath<DataQueueSettings, Double?> & Sendable)] = [
+        ("DQ_MAX_RESOURCE_BYTES", \.maxResourceBytes), ("DQ_TIMEOUT_SECONDS", \.timeoutSeconds),
+        ("DQ_CONNECT_TIMEOUT_SECONDS", \.connectTimeoutSeconds), ("DQ_SETTLE_SECONDS", \.settleSeconds),
+        ("DQ_BATCH_MAX_BYTES", \.batchMaxBytes), ("DQ_READY_MAX_AGE_SECONDS", \.readyMaxAgeSeconds),
+        ("DQ_JOURNAL_RETENTION_DAYS", \.journalRetentionDays),
+    ]
+
+    private static let retryVariables: [(name: String, key: any WritableKeyPath<Retry, Double?> & Sendable)] = [
+        ("DQ_RETRY_INITIAL_SECONDS", \.initialSeconds), ("DQ_RETRY_MAXIMUM_SECONDS", \.maximumSeconds), ("DQ_RETRY_JITTER", \.jitter),
+    ]
+
+    /// The `auth` settings that are text and no secret value (secrets come as `DQ_TOKEN`, `DQ_CLIENT_SECRET` or
+    /// a file), each with its variable.
+    private static let authTextVariables: [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable)] = [
+        ("DQ_CLIENT_ID", \.clientID), ("DQ_TOKEN_URI", \.tokenURI), ("DQ_SCOPE", \.scope), ("DQ_ISSUER", \.issuer),
+        ("DQ_BEARER_TOKEN_FILE", \.bearerTokenFile), ("DQ_CLIENT_SECRET_FILE", \.clientSecretFile),
+    ]
+
+    private mutating func applyNumbers(environment: [String: String]) throws {
+        func number(_ name: String) throws -> Double? {
+            guard let text = environment[name] else { return nil }
+            guard let value = Double(text.trimmingCharacters(in: .whitespaces)), value.isFinite else {
+                throw Self.configError("\(name) must be a number")
+            }
+            return value
+        }
+        for (name, key) in Self.numberVariables {
+            if let value = try number(name) { self[keyPath: key] = value }
+        }
+        for (name, key) in Self.retryVariables {
+            if let value = try number(name) {
+                retry = retry ?? Retry()
+                retry?[keyPath: key] = value
+            }
         }
     }
 
@@ -276,11 +338,13 @@ public struct DataQueueSettings: Sendable, Decodable {
     }
 
     /// Every `DQ_…` environment variable dq reads (the library's and the command line's).
-    package static let environmentVariables: Set<String> = [
-        "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
-        "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_LEASE_SECONDS", "DQ_TOKEN",
-        "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
-    ]
+    package static let environmentVariables: Set<String> = Set(
+        [
+            "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
+            "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_LEASE_SECONDS", "DQ_TOKEN",
+            "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
+            "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY",
+        ] + numberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name))
 
     /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
     /// `DQ_TEST_…`): not dq settings, and not misspellings of one.
