@@ -154,7 +154,9 @@ struct SettingsTests {
 
     @Test("Every number setting, retry, no_proxy, ca_bundle_only and auth's names have a DQ_ variable that wins over the file")
     func environmentForEverySetting() throws {
-        let file = #"{"server":"http://a/fhir","timeout_seconds":5,"retry":{"jitter":0.1},"auth":{"client_id":"file-id","token_uri":"http://t/x"}}"#
+        let file =
+            #"{"server":"http://a/fhir","timeout_seconds":5,"retry":{"jitter":0.1},"#
+            + #""auth":{"client_id":"file-id","token_uri":"http://t/x"}}"#
         var settings = try DataQueueSettings.decode(Data(file.utf8))
         try settings.apply(environment: [
             "DQ_MAX_RESOURCE_BYTES": "4096", "DQ_TIMEOUT_SECONDS": "12.5", "DQ_CONNECT_TIMEOUT_SECONDS": "3",
