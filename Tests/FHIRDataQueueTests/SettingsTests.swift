@@ -250,6 +250,41 @@ struct SettingsTests {
         #expect(error?.code == .invalidConfiguration && error?.message.contains("auth.client_secret_file") == true)
     }
 
+    @Test(
+        "proxy_file and the DQ_…_FILE variables: the file is read (the environment's name over the file's secret), proxy and proxy_file exclude each other"
+    )
+    func secretFilesFromEnvironment() throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-creds-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        for (name, text) in [("proxy-url", "http://user:pr0xy-pass@proxy.example:3128\n"), ("token", "env-file-token\n")] {
+            try Data(text.utf8).write(to: directory.appendingPathComponent(name))
+            chmod(directory.appendingPathComponent(name).path, 0o600)
+        }
+        let config = directory.appendingPathComponent("dq.json").path
+        try Data(#"{"proxy_file": "proxy-url", "auth": {"bearer_token": "file-token"}}"#.utf8).write(to: URL(fileURLWithPath: config))
+        func load(_ environment: [String: String]) throws -> DataQueueSettings {
+            try DataQueueSettings.load(config: config, server: "http://h/fhir", database: nil, environment: environment) {
+                try DataQueueSettings.decode($0, source: $1)
+            }
+        }
+        var settings = try load([:])
+        #expect(settings.proxy == "http://user:pr0xy-pass@proxy.example:3128", "read beside the config file, without its newline")
+        #expect(settings.auth?.bearerToken == "file-token")
+        settings = try load(["DQ_BEARER_TOKEN_FILE": directory.appendingPathComponent("token").path, "DQ_PROXY": "http://other:8080"])
+        #expect(settings.auth?.bearerToken == "env-file-token", "the variable's file over the config file's token")
+        #expect(settings.proxy == "http://other:8080", "DQ_PROXY over the config file's proxy_file")
+        let resolved = try settings.resolve()
+        #expect(resolved.configuration.network.proxy(for: URL(string: "https://h/fhir")!) == "http://other:8080")
+
+        try Data(#"{"proxy": "http://a:1", "proxy_file": "proxy-url"}"#.utf8).write(to: URL(fileURLWithPath: config))
+        let both = #expect(throws: DataQueueError.self) { try load([:]) }
+        #expect(both?.message.contains("proxy_file") == true, "\(both?.message ?? "")")
+        try Data(#"{"proxy_file": "missing"}"#.utf8).write(to: URL(fileURLWithPath: config))
+        let missing = #expect(throws: DataQueueError.self) { try load([:]) }
+        #expect(missing?.message.contains("\"proxy_file\"") == true && missing?.message.contains("pr0xy") == false)
+    }
+
     @Test("The default database: $STATE_DIRECTORY (systemd), else $XDG_DATA_HOME, else ~/.local/share")
     func defaultDatabase() {
         #expect(

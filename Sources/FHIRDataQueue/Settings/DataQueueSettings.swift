@@ -57,6 +57,9 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// `proxy`: the proxy for every request (`http://[user:password@]host:port`, or `socks5://host:port`); over
     /// `HTTPS_PROXY` and `HTTP_PROXY`.
     public var proxy: String?
+    /// `proxy_file`: a file holding the proxy URL (its credentials kept out of the config file), read like
+    /// the other `…_file` secrets; excludes `proxy`.
+    public var proxyFile: String?
     /// `no_proxy`: hosts reached without the proxy (curl's `NO_PROXY` rules); over `NO_PROXY`.
     public var noProxy: String?
     /// `tls`: the client certificate and trust.
@@ -228,7 +231,14 @@ public struct DataQueueSettings: Sendable, Decodable {
             // Over the file's, whichever of its two names the file used.
             if tls?.caBundle != nil { tls?.caBundle = value } else { caBundle = value }
         }
-        if let value = environment["DQ_PROXY"] { proxy = value }
+        if let value = environment["DQ_PROXY"] {
+            proxy = value
+            proxyFile = nil
+        }
+        if let value = environment["DQ_PROXY_FILE"] {
+            proxyFile = value
+            proxy = nil
+        }
         if let value = environment["DQ_CLIENT_CERTIFICATE"] {
             tls = tls ?? TLS()
             tls?.clientCertificate = value
@@ -269,13 +279,26 @@ public struct DataQueueSettings: Sendable, Decodable {
                 auth?[keyPath: key] = value
             }
         }
+        // A secret from the environment replaces the file's, in either of its forms.
+        if let value = environment["DQ_BEARER_TOKEN_FILE"] {
+            auth = auth ?? Auth()
+            auth?.bearerTokenFile = value
+            auth?.bearerToken = nil
+        }
+        if let value = environment["DQ_CLIENT_SECRET_FILE"] {
+            auth = auth ?? Auth()
+            auth?.clientSecretFile = value
+            auth?.clientSecret = nil
+        }
         if let value = environment["DQ_TOKEN"] {
             auth = auth ?? Auth()
             auth?.bearerToken = value
+            auth?.bearerTokenFile = nil
         }
         if let value = environment["DQ_CLIENT_SECRET"] {
             auth = auth ?? Auth()
             auth?.clientSecret = value
+            auth?.clientSecretFile = nil
         }
     }
 
@@ -300,11 +323,10 @@ public struct DataQueueSettings: Sendable, Decodable {
         ("DQ_RETRY_INITIAL_SECONDS", \.initialSeconds), ("DQ_RETRY_MAXIMUM_SECONDS", \.maximumSeconds), ("DQ_RETRY_JITTER", \.jitter),
     ]
 
-    /// The `auth` settings that are text and no secret value (secrets come as `DQ_TOKEN`, `DQ_CLIENT_SECRET` or
-    /// a file), each with its variable.
+    /// The `auth` settings that are text and no secret (secrets come as `DQ_TOKEN`, `DQ_CLIENT_SECRET`,
+    /// `DQ_BEARER_TOKEN_FILE` or `DQ_CLIENT_SECRET_FILE`), each with its variable.
     private static let authTextVariables: [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable)] = [
         ("DQ_CLIENT_ID", \.clientID), ("DQ_TOKEN_URI", \.tokenURI), ("DQ_SCOPE", \.scope), ("DQ_ISSUER", \.issuer),
-        ("DQ_BEARER_TOKEN_FILE", \.bearerTokenFile), ("DQ_CLIENT_SECRET_FILE", \.clientSecretFile),
     ]
 
     private mutating func applyNumbers(environment: [String: String]) throws {
@@ -343,7 +365,8 @@ public struct DataQueueSettings: Sendable, Decodable {
             "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
             "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_LEASE_SECONDS", "DQ_TOKEN",
             "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
-            "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY",
+            "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
+            "DQ_CLIENT_SECRET_FILE",
         ] + numberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name))
 
     /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
@@ -408,8 +431,9 @@ public struct DataQueueSettings: Sendable, Decodable {
                 FileManager.default.fileExists(atPath: $0)
             }
         var settings = try configPath.map { path in try load(contentsOf: path) { try decode($0, path) } } ?? DataQueueSettings()
-        try settings.readSecretFiles(environment: environment)
+        // The environment first: a `DQ_…_FILE` names a file to read, and a `DQ_TOKEN` replaces the file's one.
         try settings.apply(environment: environment)
+        try settings.readSecretFiles(environment: environment)
         settings.noteExposedKeyFiles(environment: environment)
         if let server { settings.server = server }
         if let database { settings.database = database }
@@ -438,8 +462,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         return inBaseDirectory(name)
     }
 
-    /// Reads `auth.bearer_token_file` and `auth.client_secret_file` into the secrets they hold (without a
-    /// trailing newline), and remembers which secret files others can read (``exposedSecretFiles``).
+    /// Reads `auth.bearer_token_file`, `auth.client_secret_file` and `proxy_file` into the secrets they hold
+    /// (without a trailing newline), and remembers which secret files others can read (``exposedSecretFiles``).
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the setting of a file that cannot be read
     ///   or is empty, never its content.
@@ -464,6 +488,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         if let name = auth?.clientSecretFile {
             let secret = try read(name, key: "auth.client_secret_file")
             auth?.clientSecret = secret
+        }
+        if let name = proxyFile {
+            proxy = try read(name, key: "proxy_file")
         }
     }
 
@@ -648,6 +675,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         case caBundle = "ca_bundle"
         case proxy, tls
         case noProxy = "no_proxy"
+        case proxyFile = "proxy_file"
         case batchSize = "batch_size"
         case batchMaxBytes = "batch_max_bytes"
         case readyMaxAgeSeconds = "ready_max_age_seconds"
@@ -676,6 +704,10 @@ public struct DataQueueSettings: Sendable, Decodable {
         retry = try SettingsKeys.value(container, .retry, "must be an object")
         caBundle = try SettingsKeys.value(container, .caBundle, "must be a string")
         proxy = try SettingsKeys.value(container, .proxy, "must be a string (http://host:port)")
+        proxyFile = try SettingsKeys.value(container, .proxyFile, "must be a string (a file holding the proxy URL)")
+        if proxy != nil && proxyFile != nil {
+            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.proxyFile], "and proxy exclude each other")
+        }
         noProxy = try SettingsKeys.value(container, .noProxy, "must be a string (a comma-separated list of hosts)")
         tls = try SettingsKeys.value(container, .tls, "must be an object")
         auth = try SettingsKeys.value(container, .auth, "must be an object")
