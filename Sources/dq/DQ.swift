@@ -24,7 +24,7 @@ struct DQ: AsyncParsableCommand {
         subcommands: [
             Enqueue.self, Send.self, Flush.self, Run.self, Status.self, List.self, Show.self, Retry.self, Resolve.self, Drop.self, Log.self,
             Prune.self, Rekey.self,
-            Doctor.self, Decrypt.self, Keygen.self, Register.self, Login.self, Logout.self, Migrate.self, Version.self,
+            Doctor.self, ShowConfig.self, Decrypt.self, Keygen.self, Register.self, Login.self, Logout.self, Migrate.self, Version.self,
         ])
 
     /// `dq` alone is a usage error (exit 64), with the help on standard error.

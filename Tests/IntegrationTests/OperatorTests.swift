@@ -19,6 +19,48 @@ struct OperatorTests {
         try #require(try JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any])
     }
 
+    @Test("dq config: each setting with its origin (file and key, variable, flag, default), no secret printed; --json; a bad value is 78")
+    func configOrigins() async throws {
+        let config = try work.write(
+            "dq.json",
+            #"""
+            {"server": "https://fhir.example.org/r4", "database": "postgres://dq:pg-S3CRET@db.example/dq", "timeout_seconds": 12,
+             "retry": {"jitter": 0.2}, "auth": {"client_id": "app", "client_secret": "client-S3CRET", "token_uri": "https://auth.example/token"}}
+            """#)
+        chmod(config, 0o600)
+        let env = ["HOME": work.path, "DQ_SETTLE_SECONDS": "3", "HTTPS_PROXY": "http://u:proxy-S3CRET@proxy.example:3128"]
+        let shown = try await dq(["config", "--config", config, "--log-format", "json"], env)
+        #expect(shown.status == 0, "\(shown.stderr)")
+        var origins: [String: (value: String, origin: String)] = [:]
+        for line in shown.stdout.split(separator: "\n") {
+            let parts = line.split(separator: " ", maxSplits: 1)
+            guard parts.count == 2, let open = parts[1].range(of: "  (", options: .backwards) else { continue }
+            origins[String(parts[0])] = (
+                String(parts[1][..<open.lowerBound]).trimmingCharacters(in: .whitespaces), String(parts[1][open.upperBound...].dropLast())
+            )
+        }
+        #expect(origins.count >= 25, "\(shown.stdout)")
+        #expect(origins["timeout_seconds"]?.value == "12" && origins["timeout_seconds"]?.origin == "\(config): timeout_seconds")
+        #expect(origins["retry.jitter"]?.origin == "\(config): retry.jitter")
+        #expect(origins["settle_seconds"]?.value == "3" && origins["settle_seconds"]?.origin == "env DQ_SETTLE_SECONDS")
+        #expect(origins["proxy"]?.origin == "env HTTPS_PROXY" && origins["proxy"]?.value == "http://u:***@proxy.example:3128")
+        #expect(origins["log_format"]?.origin == "flag --log-format")
+        #expect(origins["connect_timeout_seconds"]?.value == "10" && origins["connect_timeout_seconds"]?.origin == "default")
+        #expect(origins["auth.client_secret"]?.value == "(set)")
+        #expect(origins["database"]?.value == "postgres://dq:***@db.example/dq")
+        for secret in ["pg-S3CRET", "client-S3CRET", "proxy-S3CRET"] {
+            #expect(!shown.stdout.contains(secret) && !shown.stderr.contains(secret), "\(secret) printed")
+        }
+
+        let asJSON = try await dq(["config", "--config", config, "--json"], env)
+        let object = try json(asJSON.stdout)
+        #expect((object["settle_seconds"] as? [String: String])?["origin"] == "env DQ_SETTLE_SECONDS", "\(asJSON.stdout)")
+        #expect(!asJSON.stdout.contains("S3CRET"))
+
+        let bad = try await dq(["config", "--config", config], env.merging(["DQ_TIMEOUT_SECONDS": "soon"]) { $1 })
+        #expect(bad.status == 78 && bad.stderr.contains("DQ_TIMEOUT_SECONDS"), "\(bad.status) \(bad.stderr)")
+    }
+
     @Test("A flush that parked items exits 65; one with nothing to do prints nothing; -q prints errors only")
     func flushExitCodesAndQuiet() async throws {
         let server = try await FHIRServer.start()
