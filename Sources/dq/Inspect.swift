@@ -159,11 +159,28 @@ extension DQ {
             abstract: "Check the queue database's integrity (read-only) and say how to recover a damaged one.",
             discussion: "Exit 0 when the database is sound, 74 when SQLite finds damage.")
         @OptionGroup var queueOptions: QueueOptions
+        @Flag(help: "Print the database's state and each endpoint's route as JSON (the recovery steps stay on stderr).")
+        var json = false
+
+        /// `--json`'s object.
+        struct Report: Encodable {
+            struct Route: Encodable {
+                var endpoint: String
+                var url: String
+                /// `direct`, or the proxy's URL with its password redacted.
+                var route: String
+            }
+            var database: String
+            var ok: Bool
+            var problems: [String]
+            var routes: [Route]
+        }
 
         func run() async throws {
             let settings = try? DataQueueSettings.load(options: queueOptions)
             let database = settings?.database ?? DataQueue.defaultDatabasePath()
-            if let settings { printRoutes(settings) }
+            let routes = settings.map(DQ.routes) ?? []
+            if !json { printRoutes(routes) }
             let problems: [String]
             do {
                 problems = try await DataQueue.integrityCheck(databasePath: database)
@@ -171,8 +188,15 @@ extension DQ {
                 printError("dq: \(error.message)")
                 throw ExitCode(Exit.code(for: error))
             }
+            if json {
+                try printJSON(
+                    Report(
+                        database: DataQueue.displayDatabase(database), ok: problems == ["ok"],
+                        problems: problems == ["ok"] ? [] : Array(problems.prefix(20)),
+                        routes: routes.map { Report.Route(endpoint: $0.name, url: $0.url, route: $0.route) }))
+            }
             if problems == ["ok"] {
-                print("\(DataQueue.displayDatabase(database)): ok")
+                if !json { print("\(DataQueue.displayDatabase(database)): ok") }
                 return
             }
             for problem in problems.prefix(20) { printError("dq: \(problem)") }
@@ -196,8 +220,17 @@ extension DQ {
 
     /// Each endpoint dq would reach and how: directly or through which proxy (its password redacted). An
     /// endpoint dq discovers (a token endpoint, JWKS) is reached the way its discovery document's host is.
-    static func printRoutes(_ settings: DataQueueSettings) {
-        guard let values = try? settings.checkedValues() else { return }
+    static func printRoutes(_ routes: [(name: String, url: String, route: String)]) {
+        let width = routes.map(\.name.count).max() ?? 0
+        for (name, url, route) in routes {
+            let padding = String(repeating: " ", count: width - name.count)
+            print("\(name):\(padding) \(url) (\(route == "direct" ? route : "through proxy \(route)"))")
+        }
+    }
+
+    /// Each endpoint dq would reach, its URL, and `direct` or the proxy it goes through (password redacted).
+    static func routes(_ settings: DataQueueSettings) -> [(name: String, url: String, route: String)] {
+        guard let values = try? settings.checkedValues() else { return [] }
         var endpoints: [(String, String)] = [("server", values.server.absoluteString)]
         if let endpoint = settings.encryption?.endpoint { endpoints.append(("encrypted endpoint", endpoint)) }
         if let auth = settings.auth {
@@ -210,12 +243,9 @@ extension DQ {
             }
             if let revocation = auth.revocationURI { endpoints.append(("revocation", revocation)) }
         }
-        let width = endpoints.map(\.0.count).max() ?? 0
-        for (name, text) in endpoints {
-            guard let url = URL(string: text) else { continue }
-            let route = values.network.proxy(for: url).map { "through proxy \(NetworkConfiguration.redacted($0))" } ?? "direct"
-            let padding = String(repeating: " ", count: width - name.count)
-            print("\(name):\(padding) \(url.absoluteString) (\(route))")
+        return endpoints.compactMap { name, text in
+            guard let url = URL(string: text) else { return nil }
+            return (name, url.absoluteString, values.network.proxy(for: url).map(NetworkConfiguration.redacted) ?? "direct")
         }
     }
 
@@ -353,13 +383,23 @@ extension DQ {
             if conditional != nil && allParked { throw ValidationError("--conditional/--no-conditional apply to one item") }
         }
 
+        @Flag(help: "Print what was put back as JSON.") var json = false
+
+        /// `--json`'s object: how many items were put back, and which one when it was one by id.
+        struct Retried: Encodable {
+            var retried: Int
+            var item: String?
+        }
+
         func run() async throws {
             try await withQueue(queueOptions) { queue in
                 if allParked {
-                    print("\(try await queue.retryAllParked()) parked item(s) back in line")
+                    let count = try await queue.retryAllParked()
+                    if json { try printJSON(Retried(retried: count)) } else { print("\(count) parked item(s) back in line") }
                 } else if let id {
                     let item = try await queue.retry(id, conditionalCreate: conditional)
-                    print("item \(item.id.uuidString.lowercased()) back in line")
+                    let name = item.id.uuidString.lowercased()
+                    if json { try printJSON(Retried(retried: 1, item: name)) } else { print("item \(name) back in line") }
                 }
             }
         }
@@ -396,10 +436,17 @@ extension DQ {
         @OptionGroup var queueOptions: QueueOptions
         @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N: only the sequence).") var id: String
 
+        @Flag(help: "Print the dropped item as JSON.") var json = false
+
         func run() async throws {
             try await withQueue(queueOptions) { queue in
                 let item = try await queue.drop(id)
-                print("dropped item \(item.id.uuidString.lowercased()) (\(item.method.rawValue) \(item.resourceType))")
+                let name = item.id.uuidString.lowercased()
+                if json {
+                    try printJSON(["dropped": name, "method": item.method.rawValue, "resourceType": item.resourceType])
+                } else {
+                    print("dropped item \(name) (\(item.method.rawValue) \(item.resourceType))")
+                }
             }
         }
     }

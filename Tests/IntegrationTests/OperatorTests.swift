@@ -132,14 +132,19 @@ struct OperatorTests {
         #expect(show.stdout.contains("delivered (from the journal"))
         #expect(show.stdout.contains(server.base + "/Observation/"))
 
-        #expect(try await dq(["drop", rejected], env).status == 0)
+        let retried = try await dq(["retry", "--json", rejected], env)
+        #expect(
+            try json(retried.stdout)["item"] as? String == rejected && json(retried.stdout)["retried"] as? Int == 1, "\(retried.stdout)")
+        #expect(try await dq(["flush"], env).status == 65, "rejected again: parked again")
+        let dropped = try await dq(["drop", "--json", rejected], env)
+        #expect(try json(dropped.stdout)["dropped"] as? String == rejected, "\(dropped.stdout)\(dropped.stderr)")
         let log = try await dq(["log", "--json"], env)
         let journal = try #require(try JSONSerialization.jsonObject(with: Data(log.stdout.utf8)) as? [[String: Any]])
-        #expect(journal.map { $0["event"] as? String } == ["delivered", "parked", "dropped"])
+        #expect(journal.map { $0["event"] as? String } == ["delivered", "parked", "parked", "dropped"], "\(log.stdout)")
         #expect(journal[1]["status"] as? Int == 400 && (journal[1]["note"] as? String)?.contains("400") == true)
-        #expect(journal[2]["status"] as? Int == 400, "a dropped item keeps its last status")
-        let dropped = try await dq(["show", rejected], env)
-        #expect(dropped.status == 0 && dropped.stdout.contains("dropped"))
+        #expect(journal[3]["status"] as? Int == 400, "a dropped item keeps its last status")
+        let shown = try await dq(["show", rejected], env)
+        #expect(shown.status == 0 && shown.stdout.contains("dropped"))
     }
 
     @Test("list says when it shows only part of the queue")
@@ -217,6 +222,11 @@ struct OperatorTests {
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
         let sound = try await dq(["doctor"], env)
         #expect(sound.status == 0 && sound.stdout.contains(": ok"), "\(sound.stderr)")
+        let soundJSON = try await dq(["doctor", "--json"], env)
+        let report = try json(soundJSON.stdout)
+        #expect(report["ok"] as? Bool == true && (report["problems"] as? [Any])?.isEmpty == true, "\(soundJSON.stdout)")
+        let routes = report["routes"] as? [[String: String]] ?? []
+        #expect(routes.first?["endpoint"] == "server" && routes.first?["route"] == "direct", "\(soundJSON.stdout)")
         // Overwrite pages in the middle of the file (the item table's b-tree), as a failing disk would.
         let handle = try FileHandle(forWritingTo: URL(fileURLWithPath: work.file("queue.sqlite")))
         try handle.seek(toOffset: 4096 * 4)
@@ -225,6 +235,10 @@ struct OperatorTests {
         let damaged = try await dq(["doctor"], env)
         #expect(damaged.status == 74, "\(damaged.stdout)\(damaged.stderr)")
         #expect(damaged.stderr.contains(".dump") && damaged.stderr.contains("rm -f"), "\(damaged.stderr)")
+        let damagedJSON = try await dq(["doctor", "--json"], env)
+        #expect(damagedJSON.status == 74)
+        let damage = try json(damagedJSON.stdout)
+        #expect(damage["ok"] as? Bool == false && !((damage["problems"] as? [String]) ?? []).isEmpty, "\(damagedJSON.stdout)")
     }
 
     @Test(
