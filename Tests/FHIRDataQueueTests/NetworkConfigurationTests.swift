@@ -8,13 +8,18 @@ import Testing
 @Suite("Proxy settings")
 struct NetworkConfigurationTests {
     @Test(
-        "NO_PROXY as curl reads it: host names with their subdomains, a leading dot, ports, IP addresses, *",
+        "NO_PROXY as curl reads it: host names with their subdomains, a leading dot, ports, IP addresses, address ranges, *",
         arguments: [
             ("fhir.example.org", 443, "example.org", true), ("fhir.example.org", 443, ".example.org", true),
             ("example.org", 443, ".example.org", true), ("badexample.org", 443, "example.org", false),
             ("fhir.example.org", 443, "example.org:8443", false), ("fhir.example.org", 8443, "example.org:8443", true),
             ("127.0.0.1", 80, "localhost, 127.0.0.1", true), ("10.1.2.3", 80, "10.1.2.4", false), ("any.host", 80, "*", true),
             ("::1", 80, "::1", true), ("::1", 80, "[::1]:80", true), ("FHIR.Example.ORG", 443, "example.org", true),
+            // Address ranges (CIDR), as curl 7.86 reads them: only for a host given as an address.
+            ("10.1.2.3", 443, "10.0.0.0/8", true), ("11.1.2.3", 443, "10.0.0.0/8", false),
+            ("192.168.5.200", 443, "192.168.5.128/25", true), ("192.168.5.100", 443, "192.168.5.128/25", false),
+            ("fd00::1234", 443, "fd00::/8", true), ("fe80::1", 443, "fd00::/8", false), ("10.0.0.1", 443, "fd00::/8", false),
+            ("ten.example.org", 443, "10.0.0.0/8", false), ("1.2.3.4", 443, "0.0.0.0/0", true), ("1.2.3.4", 443, "1.2.3.4/33", false),
         ])
     func noProxy(host: String, port: Int, list: String, bypassed: Bool) {
         #expect(NetworkConfiguration.bypasses(list, host: host, port: port) == bypassed, "\(host):\(port) against \(list)")

@@ -49,6 +49,11 @@ public struct NetworkConfiguration: Sendable, Hashable {
             var entry = raw.trimmingCharacters(in: .whitespaces).lowercased()
             if entry.isEmpty { continue }
             if entry == "*" { return true }
+            // An address range (`10.0.0.0/8`, `fd00::/8`), as curl takes one since 7.86: for a host given as an address.
+            if entry.contains("/") {
+                if Self.address(host, in: entry) { return true }
+                continue
+            }
             // A port after the last colon, unless the entry is a bare IPv6 address.
             if let colon = entry.lastIndex(of: ":"), entry.hasPrefix("[") || entry.filter({ $0 == ":" }).count == 1 {
                 let after = entry[entry.index(after: colon)...]
@@ -62,6 +67,28 @@ public struct NetworkConfiguration: Sendable, Hashable {
             if host == entry || host.hasSuffix("." + entry) { return true }
         }
         return false
+    }
+
+    /// Whether `host` is an IP address inside `range` (`address/prefix length`, IPv4 or IPv6).
+    static func address(_ host: String, in range: String) -> Bool {
+        let parts = range.split(separator: "/", maxSplits: 1)
+        guard parts.count == 2, let length = Int(parts[1]), length >= 0 else { return false }
+        guard let network = bytes(of: String(parts[0])), let address = bytes(of: host), network.count == address.count,
+            length <= network.count * 8
+        else { return false }
+        for bit in 0..<length where (network[bit / 8] ^ address[bit / 8]) & (0x80 >> UInt8(bit % 8)) != 0 {
+            return false
+        }
+        return true
+    }
+
+    /// The bytes of an IPv4 or IPv6 address literal; nil for a name.
+    private static func bytes(of text: String) -> [UInt8]? {
+        var v4 = in_addr()
+        if inet_pton(AF_INET, text, &v4) == 1 { return withUnsafeBytes(of: &v4) { Array($0) } }
+        var v6 = in6_addr()
+        if inet_pton(AF_INET6, text, &v6) == 1 { return withUnsafeBytes(of: &v6) { Array($0) } }
+        return nil
     }
 
     /// The usual proxy variables of `environment`: `HTTPS_PROXY`/`https_proxy`, `HTTP_PROXY`/`http_proxy`,
