@@ -669,7 +669,15 @@ def shared_queue(work, rng, per_producer, events, failover=False):
               all(c == 0 for c in codes), "PostgreSQL restarted once, a runner paused past its lease once; order per producer",
               groups=attempted, may_miss=never_acked)
     postgres_stop(pg_dir)
-    if not missing:
+    if any(c != 0 for c in codes):
+        # A runner that did not exit 0 on SIGTERM: say which, with the end of its log (the folder is kept).
+        for index, code in enumerate(codes):
+            if code != 0:
+                with open(os.path.join(root, "runner-%d.log" % index), errors="replace") as f:
+                    tail = f.read()[-3000:]
+                print("  runner %d exited %s; the end of its log:\n%s" % (index, code, tail), flush=True)
+        print("  runner logs and clusters kept in %s" % root, flush=True)
+    elif not missing:
         shutil.rmtree(root, ignore_errors=True)
     fhir.kill()
 
