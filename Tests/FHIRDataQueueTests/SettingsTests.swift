@@ -163,13 +163,13 @@ struct SettingsTests {
             "DQ_SETTLE_SECONDS": "2", "DQ_BATCH_MAX_BYTES": "65536", "DQ_READY_MAX_AGE_SECONDS": "600", "DQ_JOURNAL_RETENTION_DAYS": "7",
             "DQ_RETRY_INITIAL_SECONDS": "0.5", "DQ_RETRY_MAXIMUM_SECONDS": "60", "DQ_RETRY_JITTER": "0",
             "DQ_NO_PROXY": "localhost,.internal", "DQ_CA_BUNDLE_ONLY": "false", "DQ_CLIENT_ID": "env-id", "DQ_SCOPE": "system/*.write",
-            "DQ_CLIENT_SECRET": "s3cret",
+            "DQ_CLIENT_SECRET": "s3cret", "DQ_LEASE_SECONDS": "7",
         ])
         let resolved = try settings.resolve()
         let configuration = resolved.configuration
         #expect(configuration.maximumResourceSize == 4096)
         #expect(configuration.requestTimeout == 12.5 && configuration.connectTimeout == 3 && configuration.settleDelay == 2)
-        #expect(configuration.batchMaxBytes == 65536)
+        #expect(configuration.batchMaxBytes == 65536 && configuration.leaseDuration == 7)
         #expect(try settings.journalRetention() == 7 * 86_400)
         #expect(settings.readyMaxAgeSeconds == 600)
         #expect(configuration.retryPolicy.initialDelay == 0.5 && configuration.retryPolicy.maximumDelay == 60)

@@ -255,10 +255,6 @@ public struct DataQueueSettings: Sendable, Decodable {
             }
             batchSize = value
         }
-        if let text = environment["DQ_LEASE_SECONDS"] {
-            guard let value = Double(text) else { throw Self.configError("DQ_LEASE_SECONDS must be a number of seconds") }
-            leaseSeconds = value
-        }
         if let value = environment["DQ_AT_REST_KEY_FILE"] {
             atRest = atRest ?? AtRest()
             atRest?.keyFile = value
@@ -316,7 +312,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         ("DQ_MAX_RESOURCE_BYTES", \.maxResourceBytes), ("DQ_TIMEOUT_SECONDS", \.timeoutSeconds),
         ("DQ_CONNECT_TIMEOUT_SECONDS", \.connectTimeoutSeconds), ("DQ_SETTLE_SECONDS", \.settleSeconds),
         ("DQ_BATCH_MAX_BYTES", \.batchMaxBytes), ("DQ_READY_MAX_AGE_SECONDS", \.readyMaxAgeSeconds),
-        ("DQ_JOURNAL_RETENTION_DAYS", \.journalRetentionDays),
+        ("DQ_JOURNAL_RETENTION_DAYS", \.journalRetentionDays), ("DQ_LEASE_SECONDS", \.leaseSeconds),
     ]
 
     private static let retryVariables: [(name: String, key: any WritableKeyPath<Retry, Double?> & Sendable)] = [
@@ -363,7 +359,7 @@ public struct DataQueueSettings: Sendable, Decodable {
     package static let environmentVariables: Set<String> = Set(
         [
             "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
-            "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_LEASE_SECONDS", "DQ_TOKEN",
+            "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_TOKEN",
             "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
             "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
             "DQ_CLIENT_SECRET_FILE",

@@ -313,7 +313,7 @@ final class SealedStorage: QueueStorage {
         try await sealerIfSealed().map { Sealing(sealer: $0) }
     }
 
-    /// Seals new items (once: a sealed body is left as it is), remembering the fullUrls they name, so that an
+    /// Seals new items (once: an item already sealed is left as it is), remembering the fullUrls they name, so that an
     /// error of the store (which knows their keyed hashes) can name them.
     private final class Sealing: ItemPreparation {
         let sealer: Sealer
