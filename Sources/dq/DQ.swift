@@ -164,10 +164,33 @@ func withQueue<T>(
     try await withQueue(options, sending: sending, readOnly: readOnly) { queue, _ in try await body(queue) }
 }
 
+/// Opens the queue. With `waitsForDatabase` (a daemon), a database that cannot be reached (a PostgreSQL server
+/// restarting, failing over, or not up yet: `.transport`) is tried again with a growing delay up to 30 s, said
+/// once, instead of ending the process; a refused login or a bad setting still ends it at once.
+private func openQueue(
+    _ settings: DataQueueSettings, readOnly: Bool, waitsForDatabase: Bool, logger: Logger
+) async throws -> DataQueue {
+    var attempts = 0
+    while true {
+        do {
+            let queue = try await settings.makeQueue(readOnly: readOnly, logger: logger)
+            if attempts > 0 { logger.notice("the queue's database is reachable again") }
+            return queue
+        } catch let error as DataQueueError where waitsForDatabase && error.code == .transport {
+            if attempts == 0 {
+                logger.warning("cannot open the queue's database; trying again until it answers", metadata: ["error": "\(error.message)"])
+            }
+            attempts += 1
+            try await Task.sleep(for: .seconds(min(30, 1 << min(attempts - 1, 5))))
+        }
+    }
+}
+
 /// ``withQueue(_:sending:readOnly:_:)`` for a command that also reads settings of its own (`dq run`).
 func withQueue<T>(
     _ options: QueueOptions, sending: SendingOptions? = nil, readOnly: Bool = false,
     adjust: (inout DataQueueSettings) throws -> Void = { _ in },
+    waitsForDatabase: Bool = false,
     _ body: (DataQueue, DataQueueSettings) async throws -> T
 ) async throws -> T {
     // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
@@ -186,7 +209,7 @@ func withQueue<T>(
         LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format, journal: journal) }
         logger = Logger(label: "dq")
         warnAboutExposure(settings)
-        queue = try await settings.makeQueue(readOnly: readOnly, logger: logger)
+        queue = try await openQueue(settings, readOnly: readOnly, waitsForDatabase: waitsForDatabase, logger: logger)
     } catch let error as DataQueueError {
         printError("dq: \(error.message)")
         throw ExitCode(Exit.code(for: error))

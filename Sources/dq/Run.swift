@@ -62,7 +62,7 @@ extension DQ {
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(Exposition.factory(registry))
             recordBuildInfo()
-            try await withQueue(queueOptions, sending: sending) { first, firstSettings in
+            try await withQueue(queueOptions, sending: sending, waitsForDatabase: true) { first, firstSettings in
                 // SIGHUP: a configuration that validates replaces the running one once the group has drained
                 // (the request on the wire answered, the journal committed); one that does not is refused.
                 var (queue, settings) = (first, firstSettings)

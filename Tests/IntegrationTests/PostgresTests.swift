@@ -63,6 +63,21 @@ struct PostgresTests {
         #expect(down.status == 75 && down.stderr.contains("connection refused"), "\(down.stderr)")
         // Each was named by its own connection attempt (the pool alone said "did not answer within 15 s").
         for result in [refused, tls, down] { #expect(!result.stderr.contains("did not answer")) }
+
+        // dq run, a daemon, waits for a database that does not answer (a failover, a server not up yet) instead of
+        // ending (a runner restarted during a failover died with 75 and stayed down); a refused login still ends it.
+        let waiting = try ChildProcess(
+            Peers.dqBinary, ["run"], environment: environment("http://127.0.0.1:9/fhir", database: components.string!))
+        let said = try await eventually(timeout: .seconds(30)) {
+            ((try? String(contentsOfFile: waiting.stderrPath, encoding: .utf8)) ?? "").contains("trying again until it answers")
+        }
+        #expect(said, "\((try? String(contentsOfFile: waiting.stderrPath, encoding: .utf8)) ?? "")")
+        try await Task.sleep(for: .seconds(2))
+        #expect(waiting.process.isRunning, "still waiting, not ended")
+        waiting.kill(SIGKILL)
+        _ = await waiting.wait()
+        let refusedRun = try await ChildProcess(Peers.dqBinary, ["run"], environment: env).wait(timeout: .seconds(60))
+        #expect(refusedRun.status == 77, "\(refusedRun.stderr)")
     }
 
     @Test(
