@@ -34,6 +34,16 @@ struct ServiceErrorTests {
         let lines = Mutex<[(Logger.Level, String, Logger.Metadata)]>([])
     }
 
+    /// Runs a service for `queue` (polling every 50 ms) in a group of its own, its log lines kept.
+    static func serve(_ queue: DataQueue) -> (ServiceGroup, Task<Void, any Error>, Lines) {
+        let captured = Lines()
+        let logger = Logger(label: "test") { _ in CapturingHandler(captured: captured) }
+        let group = ServiceGroup(
+            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)), logger: logger)],
+            logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
+        return (group, Task { try await group.run() }, captured)
+    }
+
     @Test("A storage error is logged once with its level, backed off, and nothing is sent; the service keeps running")
     func storageErrorLoggedOnce() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
@@ -49,12 +59,7 @@ struct ServiceErrorTests {
         let store = try #require(queue.store as? SQLiteQueueStore)
         try await store.database.write { db in try db.execute(sql: "UPDATE item SET state = 'weird'") }
 
-        let captured = Lines()
-        let logger = Logger(label: "test") { _ in CapturingHandler(captured: captured) }
-        let group = ServiceGroup(
-            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)), logger: logger)],
-            logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
-        let running = Task { try await group.run() }
+        let (group, running, captured) = Self.serve(queue)
         // Several poll intervals and retry delays: the same error over and over.
         try await Task.sleep(for: .seconds(1.5))
         await group.triggerGracefulShutdown()
@@ -87,12 +92,7 @@ struct ServiceErrorTests {
         }
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
 
-        let captured = Lines()
-        let logger = Logger(label: "test") { _ in CapturingHandler(captured: captured) }
-        let group = ServiceGroup(
-            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)), logger: logger)],
-            logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
-        let running = Task { try await group.run() }
+        let (group, running, captured) = Self.serve(queue)
         func failures() -> Int { captured.lines.withLock { $0.filter { $0.1 == "flush failed; items stay queued" }.count } }
         while failures() == 0 { try await Task.sleep(for: .milliseconds(20)) }
         // A backoff a moment long (as one written before the database stopped taking writes), then the same error.
