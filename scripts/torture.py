@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -262,7 +263,14 @@ def daemon_faults(work, rng, count):
     file while new items wait)."""
     print("daemon faults: lock file deleted beside cron flushes; database deleted under dq run", flush=True)
     fhir = FHIR(work)
-    env = env_for(work, fhir.base, "daemon.sqlite", idempotent=False)
+    # Each request held 30 ms by a proxy, so that most deletions land while dq run has a request on the wire:
+    # a cron flush that got in then would send that item again.
+    port = free_port()
+    spawn([sys.executable, os.path.join(ROOT, "scripts", "faultproxy.py"), "--listen", str(port),
+           "--upstream", "http://127.0.0.1:%d" % fhir.port, "--latency", "30"],
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http("http://127.0.0.1:%d/__proxy/stats" % port)
+    env = env_for(work, "http://127.0.0.1:%d/fhir" % port, "daemon.sqlite", idempotent=False, batch=1)
     system = "urn:torture:daemon:%d" % rng.randrange(1 << 30)
     values = ["%05d" % i for i in range(count)]
     path = os.path.join(work, "daemon.ndjson")
@@ -270,13 +278,29 @@ def daemon_faults(work, rng, count):
         f.write("\n".join(observation(system, v) for v in values) + "\n")
     assert dq(["enqueue", "--ndjson", path, "--durability", "normal"], env).returncode == 0
     run = spawn([DQ, "run", "--poll-interval", "0.05"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deletions, deadline = 0, time.time() + 60
-    while time.time() < deadline and len(fhir.values("Observation", system)) < count:
-        for name in os.listdir(work):
-            if name.startswith("daemon.sqlite.flush-") and name.endswith(".lock"):
-                os.unlink(os.path.join(work, name))
-                deletions += 1
-        dq(["flush", "--now"], env, timeout=60)
+    # The lock files deleted every 20 ms by one thread while cron flushes run one after another: both dq run and
+    # the cron flushes lose their lock files while they hold them, again and again.
+    deletions, deadline, done = [0], time.time() + 60, threading.Event()
+
+    def delete():
+        while not done.wait(0.02):
+            for name in os.listdir(work):
+                if name.startswith("daemon.sqlite.flush-") and name.endswith(".lock"):
+                    try:
+                        os.unlink(os.path.join(work, name))
+                        deletions[0] += 1
+                    except FileNotFoundError:
+                        pass
+
+    deleter = threading.Thread(target=delete)
+    deleter.start()
+    try:
+        while time.time() < deadline and len(set(fhir.values("Observation", system))) < count:
+            dq(["flush", "--now"], env, timeout=60)
+    finally:
+        done.set()
+        deleter.join()
+    deletions = deletions[0]
     run.send_signal(signal.SIGTERM)
     run.wait(timeout=60)
     check("flush lock file deleted under dq run, cron flushes beside it", 1, 0, deletions, values,
@@ -406,7 +430,10 @@ def immutable_database(work, rng, fhir, run_under):
         return
     system = "urn:torture:immutable:%d" % rng.randrange(1 << 30)
     env = env_for(work, fhir.base, "immutable.sqlite", idempotent=False)
-    files = [os.path.join(work, "immutable.sqlite" + suffix) for suffix in ("", "-wal", "-shm")]
+    # Not the -shm: SQLite writes it through a shared memory map, and on ext4 a write to a mapped page of an
+    # immutable file ends the process with SIGBUS once the kernel has written that page back (ext4_page_mkwrite
+    # refuses it), in dq or in the sqlite3 shell alike. Freezing the database and its WAL makes every write fail.
+    files = [os.path.join(work, "immutable.sqlite" + suffix) for suffix in ("", "-wal")]
 
     def freeze(env):
         fhir.kill()

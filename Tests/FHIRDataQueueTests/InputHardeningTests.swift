@@ -221,7 +221,37 @@ struct InputHardeningTests {
         try FileManager.default.removeItem(atPath: path)
         #expect(throws: DataQueueError.self) { try first.markInFlight(sequence: 1) }
         first.unlock()
+        try? FileManager.default.removeItem(atPath: path)
     }
+
+    #if os(Linux)
+        @Test(
+            "A flush lock deleted while held keeps a second locker out until the holder lets go (the name no deletion takes away)"
+        )
+        func deletedWhileHeld() throws {
+            let path = self.path("q.sqlite.flush-x.lock")
+            let holder = try FileLock(path: path, guardsDeletion: true)
+            #expect(try holder.tryLock())
+            try FileManager.default.removeItem(atPath: path)
+            // A cron flush now opens the path, creates a new file and gets its flock, but not the lock: the holder
+            // may have a request on the wire, and the new locker would send that item again.
+            let cron = try FileLock(path: path, guardsDeletion: true)
+            #expect(try !cron.tryLock(), "a second locker got in while the holder of the deleted file still held it")
+            #expect(try !cron.tryLock(), "a refused locker must not keep the new file's flock either")
+            let plain = try FileLock(path: path)
+            #expect(try plain.tryLock(), "the refused locker let go of the new file's flock")
+            plain.unlock()
+            holder.unlock()
+            #expect(try cron.tryLock(), "once the holder lets go, the next locker gets in")
+            // The name is the holder's until it lets go, whatever happens to the file: in another directory, a
+            // lock file of the same name is another lock.
+            try FileManager.default.createDirectory(atPath: self.path("other"), withIntermediateDirectories: true)
+            let elsewhere = try FileLock(path: self.path("other/q.sqlite.flush-x.lock"), guardsDeletion: true)
+            #expect(try elsewhere.tryLock())
+            elsewhere.unlock()
+            cron.unlock()
+        }
+    #endif
 
     @Test("A symbolic link at a lock file is refused and its target left untouched")
     func lockFileSymlink() throws {

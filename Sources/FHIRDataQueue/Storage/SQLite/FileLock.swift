@@ -1,3 +1,4 @@
+import Crypto
 import Foundation
 import Synchronization
 
@@ -11,10 +12,22 @@ import Synchronization
 ///
 /// The kernel releases the lock when the holder exits, even on SIGKILL, so a crashed flusher never
 /// leaves a queue locked.
-final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor is behind a Mutex
+///
+/// A lock file can be deleted while it is held (a tired `rm *.lock`): the holder keeps its lock on the unlinked
+/// file, and the next locker creates a new file at the path and locks that. On Linux a lock made with
+/// `guardsDeletion` is therefore held twice: the `flock`, and a name in the abstract Unix socket namespace made
+/// from the directory's identity and the file's name, bound while the lock is held. No file holds that name,
+/// so nothing can delete it, and the kernel frees it when the holder exits. A locker that gets the new file's
+/// `flock` but not the name waits as for a held lock. (Processes in different network namespaces do not share
+/// the names; between them the `flock` alone excludes, as long as nobody deletes the file.)
+final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors are behind Mutexes
     /// The open lock file; replaced when the file at `path` was deleted or replaced since it was opened.
     private let opened: Mutex<Int32>
     let path: String
+    /// The abstract socket name held with the lock (see the type's notes), or nil.
+    private let guardName: [UInt8]?
+    /// The socket bound to `guardName` while the lock is held, else -1.
+    private let guardSocket = Mutex<Int32>(-1)
 
     private var descriptor: Int32 { opened.withLock { $0 } }
 
@@ -22,9 +35,64 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
     ///
     /// A symbolic link at `path` is refused (`O_NOFOLLOW`): dq writes to its lock files, and a link planted
     /// there must not make it write to the link's target.
-    init(path: String) throws {
+    ///
+    /// - Parameter guardsDeletion: also hold a name no file deletion can take away (Linux), so that deleting
+    ///   the file while it is held does not let a second locker in.
+    init(path: String, guardsDeletion: Bool = false) throws {
         self.path = path
         opened = Mutex(try Self.openLockFile(path))
+        guardName = guardsDeletion ? Self.guardName(path) : nil
+    }
+
+    /// `dq-lock/<device>:<inode of the directory>/<hash of the file name>`: the same for every process that
+    /// opens the path, whatever the file at it is now.
+    private static func guardName(_ path: String) -> [UInt8]? {
+        #if os(Linux)
+            let directory = (path as NSString).deletingLastPathComponent
+            var info = stat()
+            guard stat(directory.isEmpty ? "." : directory, &info) == 0 else { return nil }
+            let name = SHA256.hash(data: Data((path as NSString).lastPathComponent.utf8)).prefix(12).hexString
+            return Array("dq-lock/\(String(info.st_dev, radix: 16)):\(String(info.st_ino, radix: 16))/\(name)".utf8)
+        #else
+            return nil
+        #endif
+    }
+
+    /// Binds the guard name; false when another holder has it.
+    private func takeGuard() throws -> Bool {
+        guard let guardName else { return true }
+        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard fd >= 0 else {
+            throw DataQueueError(.storage, "cannot make the guard of lock \(path): \(String(cString: strerror(errno)))")
+        }
+        var address = sockaddr_un()
+        address.sun_family = sa_family_t(AF_UNIX)
+        withUnsafeMutableBytes(of: &address.sun_path) { raw in
+            // A leading NUL byte: the abstract namespace.
+            for (index, byte) in guardName.enumerated() { raw[index + 1] = byte }
+        }
+        let length = socklen_t(MemoryLayout<sa_family_t>.size + 1 + guardName.count)
+        let bound = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) }
+        }
+        if bound != 0 {
+            let code = errno
+            close(fd)
+            if code == EADDRINUSE { return false }
+            throw DataQueueError(.storage, "cannot take the guard of lock \(path): \(String(cString: strerror(code)))")
+        }
+        guardSocket.withLock { held in
+            if held >= 0 { close(held) }
+            held = fd
+        }
+        return true
+    }
+
+    private func dropGuard() {
+        guardSocket.withLock { held in
+            if held >= 0 { close(held) }
+            held = -1
+        }
     }
 
     private static func openLockFile(_ path: String) throws -> Int32 {
@@ -38,7 +106,10 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
         return fd
     }
 
-    deinit { close(descriptor) }
+    deinit {
+        dropGuard()
+        close(descriptor)
+    }
 
     /// Whether `fd` is still the file at `path`: a lock file deleted (or replaced) after it was opened locks a
     /// file nobody else opens, so a second flusher that opens the path would lock another one and send too.
@@ -70,7 +141,11 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
                 if errno == EINTR { continue }
                 throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
             }
-            if try keepOrReopen(fd) { return }
+            guard try keepOrReopen(fd) else { continue }
+            if try takeGuard() { return }
+            // The file was deleted while another holder had it, and that holder still runs: wait for it.
+            flock(fd, LOCK_UN)
+            usleep(10_000)
         }
     }
 
@@ -82,7 +157,10 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
                 if errno == EWOULDBLOCK || errno == EINTR { return false }
                 throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
             }
-            if try keepOrReopen(fd) { return true }
+            guard try keepOrReopen(fd) else { continue }
+            if try takeGuard() { return true }
+            flock(fd, LOCK_UN)
+            return false
         }
     }
 
@@ -97,7 +175,10 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
         }
     }
 
-    func unlock() { flock(descriptor, LOCK_UN) }
+    func unlock() {
+        dropGuard()
+        flock(descriptor, LOCK_UN)
+    }
 
     /// Unlocks (the flush right of ``FlushOwnership``), first clearing a marker that was cleared lazily.
     func release() {

@@ -122,7 +122,7 @@ final class SQLiteQueueStore: QueueStorage {
     /// the holder dies; it also holds the in-flight note.
     func acquireFlush(queue: String, until deadline: ContinuousClock.Instant) async throws -> (any FlushOwnership)? {
         // A new descriptor per flush: flock excludes other flushes in this process too.
-        let lock = try FileLock(path: DataQueue.flushLockPath(database: path, queue: queue))
+        let lock = try FileLock(path: DataQueue.flushLockPath(database: path, queue: queue), guardsDeletion: true)
         return try await lock.lock(until: deadline) ? lock : nil
     }
 }
