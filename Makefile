@@ -5,7 +5,7 @@ export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 
 BENCH_APT := apache2-utils
-.PHONY: all build gateway release install uninstall deps peers test unit demo bench torture sanitize lint man docs clean
+.PHONY: all build gateway release install uninstall deb deps peers test unit demo bench torture sanitize lint man docs clean
 
 all: build
 
@@ -50,6 +50,12 @@ uninstall:
 	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq \
 	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish
 
+# A Debian package (dpkg-deb, no network) of the release dq, with its man page, completions, units and a
+# dq system user: .build/deb/dq_<version>_<arch>.deb. See scripts/deb.sh.
+deb: release
+	$(SWIFT) package generate-manual --configuration release >/dev/null
+	scripts/deb.sh build .build/release/dq .build/deb .build/plugins/GenerateManual/outputs/dq/dq.1
+
 peers:
 	scripts/peers.sh install
 
@@ -69,6 +75,9 @@ test: build gateway peers
 	if [ "$$rc" != 0 ]; then echo "== failed tests and their issues (full log: .build/test.log) =="; \
 	  grep -E '✘|error:|recorded an issue|Expectation failed' .build/test.log | grep -v -E '✘ Test run with|^◇' | head -60; fi; \
 	exit $$rc
+	@# The Debian package installed, checked and removed, alone: an installed /etc/dq/dq.json is every dq's config.
+	@if [ "$$(id -u)" = 0 ]; then scripts/deb.sh test $(DQ_BIN); \
+	else echo "== the Debian package test was NOT run: it installs into /usr and /etc, so it needs root =="; fi
 
 # The full crash, fault, concurrency, exhaustion and bad-input runs (about 10 minutes).
 torture: build peers

@@ -100,6 +100,34 @@ struct QueueStoreTests {
         #expect(!threads.contains(callerThread), "a commit ran on the calling task's thread")
     }
 
+    @Test(
+        "In a setgid, group-writable directory the queue, its WAL, SHM and lock files are made 0660 (whatever the umask) for the group to share; elsewhere 0600"
+    )
+    func groupSharedDirectory() async throws {
+        let shared = directory.appendingPathComponent("shared").path
+        try FileManager.default.createDirectory(atPath: shared, withIntermediateDirectories: true)
+        #expect(chmod(shared, 0o2770) == 0)
+        func mode(_ file: String) throws -> Int? {
+            try FileManager.default.attributesOfItem(atPath: file)[.posixPermissions] as? Int
+        }
+        for (folder, expected) in [(shared, 0o660), (directory.path, 0o600)] {
+            let database = folder + "/queue.sqlite"
+            let store = try SQLiteQueueStore(path: database, durability: .full)
+            _ = try await store.insert([item(1)])
+            let lock = try #require(try await store.acquireFlush(queue: "http://h/fhir", until: .now) as? FileLock)
+            for file in [database, database + "-wal", database + "-shm", database + ".lock", lock.path] {
+                // The process umask (022 here) would make 0640 of a plain open(…, 0660).
+                #expect(try mode(file) == expected, "\(file)")
+            }
+            lock.release()
+        }
+        // A file that exists keeps the mode its owner gave it.
+        let existing = shared + "/queue.sqlite.flush-kept.lock"
+        #expect(FileManager.default.createFile(atPath: existing, contents: nil, attributes: [.posixPermissions: 0o600]))
+        _ = try FileLock(path: existing)
+        #expect(try mode(existing) == 0o600)
+    }
+
     /// Opening a queue may wait for another process's file lock (and then migrate): it must not hold the
     /// caller's thread meanwhile. From an executor of one thread, a second task on it runs while the open
     /// waits. (Before, `DataQueue.init` took the lock on the calling thread: the second task ran only after the

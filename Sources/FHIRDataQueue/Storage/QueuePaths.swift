@@ -3,6 +3,11 @@
 #else
     import Foundation
 #endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Where a queue lives and what it is called.
 package enum QueuePaths {
@@ -17,6 +22,33 @@ package enum QueuePaths {
         }
         let home = environment["HOME"] ?? FileManager.default.homeDirectoryForCurrentUser.path
         return home + "/.local/share/dq/queue.sqlite"
+    }
+
+    /// The mode of the files dq makes beside a SQLite queue (the database, its lock files; SQLite gives the
+    /// `-wal` and `-shm` the database's mode): 0660 when the directory is shared with a group (setgid and
+    /// group-writable, as `install -d -m 2770 -g GROUP DIR` makes it), so that producers of that group and the
+    /// daemon's user can all enqueue and flush; else 0600.
+    package static func fileMode(forFileIn directory: String) -> mode_t {
+        var info = stat()
+        guard stat(directory.isEmpty ? "." : directory, &info) == 0 else { return 0o600 }
+        return info.st_mode & S_ISGID != 0 && info.st_mode & S_IWGRP != 0 ? 0o660 : 0o600
+    }
+
+    /// Opens `path` with `flags` (which include `O_CREAT`), giving a file it created exactly `mode`, whatever the
+    /// umask (a service's `UMask=0077` would take a shared queue's group bits away). Returns -1 with `errno` set.
+    static func openCreating(_ path: String, _ flags: Int32, mode: mode_t) -> Int32 {
+        while true {
+            let created = open(path, flags | O_CREAT | O_EXCL, mode)
+            if created >= 0 {
+                fchmod(created, mode)
+                return created
+            }
+            // An existing file keeps the mode its owner gave it. (A caller's own O_EXCL means it must be new.)
+            guard errno == EEXIST, flags & O_EXCL == 0 else { return -1 }
+            let existing = open(path, flags)
+            // Deleted between the two opens: create it again.
+            if existing >= 0 || errno != ENOENT { return existing }
+        }
     }
 
     /// Whether a database setting names PostgreSQL rather than a SQLite file.

@@ -31,7 +31,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors 
 
     private var descriptor: Int32 { opened.withLock { $0 } }
 
-    /// Opens (creating with mode 0600) the lock file at `path`.
+    /// Opens (creating with mode 0600, or 0660 in a directory shared with a group) the lock file at `path`.
     ///
     /// A symbolic link at `path` is refused (`O_NOFOLLOW`): dq writes to its lock files, and a link planted
     /// there must not make it write to the link's target.
@@ -96,7 +96,8 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors 
     }
 
     private static func openLockFile(_ path: String) throws -> Int32 {
-        let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600)
+        let fd = QueuePaths.openCreating(
+            path, O_RDWR | O_CLOEXEC | O_NOFOLLOW, mode: QueuePaths.fileMode(forFileIn: QueuePaths.directory(of: path)))
         guard fd >= 0 else {
             if errno == ELOOP {
                 throw DataQueueError(.storage, "lock file \(path) is a symbolic link; refusing to follow it")

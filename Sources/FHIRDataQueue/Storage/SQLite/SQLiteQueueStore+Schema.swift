@@ -8,14 +8,16 @@ import GRDB
 
 // Creating a queue file, opening one, and the schema's migrations.
 extension SQLiteQueueStore {
-    /// Makes a new queue database at `path`: created 0600 under a temporary name, migrated, then renamed
-    /// into place, so a crash leaves either no file or a whole queue.
+    /// Makes a new queue database at `path`: created 0600 (0660 in a directory shared with a group, see
+    /// ``QueuePaths/fileMode(forFileIn:)``) under a temporary name, migrated, then renamed into place, so a crash
+    /// leaves either no file or a whole queue.
     static func create(_ path: String, configuration: Configuration) throws {
         let temporary = path + ".new"
         unlink(temporary)
         unlink(temporary + "-wal")
         unlink(temporary + "-shm")
-        let fd = open(temporary, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+        let mode = QueuePaths.fileMode(forFileIn: QueuePaths.directory(of: path))
+        let fd = QueuePaths.openCreating(temporary, O_RDWR | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode: mode)
         if fd < 0 {
             throw DataQueueError(.storage, "cannot create database \(path): \(String(cString: strerror(errno)))")
         }
