@@ -135,6 +135,64 @@ struct AtRestTests {
         #expect(found(marker, in: queueFiles()).isEmpty)
     }
 
+    @Test(
+        "Python's cryptography opens every sealed body and path with the key file (AES-256-GCM, the item's id and queue as associated data); no nonce repeats; a row's seal under another item's id fails"
+    )
+    func sealedFormatIndependent() async throws {
+        let (key, _) = try await keygen("independent.key")
+        let env = environment("http://127.0.0.1:9/fhir", key: key)
+        let input = try mixedInput(observations: 600, linked: 20)
+        #expect(try await dq(["enqueue", "--ndjson", input.posts], env).status == 0)
+        #expect(try await dq(["enqueue", "--ndjson", "--method", "put", input.puts], env).status == 0)
+        #expect(try await dq(["enqueue", "--ndjson", input.linked], env).status == 0)
+        let script = #"""
+            import base64, json, sqlite3, sys
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+            line = open(sys.argv[2]).read().strip()
+            assert line.startswith("dq-at-rest-v1:"), "key file"
+            aes = AESGCM(base64.b64decode(line[len("dq-at-rest-v1:"):]))
+            def ad(column, uuid, queue):
+                return ("dq-at-rest-v1\0%s\0%s\0%s" % (column, uuid.lower(), queue)).encode()
+            nonces, opened, paths, ids, swapped = set(), 0, 0, 0, 0
+            rows = sqlite3.connect(sys.argv[1]).execute("SELECT uuid, queue, url, resource_id, body FROM item ORDER BY seq").fetchall()
+            for uuid, queue, url, resource_id, body in rows:
+                assert body[:4] == b"DQS1", "body magic"
+                nonces.add(body[20:32])
+                plain = aes.decrypt(body[20:32], body[32:], ad("body", uuid, queue))
+                length = int.from_bytes(plain[:4], "big")
+                resource = json.loads(plain[4 + length:])
+                assert resource["resourceType"] in ("Observation", "Patient"), resource["resourceType"]
+                opened += 1
+                for column, value in (("url", url), ("resource_id", resource_id)):
+                    if value is None:
+                        continue
+                    prefix, key_id, sealed = value.split(".", 2)
+                    assert prefix == "dqs1" and len(key_id) == 16
+                    raw = base64.b64decode(sealed)
+                    nonces.add(raw[:12])
+                    text = aes.decrypt(raw[:12], raw[12:], ad(column, uuid, queue)).decode()
+                    if column == "url":
+                        assert text.startswith(resource["resourceType"]), text
+                        paths += 1
+                    else:
+                        assert text == resource["id"], text
+                        ids += 1
+                other = rows[0][0] if uuid != rows[0][0] else rows[1][0]
+                try:
+                    aes.decrypt(body[20:32], body[32:], ad("body", other, queue))
+                except Exception:
+                    swapped += 1
+            print(len(rows), opened, paths, ids, swapped, len(nonces))
+            """#
+        let checker = try work.write("check.py", script)
+        let result = try await ChildProcess(Peers.venv + "/bin/python", [checker, work.file("queue.sqlite"), key]).wait()
+        #expect(result.status == 0, "\(result.stderr)")
+        let counts = result.stdout.split(whereSeparator: \.isWhitespace).compactMap { Int($0) }
+        // 600 + 20 + 40 rows; every body and path opened; 20 resource ids; every swapped seal refused; one nonce
+        // per sealed value (a repeated nonce under one key would break AES-GCM).
+        #expect(counts == [660, 660, 660, 20, 660, 1340], "\(result.stdout) \(result.stderr)")
+    }
+
     @Test("The same queue without at_rest holds the marker readable: the scan above can fail")
     func plainQueueIsReadable() async throws {
         let env = environment("http://127.0.0.1:9/fhir", key: nil)
