@@ -276,25 +276,12 @@ public struct DataQueueSettings: Sendable, Decodable {
             }
         }
         // A secret from the environment replaces the file's, in either of its forms.
-        if let value = environment["DQ_BEARER_TOKEN_FILE"] {
-            auth = auth ?? Auth()
-            auth?.bearerTokenFile = value
-            auth?.bearerToken = nil
-        }
-        if let value = environment["DQ_CLIENT_SECRET_FILE"] {
-            auth = auth ?? Auth()
-            auth?.clientSecretFile = value
-            auth?.clientSecret = nil
-        }
-        if let value = environment["DQ_TOKEN"] {
-            auth = auth ?? Auth()
-            auth?.bearerToken = value
-            auth?.bearerTokenFile = nil
-        }
-        if let value = environment["DQ_CLIENT_SECRET"] {
-            auth = auth ?? Auth()
-            auth?.clientSecret = value
-            auth?.clientSecretFile = nil
+        for (name, key, other) in Self.authSecretVariables {
+            if let value = environment[name] {
+                auth = auth ?? Auth()
+                auth?[keyPath: key] = value
+                auth?[keyPath: other] = nil
+            }
         }
     }
 
@@ -324,6 +311,16 @@ public struct DataQueueSettings: Sendable, Decodable {
     private static let authTextVariables: [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable)] = [
         ("DQ_CLIENT_ID", \.clientID), ("DQ_TOKEN_URI", \.tokenURI), ("DQ_SCOPE", \.scope), ("DQ_ISSUER", \.issuer),
     ]
+
+    /// The secret variables: each sets one form of a secret (the value, or the file holding it) and clears the
+    /// other. In this order, so that with both forms in the environment the value itself wins.
+    private static let authSecretVariables:
+        [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable, other: any WritableKeyPath<Auth, String?> & Sendable)] = [
+            ("DQ_BEARER_TOKEN_FILE", \.bearerTokenFile, \.bearerToken),
+            ("DQ_CLIENT_SECRET_FILE", \.clientSecretFile, \.clientSecret),
+            ("DQ_TOKEN", \.bearerToken, \.bearerTokenFile),
+            ("DQ_CLIENT_SECRET", \.clientSecret, \.clientSecretFile),
+        ]
 
     private mutating func applyNumbers(environment: [String: String]) throws {
         func number(_ name: String) throws -> Double? {
