@@ -226,7 +226,7 @@ struct InputHardeningTests {
 
     #if os(Linux)
         @Test(
-            "A flush lock deleted while held keeps a second locker out until the holder lets go (the name no deletion takes away)"
+            "A flush lock deleted while held keeps a second locker out until the holder lets go (the kernel's lock table names the holder)"
         )
         func deletedWhileHeld() throws {
             let path = self.path("q.sqlite.flush-x.lock")
@@ -243,12 +243,16 @@ struct InputHardeningTests {
             plain.unlock()
             holder.unlock()
             #expect(try cron.tryLock(), "once the holder lets go, the next locker gets in")
-            // The name is the holder's until it lets go, whatever happens to the file: in another directory, a
-            // lock file of the same name is another lock.
+            // A deleted lock file of another name, or in another directory, is another lock.
             try FileManager.default.createDirectory(atPath: self.path("other"), withIntermediateDirectories: true)
             let elsewhere = try FileLock(path: self.path("other/q.sqlite.flush-x.lock"), guardsDeletion: true)
             #expect(try elsewhere.tryLock())
+            try FileManager.default.removeItem(atPath: self.path("other/q.sqlite.flush-x.lock"))
+            let beside = try FileLock(path: self.path("q.sqlite.flush-y.lock"), guardsDeletion: true)
+            #expect(try beside.tryLock(), "a deleted file of another name does not hold this lock")
+            #expect(try !FileLock(path: self.path("other/q.sqlite.flush-x.lock"), guardsDeletion: true).tryLock())
             elsewhere.unlock()
+            beside.unlock()
             cron.unlock()
         }
     #endif

@@ -1,4 +1,3 @@
-import Crypto
 import Foundation
 import Synchronization
 
@@ -14,20 +13,17 @@ import Synchronization
 /// leaves a queue locked.
 ///
 /// A lock file can be deleted while it is held (a tired `rm *.lock`): the holder keeps its lock on the unlinked
-/// file, and the next locker creates a new file at the path and locks that. On Linux a lock made with
-/// `guardsDeletion` is therefore held twice: the `flock`, and a name in the abstract Unix socket namespace made
-/// from the directory's identity and the file's name, bound while the lock is held. No file holds that name,
-/// so nothing can delete it, and the kernel frees it when the holder exits. A locker that gets the new file's
-/// `flock` but not the name waits as for a held lock. (Processes in different network namespaces do not share
-/// the names; between them the `flock` alone excludes, as long as nobody deletes the file.)
-final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors are behind Mutexes
+/// file, and the next locker creates a new file at the path and locks that. So on Linux a lock made with
+/// `guardsDeletion`, once it has the `flock` of the file at the path, also asks the kernel whether some process
+/// still holds an `flock` on a deleted file that was at this path (``DeletedLockHolders``), and counts that as
+/// a held lock. That process holds the lock until it lets go or exits: it stops sending at its next send, when
+/// it sees its file is gone.
+final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor is behind a Mutex
     /// The open lock file; replaced when the file at `path` was deleted or replaced since it was opened.
     private let opened: Mutex<Int32>
     let path: String
-    /// The abstract socket name held with the lock (see the type's notes), or nil.
-    private let guardName: [UInt8]?
-    /// The socket bound to `guardName` while the lock is held, else -1.
-    private let guardSocket = Mutex<Int32>(-1)
+    /// Whether a holder of a deleted file at `path` counts as holding this lock (see the type's notes).
+    private let guardsDeletion: Bool
 
     private var descriptor: Int32 { opened.withLock { $0 } }
 
@@ -36,63 +32,19 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors 
     /// A symbolic link at `path` is refused (`O_NOFOLLOW`): dq writes to its lock files, and a link planted
     /// there must not make it write to the link's target.
     ///
-    /// - Parameter guardsDeletion: also hold a name no file deletion can take away (Linux), so that deleting
-    ///   the file while it is held does not let a second locker in.
+    /// - Parameter guardsDeletion: a process that still holds a deleted file that was at `path` holds this
+    ///   lock too (Linux), so that deleting the file while it is held does not let a second locker in.
     init(path: String, guardsDeletion: Bool = false) throws {
         self.path = path
         opened = Mutex(try Self.openLockFile(path))
-        guardName = guardsDeletion ? Self.guardName(path) : nil
+        self.guardsDeletion = guardsDeletion
     }
 
-    /// `dq-lock/<device>:<inode of the directory>/<hash of the file name>`: the same for every process that
-    /// opens the path, whatever the file at it is now.
-    private static func guardName(_ path: String) -> [UInt8]? {
-        #if os(Linux)
-            let directory = (path as NSString).deletingLastPathComponent
-            var info = stat()
-            guard stat(directory.isEmpty ? "." : directory, &info) == 0 else { return nil }
-            let name = SHA256.hash(data: Data((path as NSString).lastPathComponent.utf8)).prefix(12).hexString
-            return Array("dq-lock/\(String(info.st_dev, radix: 16)):\(String(info.st_ino, radix: 16))/\(name)".utf8)
-        #else
-            return nil
-        #endif
-    }
-
-    /// Binds the guard name; false when another holder has it.
-    private func takeGuard() throws -> Bool {
-        guard let guardName else { return true }
-        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else {
-            throw DataQueueError(.storage, "cannot make the guard of lock \(path): \(String(cString: strerror(errno)))")
-        }
-        var address = sockaddr_un()
-        address.sun_family = sa_family_t(AF_UNIX)
-        withUnsafeMutableBytes(of: &address.sun_path) { raw in
-            // A leading NUL byte: the abstract namespace.
-            for (index, byte) in guardName.enumerated() { raw[index + 1] = byte }
-        }
-        let length = socklen_t(MemoryLayout<sa_family_t>.size + 1 + guardName.count)
-        let bound = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) }
-        }
-        if bound != 0 {
-            let code = errno
-            close(fd)
-            if code == EADDRINUSE { return false }
-            throw DataQueueError(.storage, "cannot take the guard of lock \(path): \(String(cString: strerror(code)))")
-        }
-        guardSocket.withLock { held in
-            if held >= 0 { close(held) }
-            held = fd
-        }
-        return true
-    }
-
-    private func dropGuard() {
-        guardSocket.withLock { held in
-            if held >= 0 { close(held) }
-            held = -1
-        }
+    /// Whether a process holds the lock through a deleted file that was at `path`, given that this one holds
+    /// the `flock` of `fd`, the file at `path` now.
+    private func heldThroughDeletedFile(_ fd: Int32) -> Bool {
+        guard guardsDeletion else { return false }
+        return DeletedLockHolders.anyHolds(deletedFileOf: fd)
     }
 
     private static func openLockFile(_ path: String) throws -> Int32 {
@@ -107,10 +59,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors 
         return fd
     }
 
-    deinit {
-        dropGuard()
-        close(descriptor)
-    }
+    deinit { close(descriptor) }
 
     /// Whether `fd` is still the file at `path`: a lock file deleted (or replaced) after it was opened locks a
     /// file nobody else opens, so a second flusher that opens the path would lock another one and send too.
@@ -143,7 +92,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors 
                 throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
             }
             guard try keepOrReopen(fd) else { continue }
-            if try takeGuard() { return }
+            if !heldThroughDeletedFile(fd) { return }
             // The file was deleted while another holder had it, and that holder still runs: wait for it.
             flock(fd, LOCK_UN)
             usleep(10_000)
@@ -159,7 +108,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors 
                 throw DataQueueError(.storage, "cannot lock \(path): \(String(cString: strerror(errno)))")
             }
             guard try keepOrReopen(fd) else { continue }
-            if try takeGuard() { return true }
+            if !heldThroughDeletedFile(fd) { return true }
             flock(fd, LOCK_UN)
             return false
         }
@@ -176,10 +125,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptors 
         }
     }
 
-    func unlock() {
-        dropGuard()
-        flock(descriptor, LOCK_UN)
-    }
+    func unlock() { flock(descriptor, LOCK_UN) }
 
     /// Unlocks (the flush right of ``FlushOwnership``), first clearing a marker that was cleared lazily.
     func release() {
