@@ -17,6 +17,24 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 die() { echo "deb.sh: $*" >&2; exit 1; }
 
+# Whatever this script made is removed when it exits, however it exits (errexit included).
+STAGE=""
+MADE_SYSTEM_STATE=0
+cleanup() {
+    local rc=$?
+    set +e
+    [ -n "$STAGE" ] && rm -rf "$STAGE"
+    if [ "$MADE_SYSTEM_STATE" = 1 ]; then
+        dpkg -P dq >/dev/null 2>&1
+        userdel dqproducer 2>/dev/null
+        rm -rf /var/lib/dq
+        userdel dq 2>/dev/null
+        groupdel dq 2>/dev/null
+    fi
+    exit $rc
+}
+trap cleanup EXIT
+
 build() {
     local binary=$1 out=$2 manpage=${3:-}
     [ -x "$binary" ] || die "no dq binary at $binary (make release, or swift build)"
@@ -25,8 +43,8 @@ build() {
     version=$("$binary" version | awk '{print $2}')
     [[ "$version" =~ ^[0-9][0-9A-Za-z.+~-]*$ ]] || die "cannot read a Debian version from '$binary version'"
     arch=$(dpkg --print-architecture)
-    stage=$(mktemp -d)
-    trap 'rm -rf "$stage"' RETURN
+    STAGE=$(mktemp -d)
+    stage=$STAGE
     chmod 0755 "$stage"
 
     install -d "$stage/DEBIAN" "$stage/usr/bin" "$stage/etc/dq" "$stage/lib/systemd/system" \
@@ -127,6 +145,8 @@ EOF
     mkdir -p "$out"
     local deb="$out/dq_${version}_${arch}.deb"
     dpkg-deb --root-owner-group --build "$stage" "$deb" >/dev/null
+    rm -rf "$stage"
+    STAGE=""
     echo "$deb"
 }
 
@@ -135,13 +155,19 @@ EOF
 test_package() {
     local binary=$1
     [ "$(id -u)" = 0 ] || die "the package test installs into /usr/bin and /etc: run it as root"
-    if dpkg -s dq >/dev/null 2>&1 || [ -e /usr/bin/dq ] || [ -e /etc/dq ]; then
-        die "dq is already installed or configured here (/usr/bin/dq, /etc/dq or the dq package): not touching it"
+    # It installs and then removes the package, the dq user and /var/lib/dq: never on a machine that has any of
+    # them already (a kept /var/lib/dq may hold undelivered resources).
+    if dpkg -s dq >/dev/null 2>&1 || [ -e /usr/bin/dq ] || [ -e /etc/dq ] || [ -e /var/lib/dq ] \
+        || getent passwd dq >/dev/null || getent group dq >/dev/null || getent passwd dqproducer >/dev/null; then
+        die "dq is installed or was here (the package, /usr/bin/dq, /etc/dq, /var/lib/dq or a dq user): not touching it"
     fi
-    local deb failed=0
-    out=$(mktemp -d)  # global: the EXIT trap runs after this function has returned
-    trap 'rc=$?; set +e; rm -rf "$out"; userdel dqproducer 2>/dev/null; dpkg -P dq >/dev/null 2>&1; exit $rc' EXIT
-    deb=$(build "$binary" "$out")
+    local deb failed=0 out
+    out=$(mktemp -d)
+    STAGE=$out  # removed on exit with the staging files
+    MADE_SYSTEM_STATE=1
+    build "$binary" "$out" >/dev/null
+    STAGE=$out
+    deb=$(ls "$out"/dq_*.deb)
     # (No `| grep -q` in a check: with pipefail, grep leaving early can fail the writer with SIGPIPE.)
     check() { if eval "$2"; then echo "  ok: $1"; else echo "  FAILED: $1"; failed=1; fi; }
     echo "deb: $(basename "$deb")"
@@ -165,13 +191,14 @@ test_package() {
     echo '{"resourceType":"Basic","code":{"text":"deb"}}' > "$out/r.json"
     chmod 0644 "$out/r.json"; chmod 0755 "$out"
     useradd --no-create-home --shell /usr/sbin/nologin --groups dq dqproducer
+    # setpriv, not su: no PAM session (su may start a systemd user manager that outlives it and blocks userdel).
+    as() { local user=$1; shift; (cd / && env -i PATH=/usr/bin:/bin HOME=/ setpriv --reuid="$user" --regid="$user" --init-groups "$@"); }
     check "a producer in the dq group enqueues into /var/lib/dq" \
-        "(cd / && su -s /bin/sh dqproducer -c \"umask 077; /usr/bin/dq enqueue '$out/r.json'\") >/dev/null"
+        "as dqproducer sh -c \"umask 077; exec /usr/bin/dq enqueue '$out/r.json'\" >/dev/null"
     check "the queue's files are 0660, group dq" \
         "(for f in /var/lib/dq/queue.sqlite*; do [ \"\$(stat -c '%G %a' \$f)\" = 'dq 660' ] || { stat -c '%n %U:%G %a' \$f; exit 1; }; done)"
     check "the dq user enqueues into the producer's queue and sees both items" \
-        "(cd / && su -s /bin/sh dq -c \"/usr/bin/dq enqueue '$out/r.json' && /usr/bin/dq status --json\") | grep '\"pending\" *: *2' >/dev/null"
-    userdel dqproducer
+        "as dq sh -c \"/usr/bin/dq enqueue '$out/r.json' && /usr/bin/dq status --json\" | grep '\"pending\" *: *2' >/dev/null"
     echo '{"server": "https://fhir.edited.example/r4", "database": "/var/lib/dq/queue.sqlite"}' > /etc/dq/dq.json
     dpkg -i "$deb" >/dev/null
     check "a reinstall keeps an edited conffile" "grep -q fhir.edited.example /etc/dq/dq.json && [ -x /usr/bin/dq ]"
@@ -180,9 +207,7 @@ test_package() {
     check "dpkg -r: the conffile and the queue kept" "[ -e /etc/dq/dq.json ] && [ -e /var/lib/dq/queue.sqlite ]"
     dpkg -P dq >/dev/null
     check "dpkg -P: the conffile gone, the queue kept" "[ ! -e /etc/dq ] && [ -e /var/lib/dq/queue.sqlite ]"
-    rm -rf /var/lib/dq
-    userdel dq 2>/dev/null || true
-    groupdel dq 2>/dev/null || true
+    # The trap removes the test's queue, users and anything left on a failure.
     [ $failed = 0 ] || die "the package test failed"
     echo "deb: install, reinstall and removal ok"
 }
