@@ -24,7 +24,9 @@ struct InputOptions: ParsableArguments {
     /// Reads, checks and queues every input in one transaction, checking the next inputs while the ones
     /// before are written; on any problem prints each and exits without queueing anything (65; 66 when an
     /// input file is missing or unreadable).
-    func enqueue(limit: Int, queue: DataQueue) async throws -> [QueuedItem] {
+    ///
+    /// - Parameter progress: show progress on a terminal (`dq enqueue` without `--json`).
+    func enqueue(limit: Int, queue: DataQueue, progress: Bool = false) async throws -> [QueuedItem] {
         let reader = InputReader(maximumSize: maxBytes ?? limit, ndjson: ndjson)
         let (documents, problems, _) = reader.documents(files)
         // An unreadable file or no input at all: the reading path names every problem.
@@ -33,15 +35,21 @@ struct InputOptions: ParsableArguments {
         }
         let maximumSize = reader.maximumSize
         let method = method
+        // Only for inputs large enough to take a while (a chunk of the bulk path is 4,096).
+        let display = TerminalProgress("checked and written", enabled: progress && documents.count > 4096)
+        defer { display?.finish() }
         do {
-            return try await queue.enqueue(count: documents.count) { index in
-                var entry = try QueueEntry(json: documents[index].data, maximumSize: maximumSize)
-                entry.method = method.method(for: entry, queue: queue)
-                if entry.method == .put && entry.resource.id == nil {
-                    throw DataQueueError(.invalidResource, "a PUT (update) needs the resource's \"id\"")
-                }
-                return entry
-            }
+            return try await queue.enqueue(
+                count: documents.count,
+                entry: { index in
+                    var entry = try QueueEntry(json: documents[index].data, maximumSize: maximumSize)
+                    entry.method = method.method(for: entry, queue: queue)
+                    if entry.method == .put && entry.resource.id == nil {
+                        throw DataQueueError(.invalidResource, "a PUT (update) needs the resource's \"id\"")
+                    }
+                    return entry
+                },
+                progress: { display?.update($0, of: documents.count) })
         } catch let error as EnqueueProblems {
             for problem in error.problems { printError("dq: \(documents[problem.index].label): \(problem.error.message)") }
             printError("dq: \(error.problems.count) bad input(s); nothing was queued")
@@ -104,7 +112,7 @@ extension DQ {
 
         func run() async throws {
             try await withQueue(queueOptions, sending: sending) { queue in
-                let items = try await input.enqueue(limit: queue.configuration.maximumResourceSize, queue: queue)
+                let items = try await input.enqueue(limit: queue.configuration.maximumResourceSize, queue: queue, progress: !json)
                 if json {
                     try printJSON(items)
                 } else {

@@ -15,40 +15,6 @@ enum FlushCommandSupport {
         case .limit: return "stopped at the --limit"
         }
     }
-
-    /// Progress on a terminal: counts, the total, the rate and the time left, on one rewritten line.
-    final class Progress: Sendable {
-        private let total: Int
-        private let start = Date()
-        private let lastDraw = Mutex(Date.distantPast)
-
-        init(total: Int) { self.total = total }
-
-        func update(_ progress: FlushProgress) {
-            lastDraw.withLock { lastDraw in draw(progress, lastDraw: &lastDraw) }
-        }
-
-        private func draw(_ progress: FlushProgress, lastDraw: inout Date) {
-            let now = Date()
-            let done = progress.delivered + progress.parked
-            guard now.timeIntervalSince(lastDraw) >= 0.1 || done == total else { return }
-            lastDraw = now
-            let elapsed = max(now.timeIntervalSince(start), 0.001)
-            let rate = Double(done) / elapsed
-            let left = rate > 0 ? Double(max(total - done, 0)) / rate : 0
-            let line = String(
-                format: "\r%d/%d: %d delivered, %d parked, %.0f/s, %@ left   ", done, total, progress.delivered, progress.parked,
-                rate, duration(left))
-            FileHandle.standardError.write(Data(line.utf8))
-        }
-
-        func duration(_ seconds: Double) -> String {
-            let whole = Int(seconds.rounded())
-            if whole >= 3600 { return "\(whole / 3600)h\(String(format: "%02d", whole % 3600 / 60))m" }
-            if whole >= 60 { return "\(whole / 60)m\(String(format: "%02d", whole % 60))s" }
-            return "\(whole)s"
-        }
-    }
 }
 
 extension DQ {
@@ -95,12 +61,14 @@ extension DQ {
                     if let registry, let metricsTextfile { writeTextfile(registry, to: metricsTextfile) }
                 }
                 let retention = try settings.journalRetention()
-                let terminal = standardErrorIsTerminal && !json && !quiet
-                let display = terminal ? FlushCommandSupport.Progress(total: try await queue.status().pending) : nil
+                let display = TerminalProgress("flush", enabled: !json && !quiet)
+                let total = display == nil ? 0 : try await queue.status().pending
                 let report = try await queue.flush(limit: limit, force: now, lockWait: wait) { progress in
-                    display?.update(progress)
+                    display?.update(
+                        progress.delivered + progress.parked, of: total,
+                        detail: "\(progress.delivered) delivered, \(progress.parked) parked")
                 }
-                if terminal && report.delivered + report.parked > 0 { FileHandle.standardError.write(Data("\n".utf8)) }
+                display?.finish()
                 // The journal's retention (journal_retention_days): one read when nothing is old enough.
                 if let retention { _ = try await queue.pruneJournal(olderThan: retention) }
                 let stopText = report.stop.map(FlushCommandSupport.describe)

@@ -26,7 +26,11 @@ extension DQ {
                 let settings = try DataQueueSettings.load(options: queueOptions)
                 warnAboutCommandLineSecrets(database: to, proxy: nil, flag: "--to")
                 let source = settings.database ?? DataQueue.defaultDatabasePath()
-                let report = try await DataQueue.migrate(from: source, to: to, logger: logger)
+                let display = TerminalProgress("moved", enabled: !json)
+                let report = try await DataQueue.migrate(from: source, to: to, logger: logger) { moved, total in
+                    display?.update(moved, of: total)
+                }
+                display?.finish()
                 if json {
                     try printJSON(report)
                 } else {

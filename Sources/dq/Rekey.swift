@@ -35,9 +35,16 @@ extension DQ {
                     settings.atRest = atRest
                 }
             ) { queue, _ in
+                // On a terminal one rewritten line; in a log, a line per batch (each says how far it got).
+                let display = TerminalProgress("resealed", enabled: !json)
                 let report = try await queue.rekey { done in
-                    if !json { printError("dq: sealed \(done) item(s) under the new key so far") }
+                    if let display {
+                        display.update(done, of: nil)
+                    } else if !json {
+                        printError("dq: sealed \(done) item(s) under the new key so far")
+                    }
                 }
+                display?.finish()
                 if json { try printJSON(report); return }
                 print("resealed \(report.resealed) item(s)")
                 for (key, count) in report.summary.items.sorted(by: { $0.key < $1.key }) {

@@ -310,6 +310,46 @@ struct PostgresTests {
         #expect(result.status == 0, "\(result.stderr.suffix(1000))")
     }
 
+    /// Runs dq on a pseudo-terminal (util-linux `script`), as a person at a shell would; stdout and stderr
+    /// both arrive in `stdout`, with the terminal's line ends.
+    func onTerminal(_ arguments: [String], _ environment: [String: String]) async throws -> ProcessResult {
+        let command = ([Peers.dqBinary] + arguments).map { "'" + $0.replacingOccurrences(of: "'", with: "'\\''") + "'" }
+        return try await ChildProcess("/usr/bin/script", ["-qfec", command.joined(separator: " "), "/dev/null"], environment: environment)
+            .wait()
+    }
+
+    @Test(
+        "On a terminal dq enqueue --ndjson, dq migrate and dq flush each draw one rewritten progress line that ends at the total; piped, none"
+    )
+    func progressOnTerminal() async throws {
+        let server = try await FHIRServer.start()
+        let database = try await Self.freshDatabase()
+        let pg = environment(server.base, database: database)
+        var lite = pg
+        lite["DQ_DATABASE"] = work.file("queue.sqlite")
+        let count = 5000
+        let lines = try work.write("many.ndjson", resources.ndjson(0..<count))
+        let enqueued = try await onTerminal(["enqueue", "--ndjson", lines], lite)
+        #expect(enqueued.status == 0, "\(enqueued.stdout.suffix(500))")
+        #expect(enqueued.stdout.contains("\rchecked and written: \(count)/\(count), "), "\(enqueued.stdout.suffix(500))")
+        #expect(enqueued.stdout.contains("queued \(count) resource(s)"))
+        // Piped (a cron job, a log): no progress at all.
+        let piped = try await dq(["enqueue", "--ndjson", try work.write("more.ndjson", resources.ndjson(count..<(2 * count)))], lite)
+        #expect(piped.status == 0 && !piped.stderr.contains("\r") && !piped.stderr.contains("checked and written"), "\(piped.stderr)")
+
+        let moved = try await onTerminal(["migrate", "--to", database], lite)
+        #expect(moved.status == 0, "\(moved.stdout.suffix(500))")
+        #expect(moved.stdout.contains("\rmoved: \(2 * count)/\(2 * count), "), "\(moved.stdout.suffix(500))")
+        #expect(moved.stdout.contains("moved \(2 * count) item(s)"))
+
+        let flushed = try await onTerminal(["flush"], pg)
+        #expect(flushed.status == 0, "\(flushed.stdout.suffix(500))")
+        #expect(
+            flushed.stdout.contains("\rflush: \(2 * count)/\(2 * count), \(2 * count) delivered, 0 parked, "),
+            "\(flushed.stdout.suffix(500))")
+        #expect(try await server.values("Observation", system: resources.system) == (0..<(2 * count)).map(String.init))
+    }
+
     @Test("dq migrate moves a SQLite queue into PostgreSQL in order, with its parked items and journal; running it again adds nothing")
     func migrate() async throws {
         let server = try await FHIRServer.start()

@@ -65,11 +65,15 @@ extension DataQueue {
     ///   - count: how many entries.
     ///   - entry: makes the entry at `index` (0-based) or throws a ``DataQueueError`` saying why that input is
     ///     bad. It is called from several threads at once, once for each index.
+    ///   - progress: told, a chunk at a time, how many entries have been made and handed to the store so far
+    ///     (they are committed together at the end). For a progress display; called from the store's writer.
     /// - Returns: the queued items, in input order.
     /// - Throws: ``EnqueueProblems`` naming every input that `entry` refused or this queue cannot take (all of
     ///   them are tried first); else a ``DataQueueError`` (a reference no item declares, storage).
     @discardableResult
-    public func enqueue(count: Int, entry: @escaping @Sendable (Int) throws -> QueueEntry) async throws -> [QueuedItem] {
+    public func enqueue(
+        count: Int, entry: @escaping @Sendable (Int) throws -> QueueEntry, progress: (@Sendable (Int) -> Void)? = nil
+    ) async throws -> [QueuedItem] {
         guard count > 0 else { return [] }
         // Sealing (in a sealed queue) is done here, on every core, rather than on the writer's thread.
         let preparation = try await store.preparation()
@@ -93,7 +97,8 @@ extension DataQueue {
             let kept = ChunksKept()
             sequences = try await store.insert(chunks: maker.chunks) { chunk in
                 guard let made = maker.take(chunk) else { return nil }
-                kept.append(made)
+                let items = kept.append(made)
+                progress?(items)
                 return made.map(\.stored)
             }
             chunks = kept.chunks
@@ -143,7 +148,14 @@ private struct DescribedItem: Sendable {
 private final class ChunksKept: @unchecked Sendable {  // unchecked: one writer thread, read after it has finished
     // Written only by the writer's closure, which runs on one thread at a time; read after it returned.
     private(set) var chunks: [[MadeItem]] = []
-    func append(_ chunk: [MadeItem]) { chunks.append(chunk) }
+    private var items = 0
+
+    /// Keeps `chunk`; returns how many items are kept now.
+    func append(_ chunk: [MadeItem]) -> Int {
+        chunks.append(chunk)
+        items += chunk.count
+        return items
+    }
 }
 
 /// Makes the items of a bulk enqueue, chunk after chunk in input order, each chunk on every core, on a thread

@@ -784,11 +784,13 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     /// there is not added twice, so a migration that stopped half-way can be run again. Every queue's flush
     /// lock is held meanwhile, so nothing is sent from the SQLite file while its items move.
     ///
+    /// - Parameter progress: told after each batch how many items moved so far, and how many there were.
     /// - Throws: ``DataQueueError``: `.busy` when a flush of the SQLite queue runs longer than `lockWait`,
     ///   `.invalidConfiguration` for a source that is not a SQLite file or a target that is not PostgreSQL.
-    package static func migrate(from path: String, to url: String, lockWait: TimeInterval = 10, logger: Logger) async throws
-        -> MigrationReport
-    {
+    package static func migrate(
+        from path: String, to url: String, lockWait: TimeInterval = 10, logger: Logger,
+        progress: (@Sendable (_ moved: Int, _ total: Int) -> Void)? = nil
+    ) async throws -> MigrationReport {
         guard !PostgresQueueStore.isURL(path) else {
             throw DataQueueError(.invalidConfiguration, "dq migrate moves a SQLite queue; the configured database is PostgreSQL already")
         }
@@ -819,6 +821,11 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
             for start in stride(from: 0, to: journal.count, by: 1000) {
                 report.journalLines += try await target.importJournal(Array(journal[start..<min(start + 1000, journal.count)]))
             }
+            var total = 0
+            for queue in try await source.queues() {
+                let status = try await source.status(queue: queue)
+                total += status.pending + status.parked
+            }
             var after: Int64 = 0
             while true {
                 let batch = try await source.exportBatch(after: after, limit: 500)
@@ -831,6 +838,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                 report.parked += batch.filter { $0.info.state == .parked }.count
                 after = last.info.sequence
                 logger.info("moved items", metadata: ["through": "\(after)", "total": "\(report.items)"])
+                progress?(report.items + report.alreadyThere, max(total, report.items + report.alreadyThere))
             }
             report.leftBehind = try await source.exportBatch(after: 0, limit: Int(Int32.max)).count
             await releaseAll()
