@@ -135,7 +135,7 @@ struct Sealer: Sendable {
 
     func seal(text: String, _ column: Column, item: UUID, queue: String) -> String {
         let box = try! AES.GCM.seal(
-            Data(text.utf8), using: keys.current.key, nonce: NonceSource.shared.next(),
+            Data(text.utf8), using: keys.current.key,
             authenticating: Self.associatedData(column, item: item, queue: queue))
         // `combined` is nonce, ciphertext and tag (always present with the default 12-byte nonce).
         return Self.textPrefix + keys.current.id + "." + box.combined!.base64EncodedString()
@@ -149,7 +149,7 @@ struct Sealer: Sendable {
         plain.append(url)
         plain.append(body)
         let box = try! AES.GCM.seal(
-            plain, using: keys.current.key, nonce: NonceSource.shared.next(),
+            plain, using: keys.current.key,
             authenticating: Self.associatedData(.body, item: item, queue: queue))
         var sealed = Self.bodyMagic
         sealed.reserveCapacity(Self.bodyHeaderCount + 28 + plain.count)
