@@ -34,8 +34,9 @@ package enum QueuePaths {
         return info.st_mode & S_ISGID != 0 && info.st_mode & S_IWGRP != 0 ? 0o660 : 0o600
     }
 
-    /// Opens `path` with `flags` (which include `O_CREAT`), giving a file it created exactly `mode`, whatever the
-    /// umask (a service's `UMask=0077` would take a shared queue's group bits away). Returns -1 with `errno` set.
+    /// Opens `path` with `flags`, creating it (`O_CREAT` is added here) with exactly `mode`, whatever the umask (a
+    /// service's `UMask=0077` would take a shared queue's group bits away); a file that exists keeps its mode. The
+    /// caller passes `O_NOFOLLOW` where a link must not be followed. Returns -1 with `errno` set.
     static func openCreating(_ path: String, _ flags: Int32, mode: mode_t) -> Int32 {
         while true {
             let created = open(path, flags | O_CREAT | O_EXCL, mode)
