@@ -34,17 +34,31 @@ struct ServiceErrorTests {
         let lines = Mutex<[(Logger.Level, String, Logger.Metadata)]>([])
     }
 
-    /// Runs a service for `queue` (polling every 50 ms) in a group of its own, its log lines kept.
-    static func serve(_ queue: DataQueue) -> (ServiceGroup, Task<Void, any Error>, Lines) {
+    /// Counts calls (of a watchdog's beat).
+    final class Counter: Sendable {
+        private let count = Mutex(0)
+        var value: Int { count.withLock { $0 } }
+        func increment() { count.withLock { $0 += 1 } }
+    }
+
+    /// Runs a service for `queue` (polling every 50 ms) in a group of its own, its log lines kept; its delivery
+    /// loop's watchdog beats, if given, are counted: one per round and one per retry delay.
+    static func serve(_ queue: DataQueue, beats: Counter? = nil) -> (ServiceGroup, Task<Void, any Error>, Lines) {
         let captured = Lines()
         let logger = Logger(label: "test") { _ in CapturingHandler(captured: captured) }
+        let watchdog = beats.map { beats in DataQueueService.Watchdog(interval: .seconds(3600)) { beats.increment() } }
         let group = ServiceGroup(
-            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(50)), logger: logger)],
+            services: [
+                DataQueueService(
+                    queues: [queue], configuration: .init(pollInterval: .milliseconds(50), watchdog: watchdog), logger: logger)
+            ],
             logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
         return (group, Task { try await group.run() }, captured)
     }
 
-    @Test("A storage error is logged once with its level, backed off, and nothing is sent; the service keeps running")
+    @Test(
+        "A storage error is logged once with its level, backed off, and nothing is sent; the service keeps running",
+        .timeLimit(.minutes(2)))
     func storageErrorLoggedOnce() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
@@ -59,9 +73,12 @@ struct ServiceErrorTests {
         let store = try #require(queue.store as? SQLiteQueueStore)
         try await store.database.write { db in try db.execute(sql: "UPDATE item SET state = 'weird'") }
 
-        let (group, running, captured) = Self.serve(queue)
-        // Several poll intervals and retry delays: the same error over and over.
-        try await Task.sleep(for: .seconds(1.5))
+        let beats = Counter()
+        let (group, running, captured) = Self.serve(queue, beats: beats)
+        // The same error over and over: at least five failed rounds (a beat for each round and one for each retry
+        // delay), counted rather than timed, so that a loaded machine (which once ran no round in a fixed 1.5 s)
+        // waits longer instead of failing.
+        while beats.value < 10 { try await Task.sleep(for: .milliseconds(20)) }
         await group.triggerGracefulShutdown()
         try await running.value
         let errors = captured.lines.withLock { $0.filter { $0.1 == "flush failed; items stay queued" } }

@@ -256,7 +256,11 @@ struct ServiceTests {
         let last = try #require(value("dq_last_delivery_timestamp_seconds"))
         #expect(abs(last - Date().timeIntervalSince1970) < 600, "a recent Unix time: \(last)")
         #expect((samples["dq_build_info"]?.last as? [String: String])?["version"] != nil, "\(parsed.stdout)")
-        #expect(!FileManager.default.fileExists(atPath: textfile + ".tmp"), "no temporary file left")
+        // The file is written as `<textfile>.<pid>.tmp` and renamed: nothing of that kind is left beside it.
+        let folder = (textfile as NSString).deletingLastPathComponent
+        let name = (textfile as NSString).lastPathComponent
+        let leftovers = try FileManager.default.contentsOfDirectory(atPath: folder).filter { $0.hasPrefix(name + ".") }
+        #expect(leftovers.isEmpty, "no temporary file left: \(leftovers)")
         // Every family has its HELP text, as the parser reads it.
         let helpScript = """
             import sys, json
