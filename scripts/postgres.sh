@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # A private PostgreSQL server for dq's tests, from Debian's packages, as a non-root user, on loopback.
 #
-#   scripts/postgres.sh start DIR PORT    initdb into DIR (once) and start on 127.0.0.1:PORT; prints the URL
+#   scripts/postgres.sh start DIR PORT [TLSDIR]
+#                                         initdb into DIR (once) and start on 127.0.0.1:PORT (and a Unix socket
+#                                         in DIR); prints the URL. With TLSDIR (ca.pem, server.pem, server.key),
+#                                         TLS is on and a TLS connection must log in with a client certificate
+#                                         the CA signed, its CN the role (pg_hba's `cert` method)
 #   scripts/postgres.sh stop DIR          stop it (fast shutdown) and wait
 #   scripts/postgres.sh kill DIR          stop it at once (immediate shutdown: what a crash leaves)
 #   scripts/postgres.sh bouncer DIR PORT PGPORT
@@ -30,8 +34,20 @@ as_owner() { # run as the cluster's owner
   if [ "$(id -u)" = 0 ]; then runuser -u nobody -- "$@"; else "$@"; fi
 }
 
-start() { # DIR PORT
-  local dir="$1" port="$2"
+daemon_as_owner() { # as_owner, for a command that leaves a daemon behind: without the descriptors this
+  # script inherited beyond 0-2. A daemon that kept one open would hold it for its whole life; a parent that
+  # learns of this script's end from such a descriptor (Foundation's Process does) would wait for the server.
+  (
+    for fd in /proc/self/fd/*; do
+      fd=${fd##*/}
+      if [ "$fd" -gt 2 ]; then eval "exec $fd>&-" 2>/dev/null || true; fi
+    done
+    as_owner "$@"
+  )
+}
+
+start() { # DIR PORT [TLSDIR]
+  local dir="$1" port="$2" tls="${3:-}"
   mkdir -p "$dir"
   dir="$(cd "$dir" && pwd)"
   if [ "$(id -u)" = 0 ] && ! runuser -u nobody -- test -x "$(dirname "$dir")"; then
@@ -48,9 +64,18 @@ start() { # DIR PORT
     as_owner "$bin/initdb" -D "$dir/data" -U dq --pwfile="$dir/password" -A scram-sha-256 \
       --encoding=UTF8 --no-locale > "$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; exit 1; }
   fi
-  as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-    -o "-h 127.0.0.1 -p $port -k $dir -c max_connections=200 -c fsync=on -c synchronous_commit=on" start > /dev/null
-  export PGPASSWORD
+  local tls_options=""
+  if [ -n "$tls" ]; then
+    for name in ca.pem server.pem server.key; do
+      install -m 600 "$tls/$name" "$dir/data/$name"
+      [ "$(id -u)" = 0 ] && chown nobody "$dir/data/$name"
+    done
+    grep -q '^hostssl' "$dir/data/pg_hba.conf" || sed -i '1i hostssl all all 127.0.0.1/32 cert' "$dir/data/pg_hba.conf"
+    tls_options="-c ssl=on -c ssl_cert_file=server.pem -c ssl_key_file=server.key -c ssl_ca_file=ca.pem"
+  fi
+  daemon_as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+    -o "-h 127.0.0.1 -p $port -k $dir -c max_connections=200 -c fsync=on -c synchronous_commit=on $tls_options" start > /dev/null
+  export PGPASSWORD PGSSLMODE=disable
   PGPASSWORD="$(cat "$dir/password")"
   if ! "$bin/psql" -h 127.0.0.1 -p "$port" -U dq -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'dq'" | grep -q 1; then
     "$bin/psql" -h 127.0.0.1 -p "$port" -U dq -d postgres -qc "CREATE DATABASE dq" > /dev/null
@@ -91,7 +116,7 @@ INI
     echo "postgres://dq@127.0.0.1:$port/dq"
     return 0
   fi
-  as_owner "$pgbouncer" -d -q "$dir/bouncer/pgbouncer.ini"
+  daemon_as_owner "$pgbouncer" -d -q "$dir/bouncer/pgbouncer.ini"
   for _ in $(seq 1 100); do
     (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && { echo "postgres://dq@127.0.0.1:$port/dq"; return 0; }
     sleep 0.1
@@ -113,7 +138,7 @@ standby() { # DIR PORT PRIMARY_DIR PRIMARY_PORT
   PGPASSWORD="$(cat "$dir/password")"
   as_owner "$bin/pg_basebackup" -h 127.0.0.1 -p "$primary_port" -U dq -D "$dir/data" -R -X stream -c fast \
     > "$dir/basebackup.log" 2>&1 || { cat "$dir/basebackup.log" >&2; exit 1; }
-  as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+  daemon_as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
     -o "-h 127.0.0.1 -p $port -k $dir -c max_connections=200 -c cluster_name=standby" start > /dev/null
   "$bin/psql" -h 127.0.0.1 -p "$primary_port" -U dq -d postgres -qc "ALTER SYSTEM SET synchronous_standby_names = '*'" \
     -c "SELECT pg_reload_conf()" > /dev/null
@@ -127,7 +152,7 @@ standby() { # DIR PORT PRIMARY_DIR PRIMARY_PORT
 }
 
 promote() { # DIR
-  as_owner "$bin/pg_ctl" -D "$1/data" -w -t 60 promote > /dev/null
+  daemon_as_owner "$bin/pg_ctl" -D "$1/data" -w -t 60 promote > /dev/null
 }
 
 stop_bouncer() { # DIR
@@ -148,11 +173,11 @@ stop() { # DIR MODE
 }
 
 case "${1:-}" in
-  start) start "$2" "$3" ;;
+  start) start "$2" "$3" "${4:-}" ;;
   stop) stop "$2" fast ;;
   kill) stop "$2" immediate ;;
   bouncer) bouncer "$2" "$3" "$4" ;;
   standby) standby "$2" "$3" "$4" "$5" ;;
   promote) promote "$2" ;;
-  *) echo "usage: $0 start DIR PORT | stop DIR | kill DIR | bouncer DIR PORT PGPORT | standby DIR PORT PRIMARY_DIR PRIMARY_PORT | promote DIR" >&2; exit 64 ;;
+  *) echo "usage: $0 start DIR PORT [TLSDIR] | stop DIR | kill DIR | bouncer DIR PORT PGPORT | standby DIR PORT PRIMARY_DIR PRIMARY_PORT | promote DIR" >&2; exit 64 ;;
 esac

@@ -82,6 +82,9 @@ struct ShowConfig: AsyncParsableCommand {
         add(
             "database", database.hasPrefix("postgres") ? Self.redacted(database) : database,
             origin("database", ["DQ_DATABASE"], flag: ("--database", options.database != nil)))
+        add(
+            "database_password_file", settings.databasePasswordFile ?? "none",
+            origin("database_password_file", ["DQ_DATABASE_PASSWORD_FILE"]))
         add("durability", configuration.durability.rawValue, origin("durability", ["DQ_DURABILITY"]))
         add("idempotent", String(configuration.idempotent), origin("idempotent", ["DQ_IDEMPOTENT"]))
         add("max_resource_bytes", String(configuration.maximumResourceSize), origin("max_resource_bytes", ["DQ_MAX_RESOURCE_BYTES"]))
@@ -137,7 +140,9 @@ struct ShowConfig: AsyncParsableCommand {
         add(
             "at_rest.key_file", settings.atRest?.keyFile.map { "\($0) (key \(configuration.atRest?.current.id ?? "?"))" } ?? "none",
             origin("at_rest.key_file", ["DQ_AT_REST_KEY_FILE"]))
-        add("encryption.endpoint", resolved.encryption?.endpoint.absoluteString ?? "none", origin("encryption.endpoint", []))
+        add(
+            "encryption.endpoint", resolved.encryption?.endpoint.absoluteString ?? "none",
+            origin("encryption.endpoint", ["DQ_ENCRYPTION_ENDPOINT"]))
         return entries
     }
 }

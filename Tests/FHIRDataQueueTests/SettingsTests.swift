@@ -122,6 +122,91 @@ struct SettingsTests {
         #expect(!bad.message.contains("env-secret"))
     }
 
+    @Test("Where dq looks for its config file: ./dq.json, $XDG_CONFIG_HOME (else ~/.config), then /etc/dq/dq.json")
+    func searchPath() {
+        #expect(
+            DataQueueSettings.configSearchPath(environment: ["HOME": "/home/a"])
+                == ["dq.json", "/home/a/.config/dq/dq.json", "/etc/dq/dq.json"])
+        #expect(
+            DataQueueSettings.configSearchPath(environment: ["HOME": "/home/a", "XDG_CONFIG_HOME": "/x"])
+                == ["dq.json", "/x/dq/dq.json", "/etc/dq/dq.json"])
+        #expect(DataQueueSettings.configSearchPath(environment: [:]) == ["dq.json", "/etc/dq/dq.json"])
+    }
+
+    @Test(
+        "PostgreSQL as libpq reads it: a host that starts with / is a socket folder (URL, host=, PGHOST), none is /var/run/postgresql; the password's order"
+    )
+    func postgresConnection() throws {
+        func parse(_ url: String, _ environment: [String: String] = [:]) throws -> (
+            socket: String?, host: String?, password: String?, display: String
+        ) {
+            let (configuration, display, _, _) = try PostgresQueueStore.configuration(
+                url: url, environment: environment.merging(["PGPASSFILE": "/nonexistent"]) { $1 })
+            return (configuration.unixSocketPath, configuration.host, configuration.password, display)
+        }
+        let byOption = try parse("postgres://dq@/queue?host=/run/pg&port=6000")
+        #expect(byOption.socket == "/run/pg/.s.PGSQL.6000" && byOption.host == nil)
+        #expect(byOption.display == "postgres://dq@/queue?host=/run/pg&port=6000", "\(byOption.display)")
+        #expect(try parse("postgres://dq@%2Frun%2Fpg/queue").socket == "/run/pg/.s.PGSQL.5432")
+        #expect(try parse("postgres:///queue", ["PGHOST": "/run/pg", "PGPORT": "7000"]).socket == "/run/pg/.s.PGSQL.7000")
+        #expect(try parse("postgres:///queue").socket == "/var/run/postgresql/.s.PGSQL.5432", "libpq's default: the socket")
+        let tcp = try parse("postgres://dq@db.internal:5433/queue", ["PGHOST": "/run/pg"])
+        #expect(tcp.socket == nil && tcp.host == "db.internal", "the URL's host over PGHOST")
+        #expect(try parse("postgres://dq@db/queue?host=other").host == "other", "host= over the URL's, as libpq")
+        #expect(throws: DataQueueError.self) { try parse("postgres://dq@db/queue?port=70000") }
+        #expect(throws: DataQueueError.self) { try parse("postgres://dq@db/queue?sslcert=/nonexistent/c.pem&sslkey=/nonexistent/k.pem") }
+
+        // The URL's password, else database_password_file's (put into the URL), else PGPASSWORD.
+        #expect(try parse("postgres://dq:in%40url@db/queue", ["PGPASSWORD": "env"]).password == "in@url")
+        #expect(try parse("postgres://dq@db/queue", ["PGPASSWORD": "env"]).password == "env")
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-pgpw-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let awkward = "p@ss:w/rd%?#&= é"
+        try Data((awkward + "\n").utf8).write(to: directory.appendingPathComponent("pw"))
+        var settings = try DataQueueSettings.decode(
+            Data(#"{"server": "http://h/fhir", "database": "postgres://dq@db/queue", "database_password_file": "pw"}"#.utf8))
+        settings.baseDirectory = directory.path
+        try settings.readSecretFiles(environment: [:])
+        try settings.applyDatabasePassword()
+        let database = try #require(settings.database)
+        #expect(try parse(database, ["PGPASSWORD": "env"]).password == awkward, "every character survives the URL")
+        #expect(!QueuePaths.displayDatabase(database).contains("p@ss"), "\(QueuePaths.displayDatabase(database))")
+        var both = try DataQueueSettings.decode(
+            Data(#"{"server": "http://h/fhir", "database": "postgres://dq:x@db/queue", "database_password_file": "pw"}"#.utf8))
+        both.baseDirectory = directory.path
+        try both.readSecretFiles(environment: [:])
+        #expect(throws: DataQueueError.self) { try both.applyDatabasePassword() }
+    }
+
+    @Test("Every auth and encryption key has its variable: DQ_ and the key (auth), DQ_ENCRYPTION_ and the key (encryption)")
+    func everyKeyHasAVariable() throws {
+        var settings = DataQueueSettings()
+        try settings.apply(environment: [
+            "DQ_AUTHORIZE_URI": "https://a/authorize", "DQ_AUTHORIZE_TYPE": "client_credentials", "DQ_REVOCATION_URI": "https://a/revoke",
+            "DQ_REGISTRATION_URI": "https://a/register", "DQ_CLIENT_NAME": "gateway 7", "DQ_TOKEN_ENDPOINT_AUTH_METHOD": "private_key_jwt",
+            "DQ_PRIVATE_KEY": "/k.pem", "DQ_KEY_ID": "k1", "DQ_KEY_ALG": "ES384", "DQ_CREDENTIALS_DIR": "/creds",
+            "DQ_ENCRYPTION_ENDPOINT": "https://r/envelopes", "DQ_ENCRYPTION_CERTIFICATE": "/r.crt", "DQ_ENCRYPTION_KEY_ID": "r1",
+            "DQ_ENCRYPTION_MODE": "authenticated", "DQ_ENCRYPTION_FHIR_VERSION": "4.0.1", "DQ_ENCRYPTION_IN_FLIGHT": "4",
+            "DQ_ENCRYPTION_RESOURCE_TYPES": "Observation, Patient",
+        ])
+        let auth = try #require(settings.auth)
+        #expect(auth.authorizeURI == "https://a/authorize" && auth.authorizeType == "client_credentials")
+        #expect(auth.revocationURI == "https://a/revoke" && auth.registrationURI == "https://a/register" && auth.clientName == "gateway 7")
+        #expect(auth.tokenEndpointAuthMethod == "private_key_jwt" && auth.privateKey == "/k.pem" && auth.keyID == "k1")
+        #expect(auth.keyAlgorithm == "ES384" && auth.credentialsDirectory == "/creds")
+        let encryption = try #require(settings.encryption)
+        #expect(encryption.endpoint == "https://r/envelopes" && encryption.certificate == "/r.crt" && encryption.keyID == "r1")
+        #expect(encryption.mode == "authenticated" && encryption.fhirVersion == "4.0.1" && encryption.inFlight == 4)
+        #expect(encryption.resourceTypes == ["Observation", "Patient"])
+        let names = [
+            "DQ_AUTHORIZE_URI", "DQ_KEY_ALG", "DQ_CREDENTIALS_DIR", "DQ_ENCRYPTION_ENDPOINT", "DQ_ENCRYPTION_RESOURCE_TYPES",
+            "DQ_ENCRYPTION_IN_FLIGHT", "DQ_DATABASE_PASSWORD_FILE",
+        ]
+        #expect(DataQueueSettings.unknownEnvironmentVariables(in: Dictionary(uniqueKeysWithValues: names.map { ($0, "x") })).isEmpty)
+        #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_ENCRYPTION_IN_FLIGHT": "many"]) }
+    }
+
     @Test("Relative paths in a file are relative to the file's directory")
     func relativePaths() throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-settings-\(UUID().uuidString.prefix(8))")

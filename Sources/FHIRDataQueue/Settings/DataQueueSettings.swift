@@ -23,6 +23,13 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var server: String?
     /// `database`: the queue's SQLite file. The default is ``DataQueue/defaultDatabasePath(environment:)``.
     public var database: String?
+    /// `database_password_file` (or `DQ_DATABASE_PASSWORD_FILE`): a file holding the PostgreSQL password, for a
+    /// `database` URL without one (a relative name is looked up in `$CREDENTIALS_DIRECTORY` when systemd's
+    /// `LoadCredential=` set it, else beside the config file). Over `PGPASSWORD` and the password file.
+    public var databasePasswordFile: String?
+    /// The password `database_password_file` holds, read by ``readSecretFiles(environment:)``. Not read from the
+    /// file.
+    package var databasePassword: String?
     /// `durability`: `full` or `normal`.
     public var durability: String?
     /// `idempotent`: conditional create on retries.
@@ -205,6 +212,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         public var mode: String?
         /// `in_flight`: envelopes sent at once (default 1; more gives up order for the encrypted endpoint).
         public var inFlight: Double?
+
+        /// Empty (every key unset).
+        public init() {}
     }
 
     /// Empty settings (every key unset).
@@ -214,14 +224,16 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// `DQ_IDEMPOTENT`, `DQ_CA_BUNDLE`, `DQ_CA_BUNDLE_ONLY`, `DQ_TOKEN`, `DQ_CLIENT_SECRET`, `DQ_PROXY`,
     /// `DQ_NO_PROXY`, `DQ_CLIENT_CERTIFICATE`, `DQ_CLIENT_KEY`, `DQ_AT_REST_KEY_FILE`, `DQ_AT_REST_OLD_KEY_FILES`
     /// (a comma list); each number setting as `DQ_` and its key (`DQ_TIMEOUT_SECONDS`, `DQ_RETRY_JITTER`, …);
-    /// `auth`'s `DQ_CLIENT_ID`, `DQ_TOKEN_URI`, `DQ_SCOPE`, `DQ_ISSUER`, `DQ_BEARER_TOKEN_FILE`,
-    /// `DQ_CLIENT_SECRET_FILE`; and the usual `HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY` (see ``environmentNetwork``).
+    /// each `auth` key as `DQ_` and the key (`DQ_CLIENT_ID`, `DQ_TOKEN_URI`, `DQ_KEY_ALG`, …, and
+    /// `DQ_BEARER_TOKEN_FILE`, `DQ_CLIENT_SECRET_FILE`); each `encryption` key as `DQ_ENCRYPTION_` and the key
+    /// (`DQ_ENCRYPTION_ENDPOINT`, `DQ_ENCRYPTION_RESOURCE_TYPES` a comma list, …); `DQ_DATABASE_PASSWORD_FILE`; and the usual `HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY` (see ``environmentNetwork``).
     ///
     /// - Throws: ``DataQueueError`` for a flag that is not a boolean or a number that is not one, naming the
     ///   variable.
     public mutating func apply(environment: [String: String]) throws {
         if let value = environment["DQ_SERVER"] { server = value }
         if let value = environment["DQ_DATABASE"] { database = value }
+        if let value = environment["DQ_DATABASE_PASSWORD_FILE"] { databasePasswordFile = value }
         if let value = environment["DQ_DURABILITY"] {
             guard Durability(rawValue: value) != nil else { throw Self.configError("DQ_DURABILITY must be \"full\" or \"normal\"") }
             durability = value
@@ -275,6 +287,23 @@ public struct DataQueueSettings: Sendable, Decodable {
                 auth?[keyPath: key] = value
             }
         }
+        for (name, key) in Self.encryptionTextVariables {
+            if let value = environment[name] {
+                encryption = encryption ?? Encryption()
+                encryption?[keyPath: key] = value
+            }
+        }
+        if let value = environment["DQ_ENCRYPTION_RESOURCE_TYPES"] {
+            encryption = encryption ?? Encryption()
+            encryption?.resourceTypes = value.split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
+        }
+        if let text = environment["DQ_ENCRYPTION_IN_FLIGHT"] {
+            guard let value = Double(text.trimmingCharacters(in: .whitespaces)), value.isFinite else {
+                throw Self.configError("DQ_ENCRYPTION_IN_FLIGHT must be a number")
+            }
+            encryption = encryption ?? Encryption()
+            encryption?.inFlight = value
+        }
         // A secret from the environment replaces the file's, in either of its forms.
         for (name, key, other) in Self.authSecretVariables {
             if let value = environment[name] {
@@ -307,9 +336,19 @@ public struct DataQueueSettings: Sendable, Decodable {
     ]
 
     /// The `auth` settings that are text and no secret (secrets come as `DQ_TOKEN`, `DQ_CLIENT_SECRET`,
-    /// `DQ_BEARER_TOKEN_FILE` or `DQ_CLIENT_SECRET_FILE`), each with its variable.
+    /// `DQ_BEARER_TOKEN_FILE` or `DQ_CLIENT_SECRET_FILE`), each with its variable: `DQ_` and the key, upper-case.
     private static let authTextVariables: [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable)] = [
         ("DQ_CLIENT_ID", \.clientID), ("DQ_TOKEN_URI", \.tokenURI), ("DQ_SCOPE", \.scope), ("DQ_ISSUER", \.issuer),
+        ("DQ_AUTHORIZE_URI", \.authorizeURI), ("DQ_AUTHORIZE_TYPE", \.authorizeType), ("DQ_REVOCATION_URI", \.revocationURI),
+        ("DQ_REGISTRATION_URI", \.registrationURI), ("DQ_CLIENT_NAME", \.clientName),
+        ("DQ_TOKEN_ENDPOINT_AUTH_METHOD", \.tokenEndpointAuthMethod), ("DQ_PRIVATE_KEY", \.privateKey), ("DQ_KEY_ID", \.keyID),
+        ("DQ_KEY_ALG", \.keyAlgorithm), ("DQ_CREDENTIALS_DIR", \.credentialsDirectory),
+    ]
+
+    /// The `encryption` settings that are text, each with its variable: `DQ_ENCRYPTION_` and the key, upper-case.
+    private static let encryptionTextVariables: [(name: String, key: any WritableKeyPath<Encryption, String?> & Sendable)] = [
+        ("DQ_ENCRYPTION_ENDPOINT", \.endpoint), ("DQ_ENCRYPTION_CERTIFICATE", \.certificate), ("DQ_ENCRYPTION_KEY_ID", \.keyID),
+        ("DQ_ENCRYPTION_FHIR_VERSION", \.fhirVersion), ("DQ_ENCRYPTION_MODE", \.mode),
     ]
 
     /// The secret variables: each sets one form of a secret (the value, or the file holding it) and clears the
@@ -359,8 +398,9 @@ public struct DataQueueSettings: Sendable, Decodable {
             "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_TOKEN",
             "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
             "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
-            "DQ_CLIENT_SECRET_FILE",
-        ] + numberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name))
+            "DQ_CLIENT_SECRET_FILE", "DQ_DATABASE_PASSWORD_FILE", "DQ_ENCRYPTION_RESOURCE_TYPES", "DQ_ENCRYPTION_IN_FLIGHT",
+        ] + numberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name)
+            + encryptionTextVariables.map(\.name))
 
     /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
     /// `DQ_TEST_…`): not dq settings, and not misspellings of one.
@@ -430,6 +470,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         settings.noteExposedKeyFiles(environment: environment)
         if let server { settings.server = server }
         if let database { settings.database = database }
+        try settings.applyDatabasePassword()
         return settings
     }
 
@@ -455,7 +496,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         return inBaseDirectory(name)
     }
 
-    /// Reads `auth.bearer_token_file`, `auth.client_secret_file` and `proxy_file` into the secrets they hold
+    /// Reads `auth.bearer_token_file`, `auth.client_secret_file`, `proxy_file` and `database_password_file` into
+    /// the secrets they hold
     /// (without a trailing newline), and remembers which secret files others can read (``exposedSecretFiles``).
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the setting of a file that cannot be read
@@ -485,6 +527,28 @@ public struct DataQueueSettings: Sendable, Decodable {
         if let name = proxyFile {
             proxy = try read(name, key: "proxy_file")
         }
+        if let name = databasePasswordFile {
+            databasePassword = try read(name, key: "database_password_file")
+        }
+    }
+
+    /// Puts the password `database_password_file` holds into the `database` URL (once every source of
+    /// `database` has been applied).
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when `database` is no PostgreSQL URL or has a
+    ///   password of its own.
+    package mutating func applyDatabasePassword() throws {
+        guard let password = databasePassword else { return }
+        guard let database, QueuePaths.isPostgresURL(database), var components = URLComponents(string: database) else {
+            throw Self.configError("\"database_password_file\" is set but \"database\" is not a postgres:// URL")
+        }
+        guard components.password == nil else {
+            throw Self.configError("\"database\" holds a password and \"database_password_file\" names one: keep one")
+        }
+        if components.user == nil { components.user = "" }
+        components.password = password
+        self.database = components.string
+        databasePassword = nil
     }
 
     /// Adds the at-rest key files (from the file or `DQ_AT_REST_KEY_FILE`) that others than their owner can read
@@ -541,6 +605,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             try Self.checked { try SettingLimits.checkDatabasePath(database, name: "\"database\"") }
             values.database = database
         }
+
         if let durability {
             guard let value = Durability(rawValue: durability) else {
                 throw Self.configError("\"durability\" must be \"full\" or \"normal\"")
@@ -659,6 +724,7 @@ public struct DataQueueSettings: Sendable, Decodable {
 
     private enum CodingKeys: String, CodingKey, CaseIterable {
         case server, database, durability, idempotent, retry, auth, encryption
+        case databasePasswordFile = "database_password_file"
         case atRest = "at_rest"
         case maxResourceBytes = "max_resource_bytes"
         case timeoutSeconds = "timeout_seconds"
@@ -682,6 +748,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         let container = try decoder.container(keyedBy: CodingKeys.self)
         server = try SettingsKeys.value(container, .server, "must be a string")
         database = try SettingsKeys.value(container, .database, "must be a string")
+        databasePasswordFile = try SettingsKeys.value(container, .databasePasswordFile, "must be a string (a file holding the password)")
         durability = try SettingsKeys.value(container, .durability, "must be \"full\" or \"normal\"")
         idempotent = try SettingsKeys.value(container, .idempotent, "must be true or false")
         maxResourceBytes = try SettingsKeys.value(container, .maxResourceBytes, "must be a number")

@@ -186,7 +186,12 @@ final class ChildProcess: @unchecked Sendable {
             if ContinuousClock.now >= deadline {
                 Issue.record("\(process.executableURL?.path ?? "?") \(process.arguments ?? []) still ran after \(timeout): killed")
                 kill(SIGKILL)
-                process.waitUntilExit()
+                // Not waitUntilExit(): Foundation learns of the end from a descriptor the child inherited, and a
+                // daemon the child started may hold it; that would block this thread of the pool for good.
+                let killed = ContinuousClock.now
+                while process.isRunning && ContinuousClock.now - killed < .seconds(10) {
+                    try? await Task.sleep(for: .milliseconds(20))
+                }
                 break
             }
             try? await Task.sleep(for: .milliseconds(20))
@@ -195,7 +200,7 @@ final class ChildProcess: @unchecked Sendable {
         let err = (try? String(contentsOfFile: stderrPath, encoding: .utf8)) ?? ""
         try? FileManager.default.removeItem(atPath: stdoutPath)
         try? FileManager.default.removeItem(atPath: stderrPath)
-        return ProcessResult(status: process.terminationStatus, stdout: out, stderr: err)
+        return ProcessResult(status: process.isRunning ? -1 : process.terminationStatus, stdout: out, stderr: err)
     }
 }
 

@@ -4,12 +4,14 @@ import NIOSSL
 import PostgresNIO
 import Synchronization
 
-/// libpq's password file: `$PGPASSFILE`, else `~/.pgpass`; lines `host:port:database:user:password`, `*`
+/// libpq's password file: the URL's `passfile`, else `$PGPASSFILE`, else `~/.pgpass`; lines `host:port:database:user:password`, `*`
 /// matching anything, `\:` and `\\` escaped; the first matching line wins. Like libpq, a file others can
 /// read or write is not used.
 enum PasswordFile {
-    static func password(host: String, port: Int, database: String, user: String, environment: [String: String]) -> String? {
-        guard let path = environment["PGPASSFILE"] ?? environment["HOME"].map({ $0 + "/.pgpass" }),
+    static func password(
+        host: String, port: Int, database: String, user: String, file: String?, environment: [String: String]
+    ) -> String? {
+        guard let path = file ?? environment["HOME"].map({ $0 + "/.pgpass" }),
             let attributes = try? FileManager.default.attributesOfItem(atPath: path),
             let mode = attributes[.posixPermissions] as? Int, mode & 0o077 == 0,
             let text = try? String(contentsOfFile: path, encoding: .utf8)

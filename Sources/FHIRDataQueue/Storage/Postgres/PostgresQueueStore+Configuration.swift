@@ -12,37 +12,55 @@ extension PostgresQueueStore {
         url text: String, environment: [String: String]
     ) throws -> (PostgresClient.Configuration, String, Bool, PostgresConnection.Configuration) {
         // What the URL leaves out comes from libpq's environment, as psql would take it: PGHOST, PGPORT, PGUSER,
-        // PGPASSWORD (else the password file), PGDATABASE, PGSSLMODE, PGSSLROOTCERT, PGAPPNAME.
+        // PGPASSWORD (else the password file), PGDATABASE, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, PGAPPNAME.
         guard let components = URLComponents(string: text), let scheme = components.scheme,
-            scheme == "postgres" || scheme == "postgresql",
-            let host = components.host.flatMap({ $0.isEmpty ? nil : $0 }) ?? environment["PGHOST"].flatMap({ $0.isEmpty ? nil : $0 })
+            scheme == "postgres" || scheme == "postgresql"
         else {
             throw DataQueueError(
-                .invalidConfiguration, "database URL must be postgres://user@host[:port]/database (or set PGHOST for postgres:///database)")
+                .invalidConfiguration, "database URL must be postgres://user@host[:port]/database (or postgres:///database with PGHOST)")
         }
-        guard !host.hasPrefix("/") else {
-            throw DataQueueError(.invalidConfiguration, "database host \(host): Unix-socket connections are not supported; use a TCP host")
+        let options = Dictionary((components.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
+        for name in options.keys where !supportedOptions.contains(name) {
+            throw DataQueueError(.invalidConfiguration, "database URL option \"\(name)\" is not supported")
         }
-        let port = components.port ?? environment["PGPORT"].flatMap(Int.init) ?? 5432
-        let user = components.percentEncodedUser.flatMap { $0.removingPercentEncoding } ?? environment["PGUSER"] ?? "postgres"
-        var database = String(components.path.drop(while: { $0 == "/" })).removingPercentEncoding ?? ""
+        func nonEmpty(_ value: String?) -> String? { value.flatMap { $0.isEmpty ? nil : $0 } }
+        // libpq: a host that starts with "/" is the directory of the server's Unix socket; none at all is the
+        // packaged server's socket directory.
+        let host =
+            nonEmpty(options["host"]) ?? nonEmpty(components.percentEncodedHost?.removingPercentEncoding)
+            ?? nonEmpty(environment["PGHOST"]) ?? defaultSocketDirectory
+        let socketDirectory = host.hasPrefix("/") ? host : nil
+        let portText = nonEmpty(options["port"]) ?? components.port.map(String.init) ?? nonEmpty(environment["PGPORT"]) ?? "5432"
+        guard let port = Int(portText), (1...65535).contains(port) else {
+            throw DataQueueError(.invalidConfiguration, "database port \(portText) is not a port number (1-65535)")
+        }
+        let user =
+            nonEmpty(options["user"]) ?? nonEmpty(components.percentEncodedUser?.removingPercentEncoding) ?? nonEmpty(environment["PGUSER"])
+            ?? "postgres"
+        var database = nonEmpty(options["dbname"]) ?? String(components.path.drop(while: { $0 == "/" })).removingPercentEncoding ?? ""
         if database.isEmpty { database = environment["PGDATABASE"] ?? "" }
         guard !database.isEmpty else {
             throw DataQueueError(.invalidConfiguration, "database URL names no database (postgres://user@host/DATABASE, or PGDATABASE)")
         }
+        // A socket in the packaged server's directory is "localhost" to the password file, as libpq has it.
+        let passwordHost = socketDirectory.map { knownSocketDirectories.contains($0) ? "localhost" : $0 } ?? host
         let password =
             components.percentEncodedPassword.flatMap { $0.removingPercentEncoding } ?? environment["PGPASSWORD"]
-            ?? PasswordFile.password(host: host, port: port, database: database, user: user, environment: environment)
+            ?? PasswordFile.password(
+                host: passwordHost, port: port, database: database, user: user,
+                file: nonEmpty(options["passfile"]) ?? nonEmpty(environment["PGPASSFILE"]), environment: environment)
         var display = URLComponents()
         display.scheme = scheme
         display.user = user
-        display.host = host
-        display.port = port == 5432 ? nil : port
         display.path = "/" + database
-        let options = Dictionary((components.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
-        for name in options.keys
-        where !["sslmode", "sslrootcert", "application_name", "connect_timeout", "prepared_statements"].contains(name) {
-            throw DataQueueError(.invalidConfiguration, "database URL option \"\(name)\" is not supported")
+        if let socketDirectory {
+            display.host = ""
+            display.queryItems =
+                [URLQueryItem(name: "host", value: socketDirectory)]
+                + (port == 5432 ? [] : [URLQueryItem(name: "port", value: String(port))])
+        } else {
+            display.host = host
+            display.port = port == 5432 ? nil : port
         }
         let prepared: Bool
         switch options["prepared_statements"] ?? "on" {
@@ -57,6 +75,42 @@ extension PostgresQueueStore {
                 throw DataQueueError(.invalidConfiguration, "database URL sslrootcert \(root) cannot be read")
             }
             tls.trustRoots = .file(root)
+        }
+        // A client certificate for servers that ask for one (pg_hba's `cert` method, or `clientcert=verify-full`).
+        // libpq's default files are used when they exist, as libpq does.
+        let home = environment["HOME"].map { $0 + "/.postgresql/" }
+        let certificatePath =
+            nonEmpty(options["sslcert"]) ?? nonEmpty(environment["PGSSLCERT"])
+            ?? home.map { $0 + "postgresql.crt" }.flatMap { FileManager.default.fileExists(atPath: $0) ? $0 : nil }
+        if let certificatePath {
+            let keyPath = nonEmpty(options["sslkey"]) ?? nonEmpty(environment["PGSSLKEY"]) ?? home.map { $0 + "postgresql.key" }
+            guard let keyPath else {
+                throw DataQueueError(.invalidConfiguration, "database URL sslcert \(certificatePath) has no sslkey")
+            }
+            do {
+                tls.certificateChain = try NIOSSLCertificate.fromPEMFile(certificatePath).map { .certificate($0) }
+            } catch {
+                throw DataQueueError(.invalidConfiguration, "database sslcert \(certificatePath) cannot be read as PEM certificates")
+            }
+            guard !tls.certificateChain.isEmpty else {
+                throw DataQueueError(.invalidConfiguration, "database sslcert \(certificatePath) holds no certificate")
+            }
+            // libpq refuses a key file that others can read; so does dq (the key proves who the client is).
+            guard let attributes = try? FileManager.default.attributesOfItem(atPath: keyPath),
+                let mode = attributes[.posixPermissions] as? Int
+            else {
+                throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read")
+            }
+            guard mode & 0o077 == 0 || (mode & 0o037 == 0 && (attributes[.ownerAccountID] as? Int) == 0) else {
+                throw DataQueueError(
+                    .invalidConfiguration,
+                    "database sslkey \(keyPath) can be read by others (mode \(String(mode, radix: 8))); chmod 600 it, as libpq asks")
+            }
+            do {
+                tls.privateKey = .privateKey(try NIOSSLPrivateKey(file: keyPath, format: .pem))
+            } catch {
+                throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read as a PEM private key")
+            }
         }
         let mode: PostgresClient.Configuration.TLS
         let required: Bool?  // nil: no TLS
@@ -85,8 +139,11 @@ extension PostgresQueueStore {
                 .invalidConfiguration,
                 "database URL sslmode \"\(other)\" is not one of disable, allow, prefer, require, verify-ca, verify-full")
         }
-        var configuration = PostgresClient.Configuration(
-            host: host, port: port, username: user, password: password, database: database, tls: mode)
+        // As libpq: sslmode does not apply to a Unix socket (nothing leaves the machine).
+        let socketPath = socketDirectory.map { "\($0)/.s.PGSQL.\(port)" }
+        var configuration =
+            socketPath.map { PostgresClient.Configuration(unixSocketPath: $0, username: user, password: password, database: database) }
+            ?? PostgresClient.Configuration(host: host, port: port, username: user, password: password, database: database, tls: mode)
         configuration.options.maximumConnections = 16
         configuration.options.connectTimeout = .seconds(Int64(options["connect_timeout"].flatMap(Int.init) ?? 10))
         if let name = options["application_name"] ?? environment["PGAPPNAME"] {
@@ -102,9 +159,21 @@ extension PostgresQueueStore {
         } catch {
             throw DataQueueError(.invalidConfiguration, "database URL: TLS cannot be set up (\(error))")
         }
-        var probe = PostgresConnection.Configuration(
-            host: host, port: port, username: user, password: password, database: database, tls: probeTLS)
+        var probe =
+            socketPath.map { PostgresConnection.Configuration(unixSocketPath: $0, username: user, password: password, database: database) }
+            ?? PostgresConnection.Configuration(
+                host: host, port: port, username: user, password: password, database: database, tls: probeTLS)
         probe.options.connectTimeout = .seconds(configuration.options.connectTimeout.components.seconds)
         return (configuration, display.string ?? "postgres://\(host)/\(database)", prepared, probe)
     }
+
+    /// The URL's options dq reads (libpq's names).
+    static let supportedOptions: Set<String> = [
+        "sslmode", "sslrootcert", "sslcert", "sslkey", "application_name", "connect_timeout", "prepared_statements", "host", "port",
+        "user", "dbname", "passfile",
+    ]
+
+    /// Where Debian's and most distributions' PostgreSQL puts its socket.
+    static let defaultSocketDirectory = "/var/run/postgresql"
+    static let knownSocketDirectories: Set<String> = ["/var/run/postgresql", "/run/postgresql", "/tmp"]
 }
