@@ -49,6 +49,24 @@ extension PostgresConnection {
     }
 }
 
+/// When PostgreSQL last answered within one operation (see ``PostgresQueueStore/answered()``).
+final class AnswerClock: Sendable {
+    private let instant: Mutex<ContinuousClock.Instant>
+
+    init(start: ContinuousClock.Instant = .now) { instant = Mutex(start) }
+
+    var last: ContinuousClock.Instant { instant.withLock { $0 } }
+
+    func touch(at now: ContinuousClock.Instant = .now) { instant.withLock { $0 = max($0, now) } }
+
+    /// When the operation's time runs out if no answer comes before: `limit` after the last answer, or nil
+    /// when that time has passed at `now`.
+    func due(limit: Duration, now: ContinuousClock.Instant = .now) -> ContinuousClock.Instant? {
+        let due = last + limit
+        return due > now ? due : nil
+    }
+}
+
 /// The one continuation of ``PostgresQueueStore/withDeadline(seconds:what:_:)`` (and of
 /// ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``): the first result wins.
 final class DeadlineRace<T: Sendable>: Sendable {

@@ -86,6 +86,7 @@ extension PostgresQueueStore {
                 appendItemColumns(items[start..<min(start + statementRows, items.count)], to: &bindings)
                 let insert = itemInsertSQL(base: 0, first: String(first + Int64(start)))
                 try await connection.query(PostgresQuery(unsafeSQL: insert, binds: bindings), logger: logger)
+                answered()
             }
             for queue in Set(items.map(\.queue)) {
                 _ = try await connection.query("SELECT pg_notify('dq_enqueue', \(queue))", logger: logger).collect()

@@ -121,6 +121,7 @@ extension PostgresQueueStore {
                         VALUES \(rows.joined(separator: ", "))
                         """, binds: bindings),
                 logger: logger)
+            Self.answered()
         }
         try await connection.query(
             "UPDATE dq_server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = \(queue) AND failures > 0",

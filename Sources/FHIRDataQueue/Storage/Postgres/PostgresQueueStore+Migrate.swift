@@ -33,6 +33,7 @@ extension PostgresQueueStore {
                     {
                         added += 1
                     }
+                    Self.answered()
                 }
                 return added
             }
@@ -64,6 +65,7 @@ extension PostgresQueueStore {
                     {
                         added += 1
                     }
+                    Self.answered()
                 }
                 return added
             }

@@ -151,8 +151,10 @@ extension PostgresQueueStore {
 
     /// Waits for the schema, then runs `body`, mapping errors. The pool waits for a connection without a
     /// deadline while the server is unreachable, and a query on a connection that hangs is not cancellable;
-    /// dq gives up after ``operationTimeout`` instead, without waiting for the stuck work (the operation may
-    /// still complete on the server: an enqueue that timed out may be stored).
+    /// dq gives up when PostgreSQL has not answered for ``operationTimeout`` instead, without waiting for the
+    /// stuck work (the operation may still complete on the server: an enqueue that timed out may be stored).
+    /// The deadline is per answer, not per operation: a long operation of many statements (a large enqueue,
+    /// a migration) that calls ``answered()`` after each goes on as long as each comes within it.
     func run<T: Sendable>(_ what: String, _ body: @escaping @Sendable () async throws -> T) async throws -> T {
         do {
             return try await Self.withDeadline(seconds: operationTimeout, what: what) { [self] in
@@ -164,28 +166,42 @@ extension PostgresQueueStore {
         }
     }
 
-    /// `body`'s result, or a `.transport` error after `seconds`; `body` runs in a task of its own that is
-    /// cancelled, not awaited, when the deadline passes.
+    /// `body`'s result, or a `.transport` error once `seconds` pass with no answer (the start, or the last
+    /// ``answered()`` in `body`); `body` runs in a task of its own that is cancelled, not awaited, then.
     static func withDeadline<T: Sendable>(
         seconds: Double, what: String, _ body: @escaping @Sendable () async throws -> T
     ) async throws -> T {
         let race = DeadlineRace<T>()
+        let answers = AnswerClock()
         return try await withCheckedThrowingContinuation { continuation in
             race.continuation.withLock { $0 = continuation }
             let work = Task {
                 do {
-                    race.finish(.success(try await body()))
+                    race.finish(.success(try await $answers.withValue(answers) { try await body() }))
                 } catch {
                     race.finish(.failure(error))
                 }
             }
+            let limit = Duration.milliseconds(Int64(seconds * 1000))
             let timer = Task {
-                try await Task.sleep(for: .milliseconds(Int64(seconds * 1000)))
+                while let due = answers.due(limit: limit) {
+                    try await Task.sleep(until: due)
+                }
                 work.cancel()
                 race.finish(.failure(DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(seconds)) s")))
             }
             race.timer.withLock { $0 = timer }
         }
+    }
+
+    /// When PostgreSQL last answered in the operation ``withDeadline(seconds:what:_:)`` runs (a task-local
+    /// value: the operation's own task and what it awaits).
+    @TaskLocal static var answers: AnswerClock?
+
+    /// Tells the running operation's deadline that PostgreSQL answered (a statement of several finished): its
+    /// time starts again. Nothing outside an operation.
+    static func answered() {
+        answers?.touch()
     }
 
     /// Connects once on a connection of its own and closes it: the cause of a failure, named (the pool would

@@ -75,6 +75,7 @@ extension PostgresQueueStore {
                     {
                         changed += 1
                     }
+                    Self.answered()
                 }
                 return changed
             }
