@@ -2,6 +2,7 @@ import ArgumentParser
 import FHIRDataQueue
 import Foundation
 import Logging
+import Synchronization
 
 #if canImport(Glibc)
     import Glibc
@@ -139,8 +140,35 @@ enum Exit {
 }
 
 /// Prints to standard error.
-func printError(_ text: String) {
-    FileHandle.standardError.write(Data((text + "\n").utf8))
+/// Writes `text` (`dq: …`, or `dq: warning: …`) to standard error as the log lines are written: under
+/// systemd's journal each line starts with its syslog priority (`level`, else warning for a `dq: warning:` line
+/// and error for the others), and with `--log-format json` it is one JSON object.
+func printError(_ text: String, level: Logger.Level? = nil) {
+    let level = level ?? (text.hasPrefix("dq: warning: ") ? .warning : .error)
+    guard StandardError.format.withLock({ $0 }) == .json else {
+        StandardError.write(text, level: level)
+        return
+    }
+    var message = Substring(text)
+    for prefix in ["dq: ", "warning: "] where message.hasPrefix(prefix) { message = message.dropFirst(prefix.count) }
+    StandardError.write(DQLogHandler.jsonLine(level: level, message: String(message), metadata: [:]), level: level)
+}
+
+/// Standard error as dq's lines go there.
+enum StandardError {
+    /// The log format, once the settings named it (`--log-format`, `DQ_LOG_FORMAT`, `log_format`).
+    static let format = Mutex(DQLogHandler.Format.text)
+    /// Whether standard error is systemd's journal stream (see ``DQLogHandler/writesToJournal(environment:)``).
+    static let journal = DQLogHandler.writesToJournal()
+
+    /// Writes `text`, each of its lines with the priority prefix of `level` when the journal reads them.
+    static func write(_ text: String, level: Logger.Level) {
+        let output =
+            journal
+            ? text.split(separator: "\n", omittingEmptySubsequences: false).map { "<\(DQLogHandler.priority(level))>\($0)" }
+                .joined(separator: "\n") : text
+        FileHandle.standardError.write(Data((output + "\n").utf8))
+    }
 }
 
 var standardErrorIsTerminal: Bool { isatty(2) == 1 }
@@ -205,8 +233,8 @@ func withQueue<T>(
         settings = loaded
         let format = try DQLogHandler.Format.named(
             options.logFormat ?? ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"] ?? settings.logFormat)
-        let journal = DQLogHandler.writesToJournal()
-        LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format, journal: journal) }
+        StandardError.format.withLock { $0 = format }
+        LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format) }
         logger = Logger(label: "dq")
         warnAboutExposure(settings)
         queue = try await openQueue(settings, readOnly: readOnly, waitsForDatabase: waitsForDatabase, logger: logger)
@@ -276,7 +304,7 @@ struct DQLogHandler: LogHandler {
     /// Whether standard error is systemd's journal stream: each line then starts with its syslog priority.
     let journal: Bool
 
-    init(label: String, level: Logger.Level, format: Format = .text, journal: Bool = false) {
+    init(label: String, level: Logger.Level, format: Format = .text, journal: Bool = StandardError.journal) {
         self.label = label
         self.logLevel = level
         self.format = format
@@ -319,15 +347,24 @@ struct DQLogHandler: LogHandler {
             let details = merged.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ", ")
             line = "dq: \(event.level): \(event.message)" + (details.isEmpty ? "" : " (\(details))")
         case .json:
-            var object: [String: String] = merged.mapValues { "\($0)" }
-            object["time"] = Date().formatted(.iso8601)
-            object["level"] = event.level.rawValue
-            object["message"] = "\(event.message)"
-            let encoder = JSONEncoder()
-            encoder.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
-            line = (try? encoder.encode(object)).map { String(decoding: $0, as: UTF8.self) } ?? "{}"
+            line = Self.jsonLine(level: event.level, message: "\(event.message)", metadata: merged)
         }
-        printError(journal ? "<\(Self.priority(event.level))>" + line : line)
+        if journal {
+            StandardError.write(line, level: event.level)
+        } else {
+            FileHandle.standardError.write(Data((line + "\n").utf8))
+        }
+    }
+
+    /// One JSON log line: `time` (RFC 3339, UTC), `level`, `message` and the event's fields.
+    static func jsonLine(level: Logger.Level, message: String, metadata: Logger.Metadata) -> String {
+        var object: [String: String] = metadata.mapValues { "\($0)" }
+        object["time"] = Date().formatted(.iso8601)
+        object["level"] = level.rawValue
+        object["message"] = message
+        let encoder = JSONEncoder()
+        encoder.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
+        return (try? encoder.encode(object)).map { String(decoding: $0, as: UTF8.self) } ?? "{}"
     }
 }
 

@@ -1,6 +1,7 @@
 import ArgumentParser
 import FHIRDataQueue
 import Foundation
+import Logging
 import Metrics
 import Prometheus
 import Synchronization
@@ -113,12 +114,12 @@ extension DQ {
                         "dq: \(report.held) item(s) held back unsent: a reference cannot be resolved; see dq list --parked")
                 }
                 if report.parked == 0 && report.parkedTotal > 0 && !quiet {
-                    printError("dq: \(report.parkedTotal) parked item(s) need an operator: dq list --parked")
+                    printError("dq: \(report.parkedTotal) parked item(s) need an operator: dq list --parked", level: .warning)
                 }
                 for other in elsewhere {
                     printError(
-                        "dq: nothing pending for \(queue.queueName), but \(other.pending) item(s) wait for \(other.queue) (dq status --all)"
-                    )
+                        "dq: nothing pending for \(queue.queueName), but \(other.pending) item(s) wait for \(other.queue) (dq status --all)",
+                        level: .notice)
                 }
                 return code
             }

@@ -1,6 +1,7 @@
 import ArgumentParser
 import FHIRDataQueue
 import Foundation
+import Logging
 
 extension DQ {
     struct Status: AsyncParsableCommand {
@@ -302,7 +303,7 @@ extension DQ {
                     items.removeLast()
                     let status = try await queue.status()
                     let total = state == .parked ? status.parked : state == .pending ? status.pending : status.pending + status.parked
-                    printError("dq: showing the first \(limit) of \(total) items; use --limit to see more")
+                    printError("dq: showing the first \(limit) of \(total) items; use --limit to see more", level: .notice)
                 }
                 if json { try printJSON(items); return }
                 if items.isEmpty { print("no items"); return }

@@ -37,11 +37,12 @@ extension DQ {
                 let listener = try await LoopbackRedirectListener.start(port: port)
                 defer { Task { await listener.close() } }
                 let pending = try await client.prepareSignIn(redirectURI: listener.redirectURI)
-                printError("dq: open this address in a browser and sign in (waiting up to \(Int(timeout)) s):")
+                printError("dq: open this address in a browser and sign in (waiting up to \(Int(timeout)) s):", level: .notice)
                 // Unbuffered, so that whoever reads the output sees the address while dq waits.
                 FileHandle.standardOutput.write(Data((pending.authorizationURL.absoluteString + "\n").utf8))
                 if noBrowser {
-                    printError("dq: then paste here the address the browser was sent to (it begins with \(listener.redirectURI)):")
+                    printError(
+                        "dq: then paste here the address the browser was sent to (it begins with \(listener.redirectURI)):", level: .notice)
                 } else {
                     openBrowser(pending.authorizationURL)
                 }
@@ -72,7 +73,7 @@ extension DQ {
                             let text = line.trimmingCharacters(in: .whitespaces)
                             if text.isEmpty { continue }
                             if let url = URL(string: text), url.query != nil, text.hasPrefix("http") { return url }
-                            printError("dq: that is not the address the browser was sent to; paste the whole address")
+                            printError("dq: that is not the address the browser was sent to; paste the whole address", level: .notice)
                         }
                         return nil
                     }

@@ -1,6 +1,7 @@
 import ArgumentParser
 import FHIRDataQueue
 import Foundation
+import Logging
 
 extension DQ {
     struct Rekey: AsyncParsableCommand {
@@ -41,7 +42,7 @@ extension DQ {
                     if let display {
                         display.update(done, of: nil)
                     } else if !json {
-                        printError("dq: sealed \(done) item(s) under the new key so far")
+                        printError("dq: sealed \(done) item(s) under the new key so far", level: .info)
                     }
                 }
                 display?.finish()

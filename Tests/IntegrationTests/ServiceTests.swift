@@ -176,6 +176,25 @@ struct ServiceTests {
         #expect(lines.contains { $0.hasPrefix("<4>dq: warning: delivery stopped") }, "\(lines)")
         #expect(lines.allSatisfy { $0.hasPrefix("<") }, "every line prefixed: \(lines)")
 
+        // dq's own lines, not only the logger's: a refused setting is an error (<3>), an unknown variable a
+        // warning (<4>).
+        try Data().write(to: URL(fileURLWithPath: journalFile))
+        let journalEnvironment = env.merging(["JOURNAL_STREAM": "\(info.st_dev):\(info.st_ino)"]) { $1 }
+        let refused = try await ChildProcess(
+            "/bin/sh", ["-c", #"exec "$0" flush --now 2>>"$1""#, Peers.dqBinary, journalFile],
+            environment: journalEnvironment.merging(["DQ_BATCH_SIZE": "0"]) { $1 }
+        ).wait()
+        #expect(refused.status == 78)
+        let warned = try await ChildProcess(
+            "/bin/sh", ["-c", #"exec "$0" status 2>>"$1""#, Peers.dqBinary, journalFile],
+            environment: journalEnvironment.merging(["DQ_SEVER": "x"]) { $1 }
+        ).wait()
+        #expect(warned.status == 0)
+        let refusedLines = text().split(separator: "\n").map(String.init)
+        #expect(refusedLines.contains { $0.hasPrefix("<3>dq: configuration: DQ_BATCH_SIZE must be") }, "\(refusedLines)")
+        #expect(refusedLines.contains { $0.hasPrefix("<4>dq: warning: DQ_SEVER is not a dq setting") }, "\(refusedLines)")
+        #expect(!refusedLines.isEmpty && refusedLines.allSatisfy { $0.hasPrefix("<") }, "every line prefixed: \(refusedLines)")
+
         // A JOURNAL_STREAM that is not standard error (a child of a service writing elsewhere): plain lines.
         let plain = try ChildProcess(
             Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env.merging(["JOURNAL_STREAM": "1:2"]) { $1 })
@@ -199,6 +218,19 @@ struct ServiceTests {
         #expect(stopped?["level"] as? String == "warning" && stopped?["queue"] as? String == server.base, "\(jsonResult.stderr)")
         #expect((stopped?["time"] as? String)?.hasSuffix("Z") == true, "RFC 3339 in UTC")
         #expect(!jsonResult.stderr.contains("tok-s3cret-value") && !text().contains("tok-s3cret-value"), "no secret in any line")
+        // A one-shot flush's own lines (what it could not do) are JSON objects too, at their level.
+        let flushJSON = try await dq(["flush", "--now", "--log-format", "json"], env)
+        #expect(flushJSON.status == 75, "\(flushJSON.stderr)")
+        let flushObjects = flushJSON.stderr.split(separator: "\n").map {
+            try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any]
+        }
+        #expect(!flushObjects.isEmpty && flushObjects.allSatisfy { $0 != nil }, "every line is a JSON object: \(flushJSON.stderr)")
+        #expect(
+            flushObjects.compactMap { $0 }.contains {
+                $0["level"] as? String == "error" && !(($0["message"] as? String) ?? "dq: ").hasPrefix("dq: ")
+            },
+            "\(flushJSON.stderr)")
+        #expect(!flushJSON.stderr.contains("tok-s3cret-value"))
         let bad = try await dq(["flush", "--log-format", "xml"], env)
         #expect(bad.status == 78 && bad.stderr.contains("text or json"), "\(bad.stderr)")
     }
@@ -435,6 +467,48 @@ struct ServiceTests {
         #expect(text.contains("# HELP dq_items_delivered_total Items this process delivered"), "\(text)")
         let (health, ok) = try await HTTP.get("http://127.0.0.1:\(port)/healthz")
         #expect(health == 200 && String(decoding: ok, as: UTF8.self) == "ok\n")
+        run.kill(SIGTERM)
+        #expect(await run.wait(timeout: .seconds(30)).status == 0)
+    }
+
+    @Test(
+        "The gauges move: while the server is down the oldest pending item ages and the backoff ends in the future; once delivered both are 0"
+    )
+    func gaugesMove() async throws {
+        let server = try FHIRServer()  // not started yet: connection refused
+        var env = environment(server.base)
+        env["DQ_RETRY_INITIAL_SECONDS"] = "0.5"
+        env["DQ_RETRY_MAXIMUM_SECONDS"] = "1"
+        #expect(try await dq(["enqueue", try work.write("one.json", resources.observation(0))], env).status == 0)
+        let port = Peers.freePort()
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(port)"], environment: env)
+        let queue = server.base
+        func gauge(_ name: String) async -> Double? {
+            guard let (status, body) = try? await HTTP.get("http://127.0.0.1:\(port)/metrics"), status == 200 else { return nil }
+            let prefix = "\(name){destination=\"\(queue)\"} "
+            return String(decoding: body, as: UTF8.self).split(separator: "\n").first { $0.hasPrefix(prefix) }
+                .flatMap { Double($0.dropFirst(prefix.count)) }
+        }
+        #expect(try await eventually { (await gauge("dq_backoff_until_timestamp_seconds") ?? 0) > Date().timeIntervalSince1970 - 1 })
+        let backoff = await gauge("dq_backoff_until_timestamp_seconds") ?? 0
+        #expect(backoff > 1_000_000_000, "a Unix time: \(backoff)")
+        let firstAge = await gauge("dq_oldest_pending_age_seconds") ?? 0
+        #expect(firstAge > 0, "an item pending: \(firstAge)")
+        #expect(
+            try await eventually { (await gauge("dq_oldest_pending_age_seconds") ?? 0) >= firstAge + 1 },
+            "the pending item ages from \(firstAge)")
+        #expect(await gauge("dq_queue_depth") == 1)
+
+        try await server.start()
+        #expect(
+            try await eventually {
+                let depth = await gauge("dq_queue_depth")
+                let age = await gauge("dq_oldest_pending_age_seconds")
+                let backoff = await gauge("dq_backoff_until_timestamp_seconds")
+                return depth == 0 && age == 0 && backoff == 0
+            }, "delivered: no pending age, no backoff")
+        #expect(try await server.values("Observation", system: resources.system) == ["0"])
         run.kill(SIGTERM)
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
     }
