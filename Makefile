@@ -5,7 +5,7 @@ export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
 
 BENCH_APT := apache2-utils
-.PHONY: all build gateway release install uninstall deb deps peers test unit demo bench torture sanitize lint man docs clean
+.PHONY: all build gateway release install install-files uninstall deb deps peers test unit demo bench torture sanitize lint man docs clean
 
 all: build
 
@@ -32,23 +32,35 @@ RELEASE_FLAGS := -c release --static-swift-stdlib -Xlinker -s
 release: deps
 	$(SWIFT) build $(RELEASE_FLAGS) --product dq
 
-# dq alone (one static binary), its man page and its shell completions. DESTDIR for packaging.
+# dq alone (one static binary), its man page, its shell completions and the systemd units of Examples/systemd
+# (in $PREFIX/lib/systemd/system, naming $PREFIX/bin/dq). DESTDIR for packaging.
 PREFIX ?= /usr/local
 install: release
+	$(SWIFT) package generate-manual --configuration release >/dev/null
+	@$(MAKE) --no-print-directory install-files INSTALL_BIN=.build/release/dq MANPAGE=.build/plugins/GenerateManual/outputs/dq/dq.1
+
+# What `install` copies, from INSTALL_BIN (and MANPAGE when set): `make test` installs its debug build into a
+# scratch DESTDIR with it (scripts/install-check.sh).
+INSTALL_BIN ?= .build/release/dq
+UNITS := dq.service dq-flush.service dq-flush.timer
+install-files:
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/man/man1 \
 	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions $(DESTDIR)$(PREFIX)/share/zsh/site-functions \
-	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d
-	install -m 755 .build/release/dq $(DESTDIR)$(PREFIX)/bin/
-	$(SWIFT) package generate-manual --configuration release >/dev/null
-	install -m 644 .build/plugins/GenerateManual/outputs/dq/dq.1 $(DESTDIR)$(PREFIX)/share/man/man1/dq.1
-	.build/release/dq --generate-completion-script bash > $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq
-	.build/release/dq --generate-completion-script zsh > $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq
-	.build/release/dq --generate-completion-script fish > $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish
+	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d $(DESTDIR)$(PREFIX)/lib/systemd/system
+	install -m 755 $(INSTALL_BIN) $(DESTDIR)$(PREFIX)/bin/dq
+	if [ -n "$(MANPAGE)" ]; then install -m 644 $(MANPAGE) $(DESTDIR)$(PREFIX)/share/man/man1/dq.1; fi
+	$(INSTALL_BIN) --generate-completion-script bash > $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq
+	$(INSTALL_BIN) --generate-completion-script zsh > $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq
+	$(INSTALL_BIN) --generate-completion-script fish > $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish
+	for unit in $(UNITS); do \
+	  sed 's|/usr/local/bin/dq|$(PREFIX)/bin/dq|g' Examples/systemd/$$unit > $(DESTDIR)$(PREFIX)/lib/systemd/system/$$unit; \
+	  chmod 644 $(DESTDIR)$(PREFIX)/lib/systemd/system/$$unit; done
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/dq $(DESTDIR)$(PREFIX)/share/man/man1/dq.1 \
 	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq \
-	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish
+	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish \
+	  $(addprefix $(DESTDIR)$(PREFIX)/lib/systemd/system/,$(UNITS))
 
 # A Debian package (dpkg-deb, no network) of the release dq, with its man page, completions, units and a
 # dq system user: .build/deb/dq_<version>_<arch>.deb. See scripts/deb.sh.
@@ -78,6 +90,7 @@ test: build gateway peers
 	@# The Debian package installed, checked and removed, alone: an installed /etc/dq/dq.json is every dq's config.
 	@if [ "$$(id -u)" = 0 ]; then scripts/deb.sh test $(DQ_BIN); \
 	else echo "== the Debian package test was NOT run: it installs into /usr and /etc, so it needs root =="; fi
+	@scripts/install-check.sh $(DQ_BIN)
 
 # The full crash, fault, concurrency, exhaustion and bad-input runs (about 10 minutes).
 torture: build peers

@@ -8,7 +8,7 @@
 # binary, whose Swift runtime comes from the toolchain on this machine.
 #
 # The package: /usr/bin/dq, bash/zsh/fish completions, the man page when given, the systemd units of
-# Examples/systemd (User=dq instead of DynamicUser=, /usr/bin/dq), /etc/dq/dq.json as a conffile (root:dq 0640),
+# Examples/systemd (with /usr/bin/dq), /etc/dq/dq.json as a conffile (root:dq 0640),
 # a `dq` system user and group, /var/lib/dq (dq:dq 2770: shared with the group, see README "Sharing a queue"). Nothing is started or enabled: the conffile names an
 # example server. `dpkg -r` leaves /etc/dq/dq.json and /var/lib/dq; `dpkg -P` removes the conffile and keeps
 # /var/lib/dq, which may hold undelivered resources.
@@ -59,9 +59,7 @@ build() {
         gzip -9n < "$manpage" > "$stage/usr/share/man/man1/dq.1.gz"
     fi
     for unit in dq.service dq-flush.service dq-flush.timer; do
-        sed -e 's|/usr/local/bin/dq|/usr/bin/dq|g' -e 's|^DynamicUser=yes$|User=dq\nGroup=dq|' \
-            -e 's|^StateDirectoryMode=0700$|StateDirectoryMode=2770|' \
-            "$ROOT/Examples/systemd/$unit" > "$stage/lib/systemd/system/$unit"
+        sed -e 's|/usr/local/bin/dq|/usr/bin/dq|g' "$ROOT/Examples/systemd/$unit" > "$stage/lib/systemd/system/$unit"
     done
     cat > "$stage/etc/dq/dq.json" <<'EOF'
 {
