@@ -27,7 +27,9 @@ extension DQ {
         func run() async throws {
             let age = parseDuration(journalOlderThan) ?? 0
             try await withQueue(queueOptions) { queue in
-                let removed = try await queue.pruneJournal(olderThan: age)
+                let display = TerminalProgress("pruned", enabled: !json)
+                let removed = try await queue.pruneJournal(olderThan: age) { done in display?.update(done, of: nil) }
+                display?.finish()
                 if vacuum { try await queue.vacuum() }
                 if json {
                     struct Pruned: Encodable { var journalLines: Int; var vacuumed: Bool }

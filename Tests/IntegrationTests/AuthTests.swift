@@ -103,6 +103,45 @@ struct AuthTests {
         #expect(try await server.values("Observation", system: resources.system) == ["0", "1"])
     }
 
+    @Test(
+        "SIGHUP with a rotated client secret (client_secret_file in $CREDENTIALS_DIRECTORY): dq run's next token request uses the new one; nothing is lost"
+    )
+    func rotatedSecretOnHangup() async throws {
+        let (server, _, _) = try await server()
+        let credentials = work.file("credentials")
+        try FileManager.default.createDirectory(atPath: credentials, withIntermediateDirectories: true)
+        let secretFile = credentials + "/client-secret"
+        // The authorization server has rotated the secret already; dq still holds the one before.
+        let before = "before-\(UUID().uuidString.prefix(8))"
+        _ = FileManager.default.createFile(atPath: secretFile, contents: Data((before + "\n").utf8), attributes: [.posixPermissions: 0o600])
+        let object: [String: Any] = [
+            "server": server.base, "database": work.file("queue.sqlite"),
+            "auth": ["client_id": "c1", "client_secret_file": "client-secret"],
+            "retry": ["initial_seconds": 0.1, "maximum_seconds": 0.3],
+        ]
+        let config = work.file("rotating.json")
+        try JSONSerialization.data(withJSONObject: object).write(to: URL(fileURLWithPath: config))
+        let env = ["DQ_CONFIG": config, "HOME": work.path, "CREDENTIALS_DIRECTORY": credentials, "DQ_LOG_LEVEL": "notice"]
+        #expect(try await dq(["enqueue", "--ndjson", try work.write("two.ndjson", resources.ndjson(0..<2))], env).status == 0)
+        let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { log().contains("invalid_client") }, "the old secret is refused: \(log())")
+        #expect(try await server.values("Observation", system: resources.system).isEmpty)
+
+        try Data((secret + "\n").utf8).write(to: URL(fileURLWithPath: secretFile))
+        run.kill(SIGHUP)
+        #expect(
+            try await eventually { (try await server.values("Observation", system: resources.system)) == ["0", "1"] },
+            "delivered with the rotated secret, without a restart: \(log())")
+        #expect(log().contains("configuration reloaded") && log().contains("changed=auth.client_secret"), "\(log())")
+        #expect(run.process.isRunning, "no restart")
+        run.kill(SIGTERM)
+        let result = await run.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "\(result.stderr)")
+        #expect(!result.stderr.contains(secret) && !result.stderr.contains(before), "no secret in any line")
+        #expect(try await server.values("Observation", system: resources.system) == ["0", "1"], "each once")
+    }
+
     @Test("No secret, assertion or token appears in any output of an authenticated run")
     func noSecretsInOutput() async throws {
         let (server, _, _) = try await server()

@@ -242,7 +242,7 @@ struct OperatorTests {
     }
 
     @Test(
-        "Config discovery: ./dq.json, then $XDG_CONFIG_HOME/dq/dq.json (else ~/.config/dq/dq.json); secrets from files, found in $CREDENTIALS_DIRECTORY"
+        "Config discovery: --config, $DQ_CONFIG, ./dq.json, then $XDG_CONFIG_HOME/dq/dq.json (else ~/.config/dq/dq.json); secrets from files, found in $CREDENTIALS_DIRECTORY"
     )
     func configDiscoveryAndSecretFiles() async throws {
         let server = try FHIRServer(tokens: ["file-t0ken-value"], readerToken: "file-t0ken-value")
@@ -273,6 +273,15 @@ struct OperatorTests {
         #expect(try await dq(["doctor"], env, directory: directory).stdout.contains("http://xdg.invalid/fhir"))
         _ = FileManager.default.createFile(atPath: directory + "/dq.json", contents: Data(#"{"server": "http://here.invalid/fhir"}"#.utf8))
         #expect(try await dq(["doctor"], env, directory: directory).stdout.contains("http://here.invalid/fhir"))
+        // $DQ_CONFIG wins over every file found, and --config over $DQ_CONFIG; dq config names the file.
+        let named = try work.write("named.json", #"{"server": "http://named.invalid/fhir"}"#)
+        let flagged = try work.write("flagged.json", #"{"server": "http://flagged.invalid/fhir"}"#)
+        let byVariable = try await dq(["config"], env.merging(["DQ_CONFIG": named]) { $1 }, directory: directory)
+        #expect(
+            byVariable.stdout.contains("http://named.invalid/fhir") && byVariable.stdout.contains("\(named): server"),
+            "\(byVariable.stdout)")
+        let byFlag = try await dq(["config", "--config", flagged], env.merging(["DQ_CONFIG": named]) { $1 }, directory: directory)
+        #expect(byFlag.stdout.contains("http://flagged.invalid/fhir"), "\(byFlag.stdout)")
         try FileManager.default.removeItem(atPath: directory + "/dq.json")
         env["XDG_CONFIG_HOME"] = nil
 
@@ -316,6 +325,46 @@ struct OperatorTests {
         #expect(!log.stdout.contains("\"delivered\""), "the line went with the retention: \(log.stdout)")
         let bad = try await dq(["flush", "--config", try work.write("bad.json", #"{"journal_retention_days": -1}"#)], env)
         #expect(bad.status == 78 && bad.stderr.contains("journal_retention_days"), "\(bad.stderr)")
+
+        // Retention under dq run: applied when it starts (then daily); the lines go, the queued item stays.
+        #expect(try await dq(["enqueue", "--ndjson", try work.write("more.ndjson", resources.ndjson(4..<6))], env).status == 0)
+        #expect(try await dq(["flush"], env).status == 0)
+        #expect(try await dq(["log", "--json"], env).stdout.components(separatedBy: "\"delivered\"").count == 3)
+        try await Task.sleep(for: .seconds(1.2))
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--config", config, "--poll-interval", "0.2"],
+            environment: env.merging(["DQ_LOG_LEVEL": "notice"]) { $1 })
+        let runLog = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { runLog().contains("pruned the delivery journal") }, "\(runLog())")
+        run.kill(SIGTERM)
+        let ran = await run.wait(timeout: .seconds(30))
+        #expect(ran.status == 0 && ran.stderr.contains("lines=2"), "\(ran.stderr)")
+        #expect(!(try await dq(["log", "--json"], env).stdout.contains("\"delivered\"")), "the lines went under dq run")
+    }
+
+    @Test(
+        "dq prune --vacuum gives the space of delivered items and pruned lines back to the file system; without it the file keeps its size")
+    func pruneVacuum() async throws {
+        let server = try await FHIRServer.start()
+        let env = environment(server.base)
+        let padding = String(repeating: "p", count: 4000)
+        let bulk = (0..<500).map { resources.observation($0, extra: padding) }.joined(separator: "\n")
+        #expect(try await dq(["enqueue", "--ndjson", try work.write("bulk.ndjson", bulk)], env).status == 0)
+        #expect(try await dq(["flush"], env).status == 0)
+        #expect(try await server.values("Observation", system: resources.system).count == 500)
+        let database = work.file("queue.sqlite")
+        func size() throws -> Int { try #require(try FileManager.default.attributesOfItem(atPath: database)[.size] as? Int) }
+        let delivered = try size()
+        #expect(delivered > 2_000_000, "the delivered items' pages are still in the file: \(delivered)")
+        let pruned = try await dq(["prune", "--journal-older-than", "0s"], env)
+        #expect(pruned.status == 0 && pruned.stdout.contains("pruned 500 journal line(s)"), "\(pruned.stdout)\(pruned.stderr)")
+        #expect(try size() >= delivered, "without --vacuum SQLite keeps the free pages")
+        let vacuumed = try await dq(["prune", "--journal-older-than", "0s", "--vacuum"], env)
+        #expect(vacuumed.status == 0 && vacuumed.stdout.contains("vacuumed"), "\(vacuumed.stdout)\(vacuumed.stderr)")
+        let after = try size()
+        #expect(after < delivered / 4, "the space went back: \(delivered) then \(after) bytes")
+        let status = try await dq(["status", "--json"], env)
+        #expect(try json(status.stdout)["pending"] as? Int == 0, "\(status.stdout)")
     }
 
     @Test("status --check: a monitoring plugin's line and exit codes (0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN) on crafted queues")

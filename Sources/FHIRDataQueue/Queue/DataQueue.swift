@@ -897,9 +897,10 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
 
     /// Deletes the journal lines older than `age` seconds, of every queue in the database (never a queued
     /// item); returns how many. A delivered item's line is what resolves later references to its `fullUrl`
-    /// and what `dq show` finds once it has left the queue: past the retention both are gone.
-    public func pruneJournal(olderThan age: TimeInterval) async throws -> Int {
-        try await store.pruneJournal(before: Date().addingTimeInterval(-age))
+    /// and what `dq show` finds once it has left the queue: past the retention both are gone. `progress` is
+    /// told how many lines are deleted so far, after each short transaction.
+    public func pruneJournal(olderThan age: TimeInterval, progress: @Sendable (Int) -> Void = { _ in }) async throws -> Int {
+        try await store.pruneJournal(before: Date().addingTimeInterval(-age), progress: progress)
     }
 
     /// Gives the space of deleted journal lines and items back to the file system (SQLite's `VACUUM`, which

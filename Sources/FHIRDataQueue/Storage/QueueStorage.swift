@@ -120,8 +120,9 @@ protocol QueueStorage: AnyObject, Sendable {
     func deliveries(queue: String?, limit: Int) async throws -> [DeliveryRecord]
 
     /// Deletes the journal lines (of every queue) written before `cutoff`, oldest first, in short
-    /// transactions; returns how many. Lines are appended in time order, so it stops at the first newer one.
-    func pruneJournal(before cutoff: Date) async throws -> Int
+    /// transactions; returns how many, and tells `progress` how many so far after each transaction. Lines are
+    /// appended in time order, so it stops at the first newer one.
+    func pruneJournal(before cutoff: Date, progress: @Sendable (Int) -> Void) async throws -> Int
 
     /// Gives the space of deleted rows back to the file system. The default does nothing (a database server
     /// that vacuums on its own).

@@ -471,7 +471,9 @@ final class SealedStorage: QueueStorage {
         try await inner.deliveries(queue: queue, limit: limit)
     }
 
-    func pruneJournal(before cutoff: Date) async throws -> Int { try await inner.pruneJournal(before: cutoff) }
+    func pruneJournal(before cutoff: Date, progress: @Sendable (Int) -> Void) async throws -> Int {
+        try await inner.pruneJournal(before: cutoff, progress: progress)
+    }
 
     func vacuum() async throws { try await inner.vacuum() }
 

@@ -208,7 +208,7 @@ extension PostgresQueueStore {
         }
     }
 
-    func pruneJournal(before cutoff: Date) async throws -> Int {
+    func pruneJournal(before cutoff: Date, progress: @Sendable (Int) -> Void) async throws -> Int {
         var removed = 0
         while true {
             let (deleted, more) = try await run("prune the delivery journal") { [self] () -> (Int, Bool) in
@@ -223,6 +223,7 @@ extension PostgresQueueStore {
                 return (old.count, old.count == head.count && head.count == 1000)
             }
             removed += deleted
+            progress(removed)
             if !more { return removed }
         }
     }

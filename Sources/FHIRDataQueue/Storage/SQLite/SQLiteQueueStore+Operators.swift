@@ -186,7 +186,7 @@ extension SQLiteQueueStore {
         }
     }
 
-    func pruneJournal(before cutoff: Date) async throws -> Int {
+    func pruneJournal(before cutoff: Date, progress: @Sendable (Int) -> Void) async throws -> Int {
         // Most calls find nothing old: a read, and no write transaction.
         let oldest = try await read("read the delivery journal") { db in
             try Double.fetchOne(db, sql: "SELECT at FROM delivery ORDER BY seq LIMIT 1")
@@ -202,6 +202,7 @@ extension SQLiteQueueStore {
                 return (db.changesCount, old.count == head.count && head.count == 1000)
             }
             removed += deleted
+            progress(removed)
             if !more { return removed }
         }
     }
