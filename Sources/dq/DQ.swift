@@ -265,6 +265,9 @@ func warnAboutExposure(_ settings: DataQueueSettings) {
         printError(
             "dq: warning: \(path) holds a secret and is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(path)")
     }
+    if settings.databasePassword != nil {
+        printError("dq: warning: \"database_password_file\" is set but \"database\" is not a postgres:// URL; the file is not used")
+    }
     for path in settings.exposedSecretFiles {
         printError("dq: warning: the secret file \(path) is readable by others; run: chmod 600 \(path)")
     }

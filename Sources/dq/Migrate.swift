@@ -27,7 +27,8 @@ extension DQ {
                 warnAboutCommandLineSecrets(database: to, proxy: nil, flag: "--to")
                 let source = settings.database ?? DataQueue.defaultDatabasePath()
                 let display = TerminalProgress("moved", enabled: !json)
-                let report = try await DataQueue.migrate(from: source, to: to, logger: logger) { moved, total in
+                let report = try await DataQueue.migrate(from: source, to: settings.withDatabasePassword(to), logger: logger) {
+                    moved, total in
                     display?.update(moved, of: total)
                 }
                 display?.finish()

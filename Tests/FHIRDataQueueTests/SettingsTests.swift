@@ -172,6 +172,27 @@ struct SettingsTests {
         let database = try #require(settings.database)
         #expect(try parse(database, ["PGPASSWORD": "env"]).password == awkward, "every character survives the URL")
         #expect(!QueuePaths.displayDatabase(database).contains("p@ss"), "\(QueuePaths.displayDatabase(database))")
+        // libpq's default user is the user dq runs as; a key or password file is judged through its symbolic link.
+        let (anonymous, _, _, _) = try PostgresQueueStore.configuration(
+            url: "postgres://db/queue", environment: ["PGPASSFILE": "/nonexistent"])
+        #expect(anonymous.username == PostgresQueueStore.systemUserName(), "\(anonymous.username)")
+        let secret = directory.appendingPathComponent("secret").path
+        _ = FileManager.default.createFile(atPath: secret, contents: Data("x".utf8), attributes: [.posixPermissions: 0o600])
+        try FileManager.default.createSymbolicLink(atPath: directory.appendingPathComponent("link").path, withDestinationPath: secret)
+        #expect(PasswordFile.ownerAndMode(directory.appendingPathComponent("link").path)?.mode == 0o600)
+        // libpq's default certificate files are not read for a socket or sslmode=disable, and default files that
+        // cannot be used are left aside; a certificate named that cannot be used is an error.
+        let home = directory.appendingPathComponent("home")
+        try FileManager.default.createDirectory(at: home.appendingPathComponent(".postgresql"), withIntermediateDirectories: true)
+        try Data("not a certificate".utf8).write(to: home.appendingPathComponent(".postgresql/postgresql.crt"))
+        try Data("not a key".utf8).write(to: home.appendingPathComponent(".postgresql/postgresql.key"))
+        for url in ["postgres://dq@db/queue?sslmode=disable", "postgres://dq@/queue?host=/run/pg", "postgres://dq@db/queue"] {
+            #expect(throws: Never.self, "\(url)") { try parse(url, ["HOME": home.path]) }
+        }
+        #expect(throws: DataQueueError.self) {
+            try parse("postgres://dq@db/queue?sslcert=\(home.path)/.postgresql/postgresql.crt", ["HOME": home.path])
+        }
+
         var both = try DataQueueSettings.decode(
             Data(#"{"server": "http://h/fhir", "database": "postgres://dq:x@db/queue", "database_password_file": "pw"}"#.utf8))
         both.baseDirectory = directory.path
@@ -325,6 +346,13 @@ struct SettingsTests {
             try DataQueueSettings.decode($0, source: $1)
         }
         #expect(settings.auth?.clientSecret == "from-systemd")
+        try Data("from-windows\r\n".utf8).write(to: elsewhere.appendingPathComponent("client-secret"))
+        settings = try DataQueueSettings.load(
+            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
+        ) {
+            try DataQueueSettings.decode($0, source: $1)
+        }
+        #expect(settings.auth?.clientSecret == "from-windows", "a CRLF line end (one Character in Swift) is dropped too")
         let error = #expect(throws: DataQueueError.self) {
             try DataQueueSettings.load(
                 config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": "/nonexistent"]

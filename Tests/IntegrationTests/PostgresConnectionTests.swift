@@ -135,7 +135,7 @@ struct PostgresConnectionTests {
     }
 
     @Test(
-        "The server's Unix socket (host=DIR, and PGHOST=DIR), with the password from database_password_file in $CREDENTIALS_DIRECTORY; a wrong one is refused (77); dq config names the file, never the password"
+        "The server's Unix socket (host=DIR, and PGHOST=DIR), with the password from database_password_file in $CREDENTIALS_DIRECTORY or PGPASSFILE; PGAPPNAME names the connections; a wrong password is refused (77); dq config names the file, never the password"
     )
     func socketAndPasswordFile() async throws {
         let server = try await TLSServer(in: work)
@@ -172,16 +172,49 @@ struct PostgresConnectionTests {
                     ]))
             #expect(pending(byVariables) == 1, "\(byVariables.stdout)\(byVariables.stderr)")
 
+            // libpq's password file named by PGPASSFILE, its host field the socket's folder (as libpq matches a
+            // socket outside the usual folders); PGAPPNAME names the connections, as pg_stat_activity shows.
+            let passfile = work.file("pgpass")
+            _ = FileManager.default.createFile(
+                atPath: passfile, contents: Data("\(server.directory):\(server.port):dq:dq:\(server.password)\n".utf8),
+                attributes: [.posixPermissions: 0o600])
+            let application = "dq-test-\(UUID().uuidString.prefix(6))"
+            let libpq = environment(
+                "postgres:///dq",
+                [
+                    "PGHOST": server.directory, "PGPORT": String(server.port), "PGUSER": "dq", "PGPASSFILE": passfile,
+                    "PGAPPNAME": application, "DQ_SERVER": "http://127.0.0.1:9/fhir",
+                ])
+            let byPassfile = try await dq(["status", "--json"], libpq)
+            #expect(pending(byPassfile) == 1, "\(byPassfile.stdout)\(byPassfile.stderr)")
+            let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.2"], environment: libpq)
+            let named = try await eventually {
+                let sessions = try await ChildProcess(
+                    "/usr/bin/psql",
+                    [
+                        "-h", "127.0.0.1", "-p", String(server.port), "-U", "dq", "-d", "dq", "-tAc",
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = '\(application)'",
+                    ],
+                    environment: ["PGPASSWORD": server.password, "PGSSLMODE": "disable", "PATH": "/usr/bin:/bin"]
+                ).wait()
+                return (Int(sessions.stdout.trimmingCharacters(in: .whitespacesAndNewlines)) ?? 0) > 0
+            }
+            #expect(named, "dq run's connections carry PGAPPNAME")
+            run.kill(SIGTERM)
+            #expect(await run.wait(timeout: .seconds(30)).status == 0)
+
             _ = FileManager.default.createFile(
                 atPath: credentials + "/pg-password", contents: Data("not-the-password\n".utf8), attributes: [.posixPermissions: 0o600])
             let wrong = try await dq(["status"], env)
             #expect(wrong.status == 77, "\(wrong.stderr)")
             #expect(!wrong.stderr.contains("not-the-password"))
 
-            // A password file for a database that is no PostgreSQL URL is a configuration error.
+            // A password file beside a database that is no PostgreSQL URL is not used, and dq says so.
             let sqlite = try await dq(
-                ["status"], environment(work.file("q.sqlite"), ["DQ_DATABASE_PASSWORD_FILE": credentials + "/pg-password"]))
-            #expect(sqlite.status == 78 && sqlite.stderr.contains("database_password_file"), "\(sqlite.stderr)")
+                ["enqueue", file], environment(work.file("q.sqlite"), ["DQ_DATABASE_PASSWORD_FILE": credentials + "/pg-password"]))
+            #expect(
+                sqlite.status == 0 && sqlite.stderr.contains("warning: \"database_password_file\" is set but \"database\" is not"),
+                "\(sqlite.stderr)")
         } catch {
             await server.stop()
             throw error

@@ -39,7 +39,8 @@ public struct AtRestKey: Sendable, Equatable {
             throw DataQueueError(.invalidConfiguration, "configuration: cannot read \"\(setting)\" (\(path))")
         }
         var text = String(decoding: data, as: UTF8.self)
-        while text.hasSuffix("\n") || text.hasSuffix("\r") { text.removeLast() }
+        // Line ends dropped one scalar at a time: "\r\n" is one Character.
+        while let last = text.unicodeScalars.last, last == "\n" || last == "\r" { text.unicodeScalars.removeLast() }
         guard text.hasPrefix(Self.filePrefix), let bytes = Data(base64Encoded: String(text.dropFirst(Self.filePrefix.count))),
             bytes.count == 32
         else {

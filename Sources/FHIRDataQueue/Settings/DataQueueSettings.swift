@@ -509,7 +509,8 @@ public struct DataQueueSettings: Sendable, Decodable {
                 throw Self.configError("cannot read \"\(key)\" (\(path))")
             }
             var text = String(decoding: data, as: UTF8.self)
-            while text.hasSuffix("\n") || text.hasSuffix("\r") { text.removeLast() }
+            // Line ends dropped one scalar at a time: "\r\n" is one Character.
+            while let last = text.unicodeScalars.last, last == "\n" || last == "\r" { text.unicodeScalars.removeLast() }
             guard !text.isEmpty else { throw Self.configError("\"\(key)\" (\(path)) is empty") }
             if let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0 {
                 exposedSecretFiles.append(path)
@@ -533,22 +534,27 @@ public struct DataQueueSettings: Sendable, Decodable {
     }
 
     /// Puts the password `database_password_file` holds into the `database` URL (once every source of
-    /// `database` has been applied).
+    /// `database` has been applied). A `database` that is no PostgreSQL URL keeps ``databasePassword`` set: the
+    /// command line warns that the file is not used, and `dq migrate --to` uses it for its PostgreSQL target.
     ///
-    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when `database` is no PostgreSQL URL or has a
-    ///   password of its own.
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when the `database` URL has a password of its own.
     package mutating func applyDatabasePassword() throws {
-        guard let password = databasePassword else { return }
-        guard let database, QueuePaths.isPostgresURL(database), var components = URLComponents(string: database) else {
-            throw Self.configError("\"database_password_file\" is set but \"database\" is not a postgres:// URL")
-        }
-        guard components.password == nil else {
+        guard databasePassword != nil, let database, QueuePaths.isPostgresURL(database) else { return }
+        guard URLComponents(string: database)?.password == nil else {
             throw Self.configError("\"database\" holds a password and \"database_password_file\" names one: keep one")
         }
+        self.database = withDatabasePassword(database)
+        databasePassword = nil
+    }
+
+    /// `url` with the password `database_password_file` holds, when it is a PostgreSQL URL without one.
+    package func withDatabasePassword(_ url: String) -> String {
+        guard let password = databasePassword, QueuePaths.isPostgresURL(url), var components = URLComponents(string: url),
+            components.password == nil
+        else { return url }
         if components.user == nil { components.user = "" }
         components.password = password
-        self.database = components.string
-        databasePassword = nil
+        return components.string ?? url
     }
 
     /// Adds the at-rest key files (from the file or `DQ_AT_REST_KEY_FILE`) that others than their owner can read

@@ -73,6 +73,9 @@ final class DeadlineRace<T: Sendable>: Sendable {
     let continuation = Mutex<CheckedContinuation<T, any Error>?>(nil)
     /// The deadline's timer, cancelled when the work finishes first (so that no sleeping task outlives it).
     let timer = Mutex<Task<Void, any Error>?>(nil)
+    /// The work the deadline watches (``PostgresQueueStore/withDeadline(seconds:what:_:)``), cancelled when the
+    /// deadline passes first.
+    let work = Mutex<Task<Void, Never>?>(nil)
 
     func finish(_ result: Result<T, any Error>) {
         guard let continuation = continuation.withLock({ $0.take() }) else { return }

@@ -34,9 +34,10 @@ extension PostgresQueueStore {
         guard let port = Int(portText), (1...65535).contains(port) else {
             throw DataQueueError(.invalidConfiguration, "database port \(portText) is not a port number (1-65535)")
         }
+        // libpq's default user is the name of the user dq runs as (what peer authentication on a socket expects).
         let user =
             nonEmpty(options["user"]) ?? nonEmpty(components.percentEncodedUser?.removingPercentEncoding) ?? nonEmpty(environment["PGUSER"])
-            ?? "postgres"
+            ?? Self.systemUserName() ?? "postgres"
         var database = nonEmpty(options["dbname"]) ?? String(components.path.drop(while: { $0 == "/" })).removingPercentEncoding ?? ""
         if database.isEmpty { database = environment["PGDATABASE"] ?? "" }
         guard !database.isEmpty else {
@@ -76,45 +77,15 @@ extension PostgresQueueStore {
             }
             tls.trustRoots = .file(root)
         }
-        // A client certificate for servers that ask for one (pg_hba's `cert` method, or `clientcert=verify-full`).
-        // libpq's default files are used when they exist, as libpq does.
-        let home = environment["HOME"].map { $0 + "/.postgresql/" }
-        let certificatePath =
-            nonEmpty(options["sslcert"]) ?? nonEmpty(environment["PGSSLCERT"])
-            ?? home.map { $0 + "postgresql.crt" }.flatMap { FileManager.default.fileExists(atPath: $0) ? $0 : nil }
-        if let certificatePath {
-            let keyPath = nonEmpty(options["sslkey"]) ?? nonEmpty(environment["PGSSLKEY"]) ?? home.map { $0 + "postgresql.key" }
-            guard let keyPath else {
-                throw DataQueueError(.invalidConfiguration, "database URL sslcert \(certificatePath) has no sslkey")
-            }
-            do {
-                tls.certificateChain = try NIOSSLCertificate.fromPEMFile(certificatePath).map { .certificate($0) }
-            } catch {
-                throw DataQueueError(.invalidConfiguration, "database sslcert \(certificatePath) cannot be read as PEM certificates")
-            }
-            guard !tls.certificateChain.isEmpty else {
-                throw DataQueueError(.invalidConfiguration, "database sslcert \(certificatePath) holds no certificate")
-            }
-            // libpq refuses a key file that others can read; so does dq (the key proves who the client is).
-            guard let attributes = try? FileManager.default.attributesOfItem(atPath: keyPath),
-                let mode = attributes[.posixPermissions] as? Int
-            else {
-                throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read")
-            }
-            guard mode & 0o077 == 0 || (mode & 0o037 == 0 && (attributes[.ownerAccountID] as? Int) == 0) else {
-                throw DataQueueError(
-                    .invalidConfiguration,
-                    "database sslkey \(keyPath) can be read by others (mode \(String(mode, radix: 8))); chmod 600 it, as libpq asks")
-            }
-            do {
-                tls.privateKey = .privateKey(try NIOSSLPrivateKey(file: keyPath, format: .pem))
-            } catch {
-                throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read as a PEM private key")
-            }
+        let sslmode = options["sslmode"] ?? environment["PGSSLMODE"] ?? "prefer"
+        // A client certificate for servers that ask for one (pg_hba's `cert` method, or `clientcert=verify-full`),
+        // read only where TLS may be used, as libpq reads it: not for a Unix socket nor with sslmode=disable.
+        if socketDirectory == nil && sslmode != "disable" {
+            try Self.loadClientCertificate(into: &tls, options: options, environment: environment)
         }
         let mode: PostgresClient.Configuration.TLS
         let required: Bool?  // nil: no TLS
-        switch options["sslmode"] ?? environment["PGSSLMODE"] ?? "prefer" {
+        switch sslmode {
         case "disable":
             mode = .disable
             required = nil
@@ -167,6 +138,63 @@ extension PostgresQueueStore {
         return (configuration, display.string ?? "postgres://\(host)/\(database)", prepared, probe)
     }
 
+    /// Adds the client certificate and key to `tls`: the URL's `sslcert`/`sslkey`, else `PGSSLCERT`/`PGSSLKEY`,
+    /// else libpq's default files `~/.postgresql/postgresql.crt` and `.key` when both are there. A certificate
+    /// named (in the URL or the environment) that cannot be used is a configuration error; default files that
+    /// cannot be used are left aside (libpq would go on without TLS under `prefer`).
+    static func loadClientCertificate(
+        into tls: inout TLSConfiguration, options: [String: String], environment: [String: String]
+    ) throws {
+        func nonEmpty(_ value: String?) -> String? { value.flatMap { $0.isEmpty ? nil : $0 } }
+        let named = nonEmpty(options["sslcert"]) ?? nonEmpty(environment["PGSSLCERT"])
+        let home = nonEmpty(environment["HOME"]).map { $0 + "/.postgresql/" }
+        let certificatePath: String
+        let keyPath: String
+        if let named {
+            certificatePath = named
+            guard let key = nonEmpty(options["sslkey"]) ?? nonEmpty(environment["PGSSLKEY"]) ?? home.map({ $0 + "postgresql.key" }) else {
+                throw DataQueueError(.invalidConfiguration, "database sslcert \(named) has no sslkey")
+            }
+            keyPath = key
+        } else if let home, FileManager.default.fileExists(atPath: home + "postgresql.crt"),
+            FileManager.default.fileExists(atPath: home + "postgresql.key")
+        {
+            certificatePath = home + "postgresql.crt"
+            keyPath = home + "postgresql.key"
+        } else {
+            return
+        }
+        do {
+            var candidate = tls
+            candidate.certificateChain = try NIOSSLCertificate.fromPEMFile(certificatePath).map { .certificate($0) }
+            guard !candidate.certificateChain.isEmpty else {
+                throw DataQueueError(.invalidConfiguration, "database sslcert \(certificatePath) holds no certificate")
+            }
+            // libpq refuses a key file that others can read (following a symbolic link, as stat(2) does); so
+            // does dq: the key proves who the client is.
+            guard let (owner, mode) = PasswordFile.ownerAndMode(keyPath) else {
+                throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read")
+            }
+            guard mode & 0o077 == 0 || (mode & 0o037 == 0 && owner == 0) else {
+                throw DataQueueError(
+                    .invalidConfiguration,
+                    "database sslkey \(keyPath) can be read by others (mode \(String(mode, radix: 8))); chmod 600 it, as libpq asks")
+            }
+            do {
+                candidate.privateKey = .privateKey(try NIOSSLPrivateKey(file: keyPath, format: .pem))
+            } catch {
+                throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read as a PEM private key")
+            }
+            tls = candidate
+        } catch let error as DataQueueError {
+            if named != nil { throw error }
+        } catch {
+            if named != nil {
+                throw DataQueueError(.invalidConfiguration, "database sslcert \(certificatePath) cannot be read as PEM certificates")
+            }
+        }
+    }
+
     /// The URL's options dq reads (libpq's names).
     static let supportedOptions: Set<String> = [
         "sslmode", "sslrootcert", "sslcert", "sslkey", "application_name", "connect_timeout", "prepared_statements", "host", "port",
@@ -175,5 +203,21 @@ extension PostgresQueueStore {
 
     /// Where Debian's and most distributions' PostgreSQL puts its socket.
     static let defaultSocketDirectory = "/var/run/postgresql"
-    static let knownSocketDirectories: Set<String> = ["/var/run/postgresql", "/run/postgresql", "/tmp"]
+    /// The packaged server's socket folder (Debian's libpq is built with /var/run/postgresql, a link to
+    /// /run/postgresql): a socket there is "localhost" to the password file.
+    static let knownSocketDirectories: Set<String> = ["/var/run/postgresql", "/run/postgresql"]
+
+    /// The name of the user dq runs as, from the password database.
+    static func systemUserName() -> String? {
+        var buffer = [CChar](repeating: 0, count: 4096)
+        return buffer.withUnsafeMutableBufferPointer { storage -> String? in
+            var entry = passwd()
+            var found: UnsafeMutablePointer<passwd>?
+            guard let base = storage.baseAddress, getpwuid_r(geteuid(), &entry, base, storage.count, &found) == 0, found != nil,
+                let name = entry.pw_name
+            else { return nil }
+            let text = String(cString: name)
+            return text.isEmpty ? nil : text
+        }
+    }
 }

@@ -11,6 +11,7 @@ extension PostgresQueueStore {
             var delay = Duration.milliseconds(20)
             while true {
                 if let lease = try await PostgresLease.take(store: self, queue: queue) { return lease }
+                Self.answered()  // the lease is held elsewhere: waiting for it (up to lock_wait) is no silence
                 if ContinuousClock.now >= deadline { return nil }
                 try await Task.sleep(for: min(delay, deadline - ContinuousClock.now))
                 delay = min(delay * 2, .milliseconds(250))

@@ -175,22 +175,26 @@ extension PostgresQueueStore {
         let answers = AnswerClock()
         return try await withCheckedThrowingContinuation { continuation in
             race.continuation.withLock { $0 = continuation }
-            let work = Task {
-                do {
-                    race.finish(.success(try await $answers.withValue(answers) { try await body() }))
-                } catch {
-                    race.finish(.failure(error))
-                }
-            }
+            // The timer is in place before the work starts, so that the work's end always cancels it.
             let limit = Duration.milliseconds(Int64(seconds * 1000))
-            let timer = Task {
-                while let due = answers.due(limit: limit) {
-                    try await Task.sleep(until: due)
+            race.timer.withLock {
+                $0 = Task {
+                    while let due = answers.due(limit: limit) {
+                        try await Task.sleep(until: due)
+                    }
+                    race.work.withLock { $0 }?.cancel()
+                    race.finish(.failure(DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(seconds)) s")))
                 }
-                work.cancel()
-                race.finish(.failure(DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(seconds)) s")))
             }
-            race.timer.withLock { $0 = timer }
+            race.work.withLock {
+                $0 = Task {
+                    do {
+                        race.finish(.success(try await $answers.withValue(answers) { try await body() }))
+                    } catch {
+                        race.finish(.failure(error))
+                    }
+                }
+            }
         }
     }
 

@@ -39,6 +39,14 @@ final class PostgresQueueStore: QueueStorage {
     /// Who holds leases from this store (host and process, for operators reading `dq_lease`).
     let holder: String
 
+    /// This machine's name as gethostname(2) has it, for the lease's holder. (Not ProcessInfo's hostName, which
+    /// may ask DNS for the canonical name: seconds at each start where DNS is slow or down.)
+    static let machineName: String = {
+        var buffer = [CChar](repeating: 0, count: 256)
+        guard gethostname(&buffer, buffer.count - 1) == 0 else { return "localhost" }
+        return String(decoding: buffer.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self)
+    }()
+
     /// Whether `database` names a PostgreSQL database (`postgres://` or `postgresql://`).
     static func isURL(_ database: String) -> Bool {
         QueuePaths.isPostgresURL(database)
@@ -67,7 +75,7 @@ final class PostgresQueueStore: QueueStorage {
         self.operationTimeout = Double(configuration.options.connectTimeout.components.seconds) + 5
         self.leaseSeconds = leaseSeconds
         self.logger = logger
-        self.holder = "\(ProcessInfo.processInfo.hostName):\(getpid())"
+        self.holder = "\(Self.machineName):\(getpid())"
         let client = PostgresClient(configuration: configuration, backgroundLogger: logger)
         self.client = client
         runTask = Task { await client.run() }
@@ -94,7 +102,7 @@ final class PostgresQueueStore: QueueStorage {
         self.operationTimeout = 15
         self.leaseSeconds = leaseSeconds
         self.logger = logger
-        self.holder = "\(ProcessInfo.processInfo.hostName):\(getpid())"
+        self.holder = "\(Self.machineName):\(getpid())"
         self.readOnly = readOnly
         let insertLogger = logger
         grouper = Self.groupCommit(client: client, statements: statements, logger: insertLogger)
