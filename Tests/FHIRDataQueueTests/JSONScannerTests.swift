@@ -98,10 +98,12 @@ struct JSONScannerTests {
             }
             let ours = bytes.withUnsafeBufferPointer { (try? JSONScanner.scan($0, keys: [])) != nil }
             let theirs = (try? JSONSerialization.jsonObject(with: Data(bytes), options: [.fragmentsAllowed])) != nil
+            guard ours != theirs else { continue }
             let text = String(decoding: bytes, as: UTF8.self)
-            // Foundation accepts trailing commas, which RFC 8259 (and dq) refuse.
+            // Foundation accepts trailing commas, which RFC 8259 (and dq) refuse. (Looked at only where the two
+            // disagree: a regular expression per round kept a thread of the test run's pool busy for seconds.)
             let trailingComma = text.range(of: #",\s*[\]}]"#, options: .regularExpression) != nil
-            if ours != theirs && !(trailingComma && theirs && !ours) { disagreements.append(text) }
+            if !(trailingComma && theirs && !ours) { disagreements.append(text) }
         }
         #expect(disagreements.isEmpty, "seed \(generator.seed): \(disagreements.prefix(5))")
     }

@@ -38,7 +38,10 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
     func make(in directory: URL) async throws -> any QueueStorage {
         switch self {
         case .sqlite:
-            return try SQLiteQueueStore(path: directory.appendingPathComponent("q.sqlite").path, durability: .normal)
+            // Opened on a thread of its own, as DataQueue opens it: the lock and the schema's fsyncs would otherwise
+            // hold a thread of the test run's small cooperative pool while the disk is busy.
+            let path = directory.appendingPathComponent("q.sqlite").path
+            return try await onThreadOfItsOwn { Result { try SQLiteQueueStore(path: path, durability: .normal) } }.get()
         case .postgresHostClient:
             let client = try await Self.hostClient(database: try await Self.freshDatabase())
             return PostgresQueueStore(client: client, logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))

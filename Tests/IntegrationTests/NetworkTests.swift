@@ -106,7 +106,7 @@ struct NetworkTests {
         }
 
         deinit {
-            if let child { child.kill(SIGKILL); child.process.waitUntilExit() }
+            child?.killInBackground()
         }
     }
 
@@ -166,7 +166,7 @@ struct NetworkTests {
         }
 
         deinit {
-            if let child { child.kill(SIGKILL); child.process.waitUntilExit() }
+            child?.killInBackground()
         }
     }
 

@@ -527,20 +527,25 @@ struct ServiceTests {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
         }
         #expect(bound == 0)
-        var timeout = timeval(tv_sec: 20, tv_usec: 0)
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, socklen_t(MemoryLayout<timeval>.size))
         var env = environment("http://127.0.0.1:9/fhir")
         env["NOTIFY_SOCKET"] = socketPath
         let run = try ChildProcess(Peers.dqBinary, ["run"], environment: env)
-        func receive() -> String {
+        // The next message, or "" after `timeout`: polled without blocking, so that no thread of the test run's
+        // small cooperative pool waits in recv (blocking it starved the other suites' tasks for seconds).
+        func receive(timeout: Duration = .seconds(20)) async -> String {
             var buffer = [UInt8](repeating: 0, count: 512)
-            let count = recv(fd, &buffer, buffer.count, 0)
-            return count > 0 ? String(decoding: buffer[0..<count], as: UTF8.self) : ""
+            let deadline = ContinuousClock.now + timeout
+            while ContinuousClock.now < deadline {
+                let count = recv(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT))
+                if count > 0 { return String(decoding: buffer[0..<count], as: UTF8.self) }
+                try? await Task.sleep(for: .milliseconds(20))
+            }
+            return ""
         }
-        let ready = receive()
+        let ready = await receive()
         #expect(ready.contains("READY=1"), "\(ready)")
         run.kill(SIGTERM)
-        let stopping = receive()
+        let stopping = await receive()
         #expect(stopping.contains("STOPPING=1"), "\(stopping)")
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
 
@@ -552,7 +557,7 @@ struct ServiceTests {
         var messages: [String] = []
         let started = ContinuousClock.now
         while messages.filter({ $0.contains("WATCHDOG=1") }).count < 5 && ContinuousClock.now - started < .seconds(25) {
-            let message = receive()
+            let message = await receive(timeout: .seconds(1))
             if !message.isEmpty { messages.append(message) }
         }
         watched.kill(SIGTERM)
@@ -560,10 +565,11 @@ struct ServiceTests {
         #expect(messages.filter { $0.contains("WATCHDOG=1") }.count >= 5, "beats while waiting: \(messages)")
         env["WATCHDOG_PID"] = "1"
         let other = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "30"], environment: env)
-        var timeoutShort = timeval(tv_sec: 1, tv_usec: 0)
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeoutShort, socklen_t(MemoryLayout<timeval>.size))
         var foreign: [String] = []
-        for _ in 0..<3 { let message = receive(); if !message.isEmpty { foreign.append(message) } }
+        for _ in 0..<3 {
+            let message = await receive(timeout: .seconds(1))
+            if !message.isEmpty { foreign.append(message) }
+        }
         other.kill(SIGTERM)
         #expect(await other.wait(timeout: .seconds(30)).status == 0)
         #expect(!foreign.contains { $0.contains("WATCHDOG=1") }, "WATCHDOG_PID of another process: no beats: \(foreign)")

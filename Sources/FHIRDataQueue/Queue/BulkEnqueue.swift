@@ -104,7 +104,9 @@ extension DataQueue {
             chunks = kept.chunks
         } catch {
             maker.stopUnlessBad()
-            let problems = maker.finish()
+            // The maker may still be checking the rest of the input (to name every bad one): waited for on a
+            // thread of its own, not one of the cooperative pool's few.
+            let problems = try await OwnThread.run("dq-bulk-finish") { maker.finish() }
             if !problems.isEmpty { throw EnqueueProblems(problems: problems) }
             if let preparation, let error = error as? DataQueueError { throw preparation.explain(error) }
             throw error

@@ -71,7 +71,7 @@ final class FHIRServer: @unchecked Sendable {
     }
 
     deinit {
-        if let child { child.kill(SIGKILL); child.process.waitUntilExit() }
+        child?.killInBackground()
     }
 
     /// Resources of `type` the server holds whose first identifier has `system`, oldest first,
@@ -155,8 +155,7 @@ final class FaultProxy: @unchecked Sendable {
     }
 
     deinit {
-        child.kill(SIGKILL)
-        child.process.waitUntilExit()
+        child.killInBackground()
     }
 }
 
@@ -241,8 +240,7 @@ final class CanailleServer: @unchecked Sendable {
     }
 
     deinit {
-        child.kill(SIGKILL)
-        child.process.waitUntilExit()
+        child.killInBackground()
     }
 }
 
@@ -302,7 +300,6 @@ final class SMARTGate: @unchecked Sendable {
     }
 
     deinit {
-        child.kill(SIGKILL)
-        child.process.waitUntilExit()
+        child.killInBackground()
     }
 }

@@ -172,6 +172,13 @@ final class ChildProcess: @unchecked Sendable {
         Glibc.kill(process.processIdentifier, signal)
     }
 
+    /// Kills the process (SIGKILL) and leaves the wait for its end to a thread of its own: for a peer's deinit,
+    /// which cannot await and must not block a thread of the test run's small cooperative pool.
+    func killInBackground() {
+        kill(SIGKILL)
+        Thread.detachNewThread { [self] in process.waitUntilExit() }
+    }
+
     /// Kills the process if it still runs (a peer that never became ready) and returns its output.
     func stop() async -> ProcessResult {
         if process.isRunning { kill(SIGKILL) }

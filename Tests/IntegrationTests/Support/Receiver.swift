@@ -78,7 +78,6 @@ final class C3PROReceiver: @unchecked Sendable {
     }
 
     deinit {
-        child.kill(SIGKILL)
-        child.process.waitUntilExit()
+        child.killInBackground()
     }
 }
