@@ -139,7 +139,6 @@ enum Exit {
     }
 }
 
-/// Prints to standard error.
 /// Writes `text` (`dq: …`, or `dq: warning: …`) to standard error as the log lines are written: under
 /// systemd's journal each line starts with its syslog priority (`level`, else warning for a `dq: warning:` line
 /// and error for the others), and with `--log-format json` it is one JSON object.
@@ -162,7 +161,7 @@ enum StandardError {
     static let journal = DQLogHandler.writesToJournal()
 
     /// Writes `text`, each of its lines with the priority prefix of `level` when the journal reads them.
-    static func write(_ text: String, level: Logger.Level) {
+    static func write(_ text: String, level: Logger.Level, journal: Bool = StandardError.journal) {
         let output =
             journal
             ? text.split(separator: "\n", omittingEmptySubsequences: false).map { "<\(DQLogHandler.priority(level))>\($0)" }
@@ -352,11 +351,7 @@ struct DQLogHandler: LogHandler {
         case .json:
             line = Self.jsonLine(level: event.level, message: "\(event.message)", metadata: merged)
         }
-        if journal {
-            StandardError.write(line, level: event.level)
-        } else {
-            FileHandle.standardError.write(Data((line + "\n").utf8))
-        }
+        StandardError.write(line, level: event.level, journal: journal)
     }
 
     /// One JSON log line: `time` (RFC 3339, UTC), `level`, `message` and the event's fields.

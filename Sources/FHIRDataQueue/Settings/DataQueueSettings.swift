@@ -273,7 +273,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
         if let value = environment["DQ_AT_REST_OLD_KEY_FILES"] {
             atRest = atRest ?? AtRest()
-            atRest?.oldKeyFiles = value.split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
+            atRest?.oldKeyFiles = Self.commaList(value)
         }
         try applyNumbers(environment: environment)
         if let value = environment["DQ_NO_PROXY"] { noProxy = value }
@@ -295,14 +295,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
         if let value = environment["DQ_ENCRYPTION_RESOURCE_TYPES"] {
             encryption = encryption ?? Encryption()
-            encryption?.resourceTypes = value.split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
-        }
-        if let text = environment["DQ_ENCRYPTION_IN_FLIGHT"] {
-            guard let value = Double(text.trimmingCharacters(in: .whitespaces)), value.isFinite else {
-                throw Self.configError("DQ_ENCRYPTION_IN_FLIGHT must be a number")
-            }
-            encryption = encryption ?? Encryption()
-            encryption?.inFlight = value
+            encryption?.resourceTypes = Self.commaList(value)
         }
         // A secret from the environment replaces the file's, in either of its forms.
         for (name, key, other) in Self.authSecretVariables {
@@ -378,6 +371,15 @@ public struct DataQueueSettings: Sendable, Decodable {
                 retry?[keyPath: key] = value
             }
         }
+        if let value = try number("DQ_ENCRYPTION_IN_FLIGHT") {
+            encryption = encryption ?? Encryption()
+            encryption?.inFlight = value
+        }
+    }
+
+    /// The names of a comma list in a variable, trimmed, empty ones left out.
+    private static func commaList(_ text: String) -> [String] {
+        text.split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
     }
 
     /// The journal retention in seconds (`journal_retention_days`, 90 by default); nil keeps every line.

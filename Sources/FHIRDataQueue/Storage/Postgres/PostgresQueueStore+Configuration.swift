@@ -23,7 +23,6 @@ extension PostgresQueueStore {
         for name in options.keys where !supportedOptions.contains(name) {
             throw DataQueueError(.invalidConfiguration, "database URL option \"\(name)\" is not supported")
         }
-        func nonEmpty(_ value: String?) -> String? { value.flatMap { $0.isEmpty ? nil : $0 } }
         // libpq: a host that starts with "/" is the directory of the server's Unix socket; none at all is the
         // packaged server's socket directory.
         let host =
@@ -145,7 +144,6 @@ extension PostgresQueueStore {
     static func loadClientCertificate(
         into tls: inout TLSConfiguration, options: [String: String], environment: [String: String]
     ) throws {
-        func nonEmpty(_ value: String?) -> String? { value.flatMap { $0.isEmpty ? nil : $0 } }
         let named = nonEmpty(options["sslcert"]) ?? nonEmpty(environment["PGSSLCERT"])
         let home = nonEmpty(environment["HOME"]).map { $0 + "/.postgresql/" }
         let certificatePath: String
@@ -194,6 +192,9 @@ extension PostgresQueueStore {
             }
         }
     }
+
+    /// `value` unless it is empty (libpq treats an empty setting as no setting).
+    private static func nonEmpty(_ value: String?) -> String? { value.flatMap { $0.isEmpty ? nil : $0 } }
 
     /// The URL's options dq reads (libpq's names).
     static let supportedOptions: Set<String> = [
