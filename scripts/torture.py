@@ -311,9 +311,10 @@ def daemon_faults(work, rng, count):
     deletions = deletions[0]
     run.send_signal(signal.SIGTERM)
     run.wait(timeout=60)
-    # A holder whose lock file is deleted stops at its next send (another flusher may hold the new file), so a
-    # storm of deletions on a loaded machine can hold delivery back for as long as it lasts: what must hold is
-    # that nothing is sent twice meanwhile, and that everything arrives once the deletions stop.
+    # A holder whose lock file is deleted moves to the new file at its next send, or stops if it cannot (another
+    # flusher holds or has used the new file), so on a loaded machine a storm of deletions may still hold some
+    # delivery back while it lasts: what must hold is that nothing is sent twice meanwhile, and that everything
+    # arrives once the deletions stop. How many arrived during the storm is reported.
     during = len(set(fhir.values("Observation", system)))
     drained = flush_until_done(env)
     run_log.close()

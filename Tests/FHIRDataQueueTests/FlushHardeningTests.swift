@@ -175,7 +175,7 @@ struct FlushHardeningTests {
     }
 
     @Test("The in-flight marker is overwritten in place: marked, cleared, marked again; an older marker still reads")
-    func markerInPlace() throws {
+    func markerInPlace() async throws {
         let path = databasePath + ".marker.lock"
         let lock = try FileLock(path: path)
         #expect(lock.inFlight() == nil, "a new lock file has no marker")
@@ -184,7 +184,7 @@ struct FlushHardeningTests {
         #expect(lock.inFlight()?.sentAt == Date(timeIntervalSince1970: 1_700_000_000.25))
         lock.clearInFlight()
         #expect(lock.inFlight() == nil)
-        try lock.markInFlight(sequence: 7)
+        try await lock.markInFlight(sequence: 7)
         #expect(lock.inFlight()?.sequence == 7, "a shorter record replaces a longer one whole")
         let size = try FileManager.default.attributesOfItem(atPath: path)[.size] as? Int
         #expect(size == FileLock.markerWidth, "one fixed-width record, never truncated")
@@ -194,12 +194,12 @@ struct FlushHardeningTests {
     }
 
     @Test("The marker is written once per window, not twice per request; release clears a cleared one, not a kept one")
-    func markerOncePerWindow() throws {
+    func markerOncePerWindow() async throws {
         let path = databasePath + ".window.lock"
         let lock = try FileLock(path: path)
         let before = Date()
         for sequence in 1...100 {
-            try lock.markInFlight(sequence: Int64(sequence))
+            try await lock.markInFlight(sequence: Int64(sequence))
             lock.clearInFlight()
         }
         #expect(lock.markerWrites == 1, "one write covers the window's sends and answers")
@@ -212,7 +212,7 @@ struct FlushHardeningTests {
         #expect(lock.markerWrites == 2)
         #expect(try FileLock(path: path).inFlight() == nil, "a cleared marker is cleared on release")
         // A send whose answer never came keeps the marker through the release.
-        try lock.markInFlight(sequence: 200)
+        try await lock.markInFlight(sequence: 200)
         lock.release()
         #expect(try FileLock(path: path).inFlight()?.sequence == 200)
     }

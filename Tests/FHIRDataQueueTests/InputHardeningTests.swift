@@ -204,7 +204,7 @@ struct InputHardeningTests {
     @Test(
         "A flush lock file deleted or replaced: the next locker reopens the path, so two lockers never both hold it; a holder stops sending"
     )
-    func deletedLockFile() throws {
+    func deletedLockFile() async throws {
         let path = FileManager.default.temporaryDirectory.appendingPathComponent("dq-lock-\(UUID().uuidString)").path
         let first = try FileLock(path: path)
         #expect(try first.tryLock())
@@ -217,9 +217,10 @@ struct InputHardeningTests {
         #expect(try !first.tryLock(), "the first locked the deleted file while the second held the new one")
         second.unlock()
         #expect(try first.tryLock())
-        // Deleted while held: the holder's next send is refused.
+        // Deleted while held, by a lock that does not look for holders of a deleted file (so a newcomer would
+        // not see this one either): the holder's next send is refused.
         try FileManager.default.removeItem(atPath: path)
-        #expect(throws: DataQueueError.self) { try first.markInFlight(sequence: 1) }
+        await #expect(throws: DataQueueError.self) { try await first.markInFlight(sequence: 1) }
         first.unlock()
         try? FileManager.default.removeItem(atPath: path)
     }
@@ -254,6 +255,65 @@ struct InputHardeningTests {
             elsewhere.unlock()
             beside.unlock()
             cron.unlock()
+        }
+
+        @Test(
+            "A flush lock deleted while held: the holder moves to the new file at its next send and goes on, with its marker there, and a second locker stays out; a stranger holding the new file stops it"
+        )
+        func holderMovesToNewFile() async throws {
+            let path = self.path("q.sqlite.flush-m.lock")
+            let holder = try FileLock(path: path, guardsDeletion: true)
+            #expect(try holder.tryLock())
+            try await holder.markInFlight(sequence: 1)
+            for round in 2...4 {
+                try FileManager.default.removeItem(atPath: path)
+                let cron = try FileLock(path: path, guardsDeletion: true)
+                #expect(try !cron.tryLock(), "round \(round): a locker got in while the holder of the deleted file held it")
+                try await holder.markInFlight(sequence: Int64(round))
+                #expect(try !cron.tryLock(), "round \(round): a locker got in after the holder moved to the new file")
+                #expect(
+                    try FileLock(path: path).inFlight()?.sequence == Int64(round),
+                    "round \(round): the holder's marker is in the file at the path, for a flusher after a crash")
+                #expect(
+                    try !FileLock(path: path).tryLock(), "round \(round): the new file's flock is the holder's")
+            }
+            holder.release()
+            let next = try FileLock(path: path, guardsDeletion: true)
+            #expect(try next.tryLock(), "once the holder lets go, the next locker gets in")
+            next.unlock()
+
+            // The new file's flock taken first by a locker that does not look (a process this one cannot see in
+            // /proc, of another user or container): the holder must stop, not send beside it.
+            let second = try FileLock(path: path, guardsDeletion: true)
+            #expect(try second.tryLock())
+            try FileManager.default.removeItem(atPath: path)
+            let stranger = try FileLock(path: path)
+            #expect(try stranger.tryLock())
+            await #expect(throws: DataQueueError.self) { try await second.markInFlight(sequence: 9) }
+            stranger.unlock()
+            second.unlock()
+
+            // Such a locker got in, sent (its marker is in the new file) and left before the holder's next send:
+            // the holder may have read ahead what that one delivered, so it stops although the flock is free.
+            let third = try FileLock(path: path, guardsDeletion: true)
+            #expect(try third.tryLock())
+            try FileManager.default.removeItem(atPath: path)
+            let unseen = try FileLock(path: path)
+            #expect(try unseen.tryLock())
+            try await unseen.markInFlight(sequence: 10)
+            unseen.release()
+            let used = await #expect(throws: DataQueueError.self) { try await third.markInFlight(sequence: 11) }
+            #expect(used?.message.contains("another flusher has used the new one") == true, "\(String(describing: used))")
+            third.unlock()
+
+            // A locker whose own new file is deleted while it looks at the kernel's table cannot tell which
+            // deleted files were at the path: it counts the lock as held and tries again later.
+            let gone = self.path("q.sqlite.flush-g.lock")
+            let fd = open(gone, O_CREAT | O_RDWR | O_CLOEXEC, 0o600)
+            #expect(fd >= 0)
+            unlink(gone)
+            #expect(DeletedLockHolders.anyHolds(deletedFileOf: fd))
+            close(fd)
         }
     #endif
 

@@ -15,12 +15,16 @@ import Foundation
 /// between those, the lock file alone excludes, as long as nobody deletes it.
 enum DeletedLockHolders {
     /// Whether a process holds an `flock` on a deleted file that was at the path of the file open as `fd`.
+    ///
+    /// When the file open as `fd` was itself deleted since the caller found it at the path, the answer is yes: its
+    /// name no longer says which deleted files were at that path, and a caller told "nobody" would hold a lock
+    /// that a holder of an older deleted file may still hold. The caller lets go and tries the path again.
     static func anyHolds(deletedFileOf fd: Int32) -> Bool {
         #if os(Linux)
             // The kernel's name of the file: the path it was opened by, resolved.
-            guard let name = link("/proc/self/fd/\(fd)"), !name.hasSuffix(" (deleted)"),
-                let table = try? String(contentsOfFile: "/proc/locks", encoding: .utf8)
-            else { return false }
+            guard let name = link("/proc/self/fd/\(fd)") else { return false }
+            if name.hasSuffix(" (deleted)") { return true }
+            guard let table = try? String(contentsOfFile: "/proc/locks", encoding: .utf8) else { return false }
             // Each process's locked files, by inode.
             var locked: [String: Set<UInt64>] = [:]
             for line in table.split(separator: "\n") {

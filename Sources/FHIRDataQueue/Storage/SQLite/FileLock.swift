@@ -16,9 +16,12 @@ import Synchronization
 /// file, and the next locker creates a new file at the path and locks that. So on Linux a lock made with
 /// `guardsDeletion`, once it has the `flock` of the file at the path, also asks the kernel whether some process
 /// still holds an `flock` on a deleted file that was at this path (``DeletedLockHolders``), and counts that as
-/// a held lock. That process holds the lock until it lets go or exits: it stops sending at its next send, when
-/// it sees its file is gone.
-final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor is behind a Mutex
+/// a held lock. That process holds the lock until it lets go or exits. At its next send it sees its file is gone
+/// and, if the lock was made with `guardsDeletion`, moves to the new one (``moveToFileAtPath()``): it keeps
+/// going when it gets the new file's `flock` and nobody has flushed under that file; otherwise it stops sending.
+///
+/// `@unchecked Sendable`: the descriptor is behind a Mutex, and only the holder's own calls replace it.
+final class FileLock: FlushOwnership, @unchecked Sendable {
     /// The open lock file; replaced when the file at `path` was deleted or replaced since it was opened.
     private let opened: Mutex<Int32>
     let path: String
@@ -125,7 +128,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
         }
     }
 
-    func unlock() { flock(descriptor, LOCK_UN) }
+    func unlock() { opened.withLock { _ = flock($0, LOCK_UN) } }
 
     /// Unlocks (the flush right of ``FlushOwnership``), first clearing a marker that was cleared lazily.
     func release() {
@@ -155,18 +158,74 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
     /// sequence names the first item sent in the window.
     ///
     /// - Throws: ``DataQueueError`` (`.storage`) when the lock file was deleted or replaced while this flusher
-    ///   held it: another flusher may hold the new one, so nothing more may be sent under this lock.
-    func markInFlight(sequence: Int64) throws {
-        guard isCurrent(descriptor) else {
-            throw DataQueueError(
-                .storage,
-                "the flush lock file \(path) was deleted or replaced during the flush; stopping so that no other flusher sends the same items"
-            )
-        }
+    ///   held it and it cannot take the new one (``moveToFileAtPath()``): another flusher may hold that, so
+    ///   nothing more may be sent under this lock.
+    func markInFlight(sequence: Int64) async throws {
+        if !opened.withLock({ isCurrent($0) }) { try await moveToFileAtPath() }
         let now = ContinuousClock.now
         if note.withLock({ $0.covers(now) }) { return }
         writeMarker("\(sequence) \(Date().addingTimeInterval(Self.noteWindow).timeIntervalSince1970)")
         note.withLock { $0.wrote(at: now, covering: .milliseconds(Int64(Self.noteWindow * 1000))) }
+    }
+
+    /// The lock file was deleted or replaced while this flusher held it: takes the `flock` of the file at `path`
+    /// now, and lets go of the old one only once it has it, so that no moment passes where neither is held.
+    ///
+    /// It goes on only where that cannot let two flushers send the same item:
+    /// - the lock was made with `guardsDeletion`, so every other locker that got a newer file's `flock` while this
+    ///   one held the deleted file saw it in the kernel's lock table and let go without writing anything;
+    /// - the new file is empty: every flusher that sent writes its marker, so a flusher this one could not see
+    ///   (another user, another PID namespace, an older dq, a lock file renamed away instead of deleted) that
+    ///   flushed under the new file, and may have delivered what this one read ahead, leaves it non-empty.
+    ///
+    /// A locker in the middle of its look at `/proc` holds the new file's `flock` for that moment, so the
+    /// `flock` is tried five times over about 30 ms before giving up.
+    ///
+    /// - Throws: ``DataQueueError`` (`.storage`) when it cannot go on: nothing more may be sent under this lock.
+    private func moveToFileAtPath() async throws {
+        func stop(_ why: String) -> DataQueueError {
+            DataQueueError(
+                .storage,
+                "the flush lock file \(path) was deleted or replaced during the flush and \(why); stopping so that no two flushers send the same items"
+            )
+        }
+        guard guardsDeletion else { throw stop("this lock does not look for other holders") }
+        var pause = Duration.milliseconds(2)
+        for attempt in 1...5 {
+            let fresh = try Self.openLockFile(path)
+            if flock(fresh, LOCK_EX | LOCK_NB) == 0 {
+                var info = stat()
+                guard isCurrent(fresh) else {
+                    // Deleted again between the open and the lock: try the file there now.
+                    flock(fresh, LOCK_UN)
+                    close(fresh)
+                    continue
+                }
+                guard fstat(fresh, &info) == 0, info.st_size == 0 else {
+                    flock(fresh, LOCK_UN)
+                    close(fresh)
+                    throw stop("another flusher has used the new one")
+                }
+                // Held both for a moment; the old one goes now (closing it lets go of its lock).
+                opened.withLock { current in
+                    close(current)
+                    current = fresh
+                }
+                // The new file holds no marker yet: the next send writes one, whatever window was open.
+                _ = note.withLock { $0.release() }
+                return
+            }
+            let failure = errno
+            close(fresh)
+            guard failure == EWOULDBLOCK || failure == EINTR else {
+                throw stop("its lock cannot be taken (\(String(cString: strerror(failure))))")
+            }
+            if attempt < 5 {
+                try await Task.sleep(for: pause)
+                pause *= 2
+            }
+        }
+        throw stop("another flusher holds the new one")
     }
 
     /// Notes `sequence` as sent at `date`.
@@ -187,7 +246,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
     private func writeMarker(_ text: String) {
         var record = Array(text.utf8.prefix(Self.markerWidth - 1))
         record += [UInt8](repeating: UInt8(ascii: " "), count: Self.markerWidth - 1 - record.count) + [UInt8(ascii: "\n")]
-        _ = record.withUnsafeBytes { pwrite(descriptor, $0.baseAddress, $0.count, 0) }
+        opened.withLock { fd in _ = record.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } }
         writes.withLock { $0 += 1 }
     }
 
@@ -195,7 +254,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {  // the descriptor i
     func inFlight() -> (sequence: Int64, sentAt: Date)? {
         if note.withLock({ $0.cleared }) { return nil }
         var buffer = [UInt8](repeating: 0, count: Self.markerWidth)
-        let count = buffer.withUnsafeMutableBytes { pread(descriptor, $0.baseAddress, $0.count, 0) }
+        let count = opened.withLock { fd in buffer.withUnsafeMutableBytes { pread(fd, $0.baseAddress, $0.count, 0) } }
         guard count > 0 else { return nil }
         let fields = String(decoding: buffer[0..<count], as: UTF8.self).split(whereSeparator: \.isWhitespace)
         guard fields.count == 2, let sequence = Int64(fields[0]), let seconds = Double(fields[1]) else { return nil }
