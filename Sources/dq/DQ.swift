@@ -258,9 +258,7 @@ func withQueue<T>(
 /// Warns (never refuses) where a secret may leak: a config file holding one that others can read, and a
 /// token about to travel over plain http to a host other than this machine.
 func warnAboutExposure(_ settings: DataQueueSettings) {
-    if let path = settings.sourcePath, settings.fileHoldsSecret,
-        let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0
-    {
+    if let path = settings.sourcePath, settings.fileHoldsSecret, let mode = FilePermissions.exposedMode(path) {
         printError(
             "dq: warning: \(path) holds a secret and is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(path)")
     }
@@ -270,9 +268,7 @@ func warnAboutExposure(_ settings: DataQueueSettings) {
     for path in settings.exposedSecretFiles {
         printError("dq: warning: the secret file \(path) is readable by others; run: chmod 600 \(path)")
     }
-    if let key = settings.tls?.clientKey.map(settings.inBaseDirectory),
-        let mode = (try? FileManager.default.attributesOfItem(atPath: key)[.posixPermissions]) as? Int, mode & 0o077 != 0
-    {
+    if let key = settings.tls?.clientKey.map(settings.inBaseDirectory), let mode = FilePermissions.exposedMode(key) {
         printError(
             "dq: warning: the client key \(key) is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(key)")
     }

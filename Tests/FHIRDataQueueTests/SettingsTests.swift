@@ -179,7 +179,7 @@ struct SettingsTests {
         let secret = directory.appendingPathComponent("secret").path
         _ = FileManager.default.createFile(atPath: secret, contents: Data("x".utf8), attributes: [.posixPermissions: 0o600])
         try FileManager.default.createSymbolicLink(atPath: directory.appendingPathComponent("link").path, withDestinationPath: secret)
-        #expect(PasswordFile.ownerAndMode(directory.appendingPathComponent("link").path)?.mode == 0o600)
+        #expect(FilePermissions.ownerAndMode(directory.appendingPathComponent("link").path)?.mode == 0o600)
         // libpq's default certificate files are not read for a socket or sslmode=disable, and default files that
         // cannot be used are left aside; a certificate named that cannot be used is an error.
         let home = directory.appendingPathComponent("home")
@@ -353,6 +353,25 @@ struct SettingsTests {
             try DataQueueSettings.decode($0, source: $1)
         }
         #expect(settings.auth?.clientSecret == "from-windows", "a CRLF line end (one Character in Swift) is dropped too")
+        // A credential mounted as a link is judged by the file it names (a link's own mode is 0777).
+        try FileManager.default.moveItem(
+            at: elsewhere.appendingPathComponent("client-secret"), to: directory.appendingPathComponent("store"))
+        chmod(directory.appendingPathComponent("store").path, 0o600)
+        try FileManager.default.createSymbolicLink(
+            at: elsewhere.appendingPathComponent("client-secret"), withDestinationURL: directory.appendingPathComponent("store"))
+        settings = try DataQueueSettings.load(
+            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
+        ) {
+            try DataQueueSettings.decode($0, source: $1)
+        }
+        #expect(settings.auth?.clientSecret == "from-windows" && settings.exposedSecretFiles.isEmpty, "\(settings.exposedSecretFiles)")
+        chmod(directory.appendingPathComponent("store").path, 0o640)
+        settings = try DataQueueSettings.load(
+            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
+        ) {
+            try DataQueueSettings.decode($0, source: $1)
+        }
+        #expect(settings.exposedSecretFiles == [elsewhere.appendingPathComponent("client-secret").path])
         let error = #expect(throws: DataQueueError.self) {
             try DataQueueSettings.load(
                 config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": "/nonexistent"]

@@ -213,6 +213,15 @@ struct OperatorTests {
         chmod(config, 0o600)
         let quiet = try await dq(["status", "--config", config], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
         #expect(!quiet.stderr.contains("readable by others"))
+        // A config file mounted as a link (a ConfigMap, /etc/dq/dq.json -> a managed file) is judged by the file it
+        // names: a link's own mode is always 0777, and a private file behind it draws no warning.
+        let link = work.file("linked.json")
+        try FileManager.default.createSymbolicLink(atPath: link, withDestinationPath: config)
+        let linked = try await dq(["status", "--config", link], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
+        #expect(linked.status == 0 && !linked.stderr.contains("readable by others"), "\(linked.stderr)")
+        chmod(config, 0o644)
+        let exposed = try await dq(["status", "--config", link], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
+        #expect(exposed.stderr.contains("\(link) holds a secret and is readable by others"), "\(exposed.stderr)")
     }
 
     @Test("doctor: a sound database is ok (0); a damaged one exits 74 with the recovery steps")
@@ -285,7 +294,14 @@ struct OperatorTests {
         try FileManager.default.removeItem(atPath: directory + "/dq.json")
         env["XDG_CONFIG_HOME"] = nil
 
-        // A secret file others can read: a warning; a missing one: 78 naming the setting; both forms: 78.
+        // A secret mounted as a link (systemd's credentials, a Kubernetes secret volume) is judged by the file it
+        // names: a link to a private file draws no warning.
+        try FileManager.default.moveItem(atPath: credentials + "/token", toPath: work.file("token-store"))
+        try FileManager.default.createSymbolicLink(atPath: credentials + "/token", withDestinationPath: work.file("token-store"))
+        let linked = try await dq(["status"], env, directory: directory)
+        #expect(linked.status == 0 && !linked.stderr.contains("readable by others"), "\(linked.stderr)")
+        // A secret file others can read (here through the link): a warning; a missing one: 78 naming the setting;
+        // both forms: 78.
         chmod(credentials + "/token", 0o644)
         let warned = try await dq(["status"], env, directory: directory)
         #expect(warned.stderr.contains("the secret file \(credentials)/token is readable by others"), "\(warned.stderr)")

@@ -514,7 +514,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             // Line ends dropped one scalar at a time: "\r\n" is one Character.
             while let last = text.unicodeScalars.last, last == "\n" || last == "\r" { text.unicodeScalars.removeLast() }
             guard !text.isEmpty else { throw Self.configError("\"\(key)\" (\(path)) is empty") }
-            if let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0 {
+            if FilePermissions.exposedMode(path) != nil {
                 exposedSecretFiles.append(path)
             }
             return text
@@ -564,7 +564,7 @@ public struct DataQueueSettings: Sendable, Decodable {
     package mutating func noteExposedKeyFiles(environment: [String: String]) {
         for name in [atRest?.keyFile].compactMap({ $0 }) + (atRest?.oldKeyFiles ?? []) {
             let path = secretFilePath(name, environment: environment)
-            if let mode = (try? FileManager.default.attributesOfItem(atPath: path)[.posixPermissions]) as? Int, mode & 0o077 != 0 {
+            if FilePermissions.exposedMode(path) != nil {
                 exposedSecretFiles.append(path)
             }
         }

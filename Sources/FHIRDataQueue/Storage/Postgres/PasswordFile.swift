@@ -12,7 +12,7 @@ enum PasswordFile {
         host: String, port: Int, database: String, user: String, file: String?, environment: [String: String]
     ) -> String? {
         guard let path = file ?? environment["HOME"].map({ $0 + "/.pgpass" }),
-            let (_, mode) = ownerAndMode(path), mode & 0o077 == 0,
+            let (_, mode) = FilePermissions.ownerAndMode(path), mode & 0o077 == 0,
             let text = try? String(contentsOfFile: path, encoding: .utf8)
         else { return nil }
         for line in text.split(whereSeparator: \.isNewline) where !line.hasPrefix("#") {
@@ -22,14 +22,6 @@ enum PasswordFile {
             if zip(fields.prefix(4), wanted).allSatisfy({ $0 == "*" || $0 == $1 }) { return fields[4] }
         }
         return nil
-    }
-
-    /// The owner and permission bits of the file at `path`, following symbolic links as libpq's stat(2) does
-    /// (a key or password file mounted as a link to a secret store is judged by the file it names).
-    static func ownerAndMode(_ path: String) -> (owner: UInt32, mode: Int)? {
-        var info = stat()
-        guard stat(path, &info) == 0 else { return nil }
-        return (UInt32(info.st_uid), Int(info.st_mode) & 0o7777)
     }
 
     /// A line's fields: split at unescaped colons, with `\:` and `\\` unescaped.

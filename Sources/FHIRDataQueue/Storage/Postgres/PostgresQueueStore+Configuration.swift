@@ -170,7 +170,7 @@ extension PostgresQueueStore {
             }
             // libpq refuses a key file that others can read (following a symbolic link, as stat(2) does); so
             // does dq: the key proves who the client is.
-            guard let (owner, mode) = PasswordFile.ownerAndMode(keyPath) else {
+            guard let (owner, mode) = FilePermissions.ownerAndMode(keyPath) else {
                 throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read")
             }
             guard mode & 0o077 == 0 || (mode & 0o037 == 0 && owner == 0) else {
