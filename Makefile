@@ -41,26 +41,29 @@ install: release
 
 # What `install` copies, from INSTALL_BIN (and MANPAGE when set): `make test` installs its debug build into a
 # scratch DESTDIR with it (scripts/install-check.sh).
+# scripts/deb.sh stages its package with it too (PREFIX=/usr, Debian's zsh and unit folders).
 INSTALL_BIN ?= .build/release/dq
+ZSH_COMPLETIONS ?= $(PREFIX)/share/zsh/site-functions
+SYSTEMD_UNITS ?= $(PREFIX)/lib/systemd/system
 UNITS := dq.service dq-flush.service dq-flush.timer
 install-files:
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/man/man1 \
-	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions $(DESTDIR)$(PREFIX)/share/zsh/site-functions \
-	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d $(DESTDIR)$(PREFIX)/lib/systemd/system
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/bash-completion/completions \
+	  $(DESTDIR)$(ZSH_COMPLETIONS) $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d $(DESTDIR)$(SYSTEMD_UNITS)
 	install -m 755 $(INSTALL_BIN) $(DESTDIR)$(PREFIX)/bin/dq
-	if [ -n "$(MANPAGE)" ]; then install -m 644 $(MANPAGE) $(DESTDIR)$(PREFIX)/share/man/man1/dq.1; fi
+	if [ -n "$(MANPAGE)" ]; then install -d $(DESTDIR)$(PREFIX)/share/man/man1 && \
+	  install -m 644 $(MANPAGE) $(DESTDIR)$(PREFIX)/share/man/man1/dq.1; fi
 	$(INSTALL_BIN) --generate-completion-script bash > $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq
-	$(INSTALL_BIN) --generate-completion-script zsh > $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq
+	$(INSTALL_BIN) --generate-completion-script zsh > $(DESTDIR)$(ZSH_COMPLETIONS)/_dq
 	$(INSTALL_BIN) --generate-completion-script fish > $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish
 	for unit in $(UNITS); do \
-	  sed 's|/usr/local/bin/dq|$(PREFIX)/bin/dq|g' Examples/systemd/$$unit > $(DESTDIR)$(PREFIX)/lib/systemd/system/$$unit; \
-	  chmod 644 $(DESTDIR)$(PREFIX)/lib/systemd/system/$$unit; done
+	  sed 's|/usr/local/bin/dq|$(PREFIX)/bin/dq|g' Examples/systemd/$$unit > $(DESTDIR)$(SYSTEMD_UNITS)/$$unit; \
+	  chmod 644 $(DESTDIR)$(SYSTEMD_UNITS)/$$unit; done
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/dq $(DESTDIR)$(PREFIX)/share/man/man1/dq.1 \
-	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_dq \
+	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions/dq $(DESTDIR)$(ZSH_COMPLETIONS)/_dq \
 	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/dq.fish \
-	  $(addprefix $(DESTDIR)$(PREFIX)/lib/systemd/system/,$(UNITS))
+	  $(addprefix $(DESTDIR)$(SYSTEMD_UNITS)/,$(UNITS))
 
 # A Debian package (dpkg-deb, no network) of the release dq, with its man page, completions, units and a
 # dq system user: .build/deb/dq_<version>_<arch>.deb. See scripts/deb.sh.

@@ -38,6 +38,7 @@ trap cleanup EXIT
 build() {
     local binary=$1 out=$2 manpage=${3:-}
     [ -x "$binary" ] || die "no dq binary at $binary (make release, or swift build)"
+    binary=$(realpath "$binary")
     command -v dpkg-deb >/dev/null || die "dpkg-deb is missing (apt-get install dpkg)"
     local version arch stage
     version=$("$binary" version | awk '{print $2}')
@@ -47,20 +48,14 @@ build() {
     stage=$STAGE
     chmod 0755 "$stage"
 
-    install -d "$stage/DEBIAN" "$stage/usr/bin" "$stage/etc/dq" "$stage/lib/systemd/system" \
-        "$stage/usr/share/bash-completion/completions" "$stage/usr/share/zsh/vendor-completions" \
-        "$stage/usr/share/fish/vendor_completions.d" "$stage/usr/share/doc/dq"
-    install -m 0755 "$binary" "$stage/usr/bin/dq"
-    "$binary" --generate-completion-script bash > "$stage/usr/share/bash-completion/completions/dq"
-    "$binary" --generate-completion-script zsh > "$stage/usr/share/zsh/vendor-completions/_dq"
-    "$binary" --generate-completion-script fish > "$stage/usr/share/fish/vendor_completions.d/dq.fish"
+    # The binary, completions and units as `make install` lays them out, in Debian's folders.
+    make -s --no-print-directory -C "$ROOT" install-files DESTDIR="$stage" PREFIX=/usr INSTALL_BIN="$binary" MANPAGE= \
+        ZSH_COMPLETIONS=/usr/share/zsh/vendor-completions SYSTEMD_UNITS=/lib/systemd/system >/dev/null
+    install -d "$stage/DEBIAN" "$stage/etc/dq" "$stage/usr/share/doc/dq"
     if [ -n "$manpage" ]; then
         install -d "$stage/usr/share/man/man1"
         gzip -9n < "$manpage" > "$stage/usr/share/man/man1/dq.1.gz"
     fi
-    for unit in dq.service dq-flush.service dq-flush.timer; do
-        sed -e 's|/usr/local/bin/dq|/usr/bin/dq|g' "$ROOT/Examples/systemd/$unit" > "$stage/lib/systemd/system/$unit"
-    done
     cat > "$stage/etc/dq/dq.json" <<'EOF'
 {
   "server": "https://fhir.example.org/r4",
