@@ -200,8 +200,13 @@ struct PostgresConnectionTests {
                 return (Int(sessions.stdout.trimmingCharacters(in: .whitespacesAndNewlines)) ?? 0) > 0
             }
             #expect(named, "dq run's connections carry PGAPPNAME")
+            // SIGTERM once the service group traps it (its first flush has run and failed: the server is port 9);
+            // before that, while the queue opens, SIGTERM's default action ends dq run, as for any process.
+            let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+            #expect(try await eventually { log().contains("delivery stopped") }, "\(log())")
             run.kill(SIGTERM)
-            #expect(await run.wait(timeout: .seconds(30)).status == 0)
+            let stopped = await run.wait(timeout: .seconds(30))
+            #expect(stopped.status == 0, "dq run exited \(stopped.status): \(stopped.stderr)")
 
             _ = FileManager.default.createFile(
                 atPath: credentials + "/pg-password", contents: Data("not-the-password\n".utf8), attributes: [.posixPermissions: 0o600])

@@ -9,7 +9,11 @@ extension PostgresQueueStore {
     /// Every row `query` returns, each made into a value by `decode`.
     func rows<T>(_ query: PostgresQuery, _ decode: (PostgresRow) throws -> T) async throws -> [T] {
         var values: [T] = []
-        for try await row in try await client.query(query, logger: logger) { values.append(try decode(row)) }
+        for try await row in try await client.query(query, logger: logger) {
+            // Each row is an answer: a long result read on a busy machine is not a server that went silent.
+            Self.answered()
+            values.append(try decode(row))
+        }
         return values
     }
 
