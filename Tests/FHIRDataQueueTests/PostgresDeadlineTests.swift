@@ -1,4 +1,7 @@
 import Foundation
+import Logging
+import PostgresNIO
+import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -34,6 +37,30 @@ struct PostgresDeadlineTests {
         }
         #expect(error?.code == .transport && error?.message.hasPrefix("cannot run the test: PostgreSQL did not answer") == true)
         #expect(ContinuousClock.now - started < .seconds(30), "it did not wait for the silent work")
+    }
+
+    @Test(
+        "Each row PostgreSQL returns is an answer: a long result decoded on a busy machine is not silence",
+        .enabled(if: StoreKind.available.contains(.postgres)))
+    func rowsAreAnswers() async throws {
+        let store = try PostgresQueueStore(
+            url: try await StoreKind.freshDatabase(),
+            environment: ["PGPASSWORD": StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""],
+            logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
+        // An operation's clock that last heard from the server an hour ago; the instant each row's decoding
+        // starts. A row that counts as an answer moves the clock past the decoding of the row before it.
+        let clock = AnswerClock(start: .now - .seconds(3600))
+        let decoded = Mutex<[ContinuousClock.Instant]>([])
+        let values = try await PostgresQueueStore.$answers.withValue(clock) {
+            try await store.rows(PostgresQuery(unsafeSQL: "SELECT generate_series(1, 50)")) { row in
+                decoded.withLock { $0.append(.now) }
+                return try row.decode(Int.self)
+            }
+        }
+        #expect(values == Array(1...50), "the count before the clock")
+        let lastButOne = try #require(decoded.withLock { $0.dropLast().last })
+        #expect(clock.last > lastButOne, "the last row did not count as an answer")
+        await store.shutdown()
     }
 
     @Test("answered() outside an operation does nothing")

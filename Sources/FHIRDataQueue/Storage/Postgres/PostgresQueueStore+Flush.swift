@@ -56,6 +56,7 @@ extension PostgresQueueStore {
             var items: [StoredItem] = []
             var bytes = 0
             for try await row in rows {
+                Self.answered()  // each row is an answer (see rows(_:_:))
                 let item = try Self.storedItem(row)
                 items.append(item)
                 bytes += item.body.count
