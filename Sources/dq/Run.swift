@@ -56,9 +56,16 @@ extension DQ {
         }
 
         func run() async throws {
-            // A SIGHUP before the reload service listens (while the queue opens) must not end dq run (its default
-            // action): it is ignored until then; the service's own handler takes over.
+            // SIGHUP is trapped once, for the whole run, before the queue opens: one that comes while it opens, while
+            // a round's services start or between two rounds is kept for the round that listens next (its default
+            // action would end dq run; a handler set up by each round's reload service would miss it).
             signal(SIGHUP, SIG_IGN)
+            let hangups = HangupSignals()
+            let trapped = await UnixSignalsSequence(trapping: .sighup)
+            let forwarding = Task {
+                for await _ in trapped { hangups.arrived() }
+            }
+            defer { forwarding.cancel() }
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(Exposition.factory(registry))
             recordBuildInfo()
@@ -68,7 +75,7 @@ extension DQ {
                 var (queue, settings) = (first, firstSettings)
                 while true {
                     let reload = ReloadRequest()
-                    try await deliver(queue: queue, settings: settings, registry: registry, reload: reload)
+                    try await deliver(queue: queue, settings: settings, registry: registry, reload: reload, hangups: hangups)
                     guard let (next, nextSettings) = reload.take() else { break }
                     if queue !== first { try? await queue.shutdown() }
                     (queue, settings) = (next, nextSettings)
@@ -79,7 +86,8 @@ extension DQ {
 
         /// One configuration's service group: delivery, metrics, readiness, systemd notifications, reload.
         private func deliver(
-            queue: DataQueue, settings: DataQueueSettings, registry: PrometheusCollectorRegistry, reload: ReloadRequest
+            queue: DataQueue, settings: DataQueueSettings, registry: PrometheusCollectorRegistry, reload: ReloadRequest,
+            hangups: HangupSignals
         ) async throws {
             let logger = Logger(label: "dq")
             let maximumAge = readyMaxAge ?? settings.readyMaxAgeSeconds
@@ -114,7 +122,8 @@ extension DQ {
             // A reload that validated ends this group gracefully, as SIGTERM would.
             services.append(
                 .init(
-                    service: ReloadOnHangup(current: settings, options: queueOptions, sending: sending, request: reload, logger: logger),
+                    service: ReloadOnHangup(
+                        current: settings, options: queueOptions, sending: sending, request: reload, hangups: hangups, logger: logger),
                     successTerminationBehavior: .gracefullyShutdownGroup))
             // Last: it starts once the group traps the signals (READY=1), and hears the stop first.
             services.append(
@@ -148,10 +157,15 @@ struct ReloadOnHangup: Service {
     let options: QueueOptions
     let sending: SendingOptions
     let request: ReloadRequest
+    let hangups: HangupSignals
     let logger: Logger
 
     func run() async throws {
-        for await _ in await UnixSignalsSequence(trapping: .sighup).cancelOnGracefulShutdown() {
+        try await cancelWhenGracefulShutdown { [self] in try await listen() }
+    }
+
+    private func listen() async throws {
+        while await hangups.next() {
             do {
                 let settings = try DataQueueSettings.load(options: options, sending: sending)
                 _ = try settings.journalRetention()
@@ -256,6 +270,55 @@ struct SystemdNotify: Service {
             pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { socketAddress in
                 message.withUnsafeBytes { sendto(fd, $0.baseAddress, $0.count, 0, socketAddress, length) }
             }
+        }
+    }
+}
+
+/// The SIGHUPs `dq run` has received and no reload service has taken yet (several count as one: each asks for
+/// the configuration to be read again).
+final class HangupSignals: Sendable {
+    private struct State {
+        var pending = false
+        var waiter: CheckedContinuation<Bool, Never>?
+    }
+    private let state = Mutex(State())
+
+    /// A SIGHUP came: the waiting reload service takes it, else the next one that waits.
+    func arrived() {
+        let waiter = state.withLock { state in
+            guard let waiter = state.waiter else {
+                state.pending = true
+                return CheckedContinuation<Bool, Never>?.none
+            }
+            state.waiter = nil
+            return waiter
+        }
+        waiter?.resume(returning: true)
+    }
+
+    /// Waits for a SIGHUP (true); false once the waiting task is cancelled.
+    func next() async -> Bool {
+        await withTaskCancellationHandler {
+            await withCheckedContinuation { (continuation: CheckedContinuation<Bool, Never>) in
+                let answer: Bool? = state.withLock { state in
+                    if state.pending {
+                        state.pending = false
+                        return true
+                    }
+                    // Checked under the lock that the cancellation handler takes: it either finds this waiter or
+                    // ran before, and then the task is cancelled already.
+                    if Task.isCancelled { return false }
+                    state.waiter = continuation
+                    return nil
+                }
+                if let answer { continuation.resume(returning: answer) }
+            }
+        } onCancel: {
+            let waiter = state.withLock { state in
+                defer { state.waiter = nil }
+                return state.waiter
+            }
+            waiter?.resume(returning: false)
         }
     }
 }

@@ -351,7 +351,9 @@ struct AtRestTests {
         #expect(found(marker, in: queueFiles()).isEmpty)
     }
 
-    @Test("A SIGHUP while dq run opens the queue (sealing 20,000 items queued before at_rest) does not end it; all arrive")
+    @Test(
+        "A SIGHUP while dq run opens the queue (sealing 20,000 items queued before at_rest) does not end it and is not lost: the configuration is read again once the service runs; all arrive"
+    )
     func hangupWhileOpening() async throws {
         let server = try await FHIRServer.start()
         let (key, _) = try await keygen("open.key")
@@ -376,6 +378,7 @@ struct AtRestTests {
         }
         #expect(drained, "\(log().suffix(1000))")
         #expect(run.process.isRunning, "a SIGHUP before the reload service listens is not the end of dq run")
+        #expect(log().contains("configuration reloaded"), "the SIGHUP that came while the queue opened was lost: \(log().suffix(1000))")
         run.kill(SIGTERM)
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
         #expect(try await server.values("Observation", system: resources.system) == (0..<count).map(String.init))
