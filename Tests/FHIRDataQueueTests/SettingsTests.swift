@@ -365,7 +365,7 @@ struct SettingsTests {
             try DataQueueSettings.decode($0, source: $1)
         }
         #expect(settings.auth?.clientSecret == "from-windows" && settings.exposedSecretFiles.isEmpty, "\(settings.exposedSecretFiles)")
-        chmod(directory.appendingPathComponent("store").path, 0o640)
+        chmod(directory.appendingPathComponent("store").path, 0o644)
         settings = try DataQueueSettings.load(
             config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
         ) {

@@ -213,6 +213,13 @@ struct OperatorTests {
         chmod(config, 0o600)
         let quiet = try await dq(["status", "--config", config], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
         #expect(!quiet.stderr.contains("readable by others"))
+        // Readable by its group only and owned by root, as the Debian package installs /etc/dq/dq.json (root:dq
+        // 0640, for the dq user's units): no warning, as libpq accepts such a key; chmod 600 would lock the
+        // service out. Anyone else's file readable by its group: a warning.
+        chmod(config, 0o640)
+        let grouped = try await dq(["status", "--config", config], ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path])
+        #expect(grouped.stderr.contains("readable by others") == (getuid() != 0), "uid \(getuid()): \(grouped.stderr)")
+        chmod(config, 0o600)
         // A config file mounted as a link (a ConfigMap, /etc/dq/dq.json -> a managed file) is judged by the file it
         // names: a link's own mode is always 0777, and a private file behind it draws no warning.
         let link = work.file("linked.json")

@@ -19,10 +19,19 @@ package enum FilePermissions {
         return (UInt32(info.st_uid), Int(info.st_mode) & 0o7777)
     }
 
-    /// The permission bits of the file at `path` when its group or others may read or write it (a secret that
+    /// The permission bits of the file at `path` when others than its owner may read or write it (a secret that
     /// leaks), else nil.
+    ///
+    /// A file owned by root that its group may only read (0640) is not exposed, as libpq accepts such a key: it
+    /// is how a package gives a service's user a secret it must not change (the Debian package installs
+    /// `/etc/dq/dq.json` root:dq 0640 for the `dq` user's units), and `chmod 600` would lock that service out.
     package static func exposedMode(_ path: String) -> Int? {
-        guard let (_, mode) = ownerAndMode(path), mode & 0o077 != 0 else { return nil }
+        guard let (owner, mode) = ownerAndMode(path), !isPrivate(owner: owner, mode: mode) else { return nil }
         return mode
+    }
+
+    /// libpq's rule for a secret: only its owner may read it, or root owns it and its group may only read it.
+    package static func isPrivate(owner: UInt32, mode: Int) -> Bool {
+        mode & 0o077 == 0 || (mode & 0o037 == 0 && owner == 0)
     }
 }

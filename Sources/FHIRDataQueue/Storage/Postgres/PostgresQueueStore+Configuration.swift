@@ -173,7 +173,7 @@ extension PostgresQueueStore {
             guard let (owner, mode) = FilePermissions.ownerAndMode(keyPath) else {
                 throw DataQueueError(.invalidConfiguration, "database sslkey \(keyPath) cannot be read")
             }
-            guard mode & 0o077 == 0 || (mode & 0o037 == 0 && owner == 0) else {
+            guard FilePermissions.isPrivate(owner: owner, mode: mode) else {
                 throw DataQueueError(
                     .invalidConfiguration,
                     "database sslkey \(keyPath) can be read by others (mode \(String(mode, radix: 8))); chmod 600 it, as libpq asks")
