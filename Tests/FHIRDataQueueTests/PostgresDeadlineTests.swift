@@ -47,20 +47,22 @@ struct PostgresDeadlineTests {
             url: try await StoreKind.freshDatabase(),
             environment: ["PGPASSWORD": StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""],
             logger: Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() }))
-        // An operation's clock that last heard from the server an hour ago; the instant each row's decoding
-        // starts. A row that counts as an answer moves the clock past the decoding of the row before it.
-        let clock = AnswerClock(start: .now - .seconds(3600))
-        let decoded = Mutex<[ContinuousClock.Instant]>([])
+        // An operation's clock that last heard from the server an hour ago, read as each row is decoded: a row
+        // that counts as an answer has moved it before its decoding, past where the row before it left it.
+        let start = ContinuousClock.now - .seconds(3600)
+        let clock = AnswerClock(start: start)
+        let seen = Mutex<[ContinuousClock.Instant]>([])
         let values = try await PostgresQueueStore.$answers.withValue(clock) {
             try await store.rows(PostgresQuery(unsafeSQL: "SELECT generate_series(1, 50)")) { row in
-                decoded.withLock { $0.append(.now) }
+                seen.withLock { $0.append(clock.last) }
                 return try row.decode(Int.self)
             }
         }
-        #expect(values == Array(1...50), "the count before the clock")
-        let lastButOne = try #require(decoded.withLock { $0.dropLast().last })
-        #expect(clock.last > lastButOne, "the last row did not count as an answer")
         await store.shutdown()
+        #expect(values == Array(1...50), "the count before the clock")
+        let lasts = seen.withLock { $0 }
+        #expect(lasts.count == 50 && lasts[0] > start, "the first row did not count as an answer")
+        #expect(zip(lasts, lasts.dropFirst()).allSatisfy { $0 < $1 }, "a row did not count as an answer")
     }
 
     @Test("answered() outside an operation does nothing")

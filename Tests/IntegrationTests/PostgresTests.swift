@@ -223,8 +223,13 @@ struct PostgresTests {
         let database = try await Self.freshDatabase()
         let env = environment(server.base, database: database)
         var runners: [ChildProcess] = []
+        var ports: [Int] = []
         for _ in 0..<2 {
-            runners.append(try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.3"], environment: env))
+            ports.append(Peers.freePort())
+            runners.append(
+                try ChildProcess(
+                    Peers.dqBinary, ["run", "--poll-interval", "0.3", "--metrics-address", "127.0.0.1:\(ports.last!)"],
+                    environment: env))
         }
         let perProducer = 15
         try await withThrowingTaskGroup(of: Void.self) { group in
@@ -244,6 +249,12 @@ struct PostgresTests {
             (try await server.values("Observation", system: resources.system)).count >= 3 * perProducer
         }
         #expect(arrived)
+        // SIGTERM once each runner's service group traps it (its /readyz no longer says it is starting): the
+        // deliveries prove only that one of them runs, and a runner still opening its queue would be ended by
+        // SIGTERM's default action.
+        for port in ports {
+            #expect(try await serviceGroupRuns(metricsPort: port), "the runner with metrics on \(port) traps SIGTERM")
+        }
         for runner in runners { runner.kill(SIGTERM) }
         for runner in runners {
             let result = await runner.wait(timeout: .seconds(30))

@@ -420,8 +420,11 @@ struct ServiceTests {
     func twoRunnersAndCron() async throws {
         let server = try await FHIRServer.start()
         let env = environment(server.base, batch: 4)
-        let first = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env)
-        let second = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env)
+        let ports = [Peers.freePort(), Peers.freePort()]
+        let first = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(ports[0])"], environment: env)
+        let second = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(ports[1])"], environment: env)
         for chunk in 0..<8 {
             let file = try work.write("c\(chunk).ndjson", resources.ndjson((chunk * 10)..<(chunk * 10 + 10)))
             #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
@@ -431,6 +434,10 @@ struct ServiceTests {
             try await eventually(timeout: .seconds(60)) {
                 (try await server.values("Observation", system: resources.system)).count >= 80
             })
+        // The cron flushes may have delivered everything: each runner is stopped once it traps SIGTERM.
+        for port in ports {
+            #expect(try await serviceGroupRuns(metricsPort: port), "the runner with metrics on \(port) traps SIGTERM")
+        }
         first.kill(SIGTERM)
         second.kill(SIGTERM)
         #expect(await first.wait(timeout: .seconds(30)).status == 0)
@@ -563,15 +570,31 @@ struct ServiceTests {
         watched.kill(SIGTERM)
         #expect(await watched.wait(timeout: .seconds(30)).status == 0)
         #expect(messages.filter { $0.contains("WATCHDOG=1") }.count >= 5, "beats while waiting: \(messages)")
+        // What is waiting in the socket now, without waiting for more.
+        func waiting() -> [String] {
+            var buffer = [UInt8](repeating: 0, count: 512)
+            var messages: [String] = []
+            while true {
+                let count = recv(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT))
+                guard count > 0 else { break }
+                messages.append(String(decoding: buffer[0..<count], as: UTF8.self))
+            }
+            return messages
+        }
+        // The watched run's last beats and its STOPPING=1 go first, so that the next run is judged by its own.
+        _ = waiting()
         env["WATCHDOG_PID"] = "1"
         let other = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "30"], environment: env)
-        var foreign: [String] = []
+        // From its READY=1 (its group runs and traps SIGTERM) for three watchdog periods, then to its end.
+        var foreign = [await receive()]
         for _ in 0..<3 {
             let message = await receive(timeout: .seconds(1))
             if !message.isEmpty { foreign.append(message) }
         }
         other.kill(SIGTERM)
         #expect(await other.wait(timeout: .seconds(30)).status == 0)
+        foreign += waiting()
+        #expect(foreign[0].contains("READY=1"), "\(foreign)")
         #expect(!foreign.contains { $0.contains("WATCHDOG=1") }, "WATCHDOG_PID of another process: no beats: \(foreign)")
     }
 

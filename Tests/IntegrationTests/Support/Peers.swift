@@ -263,12 +263,23 @@ struct TestFailure: Error, CustomStringConvertible {
     init(_ description: String) { self.description = description }
 }
 
-/// Polls `condition` until it holds or `timeout` passes.
+/// Polls `condition` until it holds or `timeout` passes; it is looked at once more after the deadline, so that a
+/// sleep that overran it on a busy machine does not count as the condition's failure.
 func eventually(timeout: Duration = .seconds(30), _ condition: () async throws -> Bool) async throws -> Bool {
     let deadline = ContinuousClock.now + timeout
     while ContinuousClock.now < deadline {
         if try await condition() { return true }
         try await Task.sleep(for: .milliseconds(50))
     }
-    return false
+    return try await condition()
+}
+
+/// Whether the `dq run` serving metrics on `port` has its service group running, which traps SIGTERM: its
+/// `/readyz` no longer says it is starting. Before that, while the queue opens, SIGTERM's default action ends it
+/// (status 15), so a test that stops it with SIGTERM and expects 0 waits for this first.
+func serviceGroupRuns(metricsPort port: Int) async throws -> Bool {
+    try await eventually {
+        guard let (_, body) = try? await HTTP.get("http://127.0.0.1:\(port)/readyz") else { return false }
+        return !String(decoding: body, as: UTF8.self).contains("starting")
+    }
 }
