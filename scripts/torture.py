@@ -330,8 +330,12 @@ def daemon_faults(work, rng, count):
 
     # The database deleted under dq run: it stops with an error (exit 74) instead of flushing the unlinked file.
     later = ["%05d" % i for i in range(count, count + 5)]
-    run = spawn([DQ, "run", "--poll-interval", "0.05"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(1)
+    port = free_port()
+    run = spawn([DQ, "run", "--poll-interval", "0.05", "--metrics-address", "127.0.0.1:%d" % port], env=env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Deleted once dq run has its queue open (a fixed second was not always enough on a loaded machine: deleted
+    # before the open, the file is made anew and dq run rightly goes on).
+    wait_group_runs(port)
     for suffix in ("", "-wal", "-shm"):
         try:
             os.unlink(os.path.join(work, "daemon.sqlite" + suffix))
@@ -351,6 +355,23 @@ def daemon_faults(work, rng, count):
     check("database deleted under dq run (it exits 74; the new file's items flush)", 1, 0, 1, values + later,
           fhir.values("Observation", system), ok and stopped, "exit %s" % code)
     fhir.kill()
+
+
+def wait_group_runs(port, seconds=60):
+    """Waits until the dq run serving metrics on `port` has its service group running (its /readyz no longer says
+    it is starting): its queue is open and SIGTERM is trapped. True when it does."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            body = urllib.request.urlopen("http://127.0.0.1:%d/readyz" % port, timeout=2).read()
+        except urllib.error.HTTPError as e:
+            body = e.read()
+        except Exception:
+            body = b"starting"
+        if b"starting" not in body:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def wait_for_line(path, needle, seconds):
@@ -379,10 +400,12 @@ def write_faults(work, rng, quick):
     def run_under(name, env, fault, lift, preexec=None, system=None):
         """Starts dq run, applies `fault`, and checks what reached the server before and after it was logged."""
         log = os.path.join(work, name + ".log")
+        port = free_port()
         with open(log, "w") as out:
-            run = spawn([DQ, "run", "--config", config, "--poll-interval", "0.05"], env=env, stdout=out, stderr=out,
-                        preexec_fn=preexec)
-        time.sleep(0.5)
+            run = spawn([DQ, "run", "--config", config, "--poll-interval", "0.05", "--metrics-address",
+                         "127.0.0.1:%d" % port], env=env, stdout=out, stderr=out, preexec_fn=preexec)
+        # The fault once the queue is open, so that it meets a flush, not the open.
+        wait_group_runs(port)
         values = fault(env)
         reported = wait_for_line(log, "flush failed", 30)
         at_report = len(fhir.values("Observation", system))
@@ -500,9 +523,13 @@ def refused_token(work, rng, quick):
     assert dq(["enqueue", "--ndjson", path], env).returncode == 0
     log = os.path.join(work, "token.log")
     seconds = 8 if quick else 20
+    started = time.time()
     with open(log, "w") as out:
         run = spawn([DQ, "run", "--config", config, "--poll-interval", "0.05"], env=env, stdout=out, stderr=out)
-    time.sleep(seconds)
+    # SIGTERM no sooner than its first refusal is logged: then its service group runs and traps it (a loaded machine
+    # can take longer than the window to open the queue, and SIGTERM's default action would end it).
+    wait_for_line(log, "delivery stopped", 60)
+    time.sleep(max(0.0, seconds - (time.time() - started)))
     with urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % port) as r:
         requests = json.load(r)["requests"]
     run.send_signal(signal.SIGTERM)
@@ -603,6 +630,7 @@ def shared_queue(work, rng, per_producer, events, failover=False):
     env["DQ_LEASE_SECONDS"] = "3"
     system = "urn:torture:shared:%d" % rng.randrange(1 << 30)
     runners = [None, None]
+    ports = [free_port(), free_port()]
     kills = faults = 0
 
     started_at = time.time()
@@ -610,8 +638,8 @@ def shared_queue(work, rng, per_producer, events, failover=False):
 
     def start_runner(index):
         log = open(os.path.join(root, "runner-%d.log" % index), "a")
-        runners[index] = spawn([DQ, "run", "--poll-interval", "0.3", "--verbose"], env=env, stdout=subprocess.DEVNULL,
-                               stderr=log)
+        runners[index] = spawn([DQ, "run", "--poll-interval", "0.3", "--verbose", "--metrics-address",
+                                "127.0.0.1:%d" % ports[index]], env=env, stdout=subprocess.DEVNULL, stderr=log)
         log.close()
 
     for index in range(2):
@@ -689,6 +717,10 @@ def shared_queue(work, rng, per_producer, events, failover=False):
             drained = True
             break
         time.sleep(0.5)
+    # Each runner stopped once its service group runs and traps SIGTERM (one restarted late may still be opening
+    # its queue: SIGTERM's default action would end it).
+    for port in ports:
+        wait_group_runs(port)
     for runner in runners:
         runner.send_signal(signal.SIGTERM)
     codes = [runner.wait(timeout=60) for runner in runners]
