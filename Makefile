@@ -87,8 +87,7 @@ test: build gateway peers
 	@set -a; . .peers/env; set +a; export DQ_REQUIRE_PEERS=1; \
 	{ $(SWIFT) test --skip-build; echo $$? > .build/test.rc; } 2>&1 | tee .build/test.log; \
 	rc=$$(cat .build/test.rc); scripts/peers.sh stop; \
-	if [ "$$rc" != 0 ]; then echo "== failed tests and their issues (full log: .build/test.log) =="; \
-	  grep -E '✘|error:|recorded an issue|Expectation failed' .build/test.log | grep -v -E '✘ Test run with|^◇' | head -60; fi; \
+	if [ "$$rc" != 0 ]; then scripts/test-report.sh .build/test.log; fi; \
 	exit $$rc
 	@# The Debian package installed, checked and removed, alone: an installed /etc/dq/dq.json is every dq's config.
 	@if [ "$$(id -u)" = 0 ]; then scripts/deb.sh test $(DQ_BIN); \
