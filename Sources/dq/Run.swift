@@ -170,12 +170,19 @@ struct ReloadOnHangup: Service {
                 let settings = try DataQueueSettings.load(options: options, sending: sending)
                 _ = try settings.journalRetention()
                 let queue = try await settings.makeQueue(readOnly: false, logger: logger)
+                // A SIGTERM came while the queue opened (which does not stop for it): stop, do not start a round.
+                if Task.isCancelled {
+                    try? await queue.shutdown()
+                    return
+                }
                 let changed = Self.changes(current, settings)
                 logger.notice(
                     "configuration reloaded; delivery restarts with it",
                     metadata: ["changed": "\(changed.isEmpty ? "nothing" : changed.joined(separator: ","))"])
                 request.set(queue, settings)
                 SystemdNotify.send("RELOADING=1")
+                return
+            } catch is CancellationError {
                 return
             } catch {
                 logger.error(
@@ -301,13 +308,15 @@ final class HangupSignals: Sendable {
         await withTaskCancellationHandler {
             await withCheckedContinuation { (continuation: CheckedContinuation<Bool, Never>) in
                 let answer: Bool? = state.withLock { state in
+                    // Cancelled first: a service that is stopping takes no more SIGHUPs (one left pending is for the
+                    // next round, if there is one). Checked under the lock that the cancellation handler takes: it
+                    // either finds this waiter or ran before, and then the task is cancelled already.
+                    if Task.isCancelled { return false }
                     if state.pending {
                         state.pending = false
                         return true
                     }
-                    // Checked under the lock that the cancellation handler takes: it either finds this waiter or
-                    // ran before, and then the task is cancelled already.
-                    if Task.isCancelled { return false }
+                    precondition(state.waiter == nil, "one reload service waits at a time")
                     state.waiter = continuation
                     return nil
                 }
