@@ -58,6 +58,23 @@ struct BulkEnqueueTests {
         return values
     }
 
+    @Test(
+        "A chunk is cut into non-empty, consecutive pieces, one per worker with work: a chunk smaller than the cores has one piece per item (it trapped on 3 or more cores with a 1-item chunk)"
+    )
+    func piecesPerWorker() {
+        for workers in 1...9 {
+            for count in [0, 1, 2, 3, 5, 8, 4096, 4097] {
+                let pieces = ChunkPieces.pieces(of: count, workers: workers)
+                #expect(pieces.count <= workers)
+                #expect(pieces.allSatisfy { !$0.isEmpty })
+                #expect(pieces.flatMap { Array($0) } == Array(0..<count), "workers \(workers), count \(count)")
+            }
+        }
+        #expect(ChunkPieces.pieces(of: 1, workers: 3) == [0..<1])
+        #expect(ChunkPieces.pieces(of: 4, workers: 3) == [0..<2, 2..<4])
+        #expect(ChunkPieces.pieces(of: 4096, workers: 2) == [0..<2048, 2048..<4096])
+    }
+
     @Test("10,000 entries (three chunks) are all queued after what was there, in input order", arguments: StoreKind.withHostClient)
     func ordered(kind: StoreKind) async throws {
         let queue = try await queue(kind)

@@ -197,11 +197,9 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
             if stop { break }
             let range = chunk * chunkSize..<min(count, (chunk + 1) * chunkSize)
             let slots = Slots(count: range.count)
-            let part = (range.count + workers - 1) / workers
-            ParallelWork.forEach(workers, threads: workers) { [make] worker in
-                for offset in worker * part..<min(range.count, (worker + 1) * part) {
-                    slots.set(offset, make(range.lowerBound + offset))
-                }
+            let pieces = ChunkPieces.pieces(of: range.count, workers: workers)
+            ParallelWork.forEach(pieces.count, threads: workers) { [make] piece in
+                for offset in pieces[piece] { slots.set(offset, make(range.lowerBound + offset)) }
             }
             let results = slots.collect()
             condition.lock()
@@ -263,5 +261,16 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
         }
         func set(_ offset: Int, _ value: Result<MadeItem, DataQueueError>) { slots[offset] = value }
         func collect() -> [Result<MadeItem, DataQueueError>] { slots.map { $0! } }
+    }
+}
+
+/// How a chunk is shared among the workers that make its items.
+enum ChunkPieces {
+    /// `0..<count` cut into at most `workers` consecutive, non-empty pieces of nearly equal size: one for each
+    /// worker that has something to do (a chunk of 1 item on 3 cores is 1 piece, not 3 of which 2 are empty).
+    static func pieces(of count: Int, workers: Int) -> [Range<Int>] {
+        guard count > 0 else { return [] }
+        let part = (count + max(1, workers) - 1) / max(1, workers)
+        return stride(from: 0, to: count, by: part).map { $0..<min(count, $0 + part) }
     }
 }
