@@ -27,10 +27,13 @@ let package = Package(
     ],
     targets: [
         .systemLibrary(name: "CSQLite"),
+        // Two GNU extensions of posix_spawn that Swift's Glibc module hides (Support/SpawnedProcess.swift).
+        .target(name: "CSpawn"),
         .target(
             name: "FHIRDataQueue",
             dependencies: [
                 "CSQLite",
+                "CSpawn",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "AsyncHTTPClient", package: "async-http-client"),
                 .product(name: "NIOCore", package: "swift-nio"),

@@ -102,12 +102,7 @@ extension DQ {
             guard environment["DISPLAY"] != nil || environment["WAYLAND_DISPLAY"] != nil else { return }
             let paths = (environment["PATH"] ?? "/usr/bin:/bin").split(separator: ":").map { String($0) + "/xdg-open" }
             guard let opener = paths.first(where: { FileManager.default.isExecutableFile(atPath: $0) }) else { return }
-            let process = Process()
-            process.executableURL = URL(fileURLWithPath: opener)
-            process.arguments = [url.absoluteString]
-            process.standardOutput = FileHandle.nullDevice
-            process.standardError = FileHandle.nullDevice
-            try? process.run()
+            _ = try? SpawnedProcess(opener, [url.absoluteString], stdout: .null, stderr: .null)
         }
     }
 

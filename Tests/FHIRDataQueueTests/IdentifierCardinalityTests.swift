@@ -16,14 +16,11 @@ struct IdentifierCardinalityTests {
 
     /// Runs `tool` with `arguments`; its standard output and exit status.
     func run(_ tool: String, _ arguments: [String]) async throws -> (String, Int32) {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: tool)
-        process.arguments = arguments
         let output = FileManager.default.temporaryDirectory.appendingPathComponent("dq-fhirkit-\(UUID().uuidString).txt")
         _ = FileManager.default.createFile(atPath: output.path, contents: nil)
+        defer { try? FileManager.default.removeItem(at: output) }
         let handle = try FileHandle(forWritingTo: output)
-        process.standardOutput = handle
-        let status = try await runToExit(process)
+        let status = try await runToExit(tool, arguments, stdout: .descriptor(handle.fileDescriptor))
         try handle.close()
         return (try String(contentsOf: output, encoding: .utf8), status)
     }

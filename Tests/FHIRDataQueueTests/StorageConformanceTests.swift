@@ -76,14 +76,14 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
         let base = try #require(environment["DQ_TEST_POSTGRES_URL"], "no PostgreSQL for the tests: run make test")
         var components = try #require(URLComponents(string: base))
         let name = "dq_t_" + UUID().uuidString.prefix(12).lowercased().replacingOccurrences(of: "-", with: "")
-        let psql = Process()
-        psql.executableURL = URL(fileURLWithPath: "/usr/bin/psql")
-        psql.arguments = [
+        let arguments = [
             "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
             String(components.path.dropFirst()), "-qc", "CREATE DATABASE \(name)",
         ]
-        psql.environment = ["PGPASSWORD": environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
-        try #require(try await runToExit(psql) == 0, "psql could not create a test database")
+        let psqlEnvironment = ["PGPASSWORD": environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        try #require(
+            try await runToExit("/usr/bin/psql", arguments, environment: psqlEnvironment, stdout: .inherit) == 0,
+            "psql could not create a test database")
         components.path = "/" + name
         components.query = "sslmode=disable"
         return components.string!
@@ -536,17 +536,15 @@ struct StorageConformanceTests {
         // Another session reads dq_server_state in a transaction that stays open (a report, a backup's
         // snapshot): ALTER TABLE ... ADD COLUMN IF NOT EXISTS would wait for it even with nothing to add.
         let components = try #require(URLComponents(string: url))
-        let holder = Process()
-        holder.executableURL = URL(fileURLWithPath: "/usr/bin/psql")
-        holder.arguments = [
-            "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
-            String(components.path.dropFirst()), "-qc",
-            "BEGIN; LOCK TABLE dq_server_state IN ACCESS SHARE MODE; SELECT pg_sleep(60); COMMIT",
-        ]
-        holder.environment = ["PGPASSWORD": environment["PGPASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
-        holder.standardOutput = FileHandle.nullDevice
-        try holder.run()
-        defer { holder.terminate() }
+        let holder = try SpawnedProcess(
+            "/usr/bin/psql",
+            [
+                "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
+                String(components.path.dropFirst()), "-qc",
+                "BEGIN; LOCK TABLE dq_server_state IN ACCESS SHARE MODE; SELECT pg_sleep(60); COMMIT",
+            ],
+            environment: ["PGPASSWORD": environment["PGPASSWORD"] ?? "", "PATH": "/usr/bin:/bin"], stdout: .null)
+        defer { holder.signal(SIGTERM) }
         var held = false
         for _ in 0..<600 where !held {
             for try await count in try await first.client.query(

@@ -319,36 +319,49 @@ struct TransportTests {
     }
 
     func runOpenSSL(_ arguments: [String]) async throws {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: "/usr/bin/openssl")
-        process.arguments = arguments
-        process.standardOutput = FileHandle.nullDevice
-        process.standardError = FileHandle.nullDevice
-        try #require(try await runToExit(process) == 0, "openssl \(arguments[0]) failed")
+        try #require(try await runToExit("/usr/bin/openssl", arguments, stderr: .null) == 0, "openssl \(arguments[0]) failed")
     }
 
     /// `openssl s_server` on a free loopback port, once it accepts connections.
-    func startOpenSSLServer(_ certificate: (cert: String, key: String)) async throws -> (Process, Int) {
+    func startOpenSSLServer(_ certificate: (cert: String, key: String)) async throws -> (OpenSSLServer, Int) {
         let probe = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
         let port = try #require(probe.localAddress?.port)
         try await probe.close()
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: "/usr/bin/openssl")
-        process.arguments = ["s_server", "-accept", "127.0.0.1:\(port)", "-cert", certificate.cert, "-key", certificate.key, "-quiet"]
-        process.standardInput = Pipe()  // kept open: the server waits on it and never answers
-        process.standardOutput = FileHandle.nullDevice
-        process.standardError = FileHandle.nullDevice
-        try process.run()
+        let server = try OpenSSLServer(
+            ["s_server", "-accept", "127.0.0.1:\(port)", "-cert", certificate.cert, "-key", certificate.key, "-quiet"])
         for _ in 0..<100 {
             if (try? await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton).connect(host: "127.0.0.1", port: port).get()
                 .close()) != nil
             {
-                return (process, port)
+                return (server, port)
             }
             try await Task.sleep(for: .milliseconds(50))
         }
-        process.terminate()
+        server.terminate()
         throw TransportFailure(message: "openssl s_server did not start", mayHaveArrived: false)
+    }
+}
+
+/// `openssl s_server` with its standard input a pipe kept open: the server waits on it and never answers.
+final class OpenSSLServer: Sendable {
+    let process: SpawnedProcess
+    let stdinWriter: Int32
+
+    init(_ arguments: [String]) throws {
+        let ends = try SpawnedProcess.pipe()
+        defer { close(ends.read) }
+        stdinWriter = ends.write
+        do {
+            process = try SpawnedProcess("/usr/bin/openssl", arguments, stdin: .descriptor(ends.read), stdout: .null, stderr: .null)
+        } catch {
+            close(ends.write)
+            throw error
+        }
+    }
+
+    func terminate() {
+        process.signal(SIGTERM)
+        close(stdinWriter)
     }
 }
 

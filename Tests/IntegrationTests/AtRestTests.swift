@@ -370,14 +370,14 @@ struct AtRestTests {
         // Until the queue is empty, looked at once a second (reading the server's history of 20,000 resources in a
         // tight loop would starve the tests that run beside this one).
         var drained = false
-        for _ in 0..<240 where !drained && run.process.isRunning {
+        for _ in 0..<240 where !drained && run.isRunning {
             try await Task.sleep(for: .seconds(1))
             let status = try await dq(["status", "--json"], env)
             let counts = try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any]
             drained = counts?["pending"] as? Int == 0 && counts?["parked"] as? Int == 0
         }
         #expect(drained, "\(log().suffix(1000))")
-        #expect(run.process.isRunning, "a SIGHUP before the reload service listens is not the end of dq run")
+        #expect(run.isRunning, "a SIGHUP before the reload service listens is not the end of dq run")
         #expect(log().contains("configuration reloaded"), "the SIGHUP that came while the queue opened was lost: \(log().suffix(1000))")
         run.kill(SIGTERM)
         #expect(await run.wait(timeout: .seconds(30)).status == 0)

@@ -134,7 +134,7 @@ struct AuthTests {
             try await eventually { (try await server.values("Observation", system: resources.system)) == ["0", "1"] },
             "delivered with the rotated secret, without a restart: \(log())")
         #expect(log().contains("configuration reloaded") && log().contains("changed=auth.client_secret"), "\(log())")
-        #expect(run.process.isRunning, "no restart")
+        #expect(run.isRunning, "no restart")
         run.kill(SIGTERM)
         let result = await run.wait(timeout: .seconds(30))
         #expect(result.status == 0, "\(result.stderr)")

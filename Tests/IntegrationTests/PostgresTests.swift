@@ -73,7 +73,7 @@ struct PostgresTests {
         }
         #expect(said, "\((try? String(contentsOfFile: waiting.stderrPath, encoding: .utf8)) ?? "")")
         try await Task.sleep(for: .seconds(2))
-        #expect(waiting.process.isRunning, "still waiting, not ended")
+        #expect(waiting.isRunning, "still waiting, not ended")
         waiting.kill(SIGKILL)
         _ = await waiting.wait()
         let refusedRun = try await ChildProcess(Peers.dqBinary, ["run"], environment: env).wait(timeout: .seconds(60))

@@ -77,7 +77,7 @@ struct SignInTests {
         var address: String?
         _ = try await eventually(timeout: .seconds(30)) {
             address = child.outputSoFar.split(separator: "\n").first { $0.hasPrefix("http") }.map(String.init)
-            return address != nil || !child.process.isRunning
+            return address != nil || !child.isRunning
         }
         guard let address else {
             let result = await child.stop()
@@ -100,11 +100,9 @@ struct SignInTests {
                 pasted = change(person.stdout.trimmingCharacters(in: .whitespacesAndNewlines))
             }
         }
-        if let pasted, let pipe = child.stdinPipe {
-            pipe.fileHandleForWriting.write(Data((pasted + "\n").utf8))
-        }
+        if let pasted { child.writeStdin(Data((pasted + "\n").utf8)) }
         let result = await child.wait(timeout: .seconds(60))
-        try? child.stdinPipe?.fileHandleForWriting.close()
+        child.closeStdin()
         return (result, pasted, personOutput)
     }
 

@@ -1,18 +1,15 @@
+import FHIRDataQueue
 import Foundation
 
-/// Runs `process` to its end without holding a thread of the cooperative pool, and returns its exit status.
+/// Runs `executable` to its end without holding a thread of the cooperative pool, and returns its exit status
+/// (or the number of the signal that ended it).
 ///
-/// A `waitUntilExit` blocks its thread: on a two-core machine the pool has two, so two tests waiting for a
-/// slow `CREATE DATABASE` on a cold server stalled every other test of the suite for twenty seconds, long
-/// enough for their PostgreSQL operations to pass dq's 15 s deadline.
-func runToExit(_ process: Process) async throws -> Int32 {
-    try await withCheckedThrowingContinuation { continuation in
-        process.terminationHandler = { process in continuation.resume(returning: process.terminationStatus) }
-        do {
-            try process.run()
-        } catch {
-            process.terminationHandler = nil
-            continuation.resume(throwing: error)
-        }
-    }
+/// A blocking wait holds its thread: on a two-core machine the pool has two, so two tests waiting for a slow
+/// `CREATE DATABASE` on a cold server stalled every other test of the suite for twenty seconds, long enough for
+/// their PostgreSQL operations to pass dq's 15 s deadline. ``SpawnedProcess``, not Foundation's `Process`: see there.
+func runToExit(
+    _ executable: String, _ arguments: [String], environment: [String: String]? = nil,
+    stdout: SpawnedProcess.Stream = .null, stderr: SpawnedProcess.Stream = .inherit
+) async throws -> Int32 {
+    try await SpawnedProcess(executable, arguments, environment: environment, stdout: stdout, stderr: stderr).wait().status
 }

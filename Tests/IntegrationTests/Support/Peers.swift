@@ -1,4 +1,5 @@
 import AsyncHTTPClient
+import FHIRDataQueue
 import Foundation
 import NIOCore
 import NIOFoundationCompat
@@ -111,103 +112,133 @@ struct ProcessResult: Sendable {
     var stderr: String
 }
 
-/// A child process with its output in files.
-final class ChildProcess: @unchecked Sendable {
-    let process = Process()
+/// A child process with its output in files (``SpawnedProcess``, not Foundation's `Process`: see there why).
+final class ChildProcess: Sendable {
+    let child: SpawnedProcess
+    let executable: String
+    let arguments: [String]
     let stdoutPath: String
     let stderrPath: String
-    /// With `keepStdinOpen`: where to write the process's standard input.
-    private(set) var stdinPipe: Pipe?
+    /// With `keepStdinOpen`: the write end of the process's standard input, until ``closeStdin()``.
+    private let stdinWriter: Mutex<Int32?>
 
     init(
         _ executable: String, _ arguments: [String], environment: [String: String] = [:], stdin: Data? = nil,
         directory: String? = nil, keepStdinOpen: Bool = false
     ) throws {
+        self.executable = executable
+        self.arguments = arguments
         let outputs = FileManager.default.temporaryDirectory.appendingPathComponent("dq-proc-\(UUID().uuidString)")
         stdoutPath = outputs.path + ".out"
         stderrPath = outputs.path + ".err"
-        _ = FileManager.default.createFile(atPath: stdoutPath, contents: nil)
-        _ = FileManager.default.createFile(atPath: stderrPath, contents: nil)
-        process.executableURL = URL(fileURLWithPath: executable)
-        process.arguments = arguments
         var env = ProcessInfo.processInfo.environment
         for key in env.keys where key.hasPrefix("DQ_") && key != "DQ_BIN" { env[key] = nil }
         env.merge(environment) { $1 }
-        process.environment = env
-        if let directory { process.currentDirectoryURL = URL(fileURLWithPath: directory) }
-        process.standardOutput = try FileHandle(forWritingTo: URL(fileURLWithPath: stdoutPath))
-        process.standardError = try FileHandle(forWritingTo: URL(fileURLWithPath: stderrPath))
+        var opened: [Int32] = []
+        defer { for fd in opened { close(fd) } }
+        func create(_ path: String, _ flags: Int32) throws -> Int32 {
+            let fd = open(path, flags | O_CLOEXEC, 0o600)
+            guard fd >= 0 else { throw POSIXError(POSIXErrorCode(rawValue: errno) ?? .EIO) }
+            opened.append(fd)
+            return fd
+        }
+        let out = try create(stdoutPath, O_WRONLY | O_CREAT | O_TRUNC)
+        let err = try create(stderrPath, O_WRONLY | O_CREAT | O_TRUNC)
+        var input = SpawnedProcess.Stream.null
+        var writer: Int32?
         if keepStdinOpen {
-            let pipe = Pipe()
-            process.standardInput = pipe
-            stdinPipe = pipe
-            try process.run()
+            let ends = try SpawnedProcess.pipe()
+            opened.append(ends.read)
+            writer = ends.write
+            input = .descriptor(ends.read)
         } else if let stdin {
-            let pipe = Pipe()
-            process.standardInput = pipe
-            try process.run()
-            pipe.fileHandleForWriting.write(stdin)
-            try pipe.fileHandleForWriting.close()
-        } else {
-            process.standardInput = FileHandle.nullDevice
-            try process.run()
+            // From a file, not a pipe: nothing blocks on a child that reads slowly or not at all.
+            let path = outputs.path + ".in"
+            let fd = try create(path, O_RDWR | O_CREAT | O_EXCL)
+            unlink(path)
+            guard stdin.withUnsafeBytes({ pwrite(fd, $0.baseAddress, $0.count, 0) }) == stdin.count else {
+                throw POSIXError(.EIO)
+            }
+            input = .descriptor(fd)
+        }
+        stdinWriter = Mutex(writer)
+        do {
+            child = try SpawnedProcess(
+                executable, arguments, environment: env, directory: directory, stdin: input, stdout: .descriptor(out),
+                stderr: .descriptor(err))
+        } catch {
+            if let writer { close(writer) }
+            throw error
         }
     }
 
     /// The output files go with the process (a test that killed it without waiting leaves none in /tmp).
     deinit {
+        closeStdin()
         try? FileManager.default.removeItem(atPath: stdoutPath)
         try? FileManager.default.removeItem(atPath: stderrPath)
     }
 
-    var pid: Int32 { process.processIdentifier }
+    var pid: Int32 { child.pid }
+
+    /// Whether the process still runs.
+    var isRunning: Bool { child.isRunning }
 
     /// What the process wrote to standard output so far.
     var outputSoFar: String { (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? "" }
 
-    /// Sends `signal` while the process runs. Once it has exited (and been reaped) its pid may belong to another
-    /// process already (another test's `dq run`, under a parallel suite): that one is never signalled.
-    func kill(_ signal: Int32 = SIGKILL) {
-        guard process.isRunning else { return }
-        Glibc.kill(process.processIdentifier, signal)
+    /// With `keepStdinOpen`: writes `data` to the process's standard input.
+    func writeStdin(_ data: Data) {
+        stdinWriter.withLock { fd in
+            guard let fd else { return }
+            data.withUnsafeBytes { bytes in
+                var offset = 0
+                while offset < bytes.count {
+                    let written = write(fd, bytes.baseAddress! + offset, bytes.count - offset)
+                    if written < 0 && errno == EINTR { continue }
+                    if written <= 0 { return }
+                    offset += written
+                }
+            }
+        }
     }
 
-    /// Kills the process (SIGKILL) and leaves the wait for its end to a thread of its own: for a peer's deinit,
-    /// which cannot await and must not block a thread of the test run's small cooperative pool.
-    func killInBackground() {
-        kill(SIGKILL)
-        Thread.detachNewThread { [self] in process.waitUntilExit() }
+    /// With `keepStdinOpen`: ends the process's standard input.
+    func closeStdin() {
+        stdinWriter.withLock { fd in
+            if let open = fd { close(open) }
+            fd = nil
+        }
     }
+
+    /// Sends `signal` while the process runs. Once it has ended its pid may belong to another process already
+    /// (another test's `dq run`, under a parallel suite): that one is never signalled.
+    func kill(_ signal: Int32 = SIGKILL) { child.signal(signal) }
+
+    /// Kills the process (SIGKILL); its reaper thread collects it. For a peer's deinit, which cannot await.
+    func killInBackground() { kill(SIGKILL) }
 
     /// Kills the process if it still runs (a peer that never became ready) and returns its output.
     func stop() async -> ProcessResult {
-        if process.isRunning { kill(SIGKILL) }
+        kill(SIGKILL)
         return await wait()
     }
 
     /// Waits without blocking a thread of the cooperative pool. A process still running after `timeout` is a
     /// test failure: it is killed (SIGKILL) and its output returned.
     func wait(timeout: Duration = .seconds(300)) async -> ProcessResult {
-        let deadline = ContinuousClock.now + timeout
-        while process.isRunning {
-            if ContinuousClock.now >= deadline {
-                Issue.record("\(process.executableURL?.path ?? "?") \(process.arguments ?? []) still ran after \(timeout): killed")
-                kill(SIGKILL)
-                // Not waitUntilExit(): Foundation learns of the end from a descriptor the child inherited, and a
-                // daemon the child started may hold it; that would block this thread of the pool for good.
-                let killed = ContinuousClock.now
-                while process.isRunning && ContinuousClock.now - killed < .seconds(10) {
-                    try? await Task.sleep(for: .milliseconds(20))
-                }
-                break
-            }
-            try? await Task.sleep(for: .milliseconds(20))
+        let watchdog = Task { [child, executable, arguments] in
+            try await Task.sleep(for: timeout)
+            Issue.record("\(executable) \(arguments) still ran after \(timeout): killed")
+            child.signal(SIGKILL)
         }
+        let ending = await child.wait()
+        watchdog.cancel()
         let out = (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? ""
         let err = (try? String(contentsOfFile: stderrPath, encoding: .utf8)) ?? ""
         try? FileManager.default.removeItem(atPath: stdoutPath)
         try? FileManager.default.removeItem(atPath: stderrPath)
-        return ProcessResult(status: process.isRunning ? -1 : process.terminationStatus, stdout: out, stderr: err)
+        return ProcessResult(status: ending.status, stdout: out, stderr: err)
     }
 }
 
