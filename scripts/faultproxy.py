@@ -14,6 +14,8 @@ from a script that tests fill through the control endpoint, or drawn at random w
   delay:MS        forward after MS milliseconds
   stall:SECONDS   forward, then hold the answer SECONDS before sending it (beyond a client timeout)
   pad:BYTES       forward, then add BYTES of trailing whitespace to the answer's body (a huge answer)
+  hold            forward, then hold the answer until POST /__proxy/release (at most 300 s): a request on the
+                  wire for exactly as long as a test needs, whatever the machine's load
 
 Server behaviours (flags): --max-entries N answers 413 to a transaction Bundle of more than N entries;
 --no-transactions answers 405 to every transaction Bundle; --latency MS delays every request by MS
@@ -23,6 +25,7 @@ Control (never forwarded):
   POST /__proxy/faults   JSON list of faults to append to the script
   GET  /__proxy/stats    JSON counts: requests, forwarded, and each fault injected
   POST /__proxy/reset    clear the script and the counts
+  POST /__proxy/release  send the held answers, and every later one of a hold at once
 """
 import argparse
 import http.client
@@ -38,7 +41,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 LOCK = threading.Lock()
 SCRIPT = []
 STATS = {"requests": 0, "forwarded": 0, "faults": {}, "tokens": [], "registrations": [], "bundles": 0, "entries": 0,
-         "refused_bundles": 0}
+         "refused_bundles": 0, "holding": 0}
+RELEASE = threading.Event()
 ARGS = None
 RNG = random.Random(0)
 RANDOM_FAULTS = ["503:1", "drop-before", "drop-after", "delay:50", "stall:STALL"]
@@ -87,7 +91,11 @@ class Handler(BaseHTTPRequestHandler):
             with LOCK:
                 data = json.dumps(STATS).encode()
             return self._reply(200, data, {"Content-Type": "application/json"})
+        if self.path == "/__proxy/release":
+            RELEASE.set()
+            return self._reply(204)
         if self.path == "/__proxy/reset":
+            RELEASE.clear()
             with LOCK:
                 SCRIPT = []
                 STATS.update({"requests": 0, "forwarded": 0, "faults": {}, "tokens": [], "registrations": []})
@@ -184,6 +192,12 @@ class Handler(BaseHTTPRequestHandler):
             return self._drop()
         if name == "stall":
             time.sleep(float(fault.split(":")[1]))
+        if name == "hold":
+            with LOCK:
+                STATS["holding"] += 1
+            RELEASE.wait(timeout=300)
+            with LOCK:
+                STATS["holding"] -= 1
         if name == "pad":
             data = data + b" " * int(fault.split(":")[1])
         try:

@@ -359,7 +359,7 @@ def daemon_faults(work, rng, count):
 
 def wait_group_runs(port, seconds=60):
     """Waits until the dq run serving metrics on `port` has its service group running (its /readyz no longer says
-    it is starting): its queue is open and SIGTERM is trapped. True when it does."""
+    it is starting): its queue is open and it delivers. True when it does."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         try:
@@ -526,8 +526,8 @@ def refused_token(work, rng, quick):
     started = time.time()
     with open(log, "w") as out:
         run = spawn([DQ, "run", "--config", config, "--poll-interval", "0.05"], env=env, stdout=out, stderr=out)
-    # SIGTERM no sooner than its first refusal is logged: then its service group runs and traps it (a loaded machine
-    # can take longer than the window to open the queue, and SIGTERM's default action would end it).
+    # SIGTERM no sooner than its first refusal is logged: then its service group runs (a loaded machine can take
+    # longer than the window to open the queue, and the row is of refusals under dq run).
     wait_for_line(log, "delivery stopped", 60)
     time.sleep(max(0.0, seconds - (time.time() - started)))
     with urllib.request.urlopen("http://127.0.0.1:%d/__proxy/stats" % port) as r:
@@ -717,8 +717,8 @@ def shared_queue(work, rng, per_producer, events, failover=False):
             drained = True
             break
         time.sleep(0.5)
-    # Each runner stopped once its service group runs and traps SIGTERM (one restarted late may still be opening
-    # its queue: SIGTERM's default action would end it).
+    # Each runner stopped once its service group runs (one restarted late may still be opening its queue; a SIGTERM
+    # then would stop it before delivery began, with nothing of the row's to judge).
     for port in ports:
         wait_group_runs(port)
     for runner in runners:

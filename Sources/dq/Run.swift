@@ -56,9 +56,12 @@ extension DQ {
         }
 
         func run() async throws {
-            // SIGHUP is trapped once, for the whole run, before the queue opens: one that comes while it opens, while
-            // a round's services start or between two rounds is kept for the round that listens next (its default
-            // action would end dq run; a handler set up by each round's reload service would miss it).
+            // SIGHUP, SIGTERM and SIGINT are trapped once, for the whole run, before the queue opens. A SIGHUP that
+            // comes while the queue opens, while a round's services start or between two rounds is kept for the
+            // round that listens next (its default action would end dq run; a handler set up by each round's
+            // reload service would miss it). A SIGTERM or SIGINT ends dq run wherever it comes: a round drains and
+            // none follows, even one a reload had validated (a group's own trap, set up each round, took a stop
+            // that came while a round drained for a reload, and the next round started: dq run went on).
             signal(SIGHUP, SIG_IGN)
             let hangups = HangupSignals()
             let trapped = await UnixSignalsSequence(trapping: .sighup)
@@ -66,28 +69,58 @@ extension DQ {
                 for await _ in trapped { hangups.arrived() }
             }
             defer { forwarding.cancel() }
+            let stops = StopSignals()
+            let trappedStops = await UnixSignalsSequence(trapping: .sigterm, .sigint)
+            let stopping = Task {
+                for await _ in trappedStops { stops.arrived() }
+            }
+            defer { stopping.cancel() }
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(Exposition.factory(registry))
             recordBuildInfo()
-            try await withQueue(queueOptions, sending: sending, waitsForDatabase: true) { first, firstSettings in
-                // SIGHUP: a configuration that validates replaces the running one once the group has drained
-                // (the request on the wire answered, the journal committed); one that does not is refused.
-                var (queue, settings) = (first, firstSettings)
-                while true {
-                    let reload = ReloadRequest()
-                    try await deliver(queue: queue, settings: settings, registry: registry, reload: reload, hangups: hangups)
-                    guard let (next, nextSettings) = reload.take() else { break }
+            let work = Task { [queueOptions, sending] in
+                try await withQueue(queueOptions, sending: sending, waitsForDatabase: true) { first, firstSettings in
+                    // SIGHUP: a configuration that validates replaces the running one once the group has drained
+                    // (the request on the wire answered, the journal committed); one that does not is refused.
+                    var (queue, settings) = (first, firstSettings)
+                    while stops.beginRound() {
+                        let reload = ReloadRequest()
+                        defer { stops.endRound() }
+                        try await deliver(
+                            queue: queue, settings: settings, registry: registry, reload: reload, hangups: hangups, stops: stops)
+                        let next = reload.take()
+                        if stops.requested {
+                            // A reload had ended the round (so no STOPPING=1 was sent): the stop came as it drained.
+                            if let (unused, _) = next {
+                                SystemdNotify.send("STOPPING=1")
+                                try? await unused.shutdown()
+                            }
+                            break
+                        }
+                        guard let (nextQueue, nextSettings) = next else { break }
+                        if queue !== first { try? await queue.shutdown() }
+                        (queue, settings) = (nextQueue, nextSettings)
+                    }
                     if queue !== first { try? await queue.shutdown() }
-                    (queue, settings) = (next, nextSettings)
                 }
-                if queue !== first { try? await queue.shutdown() }
+            }
+            // A stop between rounds (the queue opening, a database awaited) cancels the work: nothing is sent then.
+            stops.whenOutsideRounds { work.cancel() }
+            do {
+                try await withTaskCancellationHandler {
+                    try await work.value
+                } onCancel: {
+                    work.cancel()
+                }
+            } catch is CancellationError where stops.requested {
+                Logger(label: "dq").notice("stopped before delivery began")
             }
         }
 
         /// One configuration's service group: delivery, metrics, readiness, systemd notifications, reload.
         private func deliver(
             queue: DataQueue, settings: DataQueueSettings, registry: PrometheusCollectorRegistry, reload: ReloadRequest,
-            hangups: HangupSignals
+            hangups: HangupSignals, stops: StopSignals
         ) async throws {
             let logger = Logger(label: "dq")
             let maximumAge = readyMaxAge ?? settings.readyMaxAgeSeconds
@@ -125,12 +158,15 @@ extension DQ {
                     service: ReloadOnHangup(
                         current: settings, options: queueOptions, sending: sending, request: reload, hangups: hangups, logger: logger),
                     successTerminationBehavior: .gracefullyShutdownGroup))
-            // Last: it starts once the group traps the signals (READY=1), and hears the stop first.
+            // SIGTERM or SIGINT (trapped for the whole run) ends this group gracefully; at once if one came before.
+            services.append(.init(service: StopOnSignal(stops: stops), successTerminationBehavior: .gracefullyShutdownGroup))
+            // Last: it starts once the group runs (READY=1), and hears the stop first.
             services.append(
-                .init(service: SystemdNotify(status: "delivering to \(queue.queueName)", reload: reload, started: trapping)))
+                .init(
+                    service: SystemdNotify(
+                        status: "delivering to \(queue.queueName)", reload: reload, stops: stops, started: trapping)))
             let group = ServiceGroup(
-                configuration: ServiceGroupConfiguration(
-                    services: services, gracefulShutdownSignals: [.sigterm, .sigint], logger: logger))
+                configuration: ServiceGroupConfiguration(services: services, gracefulShutdownSignals: [], logger: logger))
             try await group.run()
         }
     }
@@ -234,8 +270,9 @@ struct ReloadOnHangup: Service {
 /// `$NOTIFY_SOCKET` each; nothing when it is unset.
 struct SystemdNotify: Service {
     let status: String
-    /// A stop for a reload is not a stop: no STOPPING=1 then (the next round says READY=1).
+    /// A stop for a reload is not a stop: no STOPPING=1 then (the next round says READY=1), unless SIGTERM came.
     var reload: ReloadRequest? = nil
+    var stops: StopSignals? = nil
     /// Set when this service starts: the group traps its signals by then.
     var started: GroupStarted? = nil
 
@@ -244,7 +281,7 @@ struct SystemdNotify: Service {
         Self.send("READY=1\nSTATUS=\(status)")
         try? await gracefulShutdown()
         // The reload service hands its configuration over before the group begins to stop.
-        if reload?.requested != true { Self.send("STOPPING=1") }
+        if reload?.requested != true || stops?.requested == true { Self.send("STOPPING=1") }
     }
 
     /// systemd's watchdog (`WatchdogSec=`), when `$WATCHDOG_USEC` is set for this process: `WATCHDOG=1` from
@@ -329,6 +366,85 @@ final class HangupSignals: Sendable {
             }
             waiter?.resume(returning: false)
         }
+    }
+}
+
+/// SIGTERM and SIGINT for the whole of `dq run`: a round's ``StopOnSignal`` ends its group gracefully; between
+/// rounds (the queue opening, a database awaited) the handler given to ``whenOutsideRounds(_:)`` runs.
+final class StopSignals: Sendable {
+    private struct State {
+        var requested = false
+        var inRound = false
+        var waiter: CheckedContinuation<Void, Never>?
+        var outsideRounds: (@Sendable () -> Void)?
+    }
+    private let state = Mutex(State())
+
+    /// Whether a stop came.
+    var requested: Bool { state.withLock { $0.requested } }
+
+    /// A SIGTERM or SIGINT came: the round's stop service ends its group, or, between rounds, the handler runs.
+    func arrived() {
+        let (waiter, handler) = state.withLock { state in
+            state.requested = true
+            defer { state.waiter = nil }
+            return (state.waiter, state.inRound ? nil : state.outsideRounds)
+        }
+        waiter?.resume()
+        handler?()
+    }
+
+    /// What a stop between rounds does; run at once if one came already and no round runs.
+    func whenOutsideRounds(_ handler: @escaping @Sendable () -> Void) {
+        let now = state.withLock { state in
+            state.outsideRounds = handler
+            return state.requested && !state.inRound
+        }
+        if now { handler() }
+    }
+
+    /// A round begins, unless a stop came (false).
+    func beginRound() -> Bool {
+        state.withLock { state in
+            guard !state.requested else { return false }
+            state.inRound = true
+            return true
+        }
+    }
+
+    /// The round has ended; a stop from now on is handled outside rounds.
+    func endRound() { state.withLock { $0.inRound = false } }
+
+    /// Waits for a stop (at once if one came); returns early once the waiting task is cancelled.
+    func wait() async {
+        await withTaskCancellationHandler {
+            await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
+                let now = state.withLock { state in
+                    // Checked under the lock the cancellation handler takes (see HangupSignals.next()).
+                    if state.requested || Task.isCancelled { return true }
+                    precondition(state.waiter == nil, "one stop service waits at a time")
+                    state.waiter = continuation
+                    return false
+                }
+                if now { continuation.resume() }
+            }
+        } onCancel: {
+            let waiter = state.withLock { state in
+                defer { state.waiter = nil }
+                return state.waiter
+            }
+            waiter?.resume()
+        }
+    }
+}
+
+/// Ends its group gracefully when SIGTERM or SIGINT comes (at once if one came before the group started); ends
+/// quietly when the group stops for another reason (a reload).
+struct StopOnSignal: Service {
+    let stops: StopSignals
+
+    func run() async throws {
+        await cancelWhenGracefulShutdown { await stops.wait() }
     }
 }
 

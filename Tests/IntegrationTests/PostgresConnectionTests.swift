@@ -200,8 +200,8 @@ struct PostgresConnectionTests {
                 return (Int(sessions.stdout.trimmingCharacters(in: .whitespacesAndNewlines)) ?? 0) > 0
             }
             #expect(named, "dq run's connections carry PGAPPNAME")
-            // SIGTERM once the service group traps it (its first flush has run and failed: the server is port 9);
-            // before that, while the queue opens, SIGTERM's default action ends dq run, as for any process.
+            // SIGTERM once the service group runs (its first flush has run and failed: the server is port 9), so
+            // that the stop is a running round's.
             let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
             #expect(try await eventually { log().contains("delivery stopped") }, "\(log())")
             run.kill(SIGTERM)

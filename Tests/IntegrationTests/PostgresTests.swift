@@ -66,16 +66,19 @@ struct PostgresTests {
 
         // dq run, a daemon, waits for a database that does not answer (a failover, a server not up yet) instead of
         // ending (a runner restarted during a failover died with 75 and stayed down); a refused login still ends it.
-        let waiting = try ChildProcess(
-            Peers.dqBinary, ["run"], environment: environment("http://127.0.0.1:9/fhir", database: components.string!))
+        var waitingEnvironment = environment("http://127.0.0.1:9/fhir", database: components.string!)
+        waitingEnvironment["DQ_LOG_LEVEL"] = "notice"
+        let waiting = try ChildProcess(Peers.dqBinary, ["run"], environment: waitingEnvironment)
         let said = try await eventually(timeout: .seconds(30)) {
             ((try? String(contentsOfFile: waiting.stderrPath, encoding: .utf8)) ?? "").contains("trying again until it answers")
         }
         #expect(said, "\((try? String(contentsOfFile: waiting.stderrPath, encoding: .utf8)) ?? "")")
         try await Task.sleep(for: .seconds(2))
         #expect(waiting.isRunning, "still waiting, not ended")
-        waiting.kill(SIGKILL)
-        _ = await waiting.wait()
+        // SIGTERM while it waits for the database: it stops there, cleanly (the default action ended it with 15).
+        waiting.kill(SIGTERM)
+        let stopped = await waiting.wait(timeout: .seconds(60))
+        #expect(stopped.status == 0 && stopped.stderr.contains("stopped before delivery began"), "\(stopped.stderr)")
         let refusedRun = try await ChildProcess(Peers.dqBinary, ["run"], environment: env).wait(timeout: .seconds(60))
         #expect(refusedRun.status == 77, "\(refusedRun.stderr)")
     }
@@ -249,9 +252,8 @@ struct PostgresTests {
             (try await server.values("Observation", system: resources.system)).count >= 3 * perProducer
         }
         #expect(arrived)
-        // SIGTERM once each runner's service group traps it (its /readyz no longer says it is starting): the
-        // deliveries prove only that one of them runs, and a runner still opening its queue would be ended by
-        // SIGTERM's default action.
+        // SIGTERM once each runner's service group runs (its /readyz no longer says it is starting): the
+        // deliveries prove only that one of them runs, and the test is of runners that deliver.
         for port in ports {
             #expect(try await serviceGroupRuns(metricsPort: port), "the runner with metrics on \(port) traps SIGTERM")
         }

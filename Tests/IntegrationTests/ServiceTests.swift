@@ -97,6 +97,35 @@ struct ServiceTests {
         #expect(try await server.values("Observation", system: resources.system) == (0..<5).map(String.init))
     }
 
+    @Test(
+        "SIGTERM while a validated reload drains its round ends dq run: the request on the wire is answered, no next round starts"
+    )
+    func sigtermWhileReloadDrains() async throws {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server)
+        var env = environment(proxy.base, batch: 1)
+        env["DQ_LOG_LEVEL"] = "notice"
+        let file = try work.write("three.ndjson", resources.ndjson(0..<3))
+        #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
+        try await proxy.inject(["hold"])  // item 0 reaches the server; its answer waits for the test
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--drain-timeout", "120"], environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { (try await proxy.stats()["holding"] as? Int) == 1 }, "\(log())")
+        // The reload validates and ends the round, which drains: it waits for the held answer.
+        run.kill(SIGHUP)
+        #expect(try await eventually { log().contains("configuration reloaded") }, "\(log())")
+        run.kill(SIGTERM)
+        try await proxy.release()
+        let result = await run.wait(timeout: .seconds(60))
+        #expect(result.status == 0, "\(result.stderr)")
+        // Item 0 was answered and journaled; no round came after the stop to send the other two.
+        #expect(try await server.values("Observation", system: resources.system) == ["0"])
+        let status = try await dq(["status", "--json"], env)
+        let counts = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(counts["pending"] as? Int == 2 && counts["delivered"] as? Int == 1, "\(status.stdout)")
+    }
+
     @Test("dq run whose database stops taking writes (a file-size limit): logged once, nothing sent after, clean SIGTERM")
     func fileSizeLimitUnderRun() async throws {
         let server = try await FHIRServer.start()

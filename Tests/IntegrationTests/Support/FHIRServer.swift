@@ -149,6 +149,11 @@ final class FaultProxy: @unchecked Sendable {
             "http://127.0.0.1:\(port)/__proxy/faults", json: try JSONSerialization.data(withJSONObject: faults))
     }
 
+    /// Sends the answers a `hold` fault keeps, and lets every later one through at once.
+    func release() async throws {
+        _ = try await HTTP.post("http://127.0.0.1:\(port)/__proxy/release", json: Data("{}".utf8))
+    }
+
     /// The proxy's counters.
     func stats() async throws -> [String: Any] {
         try await HTTP.json("http://127.0.0.1:\(port)/__proxy/stats")

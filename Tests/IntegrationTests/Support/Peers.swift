@@ -305,9 +305,9 @@ func eventually(timeout: Duration = .seconds(30), _ condition: () async throws -
     return try await condition()
 }
 
-/// Whether the `dq run` serving metrics on `port` has its service group running, which traps SIGTERM: its
-/// `/readyz` no longer says it is starting. Before that, while the queue opens, SIGTERM's default action ends it
-/// (status 15), so a test that stops it with SIGTERM and expects 0 waits for this first.
+/// Whether the `dq run` serving metrics on `port` has its service group running: its `/readyz` no longer says it
+/// is starting. A test that means its SIGTERM to stop a running round (not a dq run still opening its queue,
+/// which a SIGTERM stops before delivery begins) waits for this first.
 func serviceGroupRuns(metricsPort port: Int) async throws -> Bool {
     try await eventually {
         guard let (_, body) = try? await HTTP.get("http://127.0.0.1:\(port)/readyz") else { return false }
