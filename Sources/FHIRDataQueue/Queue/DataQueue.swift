@@ -460,6 +460,10 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                     "a previous flush stopped while sending; letting the server settle its request first",
                     metadata: ["item": "\(orphan.sequence)", "seconds": "\(String(format: "%.1f", wait))"])
                 try await Task.sleep(for: .milliseconds(Int64(min(wait, configuration.settleDelay) * 1000)))
+            } else {
+                logger.warning(
+                    "a previous flush stopped while sending; its request has had time to settle",
+                    metadata: ["item": "\(orphan.sequence)"])
             }
             try await lock.clearInFlight()
         }
