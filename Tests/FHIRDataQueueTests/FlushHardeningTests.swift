@@ -9,7 +9,7 @@ import Testing
 
 /// The flush loop against a real HTTP server on loopback whose answers each test scripts: the races and
 /// routing cases an outside review found, each with the interleaving forced rather than hoped for.
-@Suite("Flush hardening")
+@Suite("Flush hardening", .timeLimit(.minutes(3)))
 struct FlushHardeningTests {
     let directory: URL
     let scratch: Scratch

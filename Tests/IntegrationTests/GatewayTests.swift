@@ -30,8 +30,11 @@ struct GatewayTests {
             "DQ_SERVER": server.base, "DQ_DATABASE": work.file("gateway.sqlite"), "DQ_IDEMPOTENT": "true",
             "DQ_BATCH_SIZE": "1", "HOME": work.path,
         ]
+        // A short backoff: the attempts made while the server is down must not push the next one past the wait
+        // below (on a loaded machine more of them fit before the server starts).
+        let config = try work.write("gateway.json", #"{"retry": {"initial_seconds": 0.1, "maximum_seconds": 0.5}}"#)
         let gateway = try ChildProcess(
-            Self.binary, ["--port", String(port), "--poll-interval", "0.2"], environment: env)
+            Self.binary, ["--port", String(port), "--poll-interval", "0.2", "--config", config], environment: env)
         #expect(try await eventually(timeout: .seconds(30)) { Peers.isListening(port: port) }, "the gateway listens")
         let endpoint = "http://127.0.0.1:\(port)/Observation"
 
