@@ -272,6 +272,10 @@ func warnAboutExposure(_ settings: DataQueueSettings) {
         printError(
             "dq: warning: the client key \(key) is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(key)")
     }
+    if let key = settings.auth?.privateKey.map(settings.inBaseDirectory), let mode = FilePermissions.exposedMode(key) {
+        printError(
+            "dq: warning: the private_key_jwt key \(key) is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(key)")
+    }
     if settings.auth != nil, let text = settings.server, let url = URL(string: text), url.scheme?.lowercased() == "http",
         let host = url.host?.lowercased(), !["localhost", "127.0.0.1", "::1", "[::1]"].contains(host), !host.hasPrefix("127.")
     {

@@ -63,11 +63,17 @@ struct AuthTests {
             ["client_id": "c4", "private_key": work.file("es256.pem")],
             ["client_id": "c5", "private_key": work.file("rs256.pem"), "key_alg": "RS256"],
         ]
+        // The RSA key readable by others draws the warning secret files get; the others (0600) do not.
+        #expect(chmod(rsa, 0o644) == 0)
+        for key in [ec, work.file("es256.pem"), work.file("rs256.pem")] { #expect(chmod(key, 0o600) == 0) }
         for (index, auth) in modes.enumerated() {
             let env = try config(server.base, auth: auth)
             let file = try work.write("o\(index).json", resources.observation(index))
             let sent = try await dq(["send", file], env)
             #expect(sent.status == 0, "\(auth["token_endpoint_auth_method"] ?? auth["client_id"]!): \(sent.stderr)")
+            let warned = sent.stderr.contains("the private_key_jwt key \(rsa) is readable by others (mode 644); run: chmod 600")
+            #expect(warned == (auth["private_key"] == rsa), "\(auth["client_id"]!): \(sent.stderr)")
+            #expect(!sent.stderr.contains("PRIVATE KEY"))
         }
         #expect(try await server.values("Observation", system: resources.system) == ["0", "1", "2", "3", "4", "5"])
     }
