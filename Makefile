@@ -108,7 +108,7 @@ sanitize: deps peers
 	  rm -rf $$dir/reports; mkdir -p $$dir/reports; \
 	  echo "== $$s: build =="; $(SWIFT) build --build-tests --sanitize=$$s --scratch-path $$dir; \
 	  export ASAN_OPTIONS="log_path=$(CURDIR)/$$dir/reports/report:detect_leaks=0" \
-	         TSAN_OPTIONS="log_path=$(CURDIR)/$$dir/reports/report:halt_on_error=0"; \
+	         TSAN_OPTIONS="log_path=$(CURDIR)/$$dir/reports/report:halt_on_error=0:suppressions=$(CURDIR)/Tests/tsan-suppressions.txt"; \
 	  echo "== $$s: unit tests =="; $(SWIFT) test --skip-build --sanitize=$$s --scratch-path $$dir --filter FHIRDataQueueTests; \
 	  echo "== $$s: quick torture =="; DQ_SANITIZER=$$s DQ_BIN=$(CURDIR)/$$dir/debug/dq .peers/venv/bin/python scripts/torture.py --quick; \
 	  if ls $$dir/reports/report* >/dev/null 2>&1; then echo "== $$s: reports =="; cat $$dir/reports/report*; exit 1; fi; \
