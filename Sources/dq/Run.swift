@@ -153,13 +153,16 @@ extension DQ {
                 logger.info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
             }
             // A reload that validated ends this group gracefully, as SIGTERM would.
+            let shutdown = GroupShutdown()
             services.append(
                 .init(
                     service: ReloadOnHangup(
-                        current: settings, options: queueOptions, sending: sending, request: reload, hangups: hangups, logger: logger),
+                        current: settings, options: queueOptions, sending: sending, request: reload, hangups: hangups,
+                        shutdown: shutdown, logger: logger),
                     successTerminationBehavior: .gracefullyShutdownGroup))
             // SIGTERM or SIGINT (trapped for the whole run) ends this group gracefully; at once if one came before.
-            services.append(.init(service: StopOnSignal(stops: stops), successTerminationBehavior: .gracefullyShutdownGroup))
+            services.append(
+                .init(service: StopOnSignal(stops: stops, shutdown: shutdown), successTerminationBehavior: .gracefullyShutdownGroup))
             // Last: it starts once the group runs (READY=1), and hears the stop first.
             services.append(
                 .init(
@@ -167,6 +170,7 @@ extension DQ {
                         status: "delivering to \(queue.queueName)", reload: reload, stops: stops, started: trapping)))
             let group = ServiceGroup(
                 configuration: ServiceGroupConfiguration(services: services, gracefulShutdownSignals: [], logger: logger))
+            shutdown.set(group)
             try await group.run()
         }
     }
@@ -194,13 +198,18 @@ struct ReloadOnHangup: Service {
     let sending: SendingOptions
     let request: ReloadRequest
     let hangups: HangupSignals
+    let shutdown: GroupShutdown
     let logger: Logger
 
     func run() async throws {
-        try await cancelWhenGracefulShutdown { [self] in try await listen() }
+        if try await cancelWhenGracefulShutdown({ [self] in try await listen() }) {
+            await shutdown.trigger()
+            try? await gracefulShutdown()
+        }
     }
 
-    private func listen() async throws {
+    /// Whether a configuration was handed over (false once the group stops first).
+    private func listen() async throws -> Bool {
         while await hangups.next() {
             do {
                 let settings = try DataQueueSettings.load(options: options, sending: sending)
@@ -209,7 +218,7 @@ struct ReloadOnHangup: Service {
                 // A SIGTERM came while the queue opened (which does not stop for it): stop, do not start a round.
                 if Task.isCancelled {
                     try? await queue.shutdown()
-                    return
+                    return false
                 }
                 let changed = Self.changes(current, settings)
                 logger.notice(
@@ -217,15 +226,16 @@ struct ReloadOnHangup: Service {
                     metadata: ["changed": "\(changed.isEmpty ? "nothing" : changed.joined(separator: ","))"])
                 request.set(queue, settings)
                 SystemdNotify.send("RELOADING=1")
-                return
+                return true
             } catch is CancellationError {
-                return
+                return false
             } catch {
                 logger.error(
                     "reload refused; the running configuration stays",
                     metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
             }
         }
+        return false
     }
 
     /// The settings that differ, by name (`auth.client_secret`), never by value.
@@ -442,9 +452,27 @@ final class StopSignals: Sendable {
 /// quietly when the group stops for another reason (a reload).
 struct StopOnSignal: Service {
     let stops: StopSignals
+    let shutdown: GroupShutdown
 
     func run() async throws {
         await cancelWhenGracefulShutdown { await stops.wait() }
+        if stops.requested { await shutdown.trigger() }
+        try? await gracefulShutdown()
+    }
+}
+
+/// A round's service group, for the services that end it (a stop, a reload): they ask it to shut down gracefully
+/// and return in their turn. Not by returning at once: a service that returns while the group stops the others
+/// one by one, before its own turn, is taken for a failure, and the group cancels every service (the request on
+/// the wire with them) and throws.
+final class GroupShutdown: Sendable {
+    private let group = Mutex<ServiceGroup?>(nil)
+
+    func set(_ group: ServiceGroup) { self.group.withLock { $0 = group } }
+
+    func trigger() async {
+        guard let group = group.withLock({ $0 }) else { return }
+        await group.triggerGracefulShutdown()
     }
 }
 
