@@ -68,9 +68,10 @@ struct TransportTests {
     func noAnswer() async throws {
         let script = ScriptLine()
         let server = try await ScriptedServer { _ in script.next() }
-        // Long enough that the close and the answer come in time while a loaded `make test` starves this
-        // process for seconds (a 3 s timeout made the close a timeout there); the stall waits it out.
-        let transport = try FHIRTransport(timeout: 8, connectTimeout: 5)
+        // The close and the answer must come before a timeout, however long a loaded machine starves this process:
+        // their transport waits a minute. The stall must end in a timeout: its transport waits one second.
+        let transport = try FHIRTransport(timeout: 60, connectTimeout: 60)
+        let impatient = try FHIRTransport(timeout: 1, connectTimeout: 60)
         script.set([.close, .stall, .respond(.created(location: "Observation/1"))])
         let closed = await #expect(throws: TransportFailure.self) {
             try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
@@ -79,13 +80,14 @@ struct TransportTests {
             closed?.mayHaveArrived == true && closed?.message.contains("connection closed by the server") == true,
             "\(closed?.message ?? "")")
         let stalled = await #expect(throws: TransportFailure.self) {
-            try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
+            try await impatient.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
         }
         #expect(stalled?.mayHaveArrived == true && stalled?.message.contains("timed out") == true, "\(stalled?.message ?? "")")
         let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
         #expect(response.status == 201)
         #expect(server.requests.count == 3 && server.connectionsOpened == 3)
         try await transport.shutdown()
+        try await impatient.shutdown()
         try await server.shutdown()
     }
 
@@ -263,7 +265,9 @@ struct TransportTests {
         let (goodServer, goodPort) = try await startOpenSSLServer(here)
         defer { goodServer.terminate() }
 
-        let trusting = try FHIRTransport(timeout: 3, connectTimeout: 5, network: trust(elsewhere.cert))
+        // The mismatch ends the handshake at once; the request's own timeout is long enough never to come first,
+        // however slow the machine (the message must name the mismatch, not a timeout).
+        let trusting = try FHIRTransport(timeout: 60, connectTimeout: 60, network: trust(elsewhere.cert))
         let mismatch = await #expect(throws: TransportFailure.self) {
             try await trusting.send(request("https://127.0.0.1:\(mismatchPort)/fhir/Observation"), authorization: nil, logger: logger)
         }
@@ -289,14 +293,20 @@ struct TransportTests {
         #expect(silent.connectionsOpened == 1)
         try await silent.shutdown()
 
-        // The other side of the line: after a good handshake, a request without an answer may have arrived.
-        let good = try FHIRTransport(timeout: 2, connectTimeout: 5, network: trust(here.cert))
-        let unanswered = await #expect(throws: TransportFailure.self) {
+        // The other side of the line: after a good handshake, a request without an answer may have arrived. The
+        // server ends once it has printed the request it read (s_server writes what it receives to its standard
+        // output), so the connection closes after the request and never by a timeout, however slow the machine.
+        let good = try FHIRTransport(timeout: 60, connectTimeout: 60, network: trust(here.cert))
+        let sending = Task {
             try await good.send(request("https://127.0.0.1:\(goodPort)/fhir/Observation"), authorization: nil, logger: logger)
         }
+        let received = await goodServer.waitForOutput(containing: "POST /fhir/Observation")
+        goodServer.terminate()
+        let unanswered = await #expect(throws: TransportFailure.self) { try await sending.value }
+        #expect(received, "s_server never printed the request")
         #expect(
-            unanswered?.mayHaveArrived == true && unanswered?.message.contains("timed out") == true
-                && unanswered?.message.contains("handshake") == false, "\(unanswered?.message ?? "")")
+            unanswered?.mayHaveArrived == true && unanswered?.message.contains("handshake") == false
+                && unanswered?.message.contains("timed out") == false, "\(unanswered?.message ?? "")")
         try await good.shutdown()
     }
 
@@ -328,7 +338,8 @@ struct TransportTests {
         let port = try #require(probe.localAddress?.port)
         try await probe.close()
         let server = try OpenSSLServer(
-            ["s_server", "-accept", "127.0.0.1:\(port)", "-cert", certificate.cert, "-key", certificate.key, "-quiet"])
+            ["s_server", "-accept", "127.0.0.1:\(port)", "-cert", certificate.cert, "-key", certificate.key, "-quiet"],
+            output: FileManager.default.temporaryDirectory.appendingPathComponent("dq-s_server-\(UUID().uuidString)").path)
         for _ in 0..<100 {
             if (try? await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton).connect(host: "127.0.0.1", port: port).get()
                 .close()) != nil
@@ -342,26 +353,55 @@ struct TransportTests {
     }
 }
 
-/// `openssl s_server` with its standard input a pipe kept open: the server waits on it and never answers.
+/// `openssl s_server` with its standard input a pipe kept open: the server waits on it and never answers. What
+/// it receives from its client goes to the file `output`.
 final class OpenSSLServer: Sendable {
     let process: SpawnedProcess
     let stdinWriter: Int32
+    let output: String
+    private let terminated = Mutex(false)
 
-    init(_ arguments: [String]) throws {
+    init(_ arguments: [String], output: String) throws {
+        self.output = output
+        let outputFile = open(output, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
+        guard outputFile >= 0 else { throw SpawnedProcess.SpawnError(executable: output, code: errno) }
+        defer { close(outputFile) }
         let ends = try SpawnedProcess.pipe()
         defer { close(ends.read) }
         stdinWriter = ends.write
         do {
-            process = try SpawnedProcess("/usr/bin/openssl", arguments, stdin: .descriptor(ends.read), stdout: .null, stderr: .null)
+            process = try SpawnedProcess(
+                "/usr/bin/openssl", arguments, stdin: .descriptor(ends.read), stdout: .descriptor(outputFile), stderr: .null)
         } catch {
             close(ends.write)
+            unlink(output)
             throw error
         }
     }
 
+    /// Waits until the server has written `text` (what a client sent) to its output; false if it ended first.
+    func waitForOutput(containing text: String) async -> Bool {
+        while !Task.isCancelled {
+            if let written = FileManager.default.contents(atPath: output), String(decoding: written, as: UTF8.self).contains(text) {
+                return true
+            }
+            if process.ending != nil { return false }
+            try? await Task.sleep(for: .milliseconds(20))
+        }
+        return false
+    }
+
+    /// Ends the server (once); the connections it holds close.
     func terminate() {
+        let first = terminated.withLock { done in
+            let first = !done
+            done = true
+            return first
+        }
+        guard first else { return }
         process.signal(SIGTERM)
         close(stdinWriter)
+        unlink(output)
     }
 }
 

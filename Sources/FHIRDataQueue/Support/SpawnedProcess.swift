@@ -38,11 +38,14 @@ package final class SpawnedProcess: Sendable {
         case exited(Int32)
         /// A signal ended it.
         case signalled(Int32)
+        /// It ended, but how is not known: its status was taken by another waiter (`errno` of `waitpid`).
+        case unknown(Int32)
 
-        /// The exit status, or the signal's number (as Foundation's `terminationStatus`).
+        /// The exit status, or the signal's number (as Foundation's `terminationStatus`); -1 when unknown.
         package var status: Int32 {
             switch self {
             case .exited(let status), .signalled(let status): status
+            case .unknown: -1
             }
         }
     }
@@ -84,8 +87,14 @@ package final class SpawnedProcess: Sendable {
             case .inherit:
                 continue
             case .null:
-                let fd = open("/dev/null", (target == 0 ? O_RDONLY : O_WRONLY) | O_CLOEXEC)
-                guard fd >= 0 else { throw SpawnError(executable: executable, code: errno) }
+                // Above the standard streams: where this process has closed one of them, open(2) would return
+                // that number, and a later stream's dup2 could overwrite it.
+                let first = open("/dev/null", (target == 0 ? O_RDONLY : O_WRONLY) | O_CLOEXEC)
+                guard first >= 0 else { throw SpawnError(executable: executable, code: errno) }
+                let fd = first > 2 ? first : fcntl(first, F_DUPFD_CLOEXEC, 3)
+                let failure = errno
+                if fd != first { close(first) }
+                guard fd >= 0 else { throw SpawnError(executable: executable, code: failure) }
                 opened.append(fd)
                 posix_spawn_file_actions_adddup2(&actions, fd, target)
             case .descriptor(let fd):
@@ -124,9 +133,11 @@ package final class SpawnedProcess: Sendable {
             while waitid(P_PID, id_t(child), &info, WEXITED | WNOWAIT) == -1 && errno == EINTR {}
             let (ending, waiters) = shared.state.withLock { state in
                 var status: Int32 = 0
-                while waitpid(child, &status, 0) == -1 && errno == EINTR {}
+                var reaped: pid_t
+                repeat { reaped = waitpid(child, &status, 0) } while reaped == -1 && errno == EINTR
                 let signal = status & 0x7f
-                let ending: Ending = signal == 0 ? .exited((status >> 8) & 0xff) : .signalled(signal)
+                let ending: Ending =
+                    reaped != child ? .unknown(errno) : signal == 0 ? .exited((status >> 8) & 0xff) : .signalled(signal)
                 state.ending = ending
                 defer { state.waiters = [] }
                 return (ending, state.waiters)

@@ -188,14 +188,26 @@ final class ChildProcess: Sendable {
     var outputSoFar: String { (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? "" }
 
     /// With `keepStdinOpen`: writes `data` to the process's standard input.
+    /// A process that has ended takes nothing: the write stops, and the SIGPIPE it raises is taken here rather than
+    /// ending the test process (SIGPIPE is blocked on this thread for the write, and a pending one consumed).
     func writeStdin(_ data: Data) {
         stdinWriter.withLock { fd in
             guard let fd else { return }
+            var pipeSignal = sigset_t()
+            sigemptyset(&pipeSignal)
+            sigaddset(&pipeSignal, SIGPIPE)
+            var previous = sigset_t()
+            pthread_sigmask(SIG_BLOCK, &pipeSignal, &previous)
+            defer { pthread_sigmask(SIG_SETMASK, &previous, nil) }
             data.withUnsafeBytes { bytes in
                 var offset = 0
                 while offset < bytes.count {
                     let written = write(fd, bytes.baseAddress! + offset, bytes.count - offset)
                     if written < 0 && errno == EINTR { continue }
+                    if written < 0 && errno == EPIPE {
+                        var now = timespec()
+                        while sigtimedwait(&pipeSignal, nil, &now) == -1 && errno == EINTR {}
+                    }
                     if written <= 0 { return }
                     offset += written
                 }
