@@ -1,5 +1,6 @@
 import AsyncHTTPClient
 import Foundation
+import NIOSSL
 import Testing
 
 @testable import FHIRDataQueue
@@ -49,5 +50,48 @@ struct NetworkConfigurationTests {
         let expected = HTTPClient.Authorization.basic(username: "alice", password: "p%41ss")
         #expect(proxy == HTTPClient.Configuration.Proxy.server(host: "proxy", port: 3128, authorization: expected))
         #expect(throws: DataQueueError.self) { try HTTPClients.proxy("ftp://proxy:21") }
+    }
+
+    @Test("A proxy's refusal names the proxy of the request's scheme, not another one, and none for a host sent around it")
+    func refusalNamesItsProxy() {
+        var network = NetworkConfiguration()
+        network.httpsProxy = "http://secure-gate:3128"
+        network.httpProxy = "http://plain-gate:8080"
+        network.noProxy = "inside.example"
+        let refused = HTTPClientError.invalidProxyResponse
+        #expect(FHIRTransport.describe(refused, url: "http://fhir.example/r4/Observation", network: network).contains("plain-gate:8080"))
+        #expect(FHIRTransport.describe(refused, url: "https://fhir.example/r4/Observation", network: network).contains("secure-gate:3128"))
+        let around = FHIRTransport.describe(refused, url: "https://inside.example/r4", network: network)
+        #expect(!around.contains("gate"), "\(around)")
+    }
+
+    @Test("ca_bundle adds to the system's CAs; ca_bundle_only trusts the bundle alone; TLS 1.2 at least")
+    func trustRoots() async throws {
+        let work = FileManager.default.temporaryDirectory.appendingPathComponent("dq-trust-\(UUID().uuidString)").path
+        try FileManager.default.createDirectory(atPath: work, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(atPath: work) }
+        let bundle = work + "/ca.pem"
+        let made = try await runToExit(
+            "/usr/bin/openssl",
+            [
+                "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", work + "/ca.key",
+                "-out", bundle, "-days", "2", "-subj", "/CN=dq test CA",
+            ], stderr: .null)
+        try #require(made == 0)
+        var network = NetworkConfiguration()
+        network.caBundlePath = bundle
+        let adding = try HTTPClients.tlsConfiguration(network)
+        #expect(adding.trustRoots == nil || adding.trustRoots == .default)
+        #expect(adding.additionalTrustRoots.count == 1)
+        #expect(adding.minimumTLSVersion == .tlsv12)
+        network.caBundleOnly = true
+        let replacing = try HTTPClients.tlsConfiguration(network)
+        #expect(replacing.additionalTrustRoots.isEmpty)
+        guard case .certificates(let certificates)? = replacing.trustRoots else {
+            Issue.record("ca_bundle_only must trust the bundle's certificates alone: \(String(describing: replacing.trustRoots))")
+            return
+        }
+        #expect(certificates.count >= 1)
+        #expect(try HTTPClients.tlsConfiguration(NetworkConfiguration()).additionalTrustRoots.isEmpty)
     }
 }

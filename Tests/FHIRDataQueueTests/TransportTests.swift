@@ -310,6 +310,54 @@ struct TransportTests {
         try await good.shutdown()
     }
 
+    /// A proxy that will not open the tunnel is the proxy's answer, not the server's: nothing was sent, and the
+    /// words name the proxy the request went through (the http one for an http server).
+    @Test("A proxy that refuses CONNECT (403, 502): never sent, and its refusal names that proxy", arguments: [403, 502])
+    func proxyRefusesTunnel(status: Int) async throws {
+        let refusing = try await RawServer { _, _ in ("HTTP/1.1 \(status) No\r\nContent-Length: 0\r\n\r\n", true) }
+        let other = try await RawServer { _, _ in ("HTTP/1.1 500 Wrong proxy\r\nContent-Length: 0\r\n\r\n", true) }
+        var network = NetworkConfiguration()
+        network.httpProxy = refusing.baseURL
+        network.httpsProxy = other.baseURL
+        let transport = try FHIRTransport(timeout: 60, connectTimeout: 60, network: network)
+        let failure = await #expect(throws: TransportFailure.self) {
+            try await transport.send(request("http://fhir.invalid/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(failure?.mayHaveArrived == false, "\(failure?.message ?? "")")
+        #expect(
+            failure?.message.contains("the proxy \(refusing.baseURL)") == true && failure?.message.contains("refused the tunnel") == true,
+            "\(failure?.message ?? "")")
+        #expect(refusing.requestsReceived == 1 && other.requestsReceived == 0)
+        try await transport.shutdown()
+        try await refusing.shutdown()
+        try await other.shutdown()
+    }
+
+    /// dq asks for TLS 1.2 at least: a server that can speak TLS 1.1 only is refused before any request.
+    @Test("A server that offers only TLS 1.1 is refused in the handshake; nothing is sent")
+    func tls12AtLeast() async throws {
+        let work = FileManager.default.temporaryDirectory.appendingPathComponent("dq-tls11-\(UUID().uuidString)").path
+        try FileManager.default.createDirectory(atPath: work, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(atPath: work) }
+        let here = try await makeCertificate(in: work, name: "here", subjectAltName: "IP:127.0.0.1")
+        let (server, port) = try await startOpenSSLServer(here, extra: ["-tls1_1", "-cipher", "DEFAULT@SECLEVEL=0"])
+        defer { server.terminate() }
+        // The server does speak TLS 1.1 (a client that allows it completes the handshake), so a refusal is dq's.
+        let old = try await runToExit(
+            "/usr/bin/openssl",
+            ["s_client", "-connect", "127.0.0.1:\(port)", "-tls1_1", "-cipher", "DEFAULT@SECLEVEL=0", "-CAfile", here.cert],
+            stderr: .null)
+        #expect(old == 0, "openssl s_client could not reach the TLS 1.1 server")
+        let transport = try FHIRTransport(timeout: 60, connectTimeout: 60, network: trust(here.cert))
+        let refused = await #expect(throws: TransportFailure.self) {
+            try await transport.send(request("https://127.0.0.1:\(port)/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(refused?.mayHaveArrived == false, "\(refused?.message ?? "")")
+        let printed = (try? String(contentsOfFile: server.output, encoding: .utf8)) ?? ""
+        #expect(!printed.contains("POST"), "the TLS 1.1 server read a request")
+        try await transport.shutdown()
+    }
+
     /// Network settings that trust `bundle` only.
     func trust(_ bundle: String) -> NetworkConfiguration {
         var network = NetworkConfiguration()
@@ -333,12 +381,12 @@ struct TransportTests {
     }
 
     /// `openssl s_server` on a free loopback port, once it accepts connections.
-    func startOpenSSLServer(_ certificate: (cert: String, key: String)) async throws -> (OpenSSLServer, Int) {
+    func startOpenSSLServer(_ certificate: (cert: String, key: String), extra: [String] = []) async throws -> (OpenSSLServer, Int) {
         let probe = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
         let port = try #require(probe.localAddress?.port)
         try await probe.close()
         let server = try OpenSSLServer(
-            ["s_server", "-accept", "127.0.0.1:\(port)", "-cert", certificate.cert, "-key", certificate.key, "-quiet"],
+            ["s_server", "-accept", "127.0.0.1:\(port)", "-cert", certificate.cert, "-key", certificate.key, "-quiet"] + extra,
             output: FileManager.default.temporaryDirectory.appendingPathComponent("dq-s_server-\(UUID().uuidString)").path)
         for _ in 0..<100 {
             if (try? await ClientBootstrap(group: MultiThreadedEventLoopGroup.singleton).connect(host: "127.0.0.1", port: port).get()

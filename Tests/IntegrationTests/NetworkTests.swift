@@ -232,7 +232,8 @@ struct NetworkTests {
         #expect(try await dq(["enqueue", try work.write("o.json", resources.observation(0))], refused).status == 0)
         let noCredentials = try await dq(["flush", "-v"], refused)
         #expect(noCredentials.status == 75, "\(noCredentials.stderr)")
-        #expect(noCredentials.stderr.contains("wants credentials (407"), "\(noCredentials.stderr)")
+        #expect(
+            noCredentials.stderr.contains("the proxy http://127.0.0.1:\(squid.port) wants credentials (407"), "\(noCredentials.stderr)")
         #expect(try await dq(["status"], refused).stdout.contains("pending:    1"))
 
         let allowed = refused.merging(["DQ_PROXY": "http://dq:\(password)@127.0.0.1:\(squid.port)"]) { $1 }

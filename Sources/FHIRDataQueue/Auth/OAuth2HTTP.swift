@@ -58,8 +58,7 @@ struct OAuth2HTTP: Sendable {
         } catch let error as DataQueueError {
             throw error
         } catch {
-            let description = FHIRTransport.describe(
-                error, proxy: clients.network, clientCertificate: clients.network.clientCertificatePath != nil)
+            let description = FHIRTransport.describe(error, url: request.url, network: clients.network)
             throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(description)")
         }
     }

@@ -177,7 +177,7 @@ final class FHIRTransport: Sendable {
         } catch {
             if let (head, body) = delegate.partial { return Self.response(head, body) }
             throw TransportFailure(
-                message: "no answer from \(Self.redacted(url)): \(describe(error))",
+                message: "no answer from \(Self.redacted(url)): \(describe(error, url: url))",
                 mayHaveArrived: delegate.requestHeadSent && !Self.neverSent(error))
         }
     }
@@ -210,14 +210,17 @@ final class FHIRTransport: Sendable {
         return components.string ?? "the server"
     }
 
-    /// `error` in words, naming the proxy a request went through where it is the proxy's doing.
-    func describe(_ error: any Error) -> String {
-        Self.describe(error, proxy: clients?.network, clientCertificate: clients?.network.clientCertificatePath != nil)
+    /// `error` of a request to `url` in words, naming the proxy it went through where it is the proxy's doing.
+    func describe(_ error: any Error, url: String) -> String {
+        Self.describe(error, url: url, network: clients?.network)
     }
 
-    static func describe(_ error: any Error, proxy network: NetworkConfiguration? = nil, clientCertificate: Bool = false) -> String {
-        let proxies = [network?.httpsProxy, network?.httpProxy].compactMap { $0 }.map(NetworkConfiguration.redacted)
-        let proxyName = proxies.first.map { "the proxy \($0)" } ?? "the proxy"
+    /// `error` of a request to `url` in words; `network` names the proxy that request went through (the one for
+    /// its scheme, unless `no_proxy` sends it around) and says whether dq has a client certificate.
+    static func describe(_ error: any Error, url: String? = nil, network: NetworkConfiguration? = nil) -> String {
+        let proxy = url.flatMap(URL.init(string:)).flatMap { network?.proxy(for: $0) }
+        let proxyName = proxy.map { "the proxy \(NetworkConfiguration.redacted($0))" } ?? "the proxy"
+        let clientCertificate = network?.clientCertificatePath != nil
         if let error = error as? HTTPClientError {
             switch error {
             case .deadlineExceeded: return "timed out"

@@ -14,7 +14,8 @@ public struct NetworkConfiguration: Sendable, Hashable {
     /// The proxy for `https` URLs (HTTP CONNECT through an `http://` proxy, or a `socks5://` proxy), with
     /// optional credentials in its user info. The default is none.
     public var httpsProxy: String?
-    /// The proxy for `http` URLs (requests in absolute form through an `http://` proxy). The default is none.
+    /// The proxy for `http` URLs. The default is none. async-http-client reaches an `http` server through a proxy
+    /// by HTTP CONNECT too (not in absolute form), so the proxy must allow CONNECT to the server's port.
     public var httpProxy: String?
     /// Hosts reached without the proxy, as curl reads `NO_PROXY`: a comma-separated list of host names (each
     /// also matching its subdomains; a leading `.` is ignored), IP addresses, optionally with `:port`, or `*`
