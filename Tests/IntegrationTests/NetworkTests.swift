@@ -1,3 +1,5 @@
+import AsyncHTTPClient
+import FHIRDataQueue
 import Foundation
 import Testing
 
@@ -220,6 +222,48 @@ struct NetworkTests {
         #expect(try !named(open.port), "\((try? squid.accessLines()) ?? [])")
         #expect(try await open.values("Observation", system: resources.system) == ["1"])
         #expect(try await other.values("Observation", system: resources.system) == ["2"])
+    }
+
+    /// An embedding service that hands dq its own `HTTPClient` (its proxy, its trust) gets every request made by
+    /// it: the queue's network settings say nothing of a proxy here, so only the caller's client can reach
+    /// `fhir.invalid`, for the token as for the flush.
+    @Test("A caller's own HTTPClient makes the token request and the flush (its proxy alone reaches the server)")
+    func callersClient() async throws {
+        let reader = "reader-\(UUID().uuidString)"
+        let server = try FHIRServer(
+            auth:
+                "  types: [bearer, smart]\n  tokens: [\(reader)]\n  token_lifetime: 300\n  smart_clients:\n    - {client_id: c1, client_secret: s1, scopes: 'system/*.cruds'}",
+            readerToken: reader)
+        try await server.start()
+        let squid = try await Squid(in: work)
+        let client = HTTPClient(
+            eventLoopGroupProvider: .singleton,
+            configuration: HTTPClient.Configuration(proxy: .server(host: "127.0.0.1", port: squid.port)))
+        let hidden = try #require(URL(string: "http://fhir.invalid:\(server.port)/fhir"))
+        var oauth = OAuth2Configuration(fhirBaseURL: hidden)
+        oauth.clientID = "c1"
+        oauth.clientSecret = "s1"
+        oauth.tokenURL = URL(string: "http://fhir.invalid:\(server.port)/auth/token")
+        let tokens = try OAuth2ClientCredentials(configuration: oauth, httpClient: client)
+        var configuration = DataQueue.Configuration(databasePath: work.file("caller.sqlite"))
+        configuration.requestTimeout = 30
+        let queue = try await DataQueue(baseURL: hidden, configuration: configuration, authorization: tokens, httpClient: client)
+        let outcome = try await queue.create(try FHIRResource(json: Data(resources.observation(7).utf8)))
+        guard case .delivered = outcome else {
+            Issue.record("expected delivered, got \(outcome)")
+            try await queue.shutdown()
+            try await client.shutdown()
+            return
+        }
+        #expect(await tokens.tokenRequests == 1)
+        #expect(try await server.values("Observation", system: resources.system) == ["7"])
+        try await queue.shutdown()
+        try await tokens.shutdown()
+        try await client.shutdown()
+        // Without the caller's client, the token request has no way to the server.
+        let alone = try OAuth2ClientCredentials(configuration: oauth)
+        await #expect(throws: DataQueueError.self) { _ = try await alone.accessToken() }
+        try await alone.shutdown()
     }
 
     @Test("A proxy with credentials: they come from the proxy URL and are never printed; without them, 407 leaves the item queued")

@@ -73,9 +73,16 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     /// How many token requests (code exchanges and refreshes) this instance made.
     package private(set) var tokenRequests = 0
 
+    /// The caller's own HTTP client, if it gave one.
+    private let callerClient: HTTPClient?
+
     /// Creates the client. No request is made and no file read until needed.
-    public init(configuration: AuthorizationCodeConfiguration) {
+    ///
+    /// - Parameter httpClient: an HTTP client of the caller's for discovery, token, JWKS and revocation requests
+    ///   (give the queue the same one). The default is nil: the process's shared client for `configuration.network`.
+    public init(configuration: AuthorizationCodeConfiguration, httpClient: HTTPClient? = nil) {
         self.configuration = configuration
+        callerClient = httpClient
         self.store = SignInStore(
             directory: configuration.credentialsDirectory, fhirBaseURL: configuration.fhirBaseURL.absoluteString,
             clientID: configuration.clientID)
@@ -90,7 +97,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
 
     private func makeHTTP() throws -> OAuth2HTTP {
         if let httpClient { return httpClient }
-        let made = try OAuth2HTTP(network: configuration.network, timeout: configuration.timeout)
+        let made = try OAuth2HTTP(network: configuration.network, timeout: configuration.timeout, client: callerClient)
         httpClient = made
         return made
     }

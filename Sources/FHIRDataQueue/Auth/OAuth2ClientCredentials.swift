@@ -35,12 +35,15 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
     package private(set) var tokenRequests = 0
 
     /// Creates the client. No request is made until a token is needed.
-    public init(configuration: OAuth2Configuration) throws {
+    ///
+    /// - Parameter httpClient: an HTTP client of the caller's for the token and registration requests (give the
+    ///   queue the same one). The default is nil: the process's shared client for `configuration.network`.
+    public init(configuration: OAuth2Configuration, httpClient: HTTPClient? = nil) throws {
         guard configuration.effectiveAuthMethod != .none else {
             throw DataQueueError(.invalidConfiguration, "configuration: client_credentials needs a client secret or key, not \"none\"")
         }
         self.configuration = configuration
-        self.http = try OAuth2HTTP(network: configuration.network, timeout: configuration.timeout)
+        self.http = try OAuth2HTTP(network: configuration.network, timeout: configuration.timeout, client: httpClient)
         if let id = configuration.clientID { credentials = (id, configuration.clientSecret) }
     }
 

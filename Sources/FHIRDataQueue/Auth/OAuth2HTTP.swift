@@ -11,13 +11,27 @@ import NIOSSL
 /// without its query.
 struct OAuth2HTTP: Sendable {
     /// The process's clients for the network configuration (shared with the queues that use it).
-    let clients: HTTPClients
+    let clients: HTTPClients?
+    /// The caller's own client, which then makes every request (its configuration, its proxy, its trust).
+    let callerClient: HTTPClient?
+    /// The network settings the words of an error name a proxy from.
+    let network: NetworkConfiguration
     let timeout: TimeInterval
 
+    /// With `client`, the caller's own `HTTPClient` makes every request; else the process's shared clients for
+    /// `network`.
+    ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a certificate, key or CA bundle that cannot be read.
-    init(network: NetworkConfiguration, timeout: TimeInterval) throws {
-        clients = try HTTPClients.shared(for: network)
-        clients.noteTimeout(.milliseconds(Int64(timeout * 1000)))
+    init(network: NetworkConfiguration, timeout: TimeInterval, client: HTTPClient? = nil) throws {
+        self.network = network
+        callerClient = client
+        if client == nil {
+            let shared = try HTTPClients.shared(for: network)
+            shared.noteTimeout(.milliseconds(Int64(timeout * 1000)))
+            clients = shared
+        } else {
+            clients = nil
+        }
         self.timeout = timeout
     }
 
@@ -52,13 +66,14 @@ struct OAuth2HTTP: Sendable {
     func execute(_ request: HTTPClientRequest) async throws -> (Int, Data) {
         do {
             guard let url = URL(string: request.url) else { throw HTTPClientError.invalidURL }
-            let response = try await clients.client(for: url).execute(request, timeout: .seconds(Int64(timeout)))
+            let client = try callerClient ?? clients?.client(for: url) ?? HTTPClient.shared
+            let response = try await client.execute(request, timeout: .seconds(Int64(timeout)))
             let body = try await response.body.collect(upTo: 1 << 20)
             return (Int(response.status.code), Data(buffer: body))
         } catch let error as DataQueueError {
             throw error
         } catch {
-            let description = FHIRTransport.describe(error, url: request.url, network: clients.network)
+            let description = FHIRTransport.describe(error, url: request.url, network: callerClient == nil ? network : nil)
             throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(description)")
         }
     }
