@@ -222,7 +222,6 @@ func withQueue<T>(
 ) async throws -> T {
     // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
     signal(SIGXFSZ, SIG_IGN)
-    let level = logLevel(verbose: options.verbose)
     let queue: DataQueue
     let settings: DataQueueSettings
     let logger: Logger
@@ -230,8 +229,8 @@ func withQueue<T>(
         var loaded = try DataQueueSettings.load(options: options, sending: sending)
         try adjust(&loaded)
         settings = loaded
-        let format = try DQLogHandler.Format.named(
-            options.logFormat ?? ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"] ?? settings.logFormat)
+        let level = options.verbose ? .debug : settings.logLevel.flatMap(Logger.Level.init(rawValue:)) ?? .warning
+        let format = try DQLogHandler.Format.named(options.logFormat ?? settings.logFormat)
         StandardError.format.withLock { $0 = format }
         LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format) }
         logger = Logger(label: "dq")

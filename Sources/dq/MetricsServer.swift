@@ -14,15 +14,7 @@ final class MetricsServer: Service {
     private let channel: any Channel
 
     /// `HOST:PORT`, `[IPv6]:PORT` or a bare `PORT` (then loopback).
-    static func parse(_ text: String) -> (host: String, port: Int)? {
-        if let port = Int(text), (0...65535).contains(port) { return ("127.0.0.1", port) }
-        guard let colon = text.lastIndex(of: ":"), let port = Int(text[text.index(after: colon)...]),
-            (0...65535).contains(port)
-        else { return nil }
-        var host = String(text[..<colon])
-        if host.hasPrefix("[") && host.hasSuffix("]") { host = String(host.dropFirst().dropLast()) }
-        return host.isEmpty ? nil : (host, port)
-    }
+    static func parse(_ text: String) -> (host: String, port: Int)? { DataQueueSettings.metricsAddress(text) }
 
     private init(channel: any Channel, port: Int) {
         self.channel = channel

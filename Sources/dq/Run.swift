@@ -34,21 +34,26 @@ extension DQ {
         @OptionGroup var sending: SendingOptions
 
         @Option(
-            help: "Serve /metrics (Prometheus text), /healthz and /readyz at HOST:PORT, e.g. 127.0.0.1:9464 (a bare port means loopback)."
+            help:
+                "Serve /metrics (Prometheus text), /healthz and /readyz at HOST:PORT, e.g. 127.0.0.1:9464 (a bare port means loopback). Overrides \"metrics_address\"."
         )
         var metricsAddress: String?
-        @Option(parsing: .unconditional, help: "Seconds between looks for items queued by other processes.")
-        var pollInterval: Double = 1
-        @Option(parsing: .unconditional, help: "Seconds a graceful stop waits for the request on the wire.")
-        var drainTimeout: Double = 10
+        @Option(
+            parsing: .unconditional,
+            help: "Seconds between looks for items queued by other processes (default 1). Overrides \"poll_interval_seconds\".")
+        var pollInterval: Double?
+        @Option(
+            parsing: .unconditional,
+            help: "Seconds a graceful stop waits for the request on the wire (default 10). Overrides \"drain_timeout_seconds\".")
+        var drainTimeout: Double?
         @Option(
             parsing: .unconditional,
             help: "/readyz fails while a pending item is older than this many seconds. Overrides \"ready_max_age_seconds\".")
         var readyMaxAge: Double?
 
         func validate() throws {
-            try checkFlagSeconds(pollInterval, name: "--poll-interval", allowZero: false)
-            try checkFlagSeconds(drainTimeout, name: "--drain-timeout", allowZero: true)
+            if let pollInterval { try checkFlagSeconds(pollInterval, name: "--poll-interval", allowZero: false) }
+            if let drainTimeout { try checkFlagSeconds(drainTimeout, name: "--drain-timeout", allowZero: true) }
             if let readyMaxAge { try checkFlagSeconds(readyMaxAge, name: "--ready-max-age", allowZero: false) }
             if let metricsAddress, MetricsServer.parse(metricsAddress) == nil {
                 throw ValidationError("--metrics-address must be HOST:PORT or PORT")
@@ -130,8 +135,8 @@ extension DQ {
             let service = DataQueueService(
                 queues: [queue],
                 configuration: .init(
-                    pollInterval: .milliseconds(Int64(pollInterval * 1000)),
-                    drainTimeout: .milliseconds(Int64(drainTimeout * 1000)),
+                    pollInterval: .milliseconds(Int64((pollInterval ?? settings.pollIntervalSeconds ?? 1) * 1000)),
+                    drainTimeout: .milliseconds(Int64((drainTimeout ?? settings.drainTimeoutSeconds ?? 10) * 1000)),
                     readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) },
                     journalRetention: try settings.journalRetention().map { .seconds($0) },
                     watchdog: SystemdNotify.watchdog()),
@@ -140,7 +145,7 @@ extension DQ {
             // The metrics server listens before the group runs (an address in use fails the start): until the
             // group traps SIGTERM, /readyz says it is starting, so that nothing takes it as up and stops it then.
             let trapping = GroupStarted()
-            if let metricsAddress, let (host, port) = MetricsServer.parse(metricsAddress) {
+            if let address = metricsAddress ?? settings.metricsAddress, let (host, port) = MetricsServer.parse(address) {
                 let started = try await MetricsServer.start(
                     host: host, port: port, registry: registry,
                     readiness: {

@@ -42,6 +42,14 @@ struct ShowConfig: AsyncParsableCommand {
         }
     }
 
+    /// A registration field's value as the file writes it.
+    static func text(_ value: DataQueueSettings.Auth.FieldValue) -> String {
+        switch value {
+        case .string(let text): text
+        case .bool(let flag): String(flag)
+        }
+    }
+
     /// `url` with the password of its user info replaced (a PostgreSQL URL's), safe to print.
     static func redacted(_ url: String) -> String {
         guard var components = URLComponents(string: url), components.password != nil else { return url }
@@ -138,11 +146,63 @@ struct ShowConfig: AsyncParsableCommand {
             "log_format", options.logFormat ?? settings.logFormat ?? "text",
             origin("log_format", ["DQ_LOG_FORMAT"], flag: ("--log-format", options.logFormat != nil)))
         add(
+            "log_level", options.verbose ? "debug" : settings.logLevel ?? "warning",
+            origin("log_level", ["DQ_LOG_LEVEL"], flag: ("-v", options.verbose)))
+        add("metrics_address", settings.metricsAddress ?? "none (dq run)", origin("metrics_address", ["DQ_METRICS_ADDRESS"]))
+        add(
+            "poll_interval_seconds", number(settings.pollIntervalSeconds ?? 1),
+            origin("poll_interval_seconds", ["DQ_POLL_INTERVAL_SECONDS"]))
+        add(
+            "drain_timeout_seconds", number(settings.drainTimeoutSeconds ?? 10),
+            origin("drain_timeout_seconds", ["DQ_DRAIN_TIMEOUT_SECONDS"]))
+        let authText: [(String, String, String?)] = [
+            ("authorize_type", "DQ_AUTHORIZE_TYPE", auth?.authorizeType ?? (auth == nil ? nil : "client_credentials")),
+            ("authorize_uri", "DQ_AUTHORIZE_URI", auth?.authorizeURI), ("issuer", "DQ_ISSUER", auth?.issuer),
+            ("revocation_uri", "DQ_REVOCATION_URI", auth?.revocationURI),
+            ("registration_uri", "DQ_REGISTRATION_URI", auth?.registrationURI), ("client_name", "DQ_CLIENT_NAME", auth?.clientName),
+            ("token_endpoint_auth_method", "DQ_TOKEN_ENDPOINT_AUTH_METHOD", auth?.tokenEndpointAuthMethod),
+            ("private_key", "DQ_PRIVATE_KEY", auth?.privateKey), ("key_id", "DQ_KEY_ID", auth?.keyID),
+            ("key_alg", "DQ_KEY_ALG", auth?.keyAlgorithm), ("credentials_dir", "DQ_CREDENTIALS_DIR", auth?.credentialsDirectory),
+        ]
+        for (key, variable, value) in authText {
+            add("auth." + key, value ?? "none", origin("auth." + key, [variable]))
+        }
+        // The fields' names and values (none is a secret); the headers' names only (one may carry a token).
+        add(
+            "auth.registration_fields",
+            (auth?.registrationFields ?? [:]).sorted { $0.key < $1.key }.map { "\($0.key)=\(Self.text($0.value))" }
+                .joined(separator: ", ").ifEmpty("none"),
+            origin("auth.registration_fields", ["DQ_REGISTRATION_FIELDS"]))
+        add(
+            "auth.registration_headers",
+            (auth?.registrationHeaders ?? [:]).keys.sorted().map { "\($0): (set)" }.joined(separator: ", ").ifEmpty("none"),
+            origin("auth.registration_headers", ["DQ_REGISTRATION_HEADERS"]))
+        add(
             "at_rest.key_file", settings.atRest?.keyFile.map { "\($0) (key \(configuration.atRest?.current.id ?? "?"))" } ?? "none",
             origin("at_rest.key_file", ["DQ_AT_REST_KEY_FILE"]))
         add(
+            "at_rest.old_key_files", (settings.atRest?.oldKeyFiles ?? []).joined(separator: ", ").ifEmpty("none"),
+            origin("at_rest.old_key_files", ["DQ_AT_REST_OLD_KEY_FILES"]))
+        add(
             "encryption.endpoint", resolved.encryption?.endpoint.absoluteString ?? "none",
             origin("encryption.endpoint", ["DQ_ENCRYPTION_ENDPOINT"]))
+        let encryption = settings.encryption
+        let encryptionText: [(String, String, String?)] = [
+            ("certificate", "DQ_ENCRYPTION_CERTIFICATE", encryption?.certificate),
+            ("key_id", "DQ_ENCRYPTION_KEY_ID", encryption?.keyID),
+            ("fhir_version", "DQ_ENCRYPTION_FHIR_VERSION", encryption?.fhirVersion ?? (encryption == nil ? nil : "1.0.2")),
+            ("resource_types", "DQ_ENCRYPTION_RESOURCE_TYPES", encryption?.resourceTypes?.joined(separator: ", ")),
+            ("mode", "DQ_ENCRYPTION_MODE", encryption?.mode ?? (encryption == nil ? nil : "c3pro")),
+            ("in_flight", "DQ_ENCRYPTION_IN_FLIGHT", encryption?.inFlight.map(number) ?? (encryption == nil ? nil : "1")),
+        ]
+        for (key, variable, value) in encryptionText {
+            add("encryption." + key, value ?? "none", origin("encryption." + key, [variable]))
+        }
         return entries
     }
+}
+
+extension String {
+    /// `replacement` for an empty string, else the string.
+    fileprivate func ifEmpty(_ replacement: String) -> String { isEmpty ? replacement : self }
 }

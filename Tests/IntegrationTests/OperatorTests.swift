@@ -59,6 +59,47 @@ struct OperatorTests {
 
         let bad = try await dq(["config", "--config", config], env.merging(["DQ_TIMEOUT_SECONDS": "soon"]) { $1 })
         #expect(bad.status == 78 && bad.stderr.contains("DQ_TIMEOUT_SECONDS"), "\(bad.status) \(bad.stderr)")
+
+        // Every other setting is shown too, with the value in effect: the log format from DQ_LOG_FORMAT (it showed
+        // the file's or "text"), dq run's settings, the auth and encryption keys; a registration header's value never.
+        let more = try work.write(
+            "more.json",
+            #"""
+            {"server": "https://fhir.example.org/r4", "log_format": "text", "log_level": "info", "metrics_address": "127.0.0.1:9464",
+             "auth": {"client_id": "app", "client_secret": "client-S3CRET", "registration_uri": "https://auth.example/register",
+                      "registration_headers": {"Authorization": "Bearer reg-S3CRET"}, "key_id": "k1"}}
+            """#)
+        chmod(more, 0o600)
+        let moreEnv = [
+            "HOME": work.path, "DQ_LOG_FORMAT": "json", "DQ_POLL_INTERVAL_SECONDS": "5",
+            "DQ_REGISTRATION_FIELDS": #"{"software_id": "dq-test", "jwks_uri_enabled": false}"#,
+        ]
+        let full = try await dq(["config", "--config", more, "--json"], moreEnv)
+        #expect(full.status == 0, "\(full.stderr)")
+        let fullObject = try json(full.stdout)
+        func entry(_ key: String) -> [String: String]? { fullObject[key] as? [String: String] }
+        #expect(entry("log_format") == ["value": "json", "origin": "env DQ_LOG_FORMAT"], "\(full.stdout)")
+        #expect(entry("log_level") == ["value": "info", "origin": "\(more): log_level"])
+        #expect(entry("metrics_address") == ["value": "127.0.0.1:9464", "origin": "\(more): metrics_address"])
+        #expect(entry("poll_interval_seconds") == ["value": "5", "origin": "env DQ_POLL_INTERVAL_SECONDS"])
+        #expect(entry("drain_timeout_seconds") == ["value": "10", "origin": "default"])
+        #expect(entry("auth.registration_uri")?["value"] == "https://auth.example/register")
+        #expect(entry("auth.key_id") == ["value": "k1", "origin": "\(more): auth.key_id"])
+        #expect(entry("auth.registration_headers") == ["value": "Authorization: (set)", "origin": "\(more): auth.registration_headers"])
+        #expect(
+            entry("auth.registration_fields")
+                == ["value": "jwks_uri_enabled=false, software_id=dq-test", "origin": "env DQ_REGISTRATION_FIELDS"])
+        for key in ["auth.issuer", "auth.private_key", "auth.credentials_dir", "encryption.mode", "at_rest.old_key_files"] {
+            #expect(entry(key) != nil, "\(key) not shown")
+        }
+        #expect(!full.stdout.contains("S3CRET") && !full.stderr.contains("S3CRET"))
+        for (variables, named) in [
+            (["DQ_LOG_LEVEL": "loud"], "DQ_LOG_LEVEL"), (["DQ_METRICS_ADDRESS": "here"], "metrics_address"),
+            (["DQ_REGISTRATION_HEADERS": "[1]"], "DQ_REGISTRATION_HEADERS"), (["DQ_DRAIN_TIMEOUT_SECONDS": "-1"], "drain_timeout_seconds"),
+        ] {
+            let refused = try await dq(["config", "--config", more], moreEnv.merging(variables) { $1 })
+            #expect(refused.status == 78 && refused.stderr.contains(named), "\(variables): \(refused.status) \(refused.stderr)")
+        }
     }
 
     @Test("A flush that parked items exits 65; one with nothing to do prints nothing; -q prints errors only")

@@ -392,8 +392,10 @@ struct ServiceTests {
         let env = environment(server.base)
         #expect(try await dq(["enqueue", try work.write("one.json", resources.observation(0))], env).status == 0)
         let port = Peers.freePort()
+        // dq run's own settings from the environment, as from flags (DQ_METRICS_ADDRESS, DQ_POLL_INTERVAL_SECONDS).
         let relaxed = try ChildProcess(
-            Peers.dqBinary, ["run", "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(port)"], environment: env)
+            Peers.dqBinary, ["run"],
+            environment: env.merging(["DQ_METRICS_ADDRESS": "127.0.0.1:\(port)", "DQ_POLL_INTERVAL_SECONDS": "0.1"]) { $1 })
         #expect(try await eventually { (try? await HTTP.get("http://127.0.0.1:\(port)/readyz").0) == 200 }, "ready, waiting for the server")
         relaxed.kill(SIGTERM)
         #expect(await relaxed.wait(timeout: .seconds(30)).status == 0)

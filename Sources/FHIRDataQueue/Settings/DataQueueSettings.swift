@@ -1,3 +1,5 @@
+import Logging
+
 #if canImport(FoundationEssentials)
     import FoundationEssentials
 #else
@@ -52,8 +54,20 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// `ready_max_age_seconds`: `dq run`'s `/readyz` fails while a pending item is older than this (unset: age
     /// is not looked at).
     public var readyMaxAgeSeconds: Double?
-    /// `log_format`: `text` (the default) or `json`, for the command line's log lines.
+    /// `log_format` (or `DQ_LOG_FORMAT`): `text` (the default) or `json`, for the command line's log lines.
     public var logFormat: String?
+    /// `log_level` (or `DQ_LOG_LEVEL`): the least level logged, `trace` to `critical`; the default is `warning`
+    /// (`-v` is `debug`).
+    public var logLevel: String?
+    /// `metrics_address` (or `DQ_METRICS_ADDRESS`): where `dq run` serves `/metrics`, `/healthz` and `/readyz`
+    /// (`HOST:PORT`, or a port on loopback). The default is none.
+    public var metricsAddress: String?
+    /// `poll_interval_seconds` (or `DQ_POLL_INTERVAL_SECONDS`): how often `dq run` looks for items queued by other
+    /// processes. The default is 1.
+    public var pollIntervalSeconds: Double?
+    /// `drain_timeout_seconds` (or `DQ_DRAIN_TIMEOUT_SECONDS`): how long `dq run`'s graceful stop waits for the
+    /// request on the wire. The default is 10.
+    public var drainTimeoutSeconds: Double?
     /// `journal_retention_days`: delivery journal lines older than this are deleted by `dq run` (daily) and
     /// `dq flush`. The default is 90; 0 keeps every line.
     public var journalRetentionDays: Double?
@@ -232,6 +246,32 @@ public struct DataQueueSettings: Sendable, Decodable {
     ///   variable.
     public mutating func apply(environment: [String: String]) throws {
         if let value = environment["DQ_SERVER"] { server = value }
+        if let value = environment["DQ_LOG_FORMAT"] {
+            guard ["text", "json"].contains(value) else { throw Self.configError("DQ_LOG_FORMAT must be \"text\" or \"json\"") }
+            logFormat = value
+        }
+        if let value = environment["DQ_LOG_LEVEL"] {
+            guard Logger.Level(rawValue: value.lowercased()) != nil else {
+                throw Self.configError("DQ_LOG_LEVEL must be one of \(Self.logLevels)")
+            }
+            logLevel = value.lowercased()
+        }
+        if let value = environment["DQ_METRICS_ADDRESS"] { metricsAddress = value }
+        for (name, key) in [("DQ_REGISTRATION_FIELDS", "registration_fields"), ("DQ_REGISTRATION_HEADERS", "registration_headers")] {
+            guard let text = environment[name] else { continue }
+            // A JSON object, as the file's key takes it (a header may carry a registration token: never echoed).
+            let wrapped = Data(#"{"\#(key)": \#(text)}"#.utf8)
+            guard let decoded = try? JSONDecoder().decode(Auth.self, from: wrapped) else {
+                throw Self.configError(
+                    "\(name) must be a JSON object of \(key == "registration_fields" ? "strings or booleans" : "strings")")
+            }
+            auth = auth ?? Auth()
+            if key == "registration_fields" {
+                auth?.registrationFields = decoded.registrationFields
+            } else {
+                auth?.registrationHeaders = decoded.registrationHeaders
+            }
+        }
         if let value = environment["DQ_DATABASE"] { database = value }
         if let value = environment["DQ_DATABASE_PASSWORD_FILE"] { databasePasswordFile = value }
         if let value = environment["DQ_DURABILITY"] {
@@ -322,7 +362,11 @@ public struct DataQueueSettings: Sendable, Decodable {
         ("DQ_CONNECT_TIMEOUT_SECONDS", \.connectTimeoutSeconds), ("DQ_SETTLE_SECONDS", \.settleSeconds),
         ("DQ_BATCH_MAX_BYTES", \.batchMaxBytes), ("DQ_READY_MAX_AGE_SECONDS", \.readyMaxAgeSeconds),
         ("DQ_JOURNAL_RETENTION_DAYS", \.journalRetentionDays), ("DQ_LEASE_SECONDS", \.leaseSeconds),
+        ("DQ_POLL_INTERVAL_SECONDS", \.pollIntervalSeconds), ("DQ_DRAIN_TIMEOUT_SECONDS", \.drainTimeoutSeconds),
     ]
+
+    /// The log levels, least first, as `log_level` names them.
+    package static let logLevels = Logger.Level.allCases.map(\.rawValue).joined(separator: ", ")
 
     private static let retryVariables: [(name: String, key: any WritableKeyPath<Retry, Double?> & Sendable)] = [
         ("DQ_RETRY_INITIAL_SECONDS", \.initialSeconds), ("DQ_RETRY_MAXIMUM_SECONDS", \.maximumSeconds), ("DQ_RETRY_JITTER", \.jitter),
@@ -401,6 +445,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
             "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
             "DQ_CLIENT_SECRET_FILE", "DQ_DATABASE_PASSWORD_FILE", "DQ_ENCRYPTION_RESOURCE_TYPES", "DQ_ENCRYPTION_IN_FLIGHT",
+            "DQ_METRICS_ADDRESS", "DQ_REGISTRATION_FIELDS", "DQ_REGISTRATION_HEADERS",
         ] + numberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name)
             + encryptionTextVariables.map(\.name))
 
@@ -647,6 +692,12 @@ public struct DataQueueSettings: Sendable, Decodable {
             values.leaseDuration = value
         }
         values.settleDelay = try Self.seconds(settleSeconds, "settle_seconds", allowZero: true)
+        _ = try Self.seconds(pollIntervalSeconds, "poll_interval_seconds", allowZero: false)
+        _ = try Self.seconds(drainTimeoutSeconds, "drain_timeout_seconds", allowZero: true)
+        _ = try Self.seconds(readyMaxAgeSeconds, "ready_max_age_seconds", allowZero: false)
+        if let metricsAddress, Self.metricsAddress(metricsAddress) == nil {
+            throw Self.configError("\"metrics_address\" must be HOST:PORT or PORT")
+        }
         if let retry {
             values.retryInitialDelay = try Self.seconds(retry.initialSeconds, "retry.initial_seconds", allowZero: true)
             values.retryMaximumDelay = try Self.seconds(retry.maximumSeconds, "retry.maximum_seconds", allowZero: true)
@@ -704,6 +755,18 @@ public struct DataQueueSettings: Sendable, Decodable {
         return network
     }
 
+    /// `HOST:PORT` (`[v6]:PORT`) or a bare port (on loopback) as `metrics_address` and `--metrics-address` take
+    /// it; nil when it is neither.
+    package static func metricsAddress(_ text: String) -> (host: String, port: Int)? {
+        if let port = Int(text), (0...65535).contains(port) { return ("127.0.0.1", port) }
+        guard let colon = text.lastIndex(of: ":"), let port = Int(text[text.index(after: colon)...]),
+            (0...65535).contains(port)
+        else { return nil }
+        var host = String(text[..<colon])
+        if host.hasPrefix("[") && host.hasSuffix("]") { host = String(host.dropFirst().dropLast()) }
+        return host.isEmpty ? nil : (host, port)
+    }
+
     /// `path`, relative to the settings file's directory when it is relative.
     package func inBaseDirectory(_ path: String) -> String {
         guard !path.hasPrefix("/"), let baseDirectory else { return path }
@@ -747,6 +810,10 @@ public struct DataQueueSettings: Sendable, Decodable {
         case batchMaxBytes = "batch_max_bytes"
         case readyMaxAgeSeconds = "ready_max_age_seconds"
         case logFormat = "log_format"
+        case logLevel = "log_level"
+        case metricsAddress = "metrics_address"
+        case pollIntervalSeconds = "poll_interval_seconds"
+        case drainTimeoutSeconds = "drain_timeout_seconds"
         case journalRetentionDays = "journal_retention_days"
     }
 
@@ -768,6 +835,19 @@ public struct DataQueueSettings: Sendable, Decodable {
         batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
         readyMaxAgeSeconds = try SettingsKeys.value(container, .readyMaxAgeSeconds, "must be a number of seconds")
         logFormat = try SettingsKeys.value(container, .logFormat, "must be \"text\" or \"json\"")
+        if let logFormat, !["text", "json"].contains(logFormat) {
+            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.logFormat], "must be \"text\" or \"json\"")
+        }
+        logLevel = try SettingsKeys.value(container, .logLevel, "must be one of \(Self.logLevels)")
+        if let level = logLevel {
+            guard Logger.Level(rawValue: level.lowercased()) != nil else {
+                throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.logLevel], "must be one of \(Self.logLevels)")
+            }
+            logLevel = level.lowercased()
+        }
+        metricsAddress = try SettingsKeys.value(container, .metricsAddress, "must be a string (HOST:PORT, or a port)")
+        pollIntervalSeconds = try SettingsKeys.value(container, .pollIntervalSeconds, "must be a number of seconds")
+        drainTimeoutSeconds = try SettingsKeys.value(container, .drainTimeoutSeconds, "must be a number of seconds")
         journalRetentionDays = try SettingsKeys.value(container, .journalRetentionDays, "must be a number of days")
         retry = try SettingsKeys.value(container, .retry, "must be an object")
         caBundle = try SettingsKeys.value(container, .caBundle, "must be a string")
