@@ -162,8 +162,8 @@ extension DQ {
             services.append(
                 .init(
                     service: ReloadOnHangup(
-                        current: settings, options: queueOptions, sending: sending, request: reload, hangups: hangups,
-                        shutdown: shutdown, logger: logger),
+                        current: settings, currentTLSFiles: settings.tlsFiles(), options: queueOptions, sending: sending,
+                        request: reload, hangups: hangups, shutdown: shutdown, logger: logger),
                     successTerminationBehavior: .gracefullyShutdownGroup))
             // SIGTERM or SIGINT (trapped for the whole run) ends this group gracefully; at once if one came before.
             services.append(
@@ -199,6 +199,8 @@ final class ReloadRequest: Sendable {
 /// logged by name, never by value.
 struct ReloadOnHangup: Service {
     let current: DataQueueSettings
+    /// The running configuration's TLS files as they were when its round began (see ``DataQueueSettings/tlsFiles()``).
+    let currentTLSFiles: [Int64]
     let options: QueueOptions
     let sending: SendingOptions
     let request: ReloadRequest
@@ -225,7 +227,8 @@ struct ReloadOnHangup: Service {
                     try? await queue.shutdown()
                     return false
                 }
-                let changed = Self.changes(current, settings)
+                // A key or certificate rotated at its path: the queue just made has new HTTP clients that read it.
+                let changed = Self.changes(current, settings) + (settings.tlsFiles() != currentTLSFiles ? ["tls files"] : [])
                 logger.notice(
                     "configuration reloaded; delivery restarts with it",
                     metadata: ["changed": "\(changed.isEmpty ? "nothing" : changed.joined(separator: ","))"])

@@ -335,4 +335,51 @@ struct NetworkTests {
             ["send", try work.write("o2.json", resources.observation(2))], environment("https://127.0.0.1:\(front.http2Port)/fhir"))
         #expect(untrusted.status == 75 && untrusted.stderr.contains("not from a trusted issuer"), "\(untrusted.stderr)")
     }
+
+    /// A client certificate rotated where it lies (the new key and certificate renamed over the old paths, as a
+    /// certificate manager does) takes effect on SIGHUP: dq run makes its queue again, and its HTTP clients read
+    /// the files anew instead of keeping the TLS setup of the old ones.
+    @Test("SIGHUP with a client certificate and key rotated at their paths: dq run delivers with the new ones, without a restart")
+    func rotatedClientCertificateOnHangup() async throws {
+        let server = try await FHIRServer.start()
+        let (ca, serverCertificate, client) = try await certificates()
+        let front = try await TLSFront(in: work, upstream: server.port, ca: ca, server: serverCertificate)
+        // The certificate dq starts with is not from the CA nginx trusts (it expired there, say).
+        let (certificate, key) = (work.file("current.pem"), work.file("current.key"))
+        _ = try await run(
+            "/usr/bin/openssl",
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", certificate, "-days", "2", "-subj", "/CN=stale"])
+        chmod(key, 0o600)
+        let env = environment(
+            "https://127.0.0.1:\(front.mutualPort)/fhir",
+            [
+                "DQ_CA_BUNDLE": ca, "DQ_CLIENT_CERTIFICATE": certificate, "DQ_CLIENT_KEY": key, "DQ_LOG_LEVEL": "notice",
+                "DQ_RETRY_INITIAL_SECONDS": "0.1", "DQ_RETRY_MAXIMUM_SECONDS": "0.3",
+            ])
+        #expect(try await dq(["enqueue", try work.write("o.json", resources.observation(0))], env).status == 0)
+        let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        let port = front.mutualPort
+        #expect(
+            try await eventually { front.accessLines().contains { $0.hasPrefix("\(port) ") && $0.contains(" 400 FAILED") } },
+            "nginx refused the stale certificate: \(front.accessLines()) \(log())")
+        #expect(try await server.values("Observation", system: resources.system).isEmpty)
+
+        for (from, to) in [(client.cert, certificate), (client.key, key)] {
+            let staged = to + ".new"
+            try FileManager.default.copyItem(atPath: from, toPath: staged)
+            #expect(rename(staged, to) == 0)
+        }
+        chmod(key, 0o600)
+        run.kill(SIGHUP)
+        #expect(
+            try await eventually { (try await server.values("Observation", system: resources.system)) == ["0"] },
+            "delivered with the rotated certificate: \(front.accessLines()) \(log())")
+        #expect(front.accessLines().contains { $0.hasPrefix("\(port) ") && $0.contains("POST") && $0.hasSuffix("SUCCESS") })
+        #expect(log().contains("configuration reloaded") && log().contains("tls files"), "\(log())")
+        #expect(run.isRunning, "no restart")
+        run.kill(SIGTERM)
+        let result = await run.wait(timeout: .seconds(30))
+        #expect(result.status == 0, "\(result.stderr)")
+    }
 }

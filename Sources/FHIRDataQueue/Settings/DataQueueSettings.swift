@@ -617,6 +617,12 @@ public struct DataQueueSettings: Sendable, Decodable {
 
     /// The settings' plain values (everything but `auth` and `encryption`), each checked, in the order
     /// ``resolve()`` checks them: the first bad one is named.
+    /// The TLS files the settings name (CA bundle, client certificate and key) as they are on disk now: another
+    /// value once one is replaced or rewritten (a rotated key), which a reload reports and the HTTP clients follow.
+    package func tlsFiles() -> [Int64] {
+        (try? checkedValues()).map { HTTPClients.stamp($0.network) } ?? []
+    }
+
     package struct CheckedValues: Sendable {
         package var server: URL
         package var queueName: String

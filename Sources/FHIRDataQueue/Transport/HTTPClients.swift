@@ -7,7 +7,7 @@ import Synchronization
 
 /// dq's HTTP clients: async-http-client, one client per proxy (and one for direct connections) for each
 /// ``NetworkConfiguration``, shared by every queue and OAuth2 client of the process that uses it, as
-/// `HTTPClient.shared` is. They live as long as the process and are never shut down.
+/// `HTTPClient.shared` is. They live as long as the process, unless their TLS files change on disk.
 ///
 /// Each client: no redirects followed, no connection retries of its own (dq has its backoff), HTTP/2 where the
 /// server offers it by ALPN, decompression, TLS 1.2 at least, the configured trust and client certificate.
@@ -29,21 +29,51 @@ final class HTTPClients: Sendable {
         var network: NetworkConfiguration
         var connectTimeout: Int64
         var idleLimit: Int64
+        /// The TLS files as they are on disk (see ``stamp(_:)``).
+        var files: [Int64]
+
+        /// The same settings, whatever the files hold.
+        func sameSettings(as other: Key) -> Bool {
+            network == other.network && connectTimeout == other.connectTimeout && idleLimit == other.idleLimit
+        }
     }
 
     /// The process's clients for `network`.
+    ///
+    /// The CA bundle, client certificate and key are read when the clients are made. A file replaced or rewritten
+    /// at its path since (a rotated key and certificate) makes new clients for the next caller (`dq run` makes its
+    /// queue again on SIGHUP), and the old ones are retired as ``retire(_:)`` retires a client.
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when a certificate, key or CA bundle cannot be read.
     static func shared(
         for network: NetworkConfiguration, connectTimeout: TimeAmount = .seconds(10), idleLimit: TimeAmount = .seconds(4)
     ) throws -> HTTPClients {
-        let key = Key(network: network, connectTimeout: connectTimeout.nanoseconds, idleLimit: idleLimit.nanoseconds)
+        let key = Key(
+            network: network, connectTimeout: connectTimeout.nanoseconds, idleLimit: idleLimit.nanoseconds, files: stamp(network))
         if let found = registry.withLock({ $0[key] }) { return found }
         let made = try HTTPClients(network: network, connectTimeout: connectTimeout, idleLimit: idleLimit)
-        return registry.withLock { registry in
-            if let found = registry[key] { return found }
+        let (chosen, replaced) = registry.withLock { registry -> (HTTPClients, [HTTPClients]) in
+            if let found = registry[key] { return (found, []) }
+            let stale = registry.filter { $0.key.sameSettings(as: key) }
+            for old in stale.keys { registry[old] = nil }
             registry[key] = made
-            return made
+            return (made, Array(stale.values))
+        }
+        for old in replaced { old.retireAll() }
+        return chosen
+    }
+
+    /// What the TLS files of `network` are now: device, inode, size and modification time of each (through
+    /// symbolic links, as a credential mount links them). A file replaced or rewritten gives another stamp.
+    package static func stamp(_ network: NetworkConfiguration) -> [Int64] {
+        [network.caBundlePath, network.clientCertificatePath, network.clientKeyPath].flatMap { path -> [Int64] in
+            guard let path else { return [] }
+            var info = stat()
+            guard stat(path, &info) == 0 else { return [-1] }
+            return [
+                Int64(info.st_dev), Int64(info.st_ino), Int64(info.st_size), Int64(info.st_mtim.tv_sec),
+                Int64(info.st_mtim.tv_nsec),
+            ]
         }
     }
 
@@ -141,6 +171,11 @@ final class HTTPClients: Sendable {
         guard removed else { return }
         let after = longestTimeout.withLock { $0 } + .seconds(5)
         eventLoop.scheduleTask(in: after) { client.shutdown { _ in } }
+    }
+
+    /// Retires every client of this set (see ``retire(_:)``): its TLS files changed.
+    private func retireAll() {
+        for client in clients.withLock({ Array($0.values) }) { retire(client) }
     }
 
     /// async-http-client's proxy for a proxy URL: `http://[user:password@]host[:port]` or `socks5://host[:port]`.
