@@ -7,7 +7,8 @@ import Prometheus
 import ServiceLifecycle
 
 /// The `dq run --metrics-address` endpoint: `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 200
-/// while the process serves) and `GET /readyz` (readiness: 200, or 503 with the reasons as JSON), on a small
+/// while the delivery loops come round, else 503 naming the stuck one) and `GET /readyz` (readiness: 200, or 503
+/// with the reasons as JSON), on a small
 /// NIO HTTP/1.1 server that stops with the service group.
 final class MetricsServer: Service {
     let port: Int
@@ -23,14 +24,15 @@ final class MetricsServer: Service {
 
     static func start(
         host: String, port: Int, registry: PrometheusCollectorRegistry,
-        readiness: @escaping @Sendable () async -> DataQueueService.Readiness
+        readiness: @escaping @Sendable () async -> DataQueueService.Readiness,
+        liveness: @escaping @Sendable () -> DataQueueService.Liveness
     ) async throws -> MetricsServer {
         let bootstrap = ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton)
             .serverChannelOption(.socketOption(.so_reuseaddr), value: 1)
             .childChannelInitializer { channel in
                 channel.eventLoop.makeCompletedFuture {
                     try channel.pipeline.syncOperations.configureHTTPServerPipeline()
-                    try channel.pipeline.syncOperations.addHandler(MetricsHandler(registry: registry, readiness: readiness))
+                    try channel.pipeline.syncOperations.addHandler(MetricsHandler(registry: registry, readiness: readiness, liveness: liveness))
                 }
             }
         let channel: any Channel
@@ -65,11 +67,16 @@ private final class MetricsHandler: ChannelInboundHandler {
 
     private let registry: PrometheusCollectorRegistry
     private let readiness: @Sendable () async -> DataQueueService.Readiness
+    private let liveness: @Sendable () -> DataQueueService.Liveness
     private var head: HTTPRequestHead?
 
-    init(registry: PrometheusCollectorRegistry, readiness: @escaping @Sendable () async -> DataQueueService.Readiness) {
+    init(
+        registry: PrometheusCollectorRegistry, readiness: @escaping @Sendable () async -> DataQueueService.Readiness,
+        liveness: @escaping @Sendable () -> DataQueueService.Liveness
+    ) {
         self.registry = registry
         self.readiness = readiness
+        self.liveness = liveness
     }
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
@@ -97,7 +104,11 @@ private final class MetricsHandler: ChannelInboundHandler {
             case (.GET, "/metrics"):
                 (status, contentType, body) = (.ok, "text/plain; version=0.0.4; charset=utf-8", Exposition.emit(registry))
             case (.GET, "/healthz"):
-                (status, contentType, body) = (.ok, "text/plain; charset=utf-8", Array("ok\n".utf8))
+                let liveness = liveness()
+                (status, contentType, body) =
+                    liveness.alive
+                    ? (.ok, "text/plain; charset=utf-8", Array("ok\n".utf8))
+                    : (.serviceUnavailable, "text/plain; charset=utf-8", Array((liveness.reasons.joined(separator: "\n") + "\n").utf8))
             default:
                 (status, contentType, body) = (.notFound, "text/plain; charset=utf-8", Array("not found\n".utf8))
             }

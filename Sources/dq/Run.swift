@@ -153,7 +153,8 @@ extension DQ {
                             return DataQueueService.Readiness(reasons: ["starting: the service group is not running yet"])
                         }
                         return await service.readiness()
-                    })
+                    },
+                    liveness: { service.liveness() })
                 services.append(.init(service: started))
                 logger.info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
             }

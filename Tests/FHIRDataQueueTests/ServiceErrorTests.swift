@@ -168,4 +168,69 @@ struct ServiceErrorTests {
         try await queue.shutdown()
         try await server.shutdown()
     }
+
+    /// Liveness is the loop coming round, not the process answering: a loop held inside a flush (here, its journal
+    /// commit blocked by a test hook) turns /healthz's answer to not alive once it has been quiet for longer than one
+    /// request, the settle time, a poll and the margin; released, it is alive again.
+    @Test("A delivery loop held past its longest legitimate wait is not alive; released, it is again", .timeLimit(.minutes(2)))
+    func livenessFollowsTheLoop() async throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-live-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
+        var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path)
+        configuration.requestTimeout = 0.5
+        configuration.connectTimeout = 0.5
+        configuration.settleDelay = 0
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        let gate = Gate()
+        queue.hooks.beforeJournalCommit = { gate.waitUntilOpen() }
+        var serviceConfiguration = DataQueueService.Configuration(pollInterval: .milliseconds(50))
+        serviceConfiguration.livenessMargin = .milliseconds(200)
+        let service = DataQueueService(queues: [queue], configuration: serviceConfiguration)
+        #expect(service.livenessLimit(queue) == .milliseconds(1250))
+        #expect(service.liveness().alive, "not started: nothing to judge")
+        let group = ServiceGroup(services: [service], logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
+        let running = Task { try await group.run() }
+
+        try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
+        // The answer arrived and the commit waits at the gate: the loop cannot come round.
+        var stuck = service.liveness()
+        while stuck.alive {
+            try await Task.sleep(for: .milliseconds(50))
+            stuck = service.liveness()
+        }
+        #expect(stuck.reasons.count == 1 && stuck.reasons[0].contains("has not come round"), "\(stuck.reasons)")
+        #expect(gate.waiting, "the loop is held in the commit")
+        gate.open()
+        while !service.liveness().alive { try await Task.sleep(for: .milliseconds(50)) }
+        while try await queue.status().pending > 0 { try await Task.sleep(for: .milliseconds(50)) }
+        await group.triggerGracefulShutdown()
+        try await running.value
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
+    /// The decision on explicit instants: quiet for longer than the limit is stuck, up to it is not.
+    @Test("Stuck means quiet for longer than the limit")
+    func stuckDecision() {
+        let start = ContinuousClock.now
+        #expect(DataQueueService.stuck(since: start, now: start + .seconds(10), limit: .seconds(10)) == nil)
+        #expect(DataQueueService.stuck(since: start, now: start + .seconds(11), limit: .seconds(10)) == .seconds(11))
+    }
+
+    /// A gate a test thread waits at (blocking: the journal commit hook runs on a thread of its own) until opened.
+    final class Gate: Sendable {
+        private let state = Mutex((open: false, waiting: false))
+        var waiting: Bool { state.withLock { $0.waiting } }
+        func open() { state.withLock { $0.open = true } }
+        func waitUntilOpen() {
+            while !state.withLock({ state in
+                state.waiting = !state.open
+                return state.open
+            }) {
+                usleep(10_000)
+            }
+        }
+    }
 }

@@ -43,6 +43,9 @@ public struct DataQueueService: Service {
         /// Delivery journal lines older than this are deleted once a day (of every queue in the database,
         /// never a queued item). The default is 90 days; nil keeps every line.
         public var journalRetention: Duration?
+        /// How much longer than its longest legitimate wait a delivery loop may be quiet before
+        /// ``DataQueueService/liveness()`` calls it stuck (a slow disk or database). The default is 60 seconds.
+        public var livenessMargin: Duration = .seconds(60)
 
         /// Creates a configuration; every parameter has the default stated on its property.
         public init(
@@ -94,8 +97,36 @@ public struct DataQueueService: Service {
         }
     }
 
+    /// Whether the service's delivery loops are alive, for a liveness probe (`dq run`'s `/healthz`): a loop that
+    /// has not come round for longer than its longest legitimate wait is wedged, and restarting the process is
+    /// the remedy. A server that is down, a backoff or a storage failure are not liveness failures (they are
+    /// ``readiness()``'s): the loop goes on around them.
+    public struct Liveness: Sendable, Encodable {
+        /// True when every reason below is absent.
+        public var alive: Bool { reasons.isEmpty }
+        /// Which loop is stuck and for how long, one line per queue.
+        public var reasons: [String]
+
+        /// A liveness with these reasons (none: alive).
+        public init(reasons: [String]) {
+            self.reasons = reasons
+        }
+
+        private enum CodingKeys: String, CodingKey { case alive, reasons }
+
+        /// Encodes `alive` and `reasons`.
+        public func encode(to encoder: any Encoder) throws {
+            var container = encoder.container(keyedBy: CodingKeys.self)
+            try container.encode(alive, forKey: .alive)
+            try container.encode(reasons, forKey: .reasons)
+        }
+    }
+
     /// The queues this service flushes.
     public let queues: [DataQueue]
+    /// Per queue, when its delivery loop last came round (each round, each item a flush handles, and every few
+    /// seconds while it waits); shared by the copies of this value, as ``failures`` is.
+    private let beats = NIOLockedValueBox<[String: ContinuousClock.Instant]>([:])
     /// How it polls and drains.
     public let configuration: Configuration
     private let logger: Logger
@@ -146,6 +177,41 @@ public struct DataQueueService: Service {
         return Readiness(reasons: reasons)
     }
 
+    /// Alive unless a queue's delivery loop, once started, has not come round for longer than it can wait
+    /// legitimately: one request (its connect and request timeouts), the settle time of a request left on the wire,
+    /// the poll interval, and ``Configuration/livenessMargin`` more (a minute) for a slow disk or database.
+    public func liveness() -> Liveness {
+        let now = ContinuousClock.now
+        let seen = beats.withLockedValue { $0 }
+        var reasons: [String] = []
+        for queue in queues {
+            guard let last = seen[queue.queueName] else { continue }  // not started yet: readiness says so
+            if let quiet = Self.stuck(since: last, now: now, limit: livenessLimit(queue)) {
+                reasons.append("\(queue.queueName): the delivery loop has not come round for \(quiet.components.seconds) s")
+            }
+        }
+        return Liveness(reasons: reasons)
+    }
+
+    /// How long `queue`'s loop may be quiet: see ``liveness()``.
+    func livenessLimit(_ queue: DataQueue) -> Duration {
+        let seconds = queue.configuration.requestTimeout + queue.configuration.connectTimeout + queue.configuration.settleDelay
+        return .milliseconds(Int64(seconds * 1000)) + configuration.pollInterval + configuration.livenessMargin
+    }
+
+    /// How long a loop last seen at `last` has been quiet at `now`, when that is longer than `limit`; else nil.
+    static func stuck(since last: ContinuousClock.Instant, now: ContinuousClock.Instant, limit: Duration) -> Duration? {
+        let quiet = last.duration(to: now)
+        return quiet > limit ? quiet : nil
+    }
+
+    /// `queue`'s loop comes round: recorded for ``liveness()``, and told to the watchdog.
+    private func beat(_ queue: DataQueue) {
+        let now = ContinuousClock.now
+        beats.withLockedValue { $0[queue.queueName] = now }
+        configuration.watchdog?.beat()
+    }
+
     /// Delivers until graceful shutdown (returns) or cancellation (returns at once).
     public func run() async throws {
         // Enqueues by other processes into a shared store (PostgreSQL's LISTEN/NOTIFY) wake their queue at
@@ -190,7 +256,7 @@ public struct DataQueueService: Service {
         var errors = 0
         var pruned: ContinuousClock.Instant?
         while !Task.isCancelled && !Task.isShuttingDownGracefully {
-            configuration.watchdog?.beat()
+            beat(queue)
             do {
                 try queue.store.checkFileIdentity()
             } catch {
@@ -225,7 +291,7 @@ public struct DataQueueService: Service {
                     failures.withLockedValue { $0[queue.queueName] = "flush failed: \(message)" }
                 }
                 let delay = queue.configuration.retryPolicy.delay(afterFailures: errors, retryAfter: nil)
-                await cancelWhenGracefulShutdown { try? await beatingSleep(for: .milliseconds(Int64(delay * 1000))) }
+                await cancelWhenGracefulShutdown { try? await beatingSleep(queue, for: .milliseconds(Int64(delay * 1000))) }
                 continue
             }
             // Only a flush that ran says writes work again: one that backed off (a backoff written before the
@@ -284,14 +350,13 @@ public struct DataQueueService: Service {
         return nil
     }
 
-    /// Sleeps `duration` in slices no longer than the watchdog's interval, beating between them.
-    private func beatingSleep(for duration: Duration) async throws {
-        guard let watchdog = configuration.watchdog else { return try await Task.sleep(for: duration) }
+    /// Sleeps `duration` in slices no longer than the watchdog's interval (5 s at most), beating between them.
+    private func beatingSleep(_ queue: DataQueue, for duration: Duration) async throws {
         var left = duration
         while left > .zero {
-            let slice = min(left, watchdog.interval)
+            let slice = min(left, configuration.watchdog?.interval ?? .seconds(5), .seconds(5))
             try await Task.sleep(for: slice)
-            watchdog.beat()
+            beat(queue)
             left -= slice
         }
     }
@@ -312,9 +377,8 @@ public struct DataQueueService: Service {
     /// once the request on the wire is answered. Graceful shutdown waits for that at most the drain timeout,
     /// cancellation not at all; a request left behind stays queued, and the next flush lets it settle first.
     private func flushDraining(_ queue: DataQueue) async -> Result<FlushReport, any Error>? {
-        var progress: (@Sendable (FlushProgress) -> Void)?
-        if let beat = configuration.watchdog?.beat { progress = { _ in beat() } }
-        let flush = Task { [progress] () -> Result<FlushReport, any Error> in
+        let progress: @Sendable (FlushProgress) -> Void = { [self] _ in beat(queue) }
+        let flush = Task { () -> Result<FlushReport, any Error> in
             do {
                 return .success(try await queue.flush(progress: progress))
             } catch {
