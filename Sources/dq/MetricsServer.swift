@@ -32,7 +32,8 @@ final class MetricsServer: Service {
             .childChannelInitializer { channel in
                 channel.eventLoop.makeCompletedFuture {
                     try channel.pipeline.syncOperations.configureHTTPServerPipeline()
-                    try channel.pipeline.syncOperations.addHandler(MetricsHandler(registry: registry, readiness: readiness, liveness: liveness))
+                    try channel.pipeline.syncOperations.addHandler(
+                        MetricsHandler(registry: registry, readiness: readiness, liveness: liveness))
                 }
             }
         let channel: any Channel
