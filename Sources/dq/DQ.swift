@@ -267,11 +267,11 @@ func warnAboutExposure(_ settings: DataQueueSettings) {
     for path in settings.exposedSecretFiles {
         printError("dq: warning: the secret file \(path) is readable by others; run: chmod 600 \(path)")
     }
-    if let key = settings.tls?.clientKey.map(settings.inBaseDirectory), let mode = FilePermissions.exposedMode(key) {
+    if let key = settings.tls?.clientKey.map({ settings.keyFilePath($0) }), let mode = FilePermissions.exposedMode(key) {
         printError(
             "dq: warning: the client key \(key) is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(key)")
     }
-    if let key = settings.auth?.privateKey.map(settings.inBaseDirectory), let mode = FilePermissions.exposedMode(key) {
+    if let key = settings.auth?.privateKey.map({ settings.keyFilePath($0) }), let mode = FilePermissions.exposedMode(key) {
         printError(
             "dq: warning: the private_key_jwt key \(key) is readable by others (mode \(String(mode, radix: 8))); run: chmod 600 \(key)")
     }

@@ -7,18 +7,22 @@ import Prometheus
 /// The library records through swift-metrics, whose factory registers every family without help text; the
 /// registry refuses a second, different help text for a family it knows, so the text is added here.
 enum Exposition {
-    /// The backend for `registry`: request durations in buckets up to two minutes (past the 30 s default
-    /// request timeout, and most set ones), Bundle sizes up to 1,000 entries.
+    /// The backend for `registry`: request durations in buckets up to a day, the longest request timeout dq
+    /// takes (so that every request's duration, however long its timeout, falls in a bucket of its own below
+    /// `+Inf`), Bundle sizes up to 1,000 entries.
     static func factory(_ registry: PrometheusCollectorRegistry) -> PrometheusMetricsFactory {
         var factory = PrometheusMetricsFactory(registry: registry)
-        factory.durationHistogramBuckets["dq_request_duration_seconds"] = [
-            .milliseconds(5), .milliseconds(10), .milliseconds(25), .milliseconds(50), .milliseconds(100), .milliseconds(250),
-            .milliseconds(500), .seconds(1), .milliseconds(2500), .seconds(5), .seconds(10), .seconds(30), .seconds(60),
-            .seconds(120),
-        ]
+        factory.durationHistogramBuckets["dq_request_duration_seconds"] = requestDurationBuckets
         factory.valueHistogramBuckets["dq_bundle_size"] = [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000]
         return factory
     }
+
+    /// Request duration buckets, fine where requests usually end and coarse up to the longest timeout (a day).
+    static let requestDurationBuckets: [Duration] = [
+        .milliseconds(5), .milliseconds(10), .milliseconds(25), .milliseconds(50), .milliseconds(100), .milliseconds(250),
+        .milliseconds(500), .seconds(1), .milliseconds(2500), .seconds(5), .seconds(10), .seconds(30), .seconds(60),
+        .seconds(120), .seconds(300), .seconds(900), .seconds(3600), .seconds(86_400),
+    ]
 
     static let texts: [String: String] = [
         "dq_items_enqueued_total": "Items this process queued.",

@@ -161,7 +161,7 @@ struct ShowConfig: AsyncParsableCommand {
             ("revocation_uri", "DQ_REVOCATION_URI", auth?.revocationURI),
             ("registration_uri", "DQ_REGISTRATION_URI", auth?.registrationURI), ("client_name", "DQ_CLIENT_NAME", auth?.clientName),
             ("token_endpoint_auth_method", "DQ_TOKEN_ENDPOINT_AUTH_METHOD", auth?.tokenEndpointAuthMethod),
-            ("private_key", "DQ_PRIVATE_KEY", auth?.privateKey), ("key_id", "DQ_KEY_ID", auth?.keyID),
+            ("private_key", "DQ_PRIVATE_KEY", auth?.privateKey.map { settings.keyFilePath($0) }), ("key_id", "DQ_KEY_ID", auth?.keyID),
             ("key_alg", "DQ_KEY_ALG", auth?.keyAlgorithm), ("credentials_dir", "DQ_CREDENTIALS_DIR", auth?.credentialsDirectory),
         ]
         for (key, variable, value) in authText {

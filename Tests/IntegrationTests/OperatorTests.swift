@@ -102,6 +102,55 @@ struct OperatorTests {
         }
     }
 
+    @Test(
+        "Key files named relatively (tls.client_key and _certificate, auth.private_key) are found in $CREDENTIALS_DIRECTORY when it holds them, else beside the config file"
+    )
+    func keyFilesFromCredentials() async throws {
+        let credentials = work.file("credentials")
+        try FileManager.default.createDirectory(atPath: credentials, withIntermediateDirectories: true)
+        let folder = work.file("etc")
+        try FileManager.default.createDirectory(atPath: folder, withIntermediateDirectories: true)
+        // auth.private_key is read when the settings resolve: a real P-256 key, in both places.
+        let made = try await ChildProcess(
+            "/usr/bin/openssl", ["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", folder + "/jwt.key"]
+        ).wait()
+        try #require(made.status == 0, "\(made.stderr)")
+        chmod(folder + "/jwt.key", 0o600)
+        let jwtKey = try #require(FileManager.default.contents(atPath: folder + "/jwt.key"))
+        let certified = try await ChildProcess(
+            "/usr/bin/openssl",
+            [
+                "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", folder + "/client.key",
+                "-out", folder + "/client.pem", "-days", "2", "-subj", "/CN=dq-client",
+            ]
+        ).wait()
+        try #require(certified.status == 0, "\(certified.stderr)")
+        chmod(folder + "/client.key", 0o600)
+        _ = FileManager.default.createFile(
+            atPath: credentials + "/client.key", contents: FileManager.default.contents(atPath: folder + "/client.key"),
+            attributes: [.posixPermissions: 0o600])
+        _ = FileManager.default.createFile(atPath: credentials + "/jwt.key", contents: jwtKey, attributes: [.posixPermissions: 0o600])
+        let config = folder + "/dq.json"
+        try Data(
+            #"""
+            {"server": "https://fhir.example.org/r4", "tls": {"client_certificate": "client.pem", "client_key": "client.key"},
+             "auth": {"client_id": "app", "private_key": "jwt.key", "token_endpoint_auth_method": "private_key_jwt"}}
+            """#.utf8
+        ).write(to: URL(fileURLWithPath: config))
+        let shown = try await dq(["config", "--config", config, "--json"], ["HOME": work.path, "CREDENTIALS_DIRECTORY": credentials])
+        // The PEM contents are not checked by dq config; where each file is found is what is shown.
+        guard shown.status == 0, let object = try? json(shown.stdout) else {
+            Issue.record("dq config: \(shown.status) \(shown.stderr)")
+            return
+        }
+        func value(_ key: String) -> String? { (object[key] as? [String: String])?["value"] }
+        #expect(value("tls.client_key") == credentials + "/client.key", "\(shown.stdout)")
+        #expect(value("auth.private_key") == credentials + "/jwt.key")
+        #expect(value("tls.client_certificate") == folder + "/client.pem", "not in the credentials: beside the config file")
+        let without = try await dq(["config", "--config", config, "--json"], ["HOME": work.path])
+        #expect((try? json(without.stdout)).flatMap { ($0["tls.client_key"] as? [String: String])?["value"] } == folder + "/client.key")
+    }
+
     @Test("A flush that parked items exits 65; one with nothing to do prints nothing; -q prints errors only")
     func flushExitCodesAndQuiet() async throws {
         let server = try await FHIRServer.start()

@@ -503,8 +503,9 @@ struct ServiceTests {
         let text = String(decoding: body, as: UTF8.self)
         #expect(scraped, "\(text)")
         #expect(text.contains("dq_request_duration_seconds_bucket"))
-        // Buckets past the 30 s default request timeout; HELP text on the families.
+        // Buckets up to the longest request timeout dq takes (a day); HELP text on the families.
         #expect(text.contains(#"dq_request_duration_seconds_bucket{destination="\#(queue)",le="120.0"}"#), "\(text)")
+        #expect(text.contains(#"dq_request_duration_seconds_bucket{destination="\#(queue)",le="86400.0"}"#), "\(text)")
         #expect(text.contains("# HELP dq_items_delivered_total Items this process delivered"), "\(text)")
         let (health, ok) = try await HTTP.get("http://127.0.0.1:\(port)/healthz")
         #expect(health == 200 && String(decoding: ok, as: UTF8.self) == "ok\n")

@@ -227,7 +227,7 @@ extension DataQueueSettings {
         }
         var key: ClientAssertionKey?
         if let path = auth.privateKey {
-            key = try ClientAssertionKey(pemFile: relative(path), keyID: auth.keyID, algorithm: keyAlgorithm)
+            key = try ClientAssertionKey(pemFile: keyFilePath(path), keyID: auth.keyID, algorithm: keyAlgorithm)
         } else if keyAlgorithm != nil {
             throw Self.configError("\"auth.key_alg\" is set but \"auth.private_key\" is not")
         }

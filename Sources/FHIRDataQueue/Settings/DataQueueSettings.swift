@@ -543,6 +543,18 @@ public struct DataQueueSettings: Sendable, Decodable {
         return inBaseDirectory(name)
     }
 
+    /// Where a key or certificate file of the settings is (`tls.client_certificate`, `tls.client_key`,
+    /// `auth.private_key`): an absolute path as given; a relative one in `$CREDENTIALS_DIRECTORY` (systemd's
+    /// `LoadCredential=`) when that is set and holds it, else beside the config file.
+    package func keyFilePath(_ name: String, environment: [String: String] = ProcessInfo.processInfo.environment) -> String {
+        if !name.hasPrefix("/"), let credentials = environment["CREDENTIALS_DIRECTORY"], !credentials.isEmpty,
+            FileManager.default.fileExists(atPath: credentials + "/" + name)
+        {
+            return credentials + "/" + name
+        }
+        return inBaseDirectory(name)
+    }
+
     /// Reads `auth.bearer_token_file`, `auth.client_secret_file`, `proxy_file` and `database_password_file` into
     /// the secrets they hold
     /// (without a trailing newline), and remembers which secret files others can read (``exposedSecretFiles``).
@@ -749,12 +761,12 @@ public struct DataQueueSettings: Sendable, Decodable {
             break
         case (let certificate?, let key?):
             for (path, name) in [(certificate, "tls.client_certificate"), (key, "tls.client_key")] {
-                guard FileManager.default.isReadableFile(atPath: inBaseDirectory(path)) else {
-                    throw Self.configError("\"\(name)\" file \(inBaseDirectory(path)) cannot be read")
+                guard FileManager.default.isReadableFile(atPath: keyFilePath(path)) else {
+                    throw Self.configError("\"\(name)\" file \(keyFilePath(path)) cannot be read")
                 }
             }
-            network.clientCertificatePath = inBaseDirectory(certificate)
-            network.clientKeyPath = inBaseDirectory(key)
+            network.clientCertificatePath = keyFilePath(certificate)
+            network.clientKeyPath = keyFilePath(key)
         default:
             throw Self.configError("\"tls.client_certificate\" and \"tls.client_key\" go together")
         }
