@@ -9,9 +9,17 @@ extension DataQueueSettings {
         options: QueueOptions, sending: SendingOptions? = nil,
         environment: [String: String] = ProcessInfo.processInfo.environment
     ) throws -> DataQueueSettings {
+        // The format the flag or environment names applies from here (an error in the settings file itself is
+        // written in it); the file's own log_format from the line after the load.
+        if let format = try? DQLogHandler.Format.named(options.logFormat ?? environment["DQ_LOG_FORMAT"]) {
+            StandardError.format.withLock { $0 = format }
+        }
         var settings = try DataQueueSettings.load(
             config: options.config, server: options.server, database: options.database, environment: environment,
             decode: DataQueueSettings.decode(_:source:))
+        if let format = try? DQLogHandler.Format.named(options.logFormat ?? settings.logFormat) {
+            StandardError.format.withLock { $0 = format }
+        }
         if let proxy = options.proxy { settings.proxy = proxy }
         warnAboutCommandLineSecrets(database: options.database, proxy: options.proxy)
         warnAboutUnknownEnvironmentVariables(environment)

@@ -28,6 +28,29 @@ struct DQ: AsyncParsableCommand {
             Doctor.self, ShowConfig.self, Decrypt.self, Keygen.self, Register.self, Login.self, Logout.self, Migrate.self, Version.self,
         ])
 
+    /// Parses and runs the command. A usage error ArgumentParser finds (exit 64) is written as dq's own error
+    /// lines are: with its priority under systemd's journal stream, as JSON with `DQ_LOG_FORMAT=json`. Help,
+    /// `--version` and every other end are ArgumentParser's.
+    static func main() async {
+        do {
+            var command = try parseAsRoot()
+            if var asynchronous = command as? any AsyncParsableCommand {
+                try await asynchronous.run()
+            } else {
+                try command.run()
+            }
+        } catch {
+            let code = exitCode(for: error)
+            let message = fullMessage(for: error)
+            guard code.rawValue == Exit.usage, !message.isEmpty else { exit(withError: error) }
+            if let format = try? DQLogHandler.Format.named(ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"]) {
+                StandardError.format.withLock { $0 = format }
+            }
+            printError(message, level: .error)
+            Foundation.exit(code.rawValue)
+        }
+    }
+
     /// `dq` alone is a usage error (exit 64), with the help on standard error.
     func run() async throws {
         printError(DQ.helpMessage())

@@ -226,6 +226,31 @@ struct ServiceTests {
         #expect(refusedLines.contains { $0.hasPrefix("<4>dq: warning: DQ_SEVER is not a dq setting") }, "\(refusedLines)")
         #expect(!refusedLines.isEmpty && refusedLines.allSatisfy { $0.hasPrefix("<") }, "every line prefixed: \(refusedLines)")
 
+        // A usage error (ArgumentParser's, exit 64) is an error line too, every line of it prefixed.
+        try Data().write(to: URL(fileURLWithPath: journalFile))
+        let usage = try await ChildProcess(
+            "/bin/sh", ["-c", #"exec "$0" flush --bogus 2>>"$1""#, Peers.dqBinary, journalFile], environment: journalEnvironment
+        ).wait()
+        #expect(usage.status == 64)
+        let usageLines = text().split(separator: "\n").map(String.init)
+        #expect(usageLines.first?.hasPrefix("<3>") == true && usageLines.contains { $0.contains("--bogus") }, "\(usageLines)")
+        #expect(usageLines.allSatisfy { $0.hasPrefix("<3>") }, "every line prefixed: \(usageLines)")
+        // In JSON: a usage error (DQ_LOG_FORMAT names the format, as no flag was read), and the warnings written
+        // while the settings are read, before the queue opens.
+        let usageJSON = try await dq(["status", "--nope"], env.merging(["DQ_LOG_FORMAT": "json"]) { $1 })
+        #expect(usageJSON.status == 64)
+        let early = try await dq(
+            ["status", "--log-format", "json", "--proxy", "http://u:pw-S3CRET@proxy.example:3128"],
+            env.merging(["DQ_SEVER": "x"]) { $1 })
+        #expect(early.status == 0, "\(early.stderr)")
+        for (output, wanted) in [(usageJSON.stderr, "--nope"), (early.stderr, "DQ_SEVER"), (early.stderr, "--proxy")] {
+            let lines = output.split(separator: "\n")
+            let objects = lines.compactMap { try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any] }
+            #expect(!lines.isEmpty && objects.count == lines.count, "not JSON lines: \(output)")
+            #expect(objects.contains { ($0["message"] as? String)?.contains(wanted) == true }, "\(wanted): \(output)")
+        }
+        #expect(!early.stderr.contains("pw-S3CRET"))
+
         // A JOURNAL_STREAM that is not standard error (a child of a service writing elsewhere): plain lines.
         let plain = try ChildProcess(
             Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: env.merging(["JOURNAL_STREAM": "1:2"]) { $1 })
