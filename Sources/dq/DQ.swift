@@ -47,7 +47,9 @@ struct DQ: AsyncParsableCommand {
                 StandardError.format.withLock { $0 = format }
             }
             printError(message, level: .error)
-            Foundation.exit(code.rawValue)
+            // A monitoring plugin's caller reads a check it could not run as UNKNOWN (3), not as a usage error.
+            let arguments = CommandLine.arguments.dropFirst()
+            Foundation.exit(arguments.first == "status" && arguments.contains("--check") ? 3 : code.rawValue)
         }
     }
 

@@ -172,6 +172,13 @@ struct SettingsTests {
         let database = try #require(settings.database)
         #expect(try parse(database, ["PGPASSWORD": "env"]).password == awkward, "every character survives the URL")
         #expect(!QueuePaths.displayDatabase(database).contains("p@ss"), "\(QueuePaths.displayDatabase(database))")
+        // An empty PGPASSWORD is unset (libpq): the password file answers.
+        let passfile = directory.appendingPathComponent("pgpass").path
+        _ = FileManager.default.createFile(
+            atPath: passfile, contents: Data("db:5432:queue:dq:from-file\n".utf8), attributes: [.posixPermissions: 0o600])
+        let (emptyVariable, _, _, _) = try PostgresQueueStore.configuration(
+            url: "postgres://dq@db/queue", environment: ["PGPASSWORD": "", "PGPASSFILE": passfile])
+        #expect(emptyVariable.password == "from-file")
         // libpq's default user is the user dq runs as; a key or password file is judged through its symbolic link.
         let (anonymous, _, _, _) = try PostgresQueueStore.configuration(
             url: "postgres://db/queue", environment: ["PGPASSFILE": "/nonexistent"])

@@ -485,6 +485,10 @@ struct OperatorTests {
         let env = environment("http://127.0.0.1:9/fhir")
         let empty = try await dq(["status", "--check"], env)
         #expect(empty.status == 3 && empty.stdout.hasPrefix("DQ UNKNOWN - "), "no database yet: \(empty.stdout)")
+        // A check that cannot run for a bad argument is UNKNOWN too, not a usage error (64) a plugin misreads.
+        let misused = try await dq(["status", "--check", "--max-pending", "many"], env)
+        #expect(misused.status == 3 && misused.stderr.contains("--max-pending"), "\(misused.status) \(misused.stderr)")
+        #expect(try await dq(["status", "--max-pending", "many"], env).status == 64, "without --check: a usage error")
         #expect(try await dq(["enqueue", "--ndjson", try work.write("three.ndjson", resources.ndjson(0..<3))], env).status == 0)
         let ok = try await dq(["status", "--check", "--max-pending", "10"], env)
         #expect(ok.status == 0 && ok.stdout.hasPrefix("DQ OK - 3 pending, 0 parked"), "\(ok.stdout)")

@@ -45,7 +45,8 @@ extension PostgresQueueStore {
         // A socket in the packaged server's directory is "localhost" to the password file, as libpq has it.
         let passwordHost = socketDirectory.map { knownSocketDirectories.contains($0) ? "localhost" : $0 } ?? host
         let password =
-            components.percentEncodedPassword.flatMap { $0.removingPercentEncoding } ?? environment["PGPASSWORD"]
+            // An empty PGPASSWORD is unset, as libpq has it: the password file is read then.
+            components.percentEncodedPassword.flatMap { $0.removingPercentEncoding } ?? nonEmpty(environment["PGPASSWORD"])
             ?? PasswordFile.password(
                 host: passwordHost, port: port, database: database, user: user,
                 file: nonEmpty(options["passfile"]) ?? nonEmpty(environment["PGPASSFILE"]), environment: environment)
