@@ -29,6 +29,8 @@ extension DQ {
             try await withQueue(queueOptions) { queue in
                 let display = TerminalProgress("pruned", enabled: !json)
                 let removed = try await queue.pruneJournal(olderThan: age) { done in display?.update(done, of: nil) }
+                // The last count, whatever the redraw limit skipped: the line ends at what was deleted.
+                display?.update(removed, of: removed)
                 display?.finish()
                 if vacuum { try await queue.vacuum() }
                 if json {

@@ -423,7 +423,8 @@ struct OperatorTests {
         #expect(try await dq(["enqueue", try work.write("late.json", resources.observation(3))], env).status == 0)
         let all = try await dq(["prune", "--journal-older-than", "0s", "--vacuum", "--json"], env)
         #expect(
-            all.status == 0 && all.stdout.contains(#""journalLines" : 3"#) || all.stdout.contains(#""journalLines":3"#), "\(all.stdout)")
+            all.status == 0 && (all.stdout.contains(#""journalLines" : 3"#) || all.stdout.contains(#""journalLines":3"#)),
+            "\(all.status) \(all.stdout)")
         let status = try await dq(["status", "--json"], env)
         #expect(
             status.stdout.contains(#""pending" : 1"#) || status.stdout.contains(#""pending":1"#), "the queued item stays: \(status.stdout)")

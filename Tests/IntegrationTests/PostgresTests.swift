@@ -361,6 +361,12 @@ struct PostgresTests {
             flushed.stdout.contains("\rflush: \(2 * count)/\(2 * count), \(2 * count) delivered, 0 parked, "),
             "\(flushed.stdout.suffix(500))")
         #expect(try await server.values("Observation", system: resources.system) == (0..<(2 * count)).map(String.init))
+
+        // dq prune: the journal lines deleted so far, after each of its short transactions.
+        let pruned = try await onTerminal(["prune", "--journal-older-than", "0s"], pg)
+        #expect(pruned.status == 0, "\(pruned.stdout.suffix(500))")
+        #expect(pruned.stdout.contains("\rpruned: \(2 * count)"), "\(pruned.stdout.suffix(500))")
+        #expect(pruned.stdout.contains("pruned \(2 * count) journal line(s)"), "\(pruned.stdout.suffix(500))")
     }
 
     @Test("dq migrate moves a SQLite queue into PostgreSQL in order, with its parked items and journal; running it again adds nothing")
