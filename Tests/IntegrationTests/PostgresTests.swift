@@ -332,7 +332,7 @@ struct PostgresTests {
     }
 
     @Test(
-        "On a terminal dq enqueue --ndjson, dq migrate and dq flush each draw one rewritten progress line that ends at the total; piped, none"
+        "On a terminal dq enqueue --ndjson, dq migrate, dq flush and dq prune each draw one rewritten progress line that ends at the total; piped, none"
     )
     func progressOnTerminal() async throws {
         let server = try await FHIRServer.start()
