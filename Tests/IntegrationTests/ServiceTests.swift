@@ -576,6 +576,19 @@ struct ServiceTests {
                 return depth == 0 && age == 0 && backoff == 0
             }, "delivered: no pending age, no backoff")
         #expect(try await server.values("Observation", system: resources.system) == ["0"])
+
+        // Parked items are a gauge of the queue, whoever parked them: a cron flush of another process parks one
+        // (dq run's own counter stays 0), and dq drop takes it away.
+        #expect(await gauge("dq_items_parked") == 0)
+        #expect(try await dq(["send", try work.write("bad.json", resources.invalid(1))], env).status == 65)
+        #expect(try await eventually { await gauge("dq_items_parked") == 1 }, "the item another process parked")
+        #expect(await gauge("dq_items_parked_total") ?? 0 == 0, "this process parked nothing")
+        let parked = try await dq(["list", "--parked", "--json"], env)
+        let id = try #require(
+            (try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [[String: Any]])?.first?["id"] as? String,
+            "\(parked.stdout)")
+        #expect(try await dq(["drop", id], env).status == 0)
+        #expect(try await eventually { await gauge("dq_items_parked") == 0 }, "dropped")
         run.kill(SIGTERM)
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
     }
