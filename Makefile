@@ -92,7 +92,8 @@ test: build gateway peers
 	@# The Debian package installed, checked and removed, alone: an installed /etc/dq/dq.json is every dq's config.
 	@if [ "$$(id -u)" = 0 ]; then scripts/deb.sh test $(DQ_BIN); \
 	else echo "== the Debian package test was NOT run: it installs into /usr and /etc, so it needs root =="; fi
-	@scripts/install-check.sh $(DQ_BIN)
+	@$(SWIFT) package generate-manual --configuration debug >/dev/null
+	@scripts/install-check.sh $(DQ_BIN) .build/plugins/GenerateManual/outputs/dq/dq.1
 
 # The full crash, fault, concurrency, exhaustion and bad-input runs (about 10 minutes).
 torture: build peers
