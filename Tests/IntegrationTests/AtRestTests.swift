@@ -351,6 +351,50 @@ struct AtRestTests {
         #expect(found(marker, in: queueFiles()).isEmpty)
     }
 
+    /// A producer that reads a rotated configuration before dq run does seals under a key dq run does not hold
+    /// yet. That is dq run's configuration lagging, not a damaged row: nothing is parked or sent, the flush says
+    /// which key it needs, and the SIGHUP that brings the key delivers the item.
+    @Test(
+        "An item sealed under a key dq run does not hold yet (a rotation it has not reloaded) is neither parked nor sent; after SIGHUP it is delivered"
+    )
+    func keyNotYetReloaded() async throws {
+        let server = try await FHIRServer.start()
+        _ = try await keygen("old.key")
+        let (_, newID) = try await keygen("new.key")
+        let retry = #""retry": {"initial_seconds": 0.1, "maximum_seconds": 0.3}"#
+        let config = try work.write("run.json", #"{"server": "\#(server.base)", \#(retry), "at_rest": {"key_file": "old.key"}}"#)
+        let rotated = try work.write(
+            "rotated.json", #"{"server": "\#(server.base)", \#(retry), "at_rest": {"key_file": "new.key", "old_key_files": ["old.key"]}}"#)
+        let env = ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path, "DQ_LOG_LEVEL": "notice"]
+        #expect(try await dq(["enqueue", "--config", config, try work.write("o0.json", resources.observation(0))], env).status == 0)
+        let run = try ChildProcess(Peers.dqBinary, ["run", "--config", config, "--poll-interval", "0.1"], environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { try await server.values("Observation", system: resources.system) == ["0"] }, "\(log())")
+
+        // The producer has the rotated configuration already; dq run has not.
+        #expect(try await dq(["enqueue", "--config", rotated, try work.write("o1.json", resources.observation(1))], env).status == 0)
+        #expect(try await eventually { log().contains("which is not configured") }, "\(log())")
+        #expect(log().contains(newID), "the key it needs is named: \(log())")
+        let parked = try await dq(["status", "--json", "--config", rotated], env)
+        let counts = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [String: Any])
+        #expect(counts["parked"] as? Int == 0 && counts["pending"] as? Int == 1, "\(parked.stdout)")
+        #expect(try await server.values("Observation", system: resources.system) == ["0"])
+        // A one-shot flush without the key says the same, exit 78, and changes nothing.
+        let oneShot = try await dq(["flush", "--config", config, "--now"], env)
+        #expect(oneShot.status == 78 && oneShot.stderr.contains(newID), "\(oneShot.status) \(oneShot.stderr)")
+
+        try FileManager.default.removeItem(atPath: config)
+        try FileManager.default.copyItem(atPath: rotated, toPath: config)
+        run.kill(SIGHUP)
+        #expect(
+            try await eventually { try await server.values("Observation", system: resources.system) == ["0", "1"] }, "\(log())")
+        run.kill(SIGTERM)
+        #expect(await run.wait(timeout: .seconds(30)).status == 0)
+        let after = try await dq(["status", "--json", "--config", config], env)
+        let final = try #require(try JSONSerialization.jsonObject(with: Data(after.stdout.utf8)) as? [String: Any])
+        #expect(final["parked"] as? Int == 0 && final["pending"] as? Int == 0, "\(after.stdout)")
+    }
+
     @Test(
         "A SIGHUP while dq run opens the queue (sealing 20,000 items queued before at_rest) does not end it and is not lost: the configuration is read again once the service runs; all arrive"
     )

@@ -198,6 +198,9 @@ struct Sealer: Sendable {
         return String(decoding: body.dropFirst(4).prefix(16), as: UTF8.self)
     }
 
+    /// Whether the key `id` is configured (current or old).
+    func holds(_ id: String) -> Bool { keys.key(id: id) != nil }
+
     private func key(_ id: String) throws -> AtRestKey {
         guard let key = keys.key(id: id) else {
             throw Failure(

@@ -363,6 +363,18 @@ final class SealedStorage: QueueStorage {
     func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
         let batch = try await inner.pendingBatch(queue: queue, after: after, maxCount: maxCount, maxBytes: maxBytes)
         guard let sealer = try await sealerIfSealed() else { return batch }
+        // A key this process does not hold is its configuration's fault, not the row's: another process sealed
+        // under a key rotated in after this one read its settings (dq run until its SIGHUP), or an old key left
+        // the list too early. Nothing is sent or parked; the flush stops until the key is configured.
+        if let stored = batch.first(where: { Sealer.keyID(ofBody: $0.body).map { !sealer.holds($0) } ?? false }),
+            let id = Sealer.keyID(ofBody: stored.body)
+        {
+            throw DataQueueError(
+                .invalidConfiguration,
+                "configuration: item #\(stored.info.sequence) is sealed at rest under key \(id), which is not configured; "
+                    + "nothing was sent or changed (set \"at_rest.key_file\" or \"at_rest.old_key_files\" to it; dq run takes "
+                    + "it on SIGHUP)")
+        }
         return batch.map { Self.open($0, sealer, keyIDs: []) }
     }
 
