@@ -78,6 +78,7 @@ let package = Package(
             name: "FHIRDataQueueTests",
             dependencies: [
                 "FHIRDataQueue",
+                "CSQLite",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "Crypto", package: "swift-crypto"),
                 .product(name: "_CryptoExtras", package: "swift-crypto"),

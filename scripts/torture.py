@@ -214,6 +214,17 @@ def crash_loop(work, iterations, rng, batch, at_rest=False):
         code = enqueue.wait()
         flush.wait()
         (committed if code == 0 else uncertain).append(values)
+    # Sealed at rest: no item left plain by a kill mid-enqueue or mid-flush, and the resources' identifier system
+    # (in every one of them) in no byte of the database, its WAL or its SHM.
+    sealed_ok, sealed_note = True, ""
+    if at_rest:
+        status = dq(["status", "--json"], env)
+        rest = json.loads(status.stdout).get("at_rest", {}) if status.returncode == 0 else {}
+        files = [os.path.join(work, db) + suffix for suffix in ("", "-wal", "-shm")]
+        leaked = [f for f in files if os.path.exists(f) and system.encode() in open(f, "rb").read()]
+        sealed_ok = status.returncode == 0 and rest.get("plain") == 0 and not leaked
+        sealed_note = ", sealed: %s items under the key, %s plain, readable in %s" % (
+            sum((rest.get("items") or {}).values()), rest.get("plain"), [os.path.basename(f) for f in leaked] or "no file")
     ok = flush_until_done(env)
     actual = fhir.values("Observation", system)
     present = set(actual)
@@ -226,9 +237,9 @@ def crash_loop(work, iterations, rng, batch, at_rest=False):
             expected.extend(iteration_values)
         if hits not in (0, len(iteration_values)):
             atomic = False
-    good = ok and atomic and integrity(os.path.join(work, db))
+    good = ok and atomic and sealed_ok and integrity(os.path.join(work, db))
     check("crash loop (SIGKILL enqueue + flush), %s%s" % (batching(batch), sealed), iterations, kills, 0, expected, actual, good,
-          "integrity_check ok" if good else "integrity/atomicity FAILED")
+          ("integrity_check ok" if good else "integrity/atomicity/sealing FAILED") + sealed_note)
     fhir.kill()
 
 

@@ -43,12 +43,17 @@ struct DQ: AsyncParsableCommand {
             let code = exitCode(for: error)
             let message = fullMessage(for: error)
             guard code.rawValue == Exit.usage, !message.isEmpty else { exit(withError: error) }
-            if let format = try? DQLogHandler.Format.named(ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"]) {
+            // The format a --log-format among the arguments names, else DQ_LOG_FORMAT (the file is not read).
+            let arguments = Array(CommandLine.arguments.dropFirst())
+            let flag = arguments.indices.lazy.compactMap { index -> String? in
+                if arguments[index].hasPrefix("--log-format=") { return String(arguments[index].dropFirst("--log-format=".count)) }
+                return arguments[index] == "--log-format" && index + 1 < arguments.count ? arguments[index + 1] : nil
+            }.first
+            if let format = try? DQLogHandler.Format.named(flag ?? ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"]) {
                 StandardError.format.withLock { $0 = format }
             }
             printError(message, level: .error)
             // A monitoring plugin's caller reads a check it could not run as UNKNOWN (3), not as a usage error.
-            let arguments = CommandLine.arguments.dropFirst()
             Foundation.exit(arguments.first == "status" && arguments.contains("--check") ? 3 : code.rawValue)
         }
     }

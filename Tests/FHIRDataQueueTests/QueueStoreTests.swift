@@ -1,3 +1,4 @@
+import CSQLite
 import Foundation
 import GRDB
 import NIOPosix
@@ -98,6 +99,56 @@ struct QueueStoreTests {
         let threads = commitThreads.withLock { $0 }
         #expect(threads.count == 3)
         #expect(!threads.contains(callerThread), "a commit ran on the calling task's thread")
+    }
+
+    /// The same through the embedding API itself: `DataQueue.enqueue` at `durability: full`, from a task whose
+    /// executor has one thread. SQLite's commit hook runs on the thread that commits (and then fsyncs): it must
+    /// never be the caller's. A commit on the caller's thread (GRDB's synchronous write runs its block there) holds
+    /// a host's pool thread through the fsync.
+    @Test("DataQueue.enqueue at durability full commits off the calling task's thread (SQLite's commit hook says where)")
+    func dataQueueEnqueueCommitsOffCaller() async throws {
+        var configuration = DataQueue.Configuration(databasePath: path)
+        configuration.durability = .full
+        let queue = try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
+        let store = try #require(queue.store as? SQLiteQueueStore)
+        let recorder = CommitThreads()
+        try await store.database.writeWithoutTransaction { db in
+            _ = sqlite3_commit_hook(
+                db.sqliteConnection,
+                { context in
+                    Unmanaged<CommitThreads>.fromOpaque(context!).takeUnretainedValue().record()
+                    return 0
+                }, Unmanaged.passUnretained(recorder).toOpaque())
+        }
+        let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
+        let executor = EventLoopTaskExecutor(loop.next())
+        let callerThread = try await Task(executorPreference: executor) { () async throws -> pthread_t in
+            for index in 0..<3 {
+                try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient","n":\#(index)}"#.utf8)))
+            }
+            return pthread_self()
+        }.value
+        #expect(try await queue.status().pending == 3)
+        let threads = recorder.threads
+        #expect(threads.count >= 3, "each enqueue committed: \(threads.count)")
+        #expect(!threads.contains(callerThread), "a commit ran on the calling task's thread")
+        // The control: a synchronous GRDB write from that executor commits on its thread, and the hook sees it
+        // (so the check above can fail).
+        let controlThread = try await Task(executorPreference: executor) { () throws -> pthread_t in
+            try store.database.write { db in try db.execute(sql: "CREATE TABLE IF NOT EXISTS commit_probe (x)") }
+            return pthread_self()
+        }.value
+        #expect(recorder.threads.dropFirst(threads.count).contains(controlThread), "the hook records the committing thread")
+        try await queue.shutdown()
+        try await loop.shutdownGracefully()
+        withExtendedLifetime(recorder) {}
+    }
+
+    /// The threads SQLite's commit hook ran on.
+    final class CommitThreads: Sendable {
+        private let recorded = Mutex<[pthread_t]>([])
+        var threads: [pthread_t] { recorded.withLock { $0 } }
+        func record() { recorded.withLock { $0.append(pthread_self()) } }
     }
 
     @Test(

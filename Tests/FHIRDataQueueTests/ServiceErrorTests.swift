@@ -184,7 +184,6 @@ struct ServiceErrorTests {
         configuration.settleDelay = 0
         let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
         let gate = Gate()
-        queue.hooks.beforeJournalCommit = { gate.waitUntilOpen() }
         var serviceConfiguration = DataQueueService.Configuration(pollInterval: .milliseconds(50))
         serviceConfiguration.livenessMargin = .milliseconds(200)
         let service = DataQueueService(queues: [queue], configuration: serviceConfiguration)
@@ -193,6 +192,10 @@ struct ServiceErrorTests {
         let group = ServiceGroup(services: [service], logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
         let running = Task { try await group.run() }
 
+        // A first flush (only loops whose first flush returned are judged: it may open the store), then one held.
+        try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
+        while try await queue.status().pending > 0 { try await Task.sleep(for: .milliseconds(50)) }
+        queue.hooks.beforeJournalCommit = { gate.waitUntilOpen() }
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
         // The answer arrived and the commit waits at the gate: the loop cannot come round.
         var stuck = service.liveness()

@@ -93,6 +93,14 @@ struct AtRestTests {
         let server = try await FHIRServer.start()
         let (key, keyID) = try await keygen("rest.key")
         let env = environment(server.base, key: key)
+        // Another process holds the database open throughout the enqueues (a dq run for another server), so that
+        // SQLite neither checkpoints nor removes the WAL when each enqueue closes: the WAL and SHM scanned below
+        // hold the enqueues' own pages.
+        let holderPort = Peers.freePort()
+        let holder = try ChildProcess(
+            Peers.dqBinary, ["run", "--metrics-address", "127.0.0.1:\(holderPort)"],
+            environment: env.merging(["DQ_SERVER": "http://127.0.0.1:9/fhir"]) { $1 })
+        #expect(try await eventually { (try? await HTTP.get("http://127.0.0.1:\(holderPort)/readyz").0) == 200 }, "the holder runs")
         let input = try mixedInput(observations: 700, linked: 100)
         #expect(try await dq(["enqueue", "--ndjson", input.posts], env).status == 0)
         let puts = try await dq(["enqueue", "--ndjson", "--method", "put", input.puts], env)
@@ -100,6 +108,13 @@ struct AtRestTests {
         #expect(try await dq(["enqueue", "--ndjson", input.linked], env).status == 0)
         #expect(try await dq(["enqueue", try transaction()], env).status == 0)
 
+        let walSize = (try? FileManager.default.attributesOfItem(atPath: work.file("queue.sqlite-wal"))[.size] as? Int) ?? 0
+        #expect(walSize > 100_000, "the WAL holds the enqueues while the holder keeps the database open: \(walSize) bytes")
+        #expect(FileManager.default.fileExists(atPath: work.file("queue.sqlite-shm")))
+        #expect(found(marker, in: queueFiles()).isEmpty, "the marker is readable in \(found(marker, in: queueFiles()))")
+        #expect(found("x" + marker.suffix(4), in: queueFiles()).isEmpty)
+        holder.kill(SIGTERM)
+        #expect(await holder.wait(timeout: .seconds(30)).status == 0)
         #expect(found(marker, in: queueFiles()).isEmpty, "the marker is readable in \(found(marker, in: queueFiles()))")
         // The PUTs' resource ids (in their paths) are sealed too.
         #expect(found("x" + marker.suffix(4), in: queueFiles()).isEmpty)
@@ -112,6 +127,10 @@ struct AtRestTests {
         // With the key, operators see the items as they are.
         let list = try await dq(["list", "--json"], env)
         #expect(list.stdout.contains("Patient/rest0x\(marker.suffix(4))"), "\(list.stdout.prefix(400))")
+        let shown = try await dq(["show", "--body", "#1"], env)
+        #expect(shown.status == 0 && shown.stdout.contains(marker), "the body opened with the key: \(shown.stdout.prefix(400))")
+        let logged = try await dq(["log"], env)
+        #expect(logged.status == 0, "dq log reads the journal of a sealed queue: \(logged.stderr)")
 
         let flush = try await dq(["flush"], env)
         #expect(flush.status == 0, "\(flush.stderr)")
@@ -367,14 +386,26 @@ struct AtRestTests {
             "rotated.json", #"{"server": "\#(server.base)", \#(retry), "at_rest": {"key_file": "new.key", "old_key_files": ["old.key"]}}"#)
         let env = ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path, "DQ_LOG_LEVEL": "notice"]
         #expect(try await dq(["enqueue", "--config", config, try work.write("o0.json", resources.observation(0))], env).status == 0)
-        let run = try ChildProcess(Peers.dqBinary, ["run", "--config", config, "--poll-interval", "0.1"], environment: env)
+        let port = Peers.freePort()
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--config", config, "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(port)"],
+            environment: env)
         let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
         #expect(try await eventually { try await server.values("Observation", system: resources.system) == ["0"] }, "\(log())")
+        /// `dq_flush_errors_total` of `kind`, from dq run's /metrics.
+        func flushErrors(_ kind: String) async -> Double {
+            guard let (_, body) = try? await HTTP.get("http://127.0.0.1:\(port)/metrics") else { return 0 }
+            let line = String(decoding: body, as: UTF8.self).split(separator: "\n")
+                .first { $0.hasPrefix("dq_flush_errors_total{") && $0.contains("kind=\"\(kind)\"") }
+            return line.flatMap { $0.split(separator: " ").last.flatMap { Double($0) } } ?? 0
+        }
 
         // The producer has the rotated configuration already; dq run has not.
         #expect(try await dq(["enqueue", "--config", rotated, try work.write("o1.json", resources.observation(1))], env).status == 0)
         #expect(try await eventually { log().contains("which is not configured") }, "\(log())")
         #expect(log().contains(newID), "the key it needs is named: \(log())")
+        #expect(await flushErrors("configuration") >= 1, "counted as a configuration error of the flush")
+        #expect((try? await HTTP.get("http://127.0.0.1:\(port)/readyz").0) == 503, "not ready until the key is configured")
         let parked = try await dq(["status", "--json", "--config", rotated], env)
         let counts = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [String: Any])
         #expect(counts["parked"] as? Int == 0 && counts["pending"] as? Int == 1, "\(parked.stdout)")
@@ -434,7 +465,9 @@ struct AtRestTests {
         let (key, keyID) = try await keygen("pg.key")
         let database = try await PostgresTests.freshDatabase()
         let env = environment(server.base, key: key, database: database)
-        let input = try mixedInput(observations: 200, linked: 20)
+        // 1,001 resources, as in the SQLite proof: 700 POSTs, 100 PUTs with an id, 100 Patients with a urn:uuid and
+        // 100 Observations referencing them, one transaction Bundle.
+        let input = try mixedInput(observations: 700, linked: 100)
         #expect(try await dq(["enqueue", "--ndjson", input.posts], env).status == 0)
         #expect(try await dq(["enqueue", "--ndjson", "--method", "put", input.puts], env).status == 0)
         #expect(try await dq(["enqueue", "--ndjson", input.linked], env).status == 0)
@@ -445,6 +478,9 @@ struct AtRestTests {
         let dump = try await pgDump(database)
         #expect(dump.contains("dq_item"), "the dump holds the queue")
         #expect(!dump.contains(marker) && !dump.contains(hex), "the marker is readable in the dump")
+        // The PUTs' resource ids (in their paths) are sealed too.
+        let putID = "x" + marker.suffix(4)
+        #expect(!dump.contains(putID) && !dump.contains(putID.utf8.map { String(format: "%02x", $0) }.joined()))
         // The same items in a plain queue are readable in its dump: the scan can fail.
         let plain = try await PostgresTests.freshDatabase()
         #expect(try await dq(["enqueue", "--ndjson", input.posts], environment(server.base, key: nil, database: plain)).status == 0)
@@ -454,9 +490,9 @@ struct AtRestTests {
 
         #expect(try await dq(["flush"], env).status == 0)
         let observations = try await server.resources("Observation", system: resources.system)
-        #expect(observations.count == 221)
+        #expect(observations.count == 801)
         #expect(observations.allSatisfy { (($0.1["code"] as? [String: Any])?["text"] as? String ?? "").contains(marker) })
-        #expect(try await server.resources("Patient", system: resources.system).count == 41)
+        #expect(try await server.resources("Patient", system: resources.system).count == 201)
         let after = try await pgDump(database)
         #expect(!after.contains(marker) && !after.contains(hex))
     }

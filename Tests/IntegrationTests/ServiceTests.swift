@@ -462,6 +462,12 @@ struct ServiceTests {
         defer { _ = try? SpawnedProcess("/usr/bin/chattr", ["-i"] + files, stdout: .null, stderr: .null) }
         try await server.start()
         #expect(try await eventually { await ready() == 503 }, "not ready while writes fail: \(log()), running: \(run.isRunning)")
+        // Counted by kind, for an alert: dq_flush_errors_total{kind="storage"} (or storage_full).
+        let metrics = String(decoding: (try await HTTP.get("http://127.0.0.1:\(port)/metrics")).1, as: UTF8.self)
+        let storageErrors = metrics.split(separator: "\n").filter {
+            $0.hasPrefix("dq_flush_errors_total{") && ($0.contains("kind=\"storage\"") || $0.contains("kind=\"storage_full\""))
+        }.compactMap { $0.split(separator: " ").last.flatMap { Double($0) } }.reduce(0, +)
+        #expect(storageErrors >= 1, "\(metrics.split(separator: "\n").filter { $0.contains("flush_errors") })")
         #expect(try await ChildProcess("/usr/bin/chattr", ["-i"] + files).wait().status == 0)
         #expect(try await eventually { await ready() == 200 }, "ready again once the files take writes")
         #expect(

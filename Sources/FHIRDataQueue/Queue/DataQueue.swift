@@ -508,6 +508,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     func deliver(_ request: OutgoingRequest, encrypted: Bool) async -> DeliveryResult {
         var refused: String?
         while true {
+            Heartbeat.beat()
             let header: String?
             do {
                 if let refused {
@@ -523,6 +524,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                 return .transient(status: nil, message: "cannot obtain a token", retryAfter: nil, mayHaveArrived: false)
             }
             let response: TransportResponse
+            Heartbeat.beat()
             do {
                 response = try await transport.send(request, authorization: header, logger: logger)
             } catch let failure as TransportFailure {

@@ -127,6 +127,9 @@ public struct DataQueueService: Service {
     /// Per queue, when its delivery loop last came round (each round, each item a flush handles, and every few
     /// seconds while it waits); shared by the copies of this value, as ``failures`` is.
     private let beats = NIOLockedValueBox<[String: ContinuousClock.Instant]>([:])
+    /// The queues whose first flush has returned: only they are judged. A first flush may open the queue's store
+    /// (PostgreSQL opens lazily: migrations, sealing a queue that was plain) in steps no limit can bound.
+    private let judged = NIOLockedValueBox<Set<String>>([])
     /// How it polls and drains.
     public let configuration: Configuration
     private let logger: Logger
@@ -183,9 +186,11 @@ public struct DataQueueService: Service {
     public func liveness() -> Liveness {
         let now = ContinuousClock.now
         let seen = beats.withLockedValue { $0 }
+        let started = judged.withLockedValue { $0 }
         var reasons: [String] = []
         for queue in queues {
-            guard let last = seen[queue.queueName] else { continue }  // not started yet: readiness says so
+            // Not started yet, or still in its first flush (see ``judged``).
+            guard started.contains(queue.queueName), let last = seen[queue.queueName] else { continue }
             if let quiet = Self.stuck(since: last, now: now, limit: livenessLimit(queue)) {
                 reasons.append("\(queue.queueName): the delivery loop has not come round for \(quiet.components.seconds) s")
             }
@@ -266,6 +271,7 @@ public struct DataQueueService: Service {
             }
             // nil: shutdown did not wait for the flush (its drain timeout, or cancellation).
             guard let outcome = await flushDraining(queue) else { break }
+            judged.withLockedValue { _ = $0.insert(queue.queueName) }
             if case .failure(let error) = outcome, Task.isCancelled || Task.isShuttingDownGracefully {
                 // A flush that shutdown cut short may end with an error of that: not a new failure to alert on.
                 if !(error is CancellationError) {
@@ -365,7 +371,7 @@ public struct DataQueueService: Service {
     private func pruneJournal(_ queue: DataQueue, olderThan retention: Duration) async {
         let seconds = Double(retention.components.seconds) + Double(retention.components.attoseconds) / 1e18
         do {
-            let removed = try await queue.pruneJournal(olderThan: seconds)
+            let removed = try await queue.pruneJournal(olderThan: seconds) { _ in beat(queue) }
             if removed > 0 { logger.notice("pruned the delivery journal", metadata: ["lines": "\(removed)"]) }
         } catch {
             logger.warning(
@@ -378,11 +384,14 @@ public struct DataQueueService: Service {
     /// cancellation not at all; a request left behind stays queued, and the next flush lets it settle first.
     private func flushDraining(_ queue: DataQueue) async -> Result<FlushReport, any Error>? {
         let progress: @Sendable (FlushProgress) -> Void = { [self] _ in beat(queue) }
-        let flush = Task { () -> Result<FlushReport, any Error> in
-            do {
-                return .success(try await queue.flush(progress: progress))
-            } catch {
-                return .failure(error)
+        // Each request and each long step of the flush beats too (see Heartbeat).
+        let flush = Heartbeat.$current.withValue({ [self] in beat(queue) }) {
+            Task { () -> Result<FlushReport, any Error> in
+                do {
+                    return .success(try await queue.flush(progress: progress))
+                } catch {
+                    return .failure(error)
+                }
             }
         }
         let result = ResumeOnce<Result<FlushReport, any Error>?>()

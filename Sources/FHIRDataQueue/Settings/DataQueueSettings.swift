@@ -247,8 +247,10 @@ public struct DataQueueSettings: Sendable, Decodable {
     public mutating func apply(environment: [String: String]) throws {
         if let value = environment["DQ_SERVER"] { server = value }
         if let value = environment["DQ_LOG_FORMAT"] {
-            guard ["text", "json"].contains(value) else { throw Self.configError("DQ_LOG_FORMAT must be \"text\" or \"json\"") }
-            logFormat = value
+            guard ["text", "json"].contains(value.lowercased()) else {
+                throw Self.configError("DQ_LOG_FORMAT must be \"text\" or \"json\"")
+            }
+            logFormat = value.lowercased()
         }
         if let value = environment["DQ_LOG_LEVEL"] {
             guard Logger.Level(rawValue: value.lowercased()) != nil else {
@@ -627,13 +629,14 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
     }
 
-    /// The settings' plain values (everything but `auth` and `encryption`), each checked, in the order
-    /// ``resolve()`` checks them: the first bad one is named.
     /// The TLS files the settings name (CA bundle, client certificate and key) as they are on disk now: another
     /// value once one is replaced or rewritten (a rotated key), which a reload reports and the HTTP clients follow.
     package func tlsFiles() -> [Int64] {
         (try? checkedValues()).map { HTTPClients.stamp($0.network) } ?? []
     }
+
+    /// The settings' plain values (everything but `auth` and `encryption`), each checked, in the order
+    /// ``resolve()`` checks them: the first bad one is named.
 
     package struct CheckedValues: Sendable {
         package var server: URL
@@ -853,8 +856,11 @@ public struct DataQueueSettings: Sendable, Decodable {
         batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
         readyMaxAgeSeconds = try SettingsKeys.value(container, .readyMaxAgeSeconds, "must be a number of seconds")
         logFormat = try SettingsKeys.value(container, .logFormat, "must be \"text\" or \"json\"")
-        if let logFormat, !["text", "json"].contains(logFormat) {
-            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.logFormat], "must be \"text\" or \"json\"")
+        if let format = logFormat {
+            guard ["text", "json"].contains(format.lowercased()) else {
+                throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.logFormat], "must be \"text\" or \"json\"")
+            }
+            logFormat = format.lowercased()
         }
         logLevel = try SettingsKeys.value(container, .logLevel, "must be one of \(Self.logLevels)")
         if let level = logLevel {

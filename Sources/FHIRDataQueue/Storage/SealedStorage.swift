@@ -201,6 +201,7 @@ final class SealedStorage: QueueStorage {
                 total += try await inner.replaceSealed(replacements)
                 progress(total)
             }
+            Heartbeat.beat()
         }
         return total
     }
@@ -217,6 +218,7 @@ final class SealedStorage: QueueStorage {
             // None changed would mean the store cannot change them: never loop on that.
             guard changed > 0 else { return total }
             total += changed
+            Heartbeat.beat()
         }
     }
 
@@ -363,17 +365,25 @@ final class SealedStorage: QueueStorage {
     func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
         let batch = try await inner.pendingBatch(queue: queue, after: after, maxCount: maxCount, maxBytes: maxBytes)
         guard let sealer = try await sealerIfSealed() else { return batch }
-        // A key this process does not hold is its configuration's fault, not the row's: another process sealed
-        // under a key rotated in after this one read its settings (dq run until its SIGHUP), or an old key left
-        // the list too early. Nothing is sent or parked; the flush stops until the key is configured.
-        if let stored = batch.first(where: { Sealer.keyID(ofBody: $0.body).map { !sealer.holds($0) } ?? false }),
-            let id = Sealer.keyID(ofBody: stored.body)
-        {
-            throw DataQueueError(
-                .invalidConfiguration,
-                "configuration: item #\(stored.info.sequence) is sealed at rest under key \(id), which is not configured; "
-                    + "nothing was sent or changed (set \"at_rest.key_file\" or \"at_rest.old_key_files\" to it; dq run takes "
-                    + "it on SIGHUP)")
+        // A key this process does not hold, but the queue knows (a process that sealed under it registered it), is
+        // this process's configuration lagging, not the row's fault: a key rotated in after it read its settings
+        // (dq run until its SIGHUP), or an old key that left the list too early. Nothing from that item on is sent
+        // or parked: the items before it go, and the flush then stops until the key is configured. An id the queue
+        // never knew is a damaged row, parked as any seal that does not open.
+        let unknown = batch.indices.filter { Sealer.keyID(ofBody: batch[$0].body).map { !sealer.holds($0) } ?? false }
+        if !unknown.isEmpty {
+            let known = Set(try await inner.sealKeys().map(\.id))
+            if let lagging = unknown.first(where: { known.contains(Sealer.keyID(ofBody: batch[$0].body) ?? "") }) {
+                guard lagging == batch.startIndex else {
+                    return batch[..<lagging].map { Self.open($0, sealer, keyIDs: []) }
+                }
+                let stored = batch[lagging]
+                throw DataQueueError(
+                    .invalidConfiguration,
+                    "configuration: item #\(stored.info.sequence) is sealed at rest under key \(Sealer.keyID(ofBody: stored.body) ?? "?"), "
+                        + "which is not configured; nothing was sent or changed (set \"at_rest.key_file\" or "
+                        + "\"at_rest.old_key_files\" to it; dq run takes it on SIGHUP)")
+            }
         }
         return batch.map { Self.open($0, sealer, keyIDs: []) }
     }

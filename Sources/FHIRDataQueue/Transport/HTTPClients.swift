@@ -20,6 +20,8 @@ final class HTTPClients: Sendable {
     private let connectTimeout: TimeAmount
     private let idleLimit: TimeAmount
     private let clients = Mutex<[String: HTTPClient]>([:])
+    /// Set once the set's TLS files changed on disk (see ``shared(for:connectTimeout:idleLimit:)``).
+    private let retired = Mutex(false)
     /// The longest request deadline of any user of these clients: a retired client is shut down only after it.
     private let longestTimeout = Mutex<TimeAmount>(.seconds(30))
 
@@ -135,6 +137,12 @@ final class HTTPClients: Sendable {
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a proxy URL dq cannot use.
     func client(for url: URL) throws -> HTTPClient {
+        // A set retired for changed TLS files makes no client of its own any more (it would hold the old files'
+        // setup, and nothing would shut it down): its holders (a round still draining, an OAuth2 client) get the
+        // current set's.
+        if retired.withLock({ $0 }) {
+            return try Self.shared(for: network, connectTimeout: connectTimeout, idleLimit: idleLimit).client(for: url)
+        }
         let proxy = network.proxy(for: url)
         let key = proxy ?? ""
         if let found = clients.withLock({ $0[key] }) { return found }
@@ -147,12 +155,17 @@ final class HTTPClients: Sendable {
         configuration.connectionPool.idleTimeout = idleLimit
         configuration.decompression = .enabled(limit: .ratio(100))
         if let proxy { configuration.proxy = try Self.proxy(proxy) }
-        return clients.withLock { clients in
+        let made = clients.withLock { clients -> HTTPClient? in
             if let found = clients[key] { return found }
+            // Retired meanwhile: retireAll sets the flag before it collects the clients, so one added now is never
+            // left behind unretired.
+            guard !retired.withLock({ $0 }) else { return nil }
             let made = HTTPClient(eventLoopGroup: eventLoop, configuration: configuration)
             clients[key] = made
             return made
         }
+        if let made { return made }
+        return try Self.shared(for: network, connectTimeout: connectTimeout, idleLimit: idleLimit).client(for: url)
     }
 
     /// Notes a user's request deadline (see ``retire(_:)``).
@@ -173,8 +186,10 @@ final class HTTPClients: Sendable {
         eventLoop.scheduleTask(in: after) { client.shutdown { _ in } }
     }
 
-    /// Retires every client of this set (see ``retire(_:)``): its TLS files changed.
+    /// Retires every client of this set (see ``retire(_:)``): its TLS files changed. Later requests through this
+    /// set go to the current one.
     private func retireAll() {
+        retired.withLock { $0 = true }
         for client in clients.withLock({ Array($0.values) }) { retire(client) }
     }
 
