@@ -10,12 +10,17 @@ BENCH_APT := apache2-utils
 all: build
 
 # System packages: installed when missing (needs root, as on CI); otherwise names what to install.
-deps:
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# Installs the Debian packages of $(1) that are missing (as root; else it says which to install).
+define apt_install
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "install:$$missing (sudo apt-get install$$missing)"; exit 1; fi; \
 	fi
+endef
+
+deps:
+	$(call apt_install,$(APT_PACKAGES))
 
 build: deps
 	$(SWIFT) build --build-tests
@@ -130,7 +135,12 @@ unit: build
 	$(SWIFT) test --skip-build --filter FHIRDataQueueTests
 
 # Builds only the dq binary (not the test targets, which are most of a clean build's time).
-demo: deps peers
+# The demo needs only dq and sekmet-fhir: not the other servers the tests start (PostgreSQL, squid, nginx,
+# Canaille).
+DEMO_APT := libsqlite3-dev libssl-dev curl python3-venv
+demo:
+	$(call apt_install,$(DEMO_APT))
+	scripts/peers.sh install-fhir
 	$(SWIFT) build --product dq
 	scripts/demo.sh
 

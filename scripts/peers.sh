@@ -15,7 +15,8 @@ PY="${PYTHON:-python3}"
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 
-install() {
+# sekmet-fhir and the Python checks of the tests (all that `make demo` needs).
+install_fhir() {
   mkdir -p "$peers"
   if [ ! -f "$venv/.installed-v5" ]; then
     "$PY" -m venv "$venv"
@@ -23,6 +24,10 @@ install() {
       "fhirkit-rs==0.1.0" "prometheus_client==0.21.1"
     touch "$venv/.installed-v5"
   fi
+}
+
+install() {
+  install_fhir
   # Canaille (OAuth2 with RFC 7591 registration) in its own venv: its Flask stack is not sekmet's.
   if [ ! -f "$peers/canaille/.installed-v1" ]; then
     "$PY" -m venv "$peers/canaille"
@@ -68,6 +73,7 @@ bench() {
 
 case "${1:-}" in
   install) install ;;
+  install-fhir) install_fhir ;;
   bench) bench ;;
   fhir)
     dir="$2"; port="$3"
@@ -114,5 +120,5 @@ case "${1:-}" in
       echo "peers: stopped PostgreSQL"
     fi
     ;;
-  *) echo "usage: $0 install|bench|start|stop|fhir DIR PORT" >&2; exit 64 ;;
+  *) echo "usage: $0 install|install-fhir|bench|start|stop|fhir DIR PORT" >&2; exit 64 ;;
 esac
