@@ -276,9 +276,11 @@ struct TransportTests {
             "\(mismatch?.message ?? "")")
         try await trusting.shutdown()
 
-        // A TCP server that reads the ClientHello and never answers it.
+        // A TCP server that reads the ClientHello and never answers it. The timeout is what ends the exchange here;
+        // it is long enough for the connection itself to be made on a loaded machine (a second was not, under
+        // ThreadSanitizer: the deadline passed before the connect, and nothing reached the server).
         let silent = try await RawServer { _, _ in ("", false) }
-        let waiting = try FHIRTransport(timeout: 1, connectTimeout: 5, network: trust(here.cert))
+        let waiting = try FHIRTransport(timeout: 10, connectTimeout: 10, network: trust(here.cert))
         let stalled = await #expect(throws: TransportFailure.self) {
             try await waiting.send(request("https://127.0.0.1:\(silent.port)/fhir/Observation"), authorization: nil, logger: logger)
         }
