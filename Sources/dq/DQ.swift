@@ -202,14 +202,14 @@ enum StandardError {
 
 var standardErrorIsTerminal: Bool { isatty(2) == 1 }
 
-/// The log level: `-v` is debug; else `DQ_LOG_LEVEL` (trace, debug, info, notice, warning, error, critical);
-/// else warning.
-func logLevel(verbose: Bool) -> Logger.Level {
-    if verbose { return .debug }
-    if let text = ProcessInfo.processInfo.environment["DQ_LOG_LEVEL"], let level = Logger.Level(rawValue: text.lowercased()) {
-        return level
-    }
-    return .warning
+/// Sets up the log once the settings are read: the level (`-v` is debug, else `log_level` or `DQ_LOG_LEVEL`,
+/// else warning) and the format (`--log-format`, else `log_format` or `DQ_LOG_FORMAT`), for the logger's lines
+/// and dq's own.
+func bootstrapLogging(_ options: QueueOptions, _ settings: DataQueueSettings) throws {
+    let level = options.verbose ? .debug : settings.logLevel.flatMap(Logger.Level.init(rawValue:)) ?? .warning
+    let format = try DQLogHandler.Format.named(options.logFormat ?? settings.logFormat)
+    StandardError.format.withLock { $0 = format }
+    LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format) }
 }
 
 /// Opens the queue, runs `body`, shuts down, and turns errors into messages and exit codes.
@@ -259,10 +259,7 @@ func withQueue<T>(
         var loaded = try DataQueueSettings.load(options: options, sending: sending)
         try adjust(&loaded)
         settings = loaded
-        let level = options.verbose ? .debug : settings.logLevel.flatMap(Logger.Level.init(rawValue:)) ?? .warning
-        let format = try DQLogHandler.Format.named(options.logFormat ?? settings.logFormat)
-        StandardError.format.withLock { $0 = format }
-        LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format) }
+        try bootstrapLogging(options, settings)
         logger = Logger(label: "dq")
         warnAboutExposure(settings)
         queue = try await openQueue(settings, readOnly: readOnly, waitsForDatabase: waitsForDatabase, logger: logger)

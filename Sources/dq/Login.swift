@@ -139,12 +139,12 @@ extension DQ {
 /// Builds the sign-in client from the settings, runs `body`, and turns errors into messages and exit codes.
 /// The queue database is not opened.
 func withSignInClient(_ options: QueueOptions, _ body: (AuthorizationCodeClient, Logger) async throws -> Void) async throws {
-    let level = logLevel(verbose: options.verbose)
-    LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level) }
-    let logger = Logger(label: "dq")
+    let logger: Logger
     let client: AuthorizationCodeClient
     do {
         let settings = try DataQueueSettings.load(options: options)
+        try bootstrapLogging(options, settings)
+        logger = Logger(label: "dq")
         warnAboutExposure(settings)
         guard let found = try settings.resolve().authorization as? AuthorizationCodeClient else {
             throw DataQueueError(

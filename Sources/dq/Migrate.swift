@@ -19,11 +19,10 @@ extension DQ {
         @Flag(help: "Print the counts as JSON.") var json = false
 
         func run() async throws {
-            let level = logLevel(verbose: queueOptions.verbose)
-            LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level) }
-            let logger = Logger(label: "dq")
             do {
                 let settings = try DataQueueSettings.load(options: queueOptions)
+                try bootstrapLogging(queueOptions, settings)
+                let logger = Logger(label: "dq")
                 warnAboutCommandLineSecrets(database: to, proxy: nil, flag: "--to")
                 let source = settings.database ?? DataQueue.defaultDatabasePath()
                 let display = TerminalProgress("moved", enabled: !json)

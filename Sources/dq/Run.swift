@@ -229,7 +229,10 @@ struct ReloadOnHangup: Service {
                     return false
                 }
                 // A key or certificate rotated at its path: the queue just made has new HTTP clients that read it.
-                let changed = Self.changes(current, settings) + (settings.tlsFiles() != currentTLSFiles ? ["tls files"] : [])
+                // The log is set up once per process: its level and format change at the next start.
+                let changed =
+                    Self.changes(current, settings).map { ["log_level", "log_format"].contains($0) ? $0 + " (at the next start)" : $0 }
+                    + (settings.tlsFiles() != currentTLSFiles ? ["tls files"] : [])
                 logger.notice(
                     "configuration reloaded; delivery restarts with it",
                     metadata: ["changed": "\(changed.isEmpty ? "nothing" : changed.joined(separator: ","))"])

@@ -127,6 +127,19 @@ struct PostgresConnectionTests {
             let exposed = try await dq(["status"], environment(url))
             #expect(exposed.status == 78 && exposed.stderr.contains("can be read by others"), "\(exposed.stderr)")
             chmod(server.client.key, 0o600)
+
+            // libpq's default files in ~/.postgresql: root.crt is the CA verify-full checks against (not the system's
+            // CAs), postgresql.crt and .key the client certificate. Last: with them in place every TLS login above
+            // would present the certificate.
+            let defaults = work.file(".postgresql")
+            try FileManager.default.createDirectory(atPath: defaults, withIntermediateDirectories: true)
+            for (from, to) in [(server.ca, "root.crt"), (server.client.cert, "postgresql.crt"), (server.client.key, "postgresql.key")] {
+                try FileManager.default.copyItem(atPath: from, toPath: defaults + "/" + to)
+                chmod(defaults + "/" + to, 0o600)
+            }
+            let byDefaults = try await dq(["status", "--json"], environment(base + "?sslmode=verify-full"))
+            #expect(pending(byDefaults) == 1, "\(byDefaults.stdout)\(byDefaults.stderr)")
+            try FileManager.default.removeItem(atPath: defaults)
         } catch {
             await server.stop()
             throw error

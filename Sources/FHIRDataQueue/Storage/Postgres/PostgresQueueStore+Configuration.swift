@@ -71,7 +71,12 @@ extension PostgresQueueStore {
             throw DataQueueError(.invalidConfiguration, "database URL prepared_statements \"\(other)\" is not on or off")
         }
         var tls = TLSConfiguration.makeClientConfiguration()
-        if let root = options["sslrootcert"] ?? environment["PGSSLROOTCERT"] {
+        // libpq's CA file: sslrootcert, else PGSSLROOTCERT, else ~/.postgresql/root.crt when it exists (then, as
+        // with libpq, sslmode=require checks the server's certificate against it too).
+        let defaultRoot = nonEmpty(environment["HOME"]).map { $0 + "/.postgresql/root.crt" }
+            .flatMap { FileManager.default.isReadableFile(atPath: $0) ? $0 : nil }
+        let rootCertificate = options["sslrootcert"] ?? environment["PGSSLROOTCERT"] ?? defaultRoot
+        if let root = rootCertificate {
             guard FileManager.default.isReadableFile(atPath: root) else {
                 throw DataQueueError(.invalidConfiguration, "database URL sslrootcert \(root) cannot be read")
             }
@@ -94,7 +99,7 @@ extension PostgresQueueStore {
             mode = .prefer(tls)
             required = false
         case "require":
-            tls.certificateVerification = (options["sslrootcert"] ?? environment["PGSSLROOTCERT"]) == nil ? .none : .noHostnameVerification
+            tls.certificateVerification = rootCertificate == nil ? .none : .noHostnameVerification
             mode = .require(tls)
             required = true
         case "verify-ca":
