@@ -67,9 +67,9 @@ struct NetworkConfigurationTests {
 
     @Test("ca_bundle adds to the system's CAs; ca_bundle_only trusts the bundle alone; TLS 1.2 at least")
     func trustRoots() async throws {
-        let work = FileManager.default.temporaryDirectory.appendingPathComponent("dq-trust-\(UUID().uuidString)").path
-        try FileManager.default.createDirectory(atPath: work, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(atPath: work) }
+        let scratch = try Scratch("dq-trust")
+        defer { withExtendedLifetime(scratch) {} }  // the folder stays until the test ends
+        let work = scratch.url.path
         let bundle = work + "/ca.pem"
         let made = try await runToExit(
             "/usr/bin/openssl",

@@ -252,9 +252,9 @@ struct TransportTests {
     /// nothing, and saying so lets the next flush go on at once instead of waiting for a request to settle.
     @Test("TLS that never completes sends nothing: a name mismatch, a stalled handshake, an unreadable CA bundle")
     func tlsNotSent() async throws {
-        let work = FileManager.default.temporaryDirectory.appendingPathComponent("dq-tls-\(UUID().uuidString)").path
-        try FileManager.default.createDirectory(atPath: work, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(atPath: work) }
+        let scratch = try Scratch("dq-tls")
+        defer { withExtendedLifetime(scratch) {} }  // the folder stays until the test ends
+        let work = scratch.url.path
         // Two self-signed certificates (openssl's): one naming another host, one naming 127.0.0.1. Each is the
         // CA bundle of its transport, so that only the name can be wrong.
         let elsewhere = try await makeCertificate(in: work, name: "elsewhere", subjectAltName: "DNS:elsewhere.example")
@@ -338,9 +338,9 @@ struct TransportTests {
     /// dq asks for TLS 1.2 at least: a server that can speak TLS 1.1 only is refused before any request.
     @Test("A server that offers only TLS 1.1 is refused in the handshake; nothing is sent")
     func tls12AtLeast() async throws {
-        let work = FileManager.default.temporaryDirectory.appendingPathComponent("dq-tls11-\(UUID().uuidString)").path
-        try FileManager.default.createDirectory(atPath: work, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(atPath: work) }
+        let scratch = try Scratch("dq-tls11")
+        defer { withExtendedLifetime(scratch) {} }  // the folder stays until the test ends
+        let work = scratch.url.path
         let here = try await makeCertificate(in: work, name: "here", subjectAltName: "IP:127.0.0.1")
         let (server, port) = try await startOpenSSLServer(here, extra: ["-tls1_1", "-cipher", "DEFAULT@SECLEVEL=0"])
         defer { server.terminate() }

@@ -177,14 +177,20 @@ struct NetworkTests {
             .merging(extra) { $1 }
     }
 
-    @Test("A server only the proxy can resolve is reached through it (flush and token); NO_PROXY sends a host around it")
-    func throughTheProxy() async throws {
+    /// sekmet-fhir started with SMART backend services: client `c1` with secret `s1` gets tokens at `/auth/token`.
+    static func smartServer() async throws -> FHIRServer {
         let reader = "reader-\(UUID().uuidString)"
         let server = try FHIRServer(
             auth:
                 "  types: [bearer, smart]\n  tokens: [\(reader)]\n  token_lifetime: 300\n  smart_clients:\n    - {client_id: c1, client_secret: s1, scopes: 'system/*.cruds'}",
             readerToken: reader)
         try await server.start()
+        return server
+    }
+
+    @Test("A server only the proxy can resolve is reached through it (flush and token); NO_PROXY sends a host around it")
+    func throughTheProxy() async throws {
+        let server = try await Self.smartServer()
         let squid = try await Squid(in: work)
         let hidden = "http://fhir.invalid:\(server.port)/fhir"
         let config = try work.write(
@@ -229,12 +235,7 @@ struct NetworkTests {
     /// `fhir.invalid`, for the token as for the flush.
     @Test("A caller's own HTTPClient makes the token request and the flush (its proxy alone reaches the server)")
     func callersClient() async throws {
-        let reader = "reader-\(UUID().uuidString)"
-        let server = try FHIRServer(
-            auth:
-                "  types: [bearer, smart]\n  tokens: [\(reader)]\n  token_lifetime: 300\n  smart_clients:\n    - {client_id: c1, client_secret: s1, scopes: 'system/*.cruds'}",
-            readerToken: reader)
-        try await server.start()
+        let server = try await Self.smartServer()
         let squid = try await Squid(in: work)
         let client = HTTPClient(
             eventLoopGroupProvider: .singleton,
