@@ -137,12 +137,6 @@ final class HTTPClients: Sendable {
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a proxy URL dq cannot use.
     func client(for url: URL) throws -> HTTPClient {
-        // A set retired for changed TLS files makes no client of its own any more (it would hold the old files'
-        // setup, and nothing would shut it down): its holders (a round still draining, an OAuth2 client) get the
-        // current set's.
-        if retired.withLock({ $0 }) {
-            return try Self.shared(for: network, connectTimeout: connectTimeout, idleLimit: idleLimit).client(for: url)
-        }
         let proxy = network.proxy(for: url)
         let key = proxy ?? ""
         if let found = clients.withLock({ $0[key] }) { return found }
@@ -155,17 +149,18 @@ final class HTTPClients: Sendable {
         configuration.connectionPool.idleTimeout = idleLimit
         configuration.decompression = .enabled(limit: .ratio(100))
         if let proxy { configuration.proxy = try Self.proxy(proxy) }
-        let made = clients.withLock { clients -> HTTPClient? in
-            if let found = clients[key] { return found }
-            // Retired meanwhile: retireAll sets the flag before it collects the clients, so one added now is never
-            // left behind unretired.
-            guard !retired.withLock({ $0 }) else { return nil }
+        let (client, kept) = clients.withLock { clients -> (HTTPClient, Bool) in
+            if let found = clients[key] { return (found, true) }
             let made = HTTPClient(eventLoopGroup: eventLoop, configuration: configuration)
+            // A set retired for changed TLS files (its holder, a round still draining, sends on its own event loop)
+            // keeps no client: this one serves the request and is shut down after the longest deadline, as a
+            // retired one is. retireAll sets the flag before it collects the clients, so none is left running.
+            guard !retired.withLock({ $0 }) else { return (made, false) }
             clients[key] = made
-            return made
+            return (made, true)
         }
-        if let made { return made }
-        return try Self.shared(for: network, connectTimeout: connectTimeout, idleLimit: idleLimit).client(for: url)
+        if !kept { shutDownLater(client) }
+        return client
     }
 
     /// Notes a user's request deadline (see ``retire(_:)``).
@@ -182,12 +177,17 @@ final class HTTPClients: Sendable {
             return true
         }
         guard removed else { return }
+        shutDownLater(client)
+    }
+
+    /// Shuts `client` down once the requests already on it have passed their deadlines (the longest noted).
+    private func shutDownLater(_ client: HTTPClient) {
         let after = longestTimeout.withLock { $0 } + .seconds(5)
         eventLoop.scheduleTask(in: after) { client.shutdown { _ in } }
     }
 
-    /// Retires every client of this set (see ``retire(_:)``): its TLS files changed. Later requests through this
-    /// set go to the current one.
+    /// Retires every client of this set (see ``retire(_:)``): its TLS files changed. A request through this set
+    /// later (a round still draining) gets a client of its own, shut down after it.
     private func retireAll() {
         retired.withLock { $0 = true }
         for client in clients.withLock({ Array($0.values) }) { retire(client) }
