@@ -222,32 +222,40 @@ public struct DataQueueService: Service {
         // Enqueues by other processes into a shared store (PostgreSQL's LISTEN/NOTIFY) wake their queue at
         // once; the poll interval stays the fallback.
         let queues = self.queues
-        let listeners = Task {
-            await withTaskGroup(of: Void.self) { group in
-                for queue in queues {
-                    group.addTask {
-                        await queue.store.watchEnqueues { name in
-                            if name.isEmpty || name == queue.queueName { queue.wakeUp.signal() }
-                        }
+        // One group holds every queue's delivery loop and listener: they end with the service. A queue whose
+        // database was deleted or replaced under it ends the service with that error (dq run exits 74 and systemd
+        // starts it again on the file there now).
+        let failure = await withTaskGroup(of: LoopEnd.self) { group -> (any Error)? in
+            for queue in queues {
+                group.addTask { .delivery(await self.deliver(queue)) }
+                group.addTask {
+                    await queue.store.watchEnqueues { name in
+                        if name.isEmpty || name == queue.queueName { queue.wakeUp.signal() }
                     }
+                    return .listener
                 }
             }
-        }
-        // A queue whose database was deleted or replaced under it ends the service with that error (dq run
-        // exits 74 and systemd starts it again on the file there now).
-        let failure = await withTaskGroup(of: (any Error)?.self) { group -> (any Error)? in
-            for queue in queues {
-                group.addTask { await self.deliver(queue) }
-            }
-            for await case let error? in group {
-                group.cancelAll()
-                return error
+            var delivering = queues.count
+            for await end in group {
+                // A listener ends early where the store has nothing to listen to (SQLite).
+                guard case .delivery(let error) = end else { continue }
+                delivering -= 1
+                if error != nil || delivering == 0 {
+                    group.cancelAll()
+                    return error
+                }
             }
             return nil
         }
-        listeners.cancel()
-        await listeners.value
         if let failure { throw failure }
+    }
+
+    /// How a task of ``run()``'s group ended.
+    private enum LoopEnd: Sendable {
+        /// A delivery loop, with the error that ended the service, if one did.
+        case delivery((any Error)?)
+        /// An enqueue listener.
+        case listener
     }
 
     /// The loop of one queue: flush, then wait for an enqueue, the poll interval or shutdown.
@@ -384,7 +392,9 @@ public struct DataQueueService: Service {
     /// cancellation not at all; a request left behind stays queued, and the next flush lets it settle first.
     private func flushDraining(_ queue: DataQueue) async -> Result<FlushReport, any Error>? {
         let progress: @Sendable (FlushProgress) -> Void = { [self] _ in beat(queue) }
-        // Each request and each long step of the flush beats too (see Heartbeat).
+        // Each request and each long step of the flush beats too (see Heartbeat). The flush is an unstructured
+        // task because graceful shutdown may leave it behind after the drain timeout (a request on the wire may
+        // take the whole request timeout), which a child task cannot be: its group would wait for it.
         let flush = Heartbeat.$current.withValue({ [self] in beat(queue) }) {
             Task { () -> Result<FlushReport, any Error> in
                 do {
