@@ -47,7 +47,7 @@ extension DQ {
                 let database = settings.database ?? DataQueue.defaultDatabasePath()
                 let statuses: [QueueStatus]
                 do {
-                    statuses = try await DataQueue.allQueueStatuses(databasePath: database)
+                    statuses = try await QueueAdministration.allQueueStatuses(databasePath: database)
                 } catch let error as DataQueueError {
                     printError("dq: \(error.message)")
                     throw ExitCode(Exit.code(for: error))
@@ -184,7 +184,7 @@ extension DQ {
             if !json { printRoutes(routes) }
             let problems: [String]
             do {
-                problems = try await DataQueue.integrityCheck(databasePath: database)
+                problems = try await QueueAdministration.integrityCheck(databasePath: database)
             } catch let error as DataQueueError {
                 printError("dq: \(error.message)")
                 throw ExitCode(Exit.code(for: error))
@@ -192,12 +192,12 @@ extension DQ {
             if json {
                 try printJSON(
                     Report(
-                        database: DataQueue.displayDatabase(database), ok: problems == ["ok"],
+                        database: QueueAdministration.displayDatabase(database), ok: problems == ["ok"],
                         problems: problems == ["ok"] ? [] : Array(problems.prefix(20)),
                         routes: routes.map { Report.Route(endpoint: $0.name, url: $0.url, route: $0.route) }))
             }
             if problems == ["ok"] {
-                if !json { print("\(DataQueue.displayDatabase(database)): ok") }
+                if !json { print("\(QueueAdministration.displayDatabase(database)): ok") }
                 return
             }
             for problem in problems.prefix(20) { printError("dq: \(problem)") }
@@ -205,7 +205,7 @@ extension DQ {
                 printError("dq: fix or delete the rows named above with psql (the queue's tables are dq_item and dq_delivery)")
                 throw ExitCode(Exit.ioError)
             }
-            guard DataQueue.schemaIsReadable(databasePath: database) else {
+            guard QueueAdministration.schemaIsReadable(databasePath: database) else {
                 printError(
                     """
                     dq: the file's schema (its first page) is unreadable: SQLite cannot name its tables, so no SQLite tool
@@ -494,7 +494,7 @@ extension DQ.Status {
         let found: QueueStatus?
         do {
             let values = try DataQueueSettings.load(options: queueOptions).checkedValues()
-            let statuses = try await DataQueue.allQueueStatuses(databasePath: values.database ?? DataQueue.defaultDatabasePath())
+            let statuses = try await QueueAdministration.allQueueStatuses(databasePath: values.database ?? DataQueue.defaultDatabasePath())
             found = statuses.first { $0.queue == values.queueName }
         } catch {
             print(DQ.CheckLine.line(3, (error as? DataQueueError)?.message ?? "\(error)"))

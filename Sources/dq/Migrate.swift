@@ -26,7 +26,7 @@ extension DQ {
                 warnAboutCommandLineSecrets(database: to, proxy: nil, flag: "--to")
                 let source = settings.database ?? DataQueue.defaultDatabasePath()
                 let display = TerminalProgress("moved", enabled: !json)
-                let report = try await DataQueue.migrate(from: source, to: settings.withDatabasePassword(to), logger: logger) {
+                let report = try await QueueAdministration.migrate(from: source, to: settings.withDatabasePassword(to), logger: logger) {
                     moved, total in
                     display?.update(moved, of: total)
                 }
@@ -36,7 +36,7 @@ extension DQ {
                 } else {
                     print(
                         "moved \(report.items) item(s) (\(report.pending) pending, \(report.parked) parked) and "
-                            + "\(report.journalLines) journal line(s) from \(source) to \(DataQueue.displayDatabase(to))")
+                            + "\(report.journalLines) journal line(s) from \(source) to \(QueueAdministration.displayDatabase(to))")
                     if report.alreadyThere > 0 {
                         print("\(report.alreadyThere) item(s) were there already (an earlier run) and were not added again")
                     }

@@ -65,9 +65,9 @@ struct TransportDecisionTests {
 
     @Test("Location headers give id and version")
     func location() {
-        let (id, version) = DataQueue.parseLocation("http://h/fhir/Patient/abc/_history/3")
+        let (id, version) = Delivery.parseLocation("http://h/fhir/Patient/abc/_history/3")
         #expect(id == "abc" && version == "3")
-        let (plainID, noVersion) = DataQueue.parseLocation("http://h/fhir/Patient/abc")
+        let (plainID, noVersion) = Delivery.parseLocation("http://h/fhir/Patient/abc")
         #expect(plainID == "abc" && noVersion == nil)
     }
 

@@ -1,4 +1,5 @@
 import Foundation
+import Logging
 import PostgresNIO
 
 extension DataQueue {
@@ -23,6 +24,22 @@ extension DataQueue {
         /// The storage a `database` setting names: a `postgres://` (or `postgresql://`) URL, else a SQLite path.
         public init(_ database: String) {
             self = QueuePaths.isPostgresURL(database) ? .postgresURL(database) : .sqlite(path: database)
+        }
+
+        /// Opens the store this names (not yet sealed or unsealed: see ``SealedStorage``).
+        func open(durability: Durability, readOnly: Bool, leaseDuration: TimeInterval = 30, logger: Logger?) throws
+            -> any QueueStorage
+        {
+            let logger = logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
+            switch self {
+            case .sqlite(let path):
+                return try SQLiteQueueStore(path: path, durability: durability, readOnly: readOnly)
+            case .postgresURL(let url):
+                return try PostgresQueueStore(url: url, readOnly: readOnly, leaseSeconds: leaseDuration, logger: logger)
+            case .postgres(let client, let preparedStatements):
+                return PostgresQueueStore(
+                    client: client, preparedStatements: preparedStatements, readOnly: readOnly, leaseSeconds: leaseDuration, logger: logger)
+            }
         }
 
         /// The path or URL (empty for a host's client).

@@ -83,10 +83,8 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     let wakeUp = WakeUp()
     /// The queue's metrics (swift-metrics; free when no backend is bootstrapped).
     let metrics: QueueMetrics
-    /// Deliveries the server accepted whose journal write failed (a full disk, a file that stopped taking
-    /// writes): the next flush in this process writes them before it sends anything, so that an item the server
-    /// has is not sent again while the database refuses writes.
-    let unrecordedDeliveries = Mutex<[CompletedDelivery]>([])
+    /// Deliveries the server accepted whose journal write failed, written by the next flush of this process.
+    let heldDeliveries = HeldDeliveries()
 
     /// Opens the queue for `baseURL`, creating the database if needed.
     ///
@@ -118,8 +116,8 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         self.metrics = QueueMetrics(destination: queueName)
         // Opening may wait for another process's lock and migrate the schema: on a thread of its own.
         let opened = try await OwnThread.run("dq-open") {
-            try Self.makeStore(
-                configuration.storage, durability: configuration.durability, readOnly: configuration.readOnly,
+            try configuration.storage.open(
+                durability: configuration.durability, readOnly: configuration.readOnly,
                 leaseDuration: configuration.leaseDuration, logger: logger)
         }
         do {
@@ -140,7 +138,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     /// Releases what the queue owns: its HTTP client (unless the caller passed one) and the authorization
     /// provider's resources. Call once, when done with the queue.
     public func shutdown() async throws {
-        let held = unrecordedDeliveries.withLock { $0 }
+        let held = heldDeliveries.all
         if !held.isEmpty {
             logger.error(
                 "stopping with deliveries the server accepted but the journal could not record: the next flush sends them again",
@@ -213,14 +211,25 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     /// - Throws: ``DataQueueError`` with `.storage` when the stored path is not one dq writes (an edited or
     ///   damaged row): such an item is never sent.
     package func requestURL(for item: QueuedItem) throws -> String {
-        guard Self.isValidPath(item.url, method: item.method, encrypted: item.encrypted) else {
-            throw DataQueueError(
-                .storage,
-                "item row \(item.sequence) of the queue database is damaged (its request path is not one dq writes); "
-                    + "it is not sent: inspect it with sqlite3, then fix or drop it")
-        }
-        let base = try endpoint(encrypted: item.encrypted)
-        return item.url.isEmpty ? base : base + "/" + item.url
+        try endpoints().url(for: item)
+    }
+
+    /// This queue's endpoints, as ``endpoint(encrypted:)`` names them.
+    func endpoints() -> Endpoints {
+        Endpoints(
+            plain: (try? endpoint(encrypted: false)) ?? queueName,
+            encrypted: Result { try endpoint(encrypted: true) }.mapError {
+                $0 as? DataQueueError ?? DataQueueError(.invalidConfiguration, "\($0)")
+            })
+    }
+
+    /// What a flush of this queue works with.
+    func flushContext() -> FlushContext {
+        FlushContext(
+            queueName: queueName, configuration: configuration, store: store,
+            delivery: Delivery(
+                transport: transport, authorization: authorization, idempotent: configuration.idempotent, logger: logger),
+            endpoints: endpoints(), logger: logger, metrics: metrics, heldDeliveries: heldDeliveries, hooks: hooks)
     }
 
     /// The paths dq stores: `Type` (create), `Type/id` (update), empty (a Bundle to the base).
@@ -469,7 +478,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         }
 
         let flusher = Flusher(
-            queue: self, lock: lock, limit: limit, through: through, tracking: tracking, progress: progress)
+            context: flushContext(), lock: lock, limit: limit, through: through, tracking: tracking, progress: progress)
         try await flusher.run()
         report = flusher.report
         try await fillCounts(&report)
@@ -481,437 +490,5 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         metrics.update(from: status)
         report.remaining = status.pending
         report.parkedTotal = status.parked
-    }
-
-    enum DeliveryResult {
-        /// Accepted; `conditional` when it was sent as a conditional create.
-        case delivered(TransportResponse, conditional: Bool)
-        case rejected(status: Int?, message: String, outcome: String?)
-        /// `mayHaveArrived` is false only when the request certainly never reached the server.
-        case transient(status: Int?, message: String, retryAfter: TimeInterval?, mayHaveArrived: Bool)
-        case authentication(status: Int?, message: String)
-    }
-
-    /// The request that sends a stored item now: idempotent mode's condition is added here, so the setting
-    /// of this flush (and the item's own override) applies.
-    func outgoingRequest(for item: StoredItem, url: String) throws -> OutgoingRequest {
-        var body = item.body
-        var ifNoneExist: String?
-        if configuration.idempotent && item.conditionalCreate && item.info.method == .post && !item.info.encrypted {
-            (body, ifNoneExist) = try ConditionalCreate.prepare(body, itemID: item.info.id, isBundle: item.info.url.isEmpty)
-        }
-        return OutgoingRequest(
-            method: item.info.method, url: url, contentType: item.contentType, ifNoneExist: ifNoneExist, body: body)
-    }
-
-    /// Sends one request, with one fresh credential and one retry after a 401/403, and classifies the answer.
-    func deliver(_ request: OutgoingRequest, encrypted: Bool) async -> DeliveryResult {
-        var refused: String?
-        while true {
-            Heartbeat.beat()
-            let header: String?
-            do {
-                if let refused {
-                    header = try await authorization?.authorizationHeader(replacing: refused, logger: logger)
-                } else {
-                    header = try await authorization?.authorizationHeader(forceRefresh: false, logger: logger)
-                }
-            } catch let error as DataQueueError where error.code == .authentication {
-                return .authentication(status: nil, message: error.message)
-            } catch let error as DataQueueError {
-                return .transient(status: nil, message: error.message, retryAfter: nil, mayHaveArrived: false)
-            } catch {
-                return .transient(status: nil, message: "cannot obtain a token", retryAfter: nil, mayHaveArrived: false)
-            }
-            let response: TransportResponse
-            Heartbeat.beat()
-            do {
-                response = try await transport.send(request, authorization: header, logger: logger)
-            } catch let failure as TransportFailure {
-                return .transient(
-                    status: nil, message: failure.message, retryAfter: nil, mayHaveArrived: failure.mayHaveArrived)
-            } catch {
-                return .transient(status: nil, message: "\(error)", retryAfter: nil, mayHaveArrived: true)
-            }
-            switch ResponseClassification.classify(
-                status: response.status, body: response.body, retryAfter: response.retryAfter,
-                envelope: encrypted, location: response.location ?? response.contentLocation)
-            {
-            case .success:
-                return .delivered(response, conditional: request.ifNoneExist != nil)
-            case .permanent(let message):
-                let outcome = response.body.isEmpty ? nil : String(decoding: response.body, as: UTF8.self)
-                return .rejected(status: response.status, message: message, outcome: outcome)
-            case .transient(let message, let retryAfter):
-                return .transient(status: response.status, message: message, retryAfter: retryAfter, mayHaveArrived: true)
-            case .authentication(let message):
-                // One retry with a fresh credential; the provider renews only if this header is still current.
-                if let header, refused == nil {
-                    refused = header
-                    continue
-                }
-                return .authentication(status: response.status, message: message)
-            }
-        }
-    }
-
-    /// Where the server stored a created or updated resource, and what said so: `Location`, else
-    /// `Content-Location`, else the answer's own resource (`id` and `meta.versionId`, when the server answers
-    /// with the representation and it is of `resourceType`), else, for an update, the id it was sent to.
-    struct ServerIdentity: Equatable {
-        var id: String?
-        var version: String?
-        /// A PHI-free note for the journal when the id did not come from `Location`.
-        var note: String?
-    }
-
-    static func serverIdentity(
-        location: String?, contentLocation: String?, etag: String?, answer: Data?, resourceType: String, method: FHIRMethod,
-        resourceID: String?
-    ) -> ServerIdentity {
-        let version = TransactionBundle.version(fromETag: etag)
-        for (header, note) in [(location, nil), (contentLocation, "server id from Content-Location (the answer had no Location)")] {
-            // `[base]/Type/id[/_history/vid]` of this resource's type: a header naming anything else (the type's
-            // endpoint, another resource) is not where this one was stored.
-            guard let header, let url = URL(string: header) else { continue }
-            let parts = url.path.split(separator: "/").map(String.init)
-            let history = parts.lastIndex(of: "_history")
-            let idIndex = history.map { $0 - 1 } ?? parts.count - 1
-            guard idIndex >= 1, parts[idIndex - 1] == resourceType, FHIRResource.isValidID(parts[idIndex]) else { continue }
-            let headerVersion = history.flatMap { $0 + 1 < parts.count ? parts[$0 + 1] : nil }
-            return ServerIdentity(id: parts[idIndex], version: headerVersion ?? version, note: note)
-        }
-        if let answer, !answer.isEmpty, let object = (try? JSONSerialization.jsonObject(with: answer)) as? [String: Any],
-            object["resourceType"] as? String == resourceType, let id = object["id"] as? String, FHIRResource.isValidID(id)
-        {
-            let bodyVersion = (object["meta"] as? [String: Any])?["versionId"] as? String
-            return ServerIdentity(
-                id: id, version: bodyVersion ?? version, note: "server id from the answer's resource (the answer had no Location)")
-        }
-        if method == .put, let resourceID { return ServerIdentity(id: resourceID, version: version, note: nil) }
-        return ServerIdentity(
-            id: nil, version: version,
-            note: "the server did not say where it stored it (no Location, Content-Location or resource id in its answer)")
-    }
-
-    /// Splits `[base]/[type]/[id]/_history/[vid]` into id and version id.
-    static func parseLocation(_ location: String?) -> (String?, String?) {
-        guard let location, let url = URL(string: location) else { return (nil, nil) }
-        let parts = url.path.split(separator: "/").map(String.init)
-        if let history = parts.lastIndex(of: "_history"), history >= 1 {
-            return (parts[history - 1], history + 1 < parts.count ? parts[history + 1] : nil)
-        }
-        return (parts.last, nil)
-    }
-
-    // MARK: - Operator views
-
-    /// Counts for this queue.
-    public func status() async throws -> QueueStatus {
-        let status = try await store.status(queue: queueName)
-        metrics.update(from: status)
-        return status
-    }
-
-    /// What dq last read of this queue's server from its CapabilityStatement (nil values: not read yet).
-    public func serverCapabilities() async throws -> ServerCapabilities {
-        let support = try await store.bundleSupport(queue: queueName)
-        return ServerCapabilities(
-            transactions: support.transactions, conditionalCreate: support.conditionalCreate.map { $0.sorted() },
-            readAt: support.checkedAt)
-    }
-
-    /// Items of this queue in order, optionally only those in `state`.
-    public func items(state: ItemState? = nil, limit: Int = 1000) async throws -> [QueuedItem] {
-        try await store.items(queue: queueName, state: state, limit: limit)
-    }
-
-    /// One item by UUID (or a unique prefix or suffix of at least 4 characters) or by sequence number, with its
-    /// body. Digits alone are tried both ways and throw when they name two different items; `#42` is sequence 42.
-    public func item(_ reference: String) async throws -> (QueuedItem, Data) {
-        let stored = try await store.item(reference)
-        if let reason = stored.unreadable {
-            // Sealed at rest: without its key a configuration error, with a seal that does not verify damage.
-            throw DataQueueError(reason.contains("at_rest.key_file") ? .invalidConfiguration : .damaged, reason)
-        }
-        return (stored.info, stored.body)
-    }
-
-    /// The state of an item, or nil when it is no longer queued (delivered or dropped: see the journal).
-    public func state(of id: UUID) async throws -> ItemState? {
-        do {
-            return try await store.item(id.lowercasedString).info.state
-        } catch let error as DataQueueError where error.code == .notFound {
-            return nil
-        }
-    }
-
-    /// Puts a parked item back in line (it keeps its place in the order).
-    ///
-    /// - Parameters:
-    ///   - reference: the item's UUID, a unique prefix or suffix of it, or its sequence number.
-    ///   - conditionalCreate: `false` sends the item as a plain create from now on, even in idempotent mode
-    ///     (for a server that refuses its `If-None-Exist`); `true` lets idempotent mode apply to it again. The
-    ///     default, nil, keeps the item's setting.
-    /// - Throws: `.notFound` when no parked item matches.
-    public func retry(_ reference: String, conditionalCreate: Bool? = nil) async throws -> QueuedItem {
-        let stored = try await store.item(reference)
-        guard try await store.retry(sequence: stored.info.sequence, conditionalCreate: conditionalCreate) else {
-            throw DataQueueError(.notFound, "item \(stored.info.id.lowercasedString) is not parked")
-        }
-        return stored.info
-    }
-
-    /// Records where the server stored a delivered item whose answer did not say (no `Location`,
-    /// `Content-Location` or resource id), so that the items referencing its `fullUrl` can be sent: retry them
-    /// after this.
-    ///
-    /// - Parameters:
-    ///   - reference: the delivered item's UUID, a unique prefix or suffix of it, or its sequence number.
-    ///   - location: `Type/id` or `Type/id/_history/version`, of the item's resource type.
-    /// - Returns: the journal line, updated.
-    /// - Throws: `.notFound` when no delivered item matches; `.invalidResource` when `location` is not of that form
-    ///   or type, or the journal already knows where the item is.
-    public func resolveLocation(of reference: String, at location: String) async throws -> DeliveryRecord {
-        guard let record = try await store.journalLine(reference), [.delivered, .alreadyPresent].contains(record.event) else {
-            throw DataQueueError(.notFound, "no delivered item matches \(reference)")
-        }
-        let parts = location.split(separator: "/", omittingEmptySubsequences: false).map(String.init)
-        guard parts.count == 2 || (parts.count == 4 && parts[2] == "_history" && FHIRResource.isValidID(parts[3])),
-            parts[0] == record.resourceType, FHIRResource.isValidID(parts[1])
-        else {
-            throw DataQueueError(
-                .invalidResource, "the location must be \(record.resourceType)/ID or \(record.resourceType)/ID/_history/VERSION")
-        }
-        if let known = record.serverID {
-            throw DataQueueError(
-                .invalidResource, "the journal already has item \(record.id.lowercasedString) at \(record.resourceType)/\(known)")
-        }
-        guard
-            try await store.resolveLocation(
-                itemID: record.id, location: location, serverID: parts[1], versionID: parts.count == 4 ? parts[3] : nil,
-                note: "location given by an operator (dq resolve)")
-        else {
-            throw DataQueueError(.notFound, "no delivered item matches \(reference)")
-        }
-        guard let updated = try await store.journalLine(record.id.lowercasedString) else {
-            throw DataQueueError(.notFound, "no delivered item matches \(reference)")
-        }
-        logger.notice("location given by an operator", metadata: ["item": "\(record.id.lowercasedString)"])
-        return updated
-    }
-
-    /// Puts every parked item of this queue back in line. Returns how many.
-    public func retryAllParked() async throws -> Int {
-        try await store.retryAllParked(queue: queueName)
-    }
-
-    /// Removes an item without sending it; the journal records the drop.
-    ///
-    /// Takes the flush lock (waiting up to ``Configuration/lockWait``), so an item is never dropped while a
-    /// flush is sending it.
-    /// - Throws: `.notFound`, or `.busy` when a flush holds the lock longer.
-    public func drop(_ reference: String) async throws -> QueuedItem {
-        guard
-            let lock = try await store.acquireFlush(
-                queue: queueName, until: .now + .milliseconds(Int64(configuration.lockWait * 1000)))
-        else {
-            throw DataQueueError(.busy, "a flush of this queue is running; try again when it ends")
-        }
-        do {
-            let stored = try await store.item(reference)
-            try await store.drop(stored.info, url: (try? requestURL(for: stored.info)) ?? stored.info.url)
-            await lock.release()
-            return stored.info
-        } catch {
-            await lock.release()
-            throw error
-        }
-    }
-
-    /// The newest journal line of an item that is no longer queued (delivered, already present or dropped),
-    /// or its parking: by UUID, a unique prefix or suffix, or sequence number. Nil when the journal has none.
-    public func journalRecord(_ reference: String) async throws -> DeliveryRecord? {
-        try await store.journalLine(reference)
-    }
-
-    /// Every queue in this queue's database with its counts (servers other than this one included), so that
-    /// an operator sees all that is pending whatever server they name.
-    public func allQueueStatuses() async throws -> [QueueStatus] {
-        try await store.allStatuses()
-    }
-
-    /// Every queue in the database at `databasePath` with its counts, read without naming a server: the
-    /// database is opened read-only and nothing is created.
-    /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there.
-    package static func allQueueStatuses(databasePath: String) async throws -> [QueueStatus] {
-        try await withReadOnlyStore(databasePath) { try await $0.allStatuses() }
-    }
-
-    /// How the database at `databasePath` is sealed at rest, read without a key (opened read-only).
-    package static func sealingSummary(databasePath: String) async throws -> SealingSummary {
-        try await withReadOnlyStore(databasePath) { try await summary(of: $0) }
-    }
-
-    /// Runs `body` on the store of `databasePath` opened read-only, then closes it.
-    private static func withReadOnlyStore<T: Sendable>(
-        _ databasePath: String, _ body: (any QueueStorage) async throws -> T
-    ) async throws -> T {
-        let store = try makeStore(Storage(databasePath), durability: .full, readOnly: true, logger: nil)
-        do {
-            let result = try await body(store)
-            await store.shutdown()
-            return result
-        } catch {
-            await store.shutdown()
-            throw error
-        }
-    }
-
-    /// What ``migrate(from:to:lockWait:logger:)`` moved.
-    package struct MigrationReport: Sendable, Encodable {
-        /// Items added to PostgreSQL (pending and parked).
-        package var items = 0
-        /// Of them, pending.
-        package var pending = 0
-        /// Of them, parked.
-        package var parked = 0
-        /// Items already in PostgreSQL (a migration run again): removed from SQLite, not added twice.
-        package var alreadyThere = 0
-        /// Journal lines added.
-        package var journalLines = 0
-        /// Items that arrived in SQLite while the migration ran and stay there (producers still running).
-        package var leftBehind = 0
-    }
-
-    /// Moves a SQLite queue into PostgreSQL, in order: the journal first (so that references to resources
-    /// delivered earlier still resolve), then every item with its state, attempts and last answer, in
-    /// batches; each batch is committed in PostgreSQL before it is removed from SQLite, and an item already
-    /// there is not added twice, so a migration that stopped half-way can be run again. Every queue's flush
-    /// lock is held meanwhile, so nothing is sent from the SQLite file while its items move.
-    ///
-    /// - Parameter progress: told after each batch how many items moved so far, and how many there were.
-    /// - Throws: ``DataQueueError``: `.busy` when a flush of the SQLite queue runs longer than `lockWait`,
-    ///   `.invalidConfiguration` for a source that is not a SQLite file or a target that is not PostgreSQL.
-    package static func migrate(
-        from path: String, to url: String, lockWait: TimeInterval = 10, logger: Logger,
-        progress: (@Sendable (_ moved: Int, _ total: Int) -> Void)? = nil
-    ) async throws -> MigrationReport {
-        guard !PostgresQueueStore.isURL(path) else {
-            throw DataQueueError(.invalidConfiguration, "dq migrate moves a SQLite queue; the configured database is PostgreSQL already")
-        }
-        guard PostgresQueueStore.isURL(url) else {
-            throw DataQueueError(.invalidConfiguration, "the migration target must be a postgres:// URL")
-        }
-        guard FileManager.default.fileExists(atPath: path) else {
-            throw DataQueueError(.storage, "no queue database at \(path): nothing to migrate")
-        }
-        let source = try SQLiteQueueStore(path: path, durability: .full)
-        let target = try PostgresQueueStore(url: url, logger: logger)
-        var locks: [any FlushOwnership] = []
-        func releaseAll() async {
-            for lock in locks { await lock.release() }
-            await target.shutdown()
-        }
-        do {
-            for queue in try await source.queues() {
-                guard let lock = try await source.acquireFlush(queue: queue, until: .now + .milliseconds(Int64(lockWait * 1000))) else {
-                    throw DataQueueError(.busy, "a flush of \(queue) is running; stop dq run and cron flushes, then migrate")
-                }
-                locks.append(lock)
-            }
-            // A sealed queue stays sealed: its items move as they are, with the keys that open them.
-            for record in try await source.sealKeys() { try await target.addSealKey(record) }
-            var report = MigrationReport()
-            let journal = try await source.deliveries(queue: nil, limit: Int(Int32.max))
-            for start in stride(from: 0, to: journal.count, by: 1000) {
-                report.journalLines += try await target.importJournal(Array(journal[start..<min(start + 1000, journal.count)]))
-            }
-            var total = 0
-            for queue in try await source.queues() {
-                let status = try await source.status(queue: queue)
-                total += status.pending + status.parked
-            }
-            var after: Int64 = 0
-            while true {
-                let batch = try await source.exportBatch(after: after, limit: 500)
-                guard let last = batch.last else { break }
-                let added = try await target.importItems(batch)
-                try await source.deleteMoved(batch.map(\.info.sequence))
-                report.items += added
-                report.alreadyThere += batch.count - added
-                report.pending += batch.filter { $0.info.state == .pending }.count
-                report.parked += batch.filter { $0.info.state == .parked }.count
-                after = last.info.sequence
-                logger.info("moved items", metadata: ["through": "\(after)", "total": "\(report.items)"])
-                progress?(report.items + report.alreadyThere, max(total, report.items + report.alreadyThere))
-            }
-            report.leftBehind = try await source.exportBatch(after: 0, limit: Int(Int32.max)).count
-            await releaseAll()
-            return report
-        } catch {
-            await releaseAll()
-            throw error
-        }
-    }
-
-    /// `databasePath` as it may be shown: a PostgreSQL URL without its password.
-    package static func displayDatabase(_ databasePath: String) -> String {
-        QueuePaths.displayDatabase(databasePath)
-    }
-
-    /// The store `storage` names.
-    static func makeStore(
-        _ storage: Storage, durability: Durability, readOnly: Bool, leaseDuration: TimeInterval = 30, logger: Logger?
-    ) throws -> any QueueStorage {
-        let logger = logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
-        switch storage {
-        case .sqlite(let path):
-            return try SQLiteQueueStore(path: path, durability: durability, readOnly: readOnly)
-        case .postgresURL(let url):
-            return try PostgresQueueStore(url: url, readOnly: readOnly, leaseSeconds: leaseDuration, logger: logger)
-        case .postgres(let client, let preparedStatements):
-            return PostgresQueueStore(
-                client: client, preparedStatements: preparedStatements, readOnly: readOnly, leaseSeconds: leaseDuration, logger: logger)
-        }
-    }
-
-    /// Checks the database at `databasePath`, opened read-only: SQLite's `PRAGMA integrity_check`, or for
-    /// PostgreSQL (which checks its own pages) that every row is in a state dq knows. `["ok"]` when it is
-    /// sound, else the problems found.
-    /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there or it cannot be read.
-    package static func integrityCheck(databasePath: String) async throws -> [String] {
-        do {
-            return try await withReadOnlyStore(databasePath) { try await $0.integrityCheck() }
-        } catch let error as DataQueueError where error.code == .damaged {
-            // Damage that stops the file from opening (its schema pages) is a finding too.
-            return [error.message.replacingOccurrences(of: SQLiteQueueStore.doctorHint, with: "")]
-        }
-    }
-
-    /// Whether SQLite can still read a damaged queue file's schema: without it no SQLite tool can name the
-    /// tables, and a dump recovers nothing. Always true for PostgreSQL.
-    package static func schemaIsReadable(databasePath: String) -> Bool {
-        if QueuePaths.isPostgresURL(databasePath) { return true }
-        return SQLiteQueueStore.schemaIsReadable(path: databasePath)
-    }
-
-    /// The delivery journal of this queue, oldest first (the newest `limit` lines).
-    public func deliveries(limit: Int = 1000) async throws -> [DeliveryRecord] {
-        try await store.deliveries(queue: queueName, limit: limit)
-    }
-
-    /// Deletes the journal lines older than `age` seconds, of every queue in the database (never a queued
-    /// item); returns how many. A delivered item's line is what resolves later references to its `fullUrl`
-    /// and what `dq show` finds once it has left the queue: past the retention both are gone. `progress` is
-    /// told how many lines are deleted so far, after each short transaction.
-    public func pruneJournal(olderThan age: TimeInterval, progress: @Sendable (Int) -> Void = { _ in }) async throws -> Int {
-        try await store.pruneJournal(before: Date().addingTimeInterval(-age), progress: progress)
-    }
-
-    /// Gives the space of deleted journal lines and items back to the file system (SQLite's `VACUUM`, which
-    /// needs free space for a copy of the file). PostgreSQL's autovacuum does this on its own: a no-op there.
-    public func vacuum() async throws {
-        try await store.vacuum()
     }
 }

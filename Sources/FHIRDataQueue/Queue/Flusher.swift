@@ -13,7 +13,7 @@ import NIOCore
 ///
 /// Used by one task at a time (the flush's own), which is why its mutable state needs no lock.
 final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by the flush task alone, which the compiler cannot see
-    private let queue: DataQueue
+    private let context: FlushContext
     private let lock: any FlushOwnership
     private let recorder: DeliveryRecorder
     private let limit: Int?
@@ -71,17 +71,17 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     }
 
     init(
-        queue: DataQueue, lock: any FlushOwnership, limit: Int?, through: Int64?, tracking: Int64?,
+        context: FlushContext, lock: any FlushOwnership, limit: Int?, through: Int64?, tracking: Int64?,
         progress: (@Sendable (FlushProgress) -> Void)?
     ) {
-        self.queue = queue
+        self.context = context
         self.lock = lock
         self.limit = limit
         self.through = through
         self.tracking = tracking
         self.progress = progress
         // Journal commits run while the next items are on the wire, several deliveries per commit.
-        self.recorder = DeliveryRecorder(store: queue.store, owner: lock, beforeCommit: queue.hooks.beforeJournalCommit)
+        self.recorder = DeliveryRecorder(store: context.store, owner: lock, beforeCommit: context.hooks.beforeJournalCommit)
     }
 
     /// Sends until the queue (or the `through` item, or the limit) is reached or a failure stops it.
@@ -96,11 +96,11 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             try? await recorder.finish()
             let unrecorded = recorder.takeUnrecorded()
             if !unrecorded.isEmpty {
-                queue.unrecordedDeliveries.withLock { $0.append(contentsOf: unrecorded) }
+                context.heldDeliveries.hold(unrecorded)
                 // Named once, when first held (not again at each retry of the write).
                 let new = unrecorded.filter { !heldBefore.contains($0.item.id) }
                 if !new.isEmpty {
-                    queue.logger.error(
+                    context.logger.error(
                         "the server has items whose delivery could not be journaled; they are written before the next send",
                         metadata: ["items": "\(new.map(\.item.id.lowercasedString).joined(separator: ","))"])
                 }
@@ -112,15 +112,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// Journals the deliveries an earlier flush could not, before anything is sent: while the database refuses
     /// writes this fails, and nothing goes out (sending would deliver the first of them again).
     private func recordHeldDeliveries() async throws {
-        let held = queue.unrecordedDeliveries.withLock { held in
-            defer { held.removeAll() }
-            return held
-        }
+        let held = context.heldDeliveries.takeAll()
         guard !held.isEmpty else { return }
         heldBefore = Set(held.map(\.item.id))
         for delivery in held { recorder.append(delivery) }
         try await recorder.finish()
-        queue.logger.notice("journaled deliveries an earlier flush could not write", metadata: ["count": "\(held.count)"])
+        context.logger.notice("journaled deliveries an earlier flush could not write", metadata: ["count": "\(held.count)"])
     }
 
     private func loop() async throws {
@@ -134,7 +131,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             }
             try await refill(to: max(batchSize, 1))
             guard let head = prefetched.first else { return }
-            if support == nil && queue.configuration.idempotent {
+            if support == nil && context.configuration.idempotent {
                 // Idempotent mode trusts a 200 only where the server declares conditional create.
                 _ = try await capabilities(needed: true)
             }
@@ -146,8 +143,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             }
             handled = []
             let step: Step
-            if head.info.encrypted && queue.configuration.encryptedInFlight > 1 {
-                step = try await sendEnvelopes(maximum: min(queue.configuration.encryptedInFlight, left))
+            if head.info.encrypted && context.configuration.encryptedInFlight > 1 {
+                step = try await sendEnvelopes(maximum: min(context.configuration.encryptedInFlight, left))
             } else {
                 let run = try await compose(maximum: min(batchSize, left))
                 step = run.count == 1 ? try await sendSingle(run[0]) : try await sendBundle(run)
@@ -164,10 +161,10 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
 
     private func refill(to count: Int) async throws {
         var bytes = prefetched.reduce(0) { $0 + $1.body.count }
-        while prefetched.count < count && !exhausted && (prefetched.isEmpty || bytes < queue.configuration.batchMaxBytes) {
-            let batch = try await queue.store.pendingBatch(
-                queue: queue.queueName, after: lastFetched, maxCount: max(Self.prefetchCount, count - prefetched.count),
-                maxBytes: max(4 << 20, queue.configuration.batchMaxBytes))
+        while prefetched.count < count && !exhausted && (prefetched.isEmpty || bytes < context.configuration.batchMaxBytes) {
+            let batch = try await context.store.pendingBatch(
+                queue: context.queueName, after: lastFetched, maxCount: max(Self.prefetchCount, count - prefetched.count),
+                maxBytes: max(4 << 20, context.configuration.batchMaxBytes))
             guard let last = batch.last else {
                 exhausted = true
                 return
@@ -206,7 +203,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             if let identity, identities.contains(identity) { break }
             if let fullURL = stored.fullURL, declared.contains(fullURL) { break }
             let size = prepared.body.count + 120 + prepared.item.url.utf8.count + (prepared.ifNoneExist?.utf8.count ?? 0)
-            if !run.isEmpty && bytes + size > queue.configuration.batchMaxBytes { break }
+            if !run.isEmpty && bytes + size > context.configuration.batchMaxBytes { break }
             run.append(prepared)
             if let identity { identities.insert(identity) }
             if let fullURL = stored.fullURL { declared.insert(fullURL) }
@@ -220,14 +217,14 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     private func prepare(_ stored: StoredItem) throws -> Prepared {
         if let reason = stored.unreadable {
             // Nothing of it can be trusted: it is parked with the reason, and nothing is sent.
-            let url = (try? queue.endpoint(encrypted: stored.info.encrypted)) ?? queue.queueName
+            let url = (try? context.endpoints.endpoint(encrypted: stored.info.encrypted)) ?? context.queueName
             let request = OutgoingRequest(method: stored.info.method, url: url, contentType: stored.contentType, body: Data())
             return Prepared(stored: stored, request: request, failure: reason)
         }
         // A row whose path dq did not write is refused here, before anything is sent.
-        let url = try queue.requestURL(for: stored.info)
+        let url = try context.endpoints.url(for: stored.info)
         do {
-            var request = try queue.outgoingRequest(for: stored, url: url)
+            var request = try context.delivery.outgoingRequest(for: stored, url: url)
             request.isBundle = stored.info.url.isEmpty  // a Bundle queued as one item
             return Prepared(stored: stored, request: request)
         } catch let error as DataQueueError where error.code == .invalidResource {
@@ -253,14 +250,14 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         var locations = deliveredHere.filter { wanted.contains($0.key) }
         let rest = wanted.subtracting(locations.keys)
         if !rest.isEmpty {
-            locations.merge(try await queue.store.deliveredLocations(fullURLs: Array(rest).sorted())) { here, _ in here }
+            locations.merge(try await context.store.deliveredLocations(fullURLs: Array(rest).sorted())) { here, _ in here }
         }
         var unlocated: [String: UUID] = [:]
         let missing = Array(wanted.subtracting(locations.keys)).sorted()
         if !missing.isEmpty {
             unlocated = unlocatedHere.filter { missing.contains($0.key) }
             let rest = missing.filter { unlocated[$0] == nil }
-            if !rest.isEmpty { unlocated.merge(try await queue.store.unlocatedDeliveries(fullURLs: rest)) { here, _ in here } }
+            if !rest.isEmpty { unlocated.merge(try await context.store.unlocatedDeliveries(fullURLs: rest)) { here, _ in here } }
         }
         var resolved: [Prepared] = []
         for (index, var prepared) in run.enumerated() {
@@ -289,9 +286,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// The Bundle size for this flush: the configured one, or from the server's CapabilityStatement (cached
     /// for ``DataQueue/Configuration/capabilityLifetime``), never above what the server was seen to take.
     private func effectiveBatchSize() async throws -> Int {
-        let support = try await capabilities(needed: queue.configuration.batchSize == nil)
+        let support = try await capabilities(needed: context.configuration.batchSize == nil)
         let learnt = support.batchLimit ?? Int.max
-        if let explicit = queue.configuration.batchSize { return max(1, min(explicit, learnt)) }
+        if let explicit = context.configuration.batchSize { return max(1, min(explicit, learnt)) }
         return support.transactions == true ? max(1, min(DataQueue.Configuration.defaultBatchSize, learnt)) : 1
     }
 
@@ -299,16 +296,16 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// ``DataQueue/Configuration/capabilityLifetime``) from its CapabilityStatement, read at most once per flush.
     private func capabilities(needed: Bool) async throws -> BundleSupport {
         if let support, support.checkedAt != nil || !needed { return support }
-        var support = try await queue.store.bundleSupport(queue: queue.queueName)
-        let stale = support.checkedAt.map { Date().timeIntervalSince($0) > queue.configuration.capabilityLifetime } ?? true
+        var support = try await context.store.bundleSupport(queue: context.queueName)
+        let stale = support.checkedAt.map { Date().timeIntervalSince($0) > context.configuration.capabilityLifetime } ?? true
         if needed, !capabilityRead, support.transactions == nil || support.conditionalCreate == nil || stale {
             capabilityRead = true
             if let read = await readCapability() {
                 support.transactions = read.transactions
                 support.conditionalCreate = read.conditionalCreate
                 support.checkedAt = Date()
-                try await queue.store.recordBundleSupport(
-                    queue: queue.queueName, transactions: read.transactions, batchLimit: nil, conditionalCreate: read.conditionalCreate)
+                try await context.store.recordBundleSupport(
+                    queue: context.queueName, transactions: read.transactions, batchLimit: nil, conditionalCreate: read.conditionalCreate)
             }
         }
         self.support = support
@@ -319,9 +316,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// `conditionalCreate` is true; nil when no answer came. An answer that is not a CapabilityStatement
     /// declares neither (capabilities unknown, said once).
     private func readCapability() async -> (transactions: Bool, conditionalCreate: Set<String>)? {
-        let header = try? await queue.authorization?.authorizationHeader(forceRefresh: false, logger: queue.logger)
-        guard let response = try? await queue.transport.get(queue.queueName + "/metadata", authorization: header, logger: queue.logger)
-        else { return nil }
+        guard let response = await context.delivery.capabilityStatement(base: context.queueName) else { return nil }
         report.requests += 1
         // Not an answer about the server (it is down, busy, or wants other credentials): nothing is remembered.
         if response.status >= 500 || [401, 403, 407, 408, 429].contains(response.status) { return nil }
@@ -330,7 +325,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             object["resourceType"] as? String == "CapabilityStatement",
             let rest = object["rest"] as? [[String: Any]]
         else {
-            queue.logger.notice(
+            context.logger.notice(
                 "the server's /metadata is not a CapabilityStatement: its capabilities are unknown (one request per item; no conditional create trusted)",
                 metadata: ["status": "\(response.status)"])
             return (false, [])
@@ -345,7 +340,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 if let type = resource["type"] as? String { conditional.insert(type) }
             }
         }
-        queue.logger.debug(
+        context.logger.debug(
             "read the CapabilityStatement", metadata: ["transaction": "\(transactions)", "conditionalCreate": "\(conditional.count) types"])
         return (transactions, conditional)
     }
@@ -405,18 +400,18 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                     ifNoneExist: prepared.ifNoneExist, body: prepared.body)
             }
             let request = OutgoingRequest(
-                method: .post, url: queue.queueName, contentType: "application/fhir+json",
+                method: .post, url: context.queueName, contentType: "application/fhir+json",
                 body: TransactionBundle.build(entries), isBundle: true)
             let first = part[part.startIndex].item
             let result = try await send(request, first: first, encrypted: false)
             report.bundleEntries += part.count
-            queue.metrics.bundleSize.record(part.count)
+            context.metrics.bundleSize.record(part.count)
             switch result {
             case .delivered(let response, _):
                 let answers = TransactionBundle.parseResponse(response.body)
                 let matched = answers?.count == part.count ? answers : nil
                 if matched == nil {
-                    queue.logger.warning(
+                    context.logger.warning(
                         "the transaction-response does not match the Bundle entry for entry; journaling without locations",
                         metadata: ["entries": "\(part.count)", "answers": "\(answers?.count ?? 0)"])
                 }
@@ -430,27 +425,27 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                         bundle: bundleID, entries: nil)
                 }
                 try recorder.check()
-                queue.logger.debug("delivered a Bundle", metadata: ["entries": "\(part.count)", "bundle": "\(bundleID)"])
+                context.logger.debug("delivered a Bundle", metadata: ["entries": "\(part.count)", "bundle": "\(bundleID)"])
             case .rejected(let status, let message, let outcome):
                 let body = Data((outcome ?? "").utf8)
                 if status == 413 {
                     // Too large for this server: half the size from now on, remembered.
                     let smaller = max(1, part.count / 2)
-                    try await queue.store.recordBundleSupport(
-                        queue: queue.queueName, transactions: nil, batchLimit: smaller, conditionalCreate: nil)
+                    try await context.store.recordBundleSupport(
+                        queue: context.queueName, transactions: nil, batchLimit: smaller, conditionalCreate: nil)
                     batchSize = min(batchSize, smaller)
-                    queue.logger.notice("the server refused a Bundle as too large", metadata: ["entries": "\(smaller)"])
+                    context.logger.notice("the server refused a Bundle as too large", metadata: ["entries": "\(smaller)"])
                     return .next
                 }
                 if let status, TransactionBundle.refusesTransactions(status: status, body: body) {
-                    try await queue.store.recordBundleSupport(
-                        queue: queue.queueName, transactions: nil, batchLimit: 1, conditionalCreate: nil)
+                    try await context.store.recordBundleSupport(
+                        queue: context.queueName, transactions: nil, batchLimit: 1, conditionalCreate: nil)
                     batchSize = 1
-                    queue.logger.notice("the server refuses transaction Bundles; sending one request per item")
+                    context.logger.notice("the server refuses transaction Bundles; sending one request per item")
                     return .next
                 }
                 // One bad entry fails the transaction: split until it is alone (log2 of the size extra requests).
-                queue.logger.debug("a Bundle was refused; splitting it", metadata: ["entries": "\(part.count)", "reason": "\(message)"])
+                context.logger.debug("a Bundle was refused; splitting it", metadata: ["entries": "\(part.count)", "reason": "\(message)"])
                 let middle = part.startIndex + part.count / 2
                 parts.append(part[middle...])
                 parts.append(part[..<middle])
@@ -480,12 +475,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             group.append(prepared)
         }
         try await lock.markInFlight(sequence: group[0].item.sequence)
-        let results = await withTaskGroup(of: (Int, DataQueue.DeliveryResult).self) { tasks in
+        let results = await withTaskGroup(of: (Int, Delivery.Outcome).self) { tasks in
             for (index, prepared) in group.enumerated() {
                 let request = prepared.request
-                tasks.addTask { [queue] in (index, await queue.deliver(request, encrypted: true)) }
+                tasks.addTask { [delivery = context.delivery] in (index, await delivery.deliver(request, encrypted: true)) }
             }
-            var results = [DataQueue.DeliveryResult?](repeating: nil, count: group.count)
+            var results = [Delivery.Outcome?](repeating: nil, count: group.count)
             for await (index, result) in tasks { results[index] = result }
             return results.compactMap { $0 }
         }
@@ -527,15 +522,15 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     }
 
     /// Sends one request with the in-flight marker set, and counts it.
-    private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async throws -> DataQueue.DeliveryResult {
+    private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async throws -> Delivery.Outcome {
         try await lock.markInFlight(sequence: first.sequence)
         let started = ContinuousClock.now
-        let result = await queue.deliver(request, encrypted: encrypted)
-        queue.metrics.requestDuration.record(duration: ContinuousClock.now - started)
+        let result = await context.delivery.deliver(request, encrypted: encrypted)
+        context.metrics.requestDuration.record(duration: ContinuousClock.now - started)
         report.requests += 1
         switch result {
-        case .transient(let status, _, _, _): queue.metrics.failure(status: status)
-        case .authentication(let status, _): queue.metrics.failure(status: status, authentication: true)
+        case .transient(let status, _, _, _): context.metrics.failure(status: status)
+        case .authentication(let status, _): context.metrics.failure(status: status, authentication: true)
         default: break
         }
         // Without an answer (connection lost, timeout) the request may still be at the server: the marker stays,
@@ -547,21 +542,21 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     // MARK: - Recording
 
     /// Journals a delivery. The server id comes from `location`, else `contentLocation`, else the resource in
-    /// `answer` (see ``DataQueue/serverIdentity(location:contentLocation:etag:answer:resourceType:method:resourceID:)``);
+    /// `answer` (see ``Delivery/serverIdentity(location:contentLocation:etag:answer:resourceType:method:resourceID:)``);
     /// the journal line's note says when it did not come from `Location`.
     private func record(
         _ prepared: Prepared, status: Int, location: String?, contentLocation: String?, etag: String?, answer: Data?,
         conditional: Bool, bundle: String?, entries: String?
     ) {
         let item = prepared.item
-        let identity = DataQueue.serverIdentity(
+        let identity = Delivery.serverIdentity(
             location: location, contentLocation: contentLocation, etag: etag, answer: answer, resourceType: item.resourceType,
             method: item.method, resourceID: item.resourceID)
         let (serverID, versionID) = (identity.id, identity.version)
         let location = location ?? (identity.id != nil ? contentLocation : nil)
         if serverID == nil, let fullURL = prepared.stored.fullURL {
             unlocatedHere[fullURL] = item.id
-            queue.logger.warning(
+            context.logger.warning(
                 "the server did not say where it stored an item that others may reference",
                 metadata: ["item": "\(item.id.lowercasedString)"])
         }
@@ -570,7 +565,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         // server that ignores If-None-Exist answers 200 to a plain create too.
         let declared = support?.conditionalCreate?.contains(item.resourceType) ?? false
         if conditional && !declared && warnedConditional.insert(item.resourceType).inserted {
-            queue.logger.warning(
+            context.logger.warning(
                 "the server does not declare conditional create for this type: idempotent mode cannot keep a retried create from making a duplicate",
                 metadata: ["type": "\(item.resourceType)"])
         }
@@ -581,11 +576,11 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 versionID: versionID, note: identity.note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
         handled.insert(item.sequence)
         report.delivered += 1
-        queue.metrics.deliveredOne()
+        context.metrics.deliveredOne()
         if let fullURL = prepared.stored.fullURL, let serverID {
             deliveredHere[fullURL] = item.resourceType + "/" + serverID
         }
-        queue.logger.debug("delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(status)"])
+        context.logger.debug("delivered", metadata: ["item": "\(item.id.lowercasedString)", "status": "\(status)"])
         if item.sequence == tracking {
             tracked = .delivered(
                 DeliveryRecord(
@@ -602,12 +597,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         // Earlier deliveries reach the journal before this item's state changes.
         try await recorder.finish()
         let item = prepared.item
-        try await queue.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome, owner: lock)
+        try await context.store.park(item, url: prepared.url, status: status, error: message, outcome: outcome, owner: lock)
         handled.insert(item.sequence)
         report.parked += 1
         if !sent { report.held += 1 }
-        queue.metrics.parked.increment()
-        queue.logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
+        context.metrics.parked.increment()
+        context.logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
         if item.sequence == tracking { tracked = .parked(item, reason: message) }
         progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
     }
@@ -616,24 +611,24 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         // The journal commit clears the backoff: it must land before the failure is recorded, or a late commit
         // would erase the backoff this failure starts.
         try await recorder.finish()
-        let failures = (try await queue.store.serverState(queue: queue.queueName).failures) + 1
+        let failures = (try await context.store.serverState(queue: context.queueName).failures) + 1
         let retryAt = Date().addingTimeInterval(
-            queue.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
-        try await queue.store.recordFailure(
-            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
+            context.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: retryAfter))
+        try await context.store.recordFailure(
+            queue: context.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
         report.stop = .transient(message, retryAt: retryAt)
         // The caller says it once (dq flush prints it; the service logs each change of state).
-        queue.logger.debug("flush stopped", metadata: ["reason": "\(message)"])
+        context.logger.debug("flush stopped", metadata: ["reason": "\(message)"])
     }
 
     /// A refused credential backs off as a transient failure does: retrying it at once only repeats the refusal.
     private func recordAuthentication(_ item: QueuedItem, status: Int?, message: String) async throws {
         try await recorder.finish()
-        let failures = (try await queue.store.serverState(queue: queue.queueName).failures) + 1
-        let retryAt = Date().addingTimeInterval(queue.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: nil))
-        try await queue.store.recordFailure(
-            queue: queue.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
+        let failures = (try await context.store.serverState(queue: context.queueName).failures) + 1
+        let retryAt = Date().addingTimeInterval(context.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: nil))
+        try await context.store.recordFailure(
+            queue: context.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
         report.stop = .authentication(message)
-        queue.logger.debug("authentication failed", metadata: ["reason": "\(message)"])
+        context.logger.debug("authentication failed", metadata: ["reason": "\(message)"])
     }
 }
