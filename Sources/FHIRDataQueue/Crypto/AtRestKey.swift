@@ -128,15 +128,24 @@ struct Sealer: Sendable {
         case url, resourceID = "resource_id", body, outcome
     }
 
+    /// `dq-at-rest-v1`, the column, the item's id and its queue, each ended by a zero byte but the last.
     private static func associatedData(_ column: Column, item: UUID, queue: String) -> Data {
-        Data("dq-at-rest-v1\0\(column.rawValue)\0\(item.lowercasedString)\0\(queue)".utf8)
+        var bytes: [UInt8] = []
+        bytes.reserveCapacity(14 + 12 + 37 + queue.utf8.count)
+        bytes.append(contentsOf: "dq-at-rest-v1\0".utf8)
+        bytes.append(contentsOf: column.rawValue.utf8)
+        bytes.append(0)
+        item.appendLowercased(to: &bytes)
+        bytes.append(0)
+        bytes.append(contentsOf: queue.utf8)
+        return Data(bytes)
     }
 
     // MARK: Sealing
 
     func seal(text: String, _ column: Column, item: UUID, queue: String) -> String {
         let box = try! AES.GCM.seal(
-            Data(text.utf8), using: keys.current.key,
+            Data(text.utf8), using: keys.current.key, nonce: RandomBytes.nonce(),
             authenticating: Self.associatedData(column, item: item, queue: queue))
         // `combined` is nonce, ciphertext and tag (always present with the default 12-byte nonce).
         return Self.textPrefix + keys.current.id + "." + box.combined!.base64EncodedString()
@@ -150,7 +159,7 @@ struct Sealer: Sendable {
         plain.append(url)
         plain.append(body)
         let box = try! AES.GCM.seal(
-            plain, using: keys.current.key,
+            plain, using: keys.current.key, nonce: RandomBytes.nonce(),
             authenticating: Self.associatedData(.body, item: item, queue: queue))
         var sealed = Self.bodyMagic
         sealed.reserveCapacity(Self.bodyHeaderCount + 28 + plain.count)

@@ -2,7 +2,7 @@ import Foundation
 
 extension UUID {
     /// A time-ordered UUID (version 7, RFC 9562 §5.7): 48 bits of Unix time in milliseconds, 12 bits of
-    /// sub-millisecond time (§6.2, method 3), then 62 random bits from the system's cryptographic generator.
+    /// sub-millisecond time (§6.2, method 3), then 62 random bits from the kernel's generator (``RandomBytes``).
     ///
     /// Items enqueued later get larger identifiers, so the queue's unique index grows at its right edge
     /// instead of taking random inserts all over the tree: a bulk enqueue of 100,000 resources spends about
@@ -13,9 +13,8 @@ extension UUID {
         clock_gettime(CLOCK_REALTIME, &now)
         let milliseconds = UInt64(now.tv_sec) * 1000 + UInt64(now.tv_nsec) / 1_000_000
         let fraction = UInt64(now.tv_nsec % 1_000_000) * 4096 / 1_000_000
-        var generator = SystemRandomNumberGenerator()
         let high = milliseconds << 16 | 0x7000 | fraction
-        let low = (generator.next() as UInt64) & ~(0xC0 << 56) | (0x80 << 56)  // variant 10xx
+        let low = RandomBytes.uint64() & ~(0xC0 << 56) | (0x80 << 56)  // variant 10xx
         var bytes = (high.bigEndian, low.bigEndian)
         return withUnsafeBytes(of: &bytes) { raw in
             UUID(uuid: raw.load(as: uuid_t.self))
