@@ -980,8 +980,15 @@ def main():
         lines.append("| %s | %d | %d | %d | %d | %d | %d | %d | %d | %s |" % r)
     print("\n".join(lines))
     if args.out:
+        # The text above the last run's table (what each run proves) is kept; only the table is replaced.
+        kept = ""
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                text = f.read()
+            at = text.find("\nTorture (seed")
+            kept = text[:at + 1] if at >= 0 else ""
         with open(args.out, "w") as f:
-            f.write("\n".join(lines).strip() + "\n")
+            f.write(kept + "\n".join(lines).strip() + "\n")
     print("torture: %d passed, %d failed" % (len(TABLE) - len(FAILURES), len(FAILURES)))
     return 1 if FAILURES else 0
 

@@ -78,8 +78,10 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
 
     /// Creates the client. No request is made and no file read until needed.
     ///
-    /// - Parameter httpClient: an HTTP client of the caller's for discovery, token, JWKS and revocation requests
-    ///   (give the queue the same one). The default is nil: the process's shared client for `configuration.network`.
+    /// - Parameters:
+    ///   - configuration: the issuer, client and where the sign-in is kept.
+    ///   - httpClient: an HTTP client of the caller's for discovery, token, JWKS and revocation requests (give the
+    ///     queue the same one). The default is nil: the process's shared client for `configuration.network`.
     public init(configuration: AuthorizationCodeConfiguration, httpClient: HTTPClient? = nil) {
         self.configuration = configuration
         callerClient = httpClient

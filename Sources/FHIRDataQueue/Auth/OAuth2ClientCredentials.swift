@@ -36,8 +36,10 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
 
     /// Creates the client. No request is made until a token is needed.
     ///
-    /// - Parameter httpClient: an HTTP client of the caller's for the token and registration requests (give the
-    ///   queue the same one). The default is nil: the process's shared client for `configuration.network`.
+    /// - Parameters:
+    ///   - configuration: the token endpoint, the client's credentials or registration, and the scope.
+    ///   - httpClient: an HTTP client of the caller's for the token and registration requests (give the queue the
+    ///     same one). The default is nil: the process's shared client for `configuration.network`.
     public init(configuration: OAuth2Configuration, httpClient: HTTPClient? = nil) throws {
         guard configuration.effectiveAuthMethod != .none else {
             throw DataQueueError(.invalidConfiguration, "configuration: client_credentials needs a client secret or key, not \"none\"")

@@ -32,7 +32,9 @@ public struct AtRestKey: Sendable, Equatable {
 
     /// Reads the key file at `path`.
     ///
-    /// - Parameter setting: the setting that named the file, for the error (e.g. `"at_rest.key_file"`).
+    /// - Parameters:
+    ///   - path: the key file (as `dq keygen --at-rest` writes it).
+    ///   - setting: the setting that named the file, for the error (e.g. `"at_rest.key_file"`).
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the setting and the file, never its content.
     public init(contentsOfFile path: String, setting: String = "at_rest.key_file") throws {
         guard let data = FileManager.default.contents(atPath: path) else {
