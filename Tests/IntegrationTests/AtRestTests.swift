@@ -410,8 +410,9 @@ struct AtRestTests {
         let counts = try #require(try JSONSerialization.jsonObject(with: Data(parked.stdout.utf8)) as? [String: Any])
         #expect(counts["parked"] as? Int == 0 && counts["pending"] as? Int == 1, "\(parked.stdout)")
         #expect(try await server.values("Observation", system: resources.system) == ["0"])
-        // A one-shot flush without the key says the same, exit 78, and changes nothing.
-        let oneShot = try await dq(["flush", "--config", config, "--now"], env)
+        // A one-shot flush without the key says the same, exit 78, and changes nothing. It waits for the lock: dq run
+        // takes it for each of its own tries (a flush that found it taken exited 75, "another flush is running").
+        let oneShot = try await dq(["flush", "--config", config, "--now", "--wait", "60"], env)
         #expect(oneShot.status == 78 && oneShot.stderr.contains(newID), "\(oneShot.status) \(oneShot.stderr)")
 
         try FileManager.default.removeItem(atPath: config)
