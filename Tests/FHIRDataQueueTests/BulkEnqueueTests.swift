@@ -26,7 +26,10 @@ struct BulkEnqueueTests {
             components.password = StoreKind.environment["DQ_TEST_POSTGRES_PASSWORD"]
             configuration.databasePath = components.string! + (kind == .postgresUnprepared ? "&prepared_statements=off" : "")
         case .postgresHostClient:
-            configuration.storage = .postgres(client: try await StoreKind.hostClient(database: try await StoreKind.freshDatabase()))
+            // The host's client, handed in as the queue's storage (its ServiceGroup runs it).
+            let client = try await StoreKind.hostClient(database: try await StoreKind.freshDatabase())
+            return try await DataQueue(
+                baseURL: URL(string: "http://127.0.0.1:9/fhir")!, storage: .postgres(client: client), configuration: configuration)
         }
         return try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
     }

@@ -6,11 +6,11 @@ import NIOHTTP1
 
 /// A sign-in started by ``AuthorizationCodeClient/prepareSignIn(redirectURI:)``: the URL the person opens,
 /// and the secrets that tie the answer to it (kept in memory only).
-public struct PendingSignIn: Sendable {
+package struct PendingSignIn: Sendable {
     /// The URL to open in a browser.
-    public let authorizationURL: URL
+    package let authorizationURL: URL
     /// The redirect URI sent (the loopback listener's).
-    public let redirectURI: String
+    package let redirectURI: String
     let state: String
     let nonce: String?
     let codeVerifier: String
@@ -18,7 +18,7 @@ public struct PendingSignIn: Sendable {
 }
 
 /// What ``AuthorizationCodeClient/signOut(revoke:logger:)`` did.
-public enum SignOutOutcome: Sendable, Equatable {
+package enum SignOutOutcome: Sendable, Equatable {
     /// There was no sign-in to remove.
     case notSignedIn
     /// The server revoked the tokens (RFC 7009) and the local copy was deleted.
@@ -30,9 +30,10 @@ public enum SignOutOutcome: Sendable, Equatable {
 /// A person's sign-in for unattended delivery: the SMART App Launch standalone flow (OAuth2 authorization
 /// code with PKCE S256, `state`, and with `openid` a `nonce` and a checked ID token), then refresh tokens.
 ///
-/// `dq login` runs ``prepareSignIn(redirectURI:)``, sends the person to the URL, and hands the redirect
-/// to ``completeSignIn(_:redirect:logger:)``, which checks `state` (and `iss`, RFC 9207), exchanges the code,
-/// verifies the ID token (signature against the issuer's JWKS, `iss`, `aud`, `exp`, `nonce`) and only then stores the tokens with ``SignInStore``.
+/// `dq login` prepares the sign-in, sends the person to the URL, and hands the redirect back to the client,
+/// which checks `state` (and `iss`, RFC 9207), exchanges the code,
+/// verifies the ID token (signature against the issuer's JWKS, `iss`, `aud`, `exp`, `nonce`) and only then stores the tokens
+/// (0600, in the sign-in directory).
 /// As an ``AuthorizationProvider`` it then supplies the access token and renews it with the refresh token
 /// once half of its lifetime has passed, or after a 401; a rotated refresh token replaces the old one
 /// atomically, under a lock shared with other dq processes. A refused refresh token is an
@@ -61,7 +62,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     /// The settings.
     public nonisolated let configuration: AuthorizationCodeConfiguration
     /// Where the sign-in is kept.
-    public nonisolated let store: SignInStore
+    package nonisolated let store: SignInStore
     private var httpClient: OAuth2HTTP?
     private var endpoints: Endpoints?
     private var verifier: IDTokenVerifier?
@@ -115,7 +116,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
 
     /// Discovers the endpoints and builds the authorization URL for `redirectURI`, with a fresh `state`,
     /// PKCE verifier and (with `openid`) `nonce`.
-    public func prepareSignIn(redirectURI: String) async throws -> PendingSignIn {
+    package func prepareSignIn(redirectURI: String) async throws -> PendingSignIn {
         let endpoints = try await resolveEndpoints()
         guard let authorization = endpoints.authorization else {
             throw DataQueueError(.invalidConfiguration, "configuration: no authorization endpoint: set \"auth.authorize_uri\"")
@@ -151,7 +152,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     ///   refused code or a failed ID-token check (nothing is stored then); `.transport` when the token
     ///   endpoint cannot be reached.
     @discardableResult
-    public func completeSignIn(_ pending: PendingSignIn, redirect: URL, logger: Logger? = nil) async throws -> SignIn {
+    package func completeSignIn(_ pending: PendingSignIn, redirect: URL, logger: Logger? = nil) async throws -> SignIn {
         let items = URLComponents(url: redirect, resolvingAgainstBaseURL: false)?.queryItems ?? []
         func value(_ name: String) -> String? { items.first(where: { $0.name == name })?.value }
         guard value("state") == pending.state else {
@@ -204,7 +205,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     }
 
     /// The stored sign-in, if any (for `dq status`; tokens must not be shown).
-    public nonisolated func storedSignIn() throws -> SignIn? { try store.load() }
+    package nonisolated func storedSignIn() throws -> SignIn? { try store.load() }
 
     // MARK: - Signing out
 
@@ -213,7 +214,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     ///
     /// - Throws: ``DataQueueError``: `.transport` when the revocation endpoint cannot be reached or answers
     ///   5xx, `.authentication` when it refuses the client; the sign-in is kept in both cases.
-    public func signOut(revoke: Bool = true, logger: Logger? = nil) async throws -> SignOutOutcome {
+    package func signOut(revoke: Bool = true, logger: Logger? = nil) async throws -> SignOutOutcome {
         guard let signIn = try store.load() else { return .notSignedIn }
         var outcome = SignOutOutcome.deletedLocally
         if revoke, let endpoint = signIn.revocationEndpoint.flatMap(URL.init(string:)) {

@@ -6,19 +6,19 @@ import Foundation
 #endif
 
 /// Client credentials a registration endpoint issued, as stored on disk.
-public struct StoredCredentials: Sendable, Codable, Equatable {
+package struct StoredCredentials: Sendable, Codable, Equatable {
     /// The registration endpoint that issued them.
-    public var registrationURI: String
+    package var registrationURI: String
     /// The issued client id.
-    public var clientID: String
+    package var clientID: String
     /// The issued secret, if any (none for key-based clients).
-    public var clientSecret: String?
+    package var clientSecret: String?
     /// The token endpoint auth method the server registered.
-    public var tokenEndpointAuthMethod: String?
+    package var tokenEndpointAuthMethod: String?
     /// When the secret expires (`client_secret_expires_at`, 0 = never), if said.
-    public var clientSecretExpiresAt: Double?
+    package var clientSecretExpiresAt: Double?
     /// When dq registered.
-    public var registeredAt: Date
+    package var registeredAt: Date
 
     enum CodingKeys: String, CodingKey {
         case registrationURI = "registration_uri", clientID = "client_id", clientSecret = "client_secret"
@@ -51,7 +51,7 @@ public struct CredentialStore: Sendable {
     }
 
     /// The stored credentials for `registrationURI`, or nil.
-    public func load(registrationURI: String) throws -> StoredCredentials? {
+    package func load(registrationURI: String) throws -> StoredCredentials? {
         let file = path(for: registrationURI)
         guard let decoded = SecretFile.read(StoredCredentials.self, from: file) else { return nil }
         guard let credentials = decoded, credentials.registrationURI == registrationURI else {
@@ -61,7 +61,7 @@ public struct CredentialStore: Sendable {
     }
 
     /// Stores (or replaces) credentials atomically with mode 0600.
-    public func save(_ credentials: StoredCredentials) throws {
+    package func save(_ credentials: StoredCredentials) throws {
         try SecretFile.write(
             try SecretFile.encode(credentials), to: path(for: credentials.registrationURI), directory: directory, what: "credential file")
     }

@@ -8,9 +8,9 @@ import NIOPosix
 /// port the system picks, takes the first request to `/callback` that carries `code` or `error`, and
 /// answers the browser with a short page. Other paths (a browser's `/favicon.ico`) get 404; later
 /// callbacks get 409.
-public final class LoopbackRedirectListener: Sendable {
+package final class LoopbackRedirectListener: Sendable {
     /// The redirect URI to register and send: `http://127.0.0.1:<port>/callback`.
-    public let redirectURI: String
+    package let redirectURI: String
     private let channel: any Channel
     private let redirects: AsyncStream<String>
 
@@ -21,7 +21,7 @@ public final class LoopbackRedirectListener: Sendable {
     }
 
     /// Starts listening on `127.0.0.1:port` (0: a free port the system picks).
-    public static func start(port: Int = 0) async throws -> LoopbackRedirectListener {
+    package static func start(port: Int = 0) async throws -> LoopbackRedirectListener {
         let (stream, continuation) = AsyncStream<String>.makeStream(bufferingPolicy: .bufferingNewest(1))
         let received = NIOLockedValueBox(false)
         let bootstrap = ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton)
@@ -41,7 +41,7 @@ public final class LoopbackRedirectListener: Sendable {
 
     /// The full redirect URL of the first callback (`http://127.0.0.1:<port>/callback?code=…&state=…`), or
     /// nil when the listener was closed or the task cancelled first.
-    public func redirect() async -> URL? {
+    package func redirect() async -> URL? {
         for await target in redirects {
             return URL(string: "http://127.0.0.1" + target)
         }
@@ -49,7 +49,7 @@ public final class LoopbackRedirectListener: Sendable {
     }
 
     /// Stops listening.
-    public func close() async {
+    package func close() async {
         try? await channel.close()
     }
 }

@@ -161,7 +161,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
 
     /// Registers this client now (RFC 7591) and stores the credentials, replacing earlier ones.
     @discardableResult
-    public func register(logger: Logger? = nil) async throws -> StoredCredentials {
+    package func register(logger: Logger? = nil) async throws -> StoredCredentials {
         guard let registration = try await resolveEndpoints().registration else {
             throw DataQueueError(.invalidConfiguration, "configuration: \"auth.registration_uri\" is missing")
         }

@@ -7,47 +7,47 @@ import Foundation
 
 /// What `dq login` keeps after a person signed in: the tokens, when they were issued, and the SMART
 /// launch context. Written by ``SignInStore``; never printed.
-public struct SignIn: Sendable, Codable, Equatable {
+package struct SignIn: Sendable, Codable, Equatable {
     /// The FHIR base URL the sign-in is for.
-    public var fhirBaseURL: String
+    package var fhirBaseURL: String
     /// The client that signed in.
-    public var clientID: String
+    package var clientID: String
     /// The issuer whose ID token was checked, if an ID token was asked for.
-    public var issuer: String?
+    package var issuer: String?
     /// The token endpoint, for refreshes.
-    public var tokenEndpoint: String
+    package var tokenEndpoint: String
     /// The RFC 7009 revocation endpoint, if the server offers one.
-    public var revocationEndpoint: String?
+    package var revocationEndpoint: String?
     /// The access token.
-    public var accessToken: String
+    package var accessToken: String
     /// The refresh token, if granted (`offline_access` or `online_access`).
-    public var refreshToken: String?
+    package var refreshToken: String?
     /// When the access token was issued (by this host's clock, when the answer arrived).
-    public var issuedAt: Date
+    package var issuedAt: Date
     /// The access token's lifetime in seconds (`expires_in`).
-    public var expiresIn: Double
+    package var expiresIn: Double
     /// The scope granted.
-    public var scope: String?
+    package var scope: String?
     /// The SMART launch context: `patient`.
-    public var patient: String?
+    package var patient: String?
     /// The SMART launch context: `encounter`.
-    public var encounter: String?
+    package var encounter: String?
     /// The person: the ID token's `fhirUser` claim.
-    public var fhirUser: String?
+    package var fhirUser: String?
     /// The person: the ID token's `sub` claim.
-    public var subject: String?
+    package var subject: String?
     /// When the person signed in.
-    public var signedInAt: Date
+    package var signedInAt: Date
     /// When the tokens were last refreshed, if ever.
-    public var refreshedAt: Date?
+    package var refreshedAt: Date?
 
     /// When the access token expires.
-    public var expiresAt: Date { issuedAt.addingTimeInterval(expiresIn) }
+    package var expiresAt: Date { issuedAt.addingTimeInterval(expiresIn) }
     /// When dq renews the access token: half of its lifetime (the SMART rule dq follows).
-    public var renewAt: Date { issuedAt.addingTimeInterval(expiresIn / 2) }
+    package var renewAt: Date { issuedAt.addingTimeInterval(expiresIn / 2) }
 
     /// Creates a record; ``refreshedAt`` starts nil.
-    public init(
+    package init(
         fhirBaseURL: String, clientID: String, issuer: String?, tokenEndpoint: String, revocationEndpoint: String?,
         accessToken: String, refreshToken: String?, issuedAt: Date, expiresIn: Double, scope: String?,
         patient: String?, encounter: String?, fhirUser: String?, subject: String?, signedInAt: Date
@@ -81,23 +81,23 @@ public struct SignIn: Sendable, Codable, Equatable {
 /// atomically (temporary file, fsync, rename), so that a reader sees the old tokens or the new ones, never
 /// a mix. Refreshes by several processes (`dq run` and a `dq flush` from cron) are serialized with an
 /// exclusive `flock` on a lock file beside it, so that a rotated refresh token is used once.
-public struct SignInStore: Sendable {
+package struct SignInStore: Sendable {
     /// The directory of the files.
-    public let directory: String
+    package let directory: String
     /// The FHIR base URL.
-    public let fhirBaseURL: String
+    package let fhirBaseURL: String
     /// The client id.
-    public let clientID: String
+    package let clientID: String
 
     /// Creates the store of `clientID` at `fhirBaseURL` in `directory`.
-    public init(directory: String, fhirBaseURL: String, clientID: String) {
+    package init(directory: String, fhirBaseURL: String, clientID: String) {
         self.directory = directory
         self.fhirBaseURL = fhirBaseURL
         self.clientID = clientID
     }
 
     /// The file: `login-<12 bytes of SHA-256 of the base URL and client id>.json`.
-    public var path: String {
+    package var path: String {
         let digest = SHA256.hash(data: Data((fhirBaseURL + "\n" + clientID).utf8)).prefix(12)
         return directory + "/login-" + digest.hexString + ".json"
     }
@@ -105,7 +105,7 @@ public struct SignInStore: Sendable {
     /// The stored sign-in, or nil when there is none.
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when the file is unreadable or belongs to
     ///   another server or client.
-    public func load() throws -> SignIn? {
+    package func load() throws -> SignIn? {
         guard let decoded = SecretFile.read(SignIn.self, from: path) else { return nil }
         guard let signIn = decoded, signIn.fhirBaseURL == fhirBaseURL, signIn.clientID == clientID else {
             throw DataQueueError(.invalidConfiguration, "the sign-in file \(path) is unreadable; run `dq login` again")
@@ -114,13 +114,13 @@ public struct SignInStore: Sendable {
     }
 
     /// Stores `signIn`, replacing the earlier one atomically.
-    public func save(_ signIn: SignIn) throws {
+    package func save(_ signIn: SignIn) throws {
         try SecretFile.write(try SecretFile.encode(signIn), to: path, directory: directory, what: "sign-in file")
     }
 
     /// Deletes the stored sign-in; true when there was one.
     @discardableResult
-    public func delete() throws -> Bool {
+    package func delete() throws -> Bool {
         if unlink(path) == 0 { return true }
         if errno == ENOENT { return false }
         throw DataQueueError(.storage, "cannot delete the sign-in file \(path): \(String(cString: strerror(errno)))")

@@ -135,6 +135,32 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
             network: configuration.network, client: httpClient)
     }
 
+    /// Opens the queue for `baseURL` kept in `storage`: a SQLite file, or PostgreSQL by URL or through a
+    /// `PostgresClient` the host runs in its own `ServiceGroup`.
+    ///
+    /// ```swift
+    /// let queue = try await DataQueue(baseURL: server, storage: .postgres(client: client))
+    /// ```
+    ///
+    /// - Parameters:
+    ///   - baseURL: the FHIR base URL (see ``init(baseURL:configuration:authorization:httpClient:logger:)``).
+    ///   - storage: where the queue is kept; it replaces `configuration.storage`.
+    ///   - configuration: the other settings. The default is `Configuration()`.
+    ///   - authorization: supplies the `Authorization` header. The default is none.
+    ///   - httpClient: an HTTP client of the caller's to send with. The default is nil: the queue makes its own.
+    ///   - logger: where dq logs (never bodies or secrets). The default discards everything.
+    /// - Throws: as ``init(baseURL:configuration:authorization:httpClient:logger:)``.
+    public convenience init(
+        baseURL: URL, storage: Storage, configuration: Configuration = Configuration(),
+        authorization: (any AuthorizationProvider)? = nil, httpClient: HTTPClient? = nil,
+        logger: Logger = Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
+    ) async throws {
+        var configuration = configuration
+        configuration.storage = storage
+        try await self.init(
+            baseURL: baseURL, configuration: configuration, authorization: authorization, httpClient: httpClient, logger: logger)
+    }
+
     /// Releases what the queue owns: its HTTP client (unless the caller passed one) and the authorization
     /// provider's resources. Call once, when done with the queue.
     public func shutdown() async throws {

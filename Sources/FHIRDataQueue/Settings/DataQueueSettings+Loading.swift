@@ -83,32 +83,32 @@ extension DataQueueSettings {
     // MARK: - Resolving
 
     /// What the settings make: the pieces of a queue, each value checked.
-    public struct Resolved: Sendable {
+    package struct Resolved: Sendable {
         /// The FHIR base URL.
-        public var server: URL
+        package var server: URL
         /// The queue's configuration.
-        public var configuration: DataQueue.Configuration
+        package var configuration: DataQueue.Configuration
         /// How requests are authorized, if at all.
-        public var authorization: (any AuthorizationProvider)?
+        package var authorization: (any AuthorizationProvider)?
         /// The encrypted endpoint, if any.
-        public var encryption: ResolvedEncryption?
+        package var encryption: ResolvedEncryption?
     }
 
     /// The `encryption` object, resolved.
-    public struct ResolvedEncryption: Sendable {
+    package struct ResolvedEncryption: Sendable {
         /// Where envelopes go.
-        public var endpoint: URL
+        package var endpoint: URL
         /// The sealer with the receiver's key.
-        public var sealer: EnvelopeSealer
+        package var sealer: EnvelopeSealer
         /// The types to encrypt; nil: every resource.
-        public var resourceTypes: Set<String>?
+        package var resourceTypes: Set<String>?
     }
 
     /// Checks every value and builds the queue's pieces. No file other than the certificate and keys named
     /// in the settings is read, and nothing is written.
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the key of the first bad value.
-    public func resolve() throws -> Resolved {
+    package func resolve() throws -> Resolved {
         let values = try checkedValues()
         var configuration = DataQueue.Configuration()
         if let value = values.database { configuration.databasePath = value }

@@ -9,7 +9,7 @@ import Logging
 /// The `dq.json` settings file, as the `dq` command line and an embedding service both read it.
 ///
 /// Decoding checks names and types (an unknown key or a wrong type is an error that names the key);
-/// ``resolve()`` checks values and builds the pieces of a queue. Environment variables (`DQ_*`) are applied
+/// making a queue (``makeQueue(readOnly:logger:)``) checks values and builds its pieces. Environment variables (`DQ_*`) are applied
 /// with ``apply(environment:)``; an application applies its own overrides by setting the properties.
 ///
 /// ```swift
