@@ -15,8 +15,8 @@ extension DataQueue {
 
     /// How this queue's database is sealed at rest (readable without a key).
     package func sealingSummary() async throws -> SealingSummary {
-        let store = (self.store as? SealedStorage)?.inner ?? self.store
-        return try await Self.summary(of: store)
+        // A sealed store passes these reads to the store it wraps: no key is needed.
+        try await Self.summary(of: store)
     }
 
     static func summary(of store: any QueueStorage) async throws -> SealingSummary {
@@ -41,14 +41,12 @@ extension DataQueue {
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when no at-rest key is configured.
     package func rekey(progress: (Int) -> Void) async throws -> RekeyReport {
-        guard let sealed = store as? SealedStorage, let current = configuration.atRest?.current else {
+        guard let current = configuration.atRest?.current else {
             throw DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
         }
-        _ = try await sealed.sealer
-        let resealed = try await sealed.sealAll(only: .notUnderCurrentKey, progress: progress)
-        try await sealed.inner.scrubAfterSealing()
-        let counts = try await sealed.inner.sealedCounts()
-        let unused = try await sealed.inner.sealKeys().map(\.id).filter { $0 != current.id && (counts[$0] ?? 0) == 0 }
-        return RekeyReport(resealed: resealed, unused: unused, summary: try await Self.summary(of: sealed.inner))
+        let resealed = try await store.resealUnderCurrentKey(progress: progress)
+        let summary = try await Self.summary(of: store)
+        let unused = summary.keys.filter { $0 != current.id && (summary.items[$0] ?? 0) == 0 }
+        return RekeyReport(resealed: resealed, unused: unused, summary: summary)
     }
 }

@@ -150,6 +150,11 @@ protocol QueueStorage: AnyObject, Sendable {
     /// the WAL's frames). The default does nothing.
     func scrubAfterSealing() async throws
 
+    /// Seals every item under the current at-rest key: those sealed under an older key and any plain one, in
+    /// batches, while producers and flushes go on; returns how many were sealed again. A store without at-rest
+    /// keys (the default) throws the configuration error that says so.
+    func resealUnderCurrentKey(progress: (Int) -> Void) async throws -> Int
+
     /// Up to `limit` distinct `fullUrl`s of journal lines stored as given (written before the queue was sealed).
     /// Cheap when there are none: a plain fullUrl starts with `urn:` and a keyed hash with `dqx1.`, so every
     /// plain one sorts from `e` on (in any collation), a range of the fullUrl index.
@@ -303,6 +308,10 @@ extension QueueStorage {
     func vacuum() async throws {}
 
     func scrubAfterSealing() async throws {}
+
+    func resealUnderCurrentKey(progress: (Int) -> Void) async throws -> Int {
+        throw DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
+    }
 
     func preparation() async throws -> (any ItemPreparation)? { nil }
 

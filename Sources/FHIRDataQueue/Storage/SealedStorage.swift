@@ -155,6 +155,12 @@ final class SealedStorage: QueueStorage {
         case notUnderCurrentKey
     }
 
+    func resealUnderCurrentKey(progress: (Int) -> Void) async throws -> Int {
+        let resealed = try await sealAll(try await sealer, only: .notUnderCurrentKey, progress: progress)
+        try await inner.scrubAfterSealing()
+        return resealed
+    }
+
     /// Seals items again under the current key, in batches, each batch in one transaction, while producers
     /// and a flush go on: a row that changed since it was read (delivered, parked) is left to them. An item whose
     /// seal does not open is left as it is (a flush parks it, named). Returns how many were sealed.
