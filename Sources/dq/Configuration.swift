@@ -17,7 +17,7 @@ extension DataQueueSettings {
         var settings = try DataQueueSettings.load(
             config: options.config, server: options.server, database: options.database, environment: environment,
             decode: DataQueueSettings.decode(_:source:))
-        if let format = try? DQLogHandler.Format.named(options.logFormat ?? settings.logFormat) {
+        if let format = try? DQLogHandler.Format.named(options.logFormat ?? settings.logFormat?.rawValue) {
             StandardError.format.withLock { $0 = format }
         }
         if let proxy = options.proxy { settings.proxy = proxy }
@@ -27,7 +27,7 @@ extension DataQueueSettings {
             if let durability = sending.durability { settings.durability = durability }
             if sending.idempotent { settings.idempotent = true }
             if let timeout = sending.timeout { settings.timeoutSeconds = timeout }
-            if let batchSize = sending.batchSize { settings.batchSize = Double(batchSize) }
+            if let batchSize = sending.batchSize { settings.batchSize = batchSize }
         }
         return settings
     }

@@ -105,7 +105,7 @@ struct QueueOptions: ParsableArguments {
 /// Options of commands that write to the queue or send: durability, idempotent mode, the request deadline.
 struct SendingOptions: ParsableArguments {
     @Option(help: "full (survives power loss; the default) or normal (faster). Overrides \"durability\".")
-    var durability: String?
+    var durability: Durability?
 
     @Flag(help: "Make retried creates safe with conditional create (If-None-Exist).")
     var idempotent = false
@@ -206,8 +206,8 @@ var standardErrorIsTerminal: Bool { isatty(2) == 1 }
 /// else warning) and the format (`--log-format`, else `log_format` or `DQ_LOG_FORMAT`), for the logger's lines
 /// and dq's own.
 func bootstrapLogging(_ options: QueueOptions, _ settings: DataQueueSettings) throws {
-    let level = options.verbose ? .debug : settings.logLevel.flatMap(Logger.Level.init(rawValue:)) ?? .warning
-    let format = try DQLogHandler.Format.named(options.logFormat ?? settings.logFormat)
+    let level = options.verbose ? .debug : settings.logLevel ?? .warning
+    let format = try DQLogHandler.Format.named(options.logFormat ?? settings.logFormat?.rawValue)
     StandardError.format.withLock { $0 = format }
     LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format) }
 }
@@ -403,3 +403,5 @@ func printJSON<T: Encodable>(_ value: T) throws {
 func formatDate(_ date: Date?) -> String {
     StatusReport.formatDate(date)
 }
+
+extension Durability: ExpressibleByArgument {}

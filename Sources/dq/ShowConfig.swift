@@ -143,10 +143,10 @@ struct ShowConfig: AsyncParsableCommand {
             "ready_max_age_seconds", settings.readyMaxAgeSeconds.map(number) ?? "none",
             origin("ready_max_age_seconds", ["DQ_READY_MAX_AGE_SECONDS"]))
         add(
-            "log_format", options.logFormat ?? settings.logFormat ?? "text",
+            "log_format", options.logFormat ?? settings.logFormat?.rawValue ?? "text",
             origin("log_format", ["DQ_LOG_FORMAT"], flag: ("--log-format", options.logFormat != nil)))
         add(
-            "log_level", options.verbose ? "debug" : settings.logLevel ?? "warning",
+            "log_level", options.verbose ? "debug" : settings.logLevel?.rawValue ?? "warning",
             origin("log_level", ["DQ_LOG_LEVEL"], flag: ("-v", options.verbose)))
         add("metrics_address", settings.metricsAddress ?? "none (dq run)", origin("metrics_address", ["DQ_METRICS_ADDRESS"]))
         add(

@@ -27,6 +27,38 @@ struct SettingsTests {
         #expect(resolved.encryption == nil)
     }
 
+    @Test("Settings that are a choice or a whole number are typed so, from the file and from the environment")
+    func typedFields() throws {
+        let json = #"""
+            {"server": "http://127.0.0.1:9/fhir", "durability": "normal", "log_format": "JSON", "log_level": "Info", "batch_size": 20.0,
+             "batch_max_bytes": 4096, "max_resource_bytes": 65536}
+            """#
+        var settings = try DataQueueSettings.decode(Data(json.utf8))
+        #expect(settings.durability == .normal && settings.logFormat == .json && settings.logLevel == .info)
+        #expect(settings.batchSize == 20 && settings.batchMaxBytes == 4096 && settings.maxResourceBytes == 65_536)
+        try settings.apply(environment: [
+            "DQ_DURABILITY": "full", "DQ_LOG_FORMAT": "text", "DQ_LOG_LEVEL": "trace", "DQ_BATCH_SIZE": "7",
+            "DQ_BATCH_MAX_BYTES": "2048", "DQ_MAX_RESOURCE_BYTES": "128",
+        ])
+        #expect(settings.durability == .full && settings.logFormat == .text && settings.logLevel == .trace)
+        #expect(settings.batchSize == 7 && settings.batchMaxBytes == 2048 && settings.maxResourceBytes == 128)
+        // Set in code, out of range: refused where the file's value would be.
+        settings.batchSize = 0
+        let range = #expect(throws: DataQueueError.self) { try settings.resolve() }
+        #expect(range?.message.contains(#""batch_size" must be a whole number from 1 to"#) == true, "\(range?.message ?? "")")
+        for (text, message) in [
+            (#"{"batch_size": 2.5}"#, #""batch_size" must be a whole number from 1 to"#),
+            (#"{"batch_max_bytes": "big"}"#, #""batch_max_bytes" must be a number"#),
+            (#"{"log_level": "loud"}"#, #""log_level" must be one of trace"#),
+            (#"{"durability": "sometimes"}"#, #""durability" must be "full" or "normal""#),
+        ] {
+            let error = #expect(throws: DataQueueError.self) { try DataQueueSettings.decode(Data(text.utf8)) }
+            #expect(error?.message.contains(message) == true, "\(text): \(error?.message ?? "")")
+        }
+        let variable = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_BATCH_MAX_BYTES": "4k"]) }
+        #expect(variable?.message.contains("DQ_BATCH_MAX_BYTES must be a whole number") == true)
+    }
+
     @Test(
         "Unknown keys and wrong types are named as the file writes them",
         arguments: [

@@ -33,11 +33,11 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// file.
     package var databasePassword: String?
     /// `durability`: `full` or `normal`.
-    public var durability: String?
+    public var durability: Durability?
     /// `idempotent`: conditional create on retries.
     public var idempotent: Bool?
     /// `max_resource_bytes`: the largest resource accepted.
-    public var maxResourceBytes: Double?
+    public var maxResourceBytes: Int?
     /// `timeout_seconds`: the deadline of one request.
     public var timeoutSeconds: Double?
     /// `connect_timeout_seconds`: the connect timeout.
@@ -48,17 +48,17 @@ public struct DataQueueSettings: Sendable, Decodable {
     public var leaseSeconds: Double?
     /// `batch_size`: the most items per request (transaction Bundle entries); `1` one request per item. Unset:
     /// automatic (see ``DataQueue/Configuration/batchSize``).
-    public var batchSize: Double?
+    public var batchSize: Int?
     /// `batch_max_bytes`: the most body bytes per Bundle.
-    public var batchMaxBytes: Double?
+    public var batchMaxBytes: Int?
     /// `ready_max_age_seconds`: `dq run`'s `/readyz` fails while a pending item is older than this (unset: age
     /// is not looked at).
     public var readyMaxAgeSeconds: Double?
     /// `log_format` (or `DQ_LOG_FORMAT`): `text` (the default) or `json`, for the command line's log lines.
-    public var logFormat: String?
+    public var logFormat: LogFormat?
     /// `log_level` (or `DQ_LOG_LEVEL`): the least level logged, `trace` to `critical`; the default is `warning`
     /// (`-v` is `debug`).
-    public var logLevel: String?
+    public var logLevel: Logger.Level?
     /// `metrics_address` (or `DQ_METRICS_ADDRESS`): where `dq run` serves `/metrics`, `/healthz` and `/readyz`
     /// (`HOST:PORT`, or a port on loopback). The default is none.
     public var metricsAddress: String?
@@ -247,16 +247,16 @@ public struct DataQueueSettings: Sendable, Decodable {
     public mutating func apply(environment: [String: String]) throws {
         if let value = environment["DQ_SERVER"] { server = value }
         if let value = environment["DQ_LOG_FORMAT"] {
-            guard ["text", "json"].contains(value.lowercased()) else {
+            guard let format = LogFormat(rawValue: value.lowercased()) else {
                 throw Self.configError("DQ_LOG_FORMAT must be \"text\" or \"json\"")
             }
-            logFormat = value.lowercased()
+            logFormat = format
         }
         if let value = environment["DQ_LOG_LEVEL"] {
-            guard Logger.Level(rawValue: value.lowercased()) != nil else {
+            guard let level = Logger.Level(rawValue: value.lowercased()) else {
                 throw Self.configError("DQ_LOG_LEVEL must be one of \(Self.logLevels)")
             }
-            logLevel = value.lowercased()
+            logLevel = level
         }
         if let value = environment["DQ_METRICS_ADDRESS"] { metricsAddress = value }
         for (name, key) in [("DQ_REGISTRATION_FIELDS", "registration_fields"), ("DQ_REGISTRATION_HEADERS", "registration_headers")] {
@@ -277,7 +277,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         if let value = environment["DQ_DATABASE"] { database = value }
         if let value = environment["DQ_DATABASE_PASSWORD_FILE"] { databasePasswordFile = value }
         if let value = environment["DQ_DURABILITY"] {
-            guard Durability(rawValue: value) != nil else { throw Self.configError("DQ_DURABILITY must be \"full\" or \"normal\"") }
+            guard let value = Durability(rawValue: value) else {
+                throw Self.configError("DQ_DURABILITY must be \"full\" or \"normal\"")
+            }
             durability = value
         }
         if let text = environment["DQ_IDEMPOTENT"] { idempotent = try Self.flag(text, name: "DQ_IDEMPOTENT") }
@@ -304,7 +306,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         environmentNetwork.apply(environment: environment)
         if let text = environment["DQ_BATCH_SIZE"] {
             let limit = SettingLimits.maximumBatchSize
-            guard let value = Double(text), value.rounded() == value, value >= 1, value <= Double(limit) else {
+            guard let value = Int(text.trimmingCharacters(in: .whitespaces)), (1...limit).contains(value) else {
                 throw Self.configError("DQ_BATCH_SIZE must be a whole number from 1 to \(limit)")
             }
             batchSize = value
@@ -360,15 +362,40 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// The settings that are numbers, each with its variable (`DQ_` and the key, upper-case; `retry.` keys as
     /// `DQ_RETRY_…`); the value is checked as the file's is, when the settings are resolved.
     private static let numberVariables: [(name: String, key: any WritableKeyPath<DataQueueSettings, Double?> & Sendable)] = [
-        ("DQ_MAX_RESOURCE_BYTES", \.maxResourceBytes), ("DQ_TIMEOUT_SECONDS", \.timeoutSeconds),
+        ("DQ_TIMEOUT_SECONDS", \.timeoutSeconds),
         ("DQ_CONNECT_TIMEOUT_SECONDS", \.connectTimeoutSeconds), ("DQ_SETTLE_SECONDS", \.settleSeconds),
-        ("DQ_BATCH_MAX_BYTES", \.batchMaxBytes), ("DQ_READY_MAX_AGE_SECONDS", \.readyMaxAgeSeconds),
+        ("DQ_READY_MAX_AGE_SECONDS", \.readyMaxAgeSeconds),
         ("DQ_JOURNAL_RETENTION_DAYS", \.journalRetentionDays), ("DQ_LEASE_SECONDS", \.leaseSeconds),
         ("DQ_POLL_INTERVAL_SECONDS", \.pollIntervalSeconds), ("DQ_DRAIN_TIMEOUT_SECONDS", \.drainTimeoutSeconds),
     ]
 
+    /// The settings that are whole numbers, each with its variable (`DQ_BATCH_SIZE`, with its own check, aside).
+    private static let wholeNumberVariables: [(name: String, key: any WritableKeyPath<DataQueueSettings, Int?> & Sendable)] = [
+        ("DQ_MAX_RESOURCE_BYTES", \.maxResourceBytes), ("DQ_BATCH_MAX_BYTES", \.batchMaxBytes),
+    ]
+
     /// The log levels, least first, as `log_level` names them.
     package static let logLevels = Logger.Level.allCases.map(\.rawValue).joined(separator: ", ")
+
+    /// How the command line writes its log lines (`log_format`).
+    public enum LogFormat: String, Sendable, CaseIterable {
+        /// Plain lines (the default); under systemd's journal each starts with its syslog priority.
+        case text
+        /// One JSON object a line, for log shippers.
+        case json
+    }
+
+    static var maxResourceBytesError: DataQueueError {
+        configError("\"max_resource_bytes\" must be a whole number of bytes from 64 to \(SettingLimits.maximumResourceSizeLimit)")
+    }
+
+    static var batchSizeError: DataQueueError {
+        configError("\"batch_size\" must be a whole number from 1 to \(SettingLimits.maximumBatchSize)")
+    }
+
+    static var batchMaxBytesError: DataQueueError {
+        configError("\"batch_max_bytes\" must be a whole number of bytes from 1024 to \(256 << 20)")
+    }
 
     private static let retryVariables: [(name: String, key: any WritableKeyPath<Retry, Double?> & Sendable)] = [
         ("DQ_RETRY_INITIAL_SECONDS", \.initialSeconds), ("DQ_RETRY_MAXIMUM_SECONDS", \.maximumSeconds), ("DQ_RETRY_JITTER", \.jitter),
@@ -411,6 +438,14 @@ public struct DataQueueSettings: Sendable, Decodable {
         for (name, key) in Self.numberVariables {
             if let value = try number(name) { self[keyPath: key] = value }
         }
+        // Whole numbers: their range is checked as the file's is, when the settings are resolved.
+        for (name, key) in Self.wholeNumberVariables {
+            guard let text = environment[name] else { continue }
+            guard let value = Int(text.trimmingCharacters(in: .whitespaces)) else {
+                throw Self.configError("\(name) must be a whole number")
+            }
+            self[keyPath: key] = value
+        }
         for (name, key) in Self.retryVariables {
             if let value = try number(name) {
                 retry = retry ?? Retry()
@@ -448,7 +483,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
             "DQ_CLIENT_SECRET_FILE", "DQ_DATABASE_PASSWORD_FILE", "DQ_ENCRYPTION_RESOURCE_TYPES", "DQ_ENCRYPTION_IN_FLIGHT",
             "DQ_METRICS_ADDRESS", "DQ_REGISTRATION_FIELDS", "DQ_REGISTRATION_HEADERS",
-        ] + numberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name)
+        ] + numberVariables.map(\.name) + wholeNumberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name)
             + encryptionTextVariables.map(\.name))
 
     /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
@@ -680,31 +715,18 @@ public struct DataQueueSettings: Sendable, Decodable {
             values.database = database
         }
 
-        if let durability {
-            guard let value = Durability(rawValue: durability) else {
-                throw Self.configError("\"durability\" must be \"full\" or \"normal\"")
-            }
-            values.durability = value
-        }
+        values.durability = durability
         if let value = maxResourceBytes {
-            let limit = SettingLimits.maximumResourceSizeLimit
-            guard value.isFinite, value.rounded() == value, value >= 64, value <= Double(limit) else {
-                throw Self.configError("\"max_resource_bytes\" must be a whole number of bytes from 64 to \(limit)")
-            }
-            values.maximumResourceSize = Int(value)
+            guard (64...SettingLimits.maximumResourceSizeLimit).contains(value) else { throw Self.maxResourceBytesError }
+            values.maximumResourceSize = value
         }
         if let value = batchSize {
-            let limit = SettingLimits.maximumBatchSize
-            guard value.isFinite, value.rounded() == value, value >= 1, value <= Double(limit) else {
-                throw Self.configError("\"batch_size\" must be a whole number from 1 to \(limit)")
-            }
-            values.batchSize = Int(value)
+            guard (1...SettingLimits.maximumBatchSize).contains(value) else { throw Self.batchSizeError }
+            values.batchSize = value
         }
         if let value = batchMaxBytes {
-            guard value.isFinite, value.rounded() == value, value >= 1024, value <= Double(256 << 20) else {
-                throw Self.configError("\"batch_max_bytes\" must be a whole number of bytes from 1024 to \(256 << 20)")
-            }
-            values.batchMaxBytes = Int(value)
+            guard (1024...(256 << 20)).contains(value) else { throw Self.batchMaxBytesError }
+            values.batchMaxBytes = value
         }
         values.requestTimeout = try Self.seconds(timeoutSeconds, "timeout_seconds", allowZero: false)
         values.connectTimeout = try Self.seconds(connectTimeoutSeconds, "connect_timeout_seconds", allowZero: false)
@@ -845,29 +867,21 @@ public struct DataQueueSettings: Sendable, Decodable {
         server = try SettingsKeys.value(container, .server, "must be a string")
         database = try SettingsKeys.value(container, .database, "must be a string")
         databasePasswordFile = try SettingsKeys.value(container, .databasePasswordFile, "must be a string (a file holding the password)")
-        durability = try SettingsKeys.value(container, .durability, "must be \"full\" or \"normal\"")
+        durability = try SettingsKeys.choice(container, .durability, "must be \"full\" or \"normal\"") { Durability(rawValue: $0) }
         idempotent = try SettingsKeys.value(container, .idempotent, "must be true or false")
-        maxResourceBytes = try SettingsKeys.value(container, .maxResourceBytes, "must be a number")
+        maxResourceBytes = try SettingsKeys.wholeNumber(container, .maxResourceBytes, Self.maxResourceBytesError)
         timeoutSeconds = try SettingsKeys.value(container, .timeoutSeconds, "must be a number")
         connectTimeoutSeconds = try SettingsKeys.value(container, .connectTimeoutSeconds, "must be a number")
         settleSeconds = try SettingsKeys.value(container, .settleSeconds, "must be a number")
         leaseSeconds = try SettingsKeys.value(container, .leaseSeconds, "must be a number")
-        batchSize = try SettingsKeys.value(container, .batchSize, "must be a number")
-        batchMaxBytes = try SettingsKeys.value(container, .batchMaxBytes, "must be a number")
+        batchSize = try SettingsKeys.wholeNumber(container, .batchSize, Self.batchSizeError)
+        batchMaxBytes = try SettingsKeys.wholeNumber(container, .batchMaxBytes, Self.batchMaxBytesError)
         readyMaxAgeSeconds = try SettingsKeys.value(container, .readyMaxAgeSeconds, "must be a number of seconds")
-        logFormat = try SettingsKeys.value(container, .logFormat, "must be \"text\" or \"json\"")
-        if let format = logFormat {
-            guard ["text", "json"].contains(format.lowercased()) else {
-                throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.logFormat], "must be \"text\" or \"json\"")
-            }
-            logFormat = format.lowercased()
+        logFormat = try SettingsKeys.choice(container, .logFormat, "must be \"text\" or \"json\"") {
+            LogFormat(rawValue: $0.lowercased())
         }
-        logLevel = try SettingsKeys.value(container, .logLevel, "must be one of \(Self.logLevels)")
-        if let level = logLevel {
-            guard Logger.Level(rawValue: level.lowercased()) != nil else {
-                throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.logLevel], "must be one of \(Self.logLevels)")
-            }
-            logLevel = level.lowercased()
+        logLevel = try SettingsKeys.choice(container, .logLevel, "must be one of \(Self.logLevels)") {
+            Logger.Level(rawValue: $0.lowercased())
         }
         metricsAddress = try SettingsKeys.value(container, .metricsAddress, "must be a string (HOST:PORT, or a port)")
         pollIntervalSeconds = try SettingsKeys.value(container, .pollIntervalSeconds, "must be a number of seconds")
@@ -1054,6 +1068,26 @@ package enum SettingsKeys {
         for key in container.allKeys.sorted(by: { $0.stringValue < $1.stringValue }) where !known.contains(key.stringValue) {
             throw DataQueueSettings.configError("unknown key \(name(decoder.codingPath + [key]))")
         }
+    }
+
+    /// Decodes an optional member that names one of a set of values (`parse` gives nil for any other), naming it
+    /// with `what` when it is not one of them.
+    static func choice<T, Keys: CodingKey>(
+        _ container: KeyedDecodingContainer<Keys>, _ key: Keys, _ what: String, _ parse: (String) -> T?
+    ) throws -> T? {
+        guard let text: String = try value(container, key, what) else { return nil }
+        guard let parsed = parse(text) else { throw typeError(container.codingPath + [key], what) }
+        return parsed
+    }
+
+    /// Decodes an optional member that must be a whole number (written as `1000` or `1000.0`), throwing `error`
+    /// (which says the range) when it is not one.
+    static func wholeNumber<Keys: CodingKey>(
+        _ container: KeyedDecodingContainer<Keys>, _ key: Keys, _ error: DataQueueError
+    ) throws -> Int? {
+        guard let number: Double = try value(container, key, "must be a number") else { return nil }
+        guard number.isFinite, number.rounded() == number, abs(number) < 1e15 else { throw error }
+        return Int(number)
     }
 
     /// Decodes an optional member, naming it with `what` when its type is wrong.
