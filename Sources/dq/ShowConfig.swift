@@ -156,13 +156,13 @@ struct ShowConfig: AsyncParsableCommand {
             "drain_timeout_seconds", number(settings.drainTimeoutSeconds ?? 10),
             origin("drain_timeout_seconds", ["DQ_DRAIN_TIMEOUT_SECONDS"]))
         let authText: [(String, String, String?)] = [
-            ("authorize_type", "DQ_AUTHORIZE_TYPE", auth?.authorizeType ?? (auth == nil ? nil : "client_credentials")),
+            ("authorize_type", "DQ_AUTHORIZE_TYPE", auth?.authorizeType?.rawValue ?? (auth == nil ? nil : "client_credentials")),
             ("authorize_uri", "DQ_AUTHORIZE_URI", auth?.authorizeURI), ("issuer", "DQ_ISSUER", auth?.issuer),
             ("revocation_uri", "DQ_REVOCATION_URI", auth?.revocationURI),
             ("registration_uri", "DQ_REGISTRATION_URI", auth?.registrationURI), ("client_name", "DQ_CLIENT_NAME", auth?.clientName),
-            ("token_endpoint_auth_method", "DQ_TOKEN_ENDPOINT_AUTH_METHOD", auth?.tokenEndpointAuthMethod),
+            ("token_endpoint_auth_method", "DQ_TOKEN_ENDPOINT_AUTH_METHOD", auth?.tokenEndpointAuthMethod?.rawValue),
             ("private_key", "DQ_PRIVATE_KEY", auth?.privateKey.map { settings.keyFilePath($0) }), ("key_id", "DQ_KEY_ID", auth?.keyID),
-            ("key_alg", "DQ_KEY_ALG", auth?.keyAlgorithm), ("credentials_dir", "DQ_CREDENTIALS_DIR", auth?.credentialsDirectory),
+            ("key_alg", "DQ_KEY_ALG", auth?.keyAlgorithm?.rawValue), ("credentials_dir", "DQ_CREDENTIALS_DIR", auth?.credentialsDirectory),
         ]
         for (key, variable, value) in authText {
             add("auth." + key, value ?? "none", origin("auth." + key, [variable]))
@@ -192,8 +192,8 @@ struct ShowConfig: AsyncParsableCommand {
             ("key_id", "DQ_ENCRYPTION_KEY_ID", encryption?.keyID),
             ("fhir_version", "DQ_ENCRYPTION_FHIR_VERSION", encryption?.fhirVersion ?? (encryption == nil ? nil : "1.0.2")),
             ("resource_types", "DQ_ENCRYPTION_RESOURCE_TYPES", encryption?.resourceTypes?.joined(separator: ", ")),
-            ("mode", "DQ_ENCRYPTION_MODE", encryption?.mode ?? (encryption == nil ? nil : "c3pro")),
-            ("in_flight", "DQ_ENCRYPTION_IN_FLIGHT", encryption?.inFlight.map(number) ?? (encryption == nil ? nil : "1")),
+            ("mode", "DQ_ENCRYPTION_MODE", encryption?.mode?.rawValue ?? (encryption == nil ? nil : "c3pro")),
+            ("in_flight", "DQ_ENCRYPTION_IN_FLIGHT", encryption?.inFlight.map(String.init) ?? (encryption == nil ? nil : "1")),
         ]
         for (key, variable, value) in encryptionText {
             add("encryption." + key, value ?? "none", origin("encryption." + key, [variable]))

@@ -57,6 +57,31 @@ struct SettingsTests {
         }
         let variable = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_BATCH_MAX_BYTES": "4k"]) }
         #expect(variable?.message.contains("DQ_BATCH_MAX_BYTES must be a whole number") == true)
+
+        let choices = #"""
+            {"auth": {"authorize_type": "authorization_code", "token_endpoint_auth_method": "none", "key_alg": "es256"},
+             "encryption": {"mode": "authenticated", "in_flight": 3}}
+            """#
+        var chosen = try DataQueueSettings.decode(Data(choices.utf8))
+        #expect(chosen.auth?.authorizeType == .authorizationCode && chosen.auth?.tokenEndpointAuthMethod == TokenEndpointAuthMethod.none)
+        #expect(chosen.auth?.keyAlgorithm == .es256 && chosen.encryption?.mode == .authenticated && chosen.encryption?.inFlight == 3)
+        try chosen.apply(environment: [
+            "DQ_AUTHORIZE_TYPE": "client_credentials", "DQ_TOKEN_ENDPOINT_AUTH_METHOD": "private_key_jwt", "DQ_KEY_ALG": "RS256",
+            "DQ_ENCRYPTION_MODE": "c3pro", "DQ_ENCRYPTION_IN_FLIGHT": "2",
+        ])
+        #expect(chosen.auth?.authorizeType == .clientCredentials && chosen.auth?.tokenEndpointAuthMethod == .privateKeyJWT)
+        #expect(chosen.auth?.keyAlgorithm == .rs256 && chosen.encryption?.mode == .c3pro && chosen.encryption?.inFlight == 2)
+        for (text, message) in [
+            (#"{"auth": {"authorize_type": "password"}}"#, #""auth.authorize_type" must be "client_credentials" or"#),
+            (#"{"auth": {"token_endpoint_auth_method": "tls"}}"#, #""auth.token_endpoint_auth_method" must be client_secret_basic"#),
+            (#"{"encryption": {"mode": "rot13"}}"#, #""encryption.mode" must be "c3pro" or "authenticated""#),
+            (#"{"encryption": {"in_flight": 1.5}}"#, #""encryption.in_flight" must be a whole number from 1 to 64"#),
+        ] {
+            let error = #expect(throws: DataQueueError.self) { try DataQueueSettings.decode(Data(text.utf8)) }
+            #expect(error?.message.contains(message) == true, "\(text): \(error?.message ?? "")")
+        }
+        let mode = #expect(throws: DataQueueError.self) { try chosen.apply(environment: ["DQ_ENCRYPTION_MODE": "rot13"]) }
+        #expect(mode?.message.contains("DQ_ENCRYPTION_MODE must be") == true, "\(mode?.message ?? "")")
     }
 
     @Test(
@@ -251,13 +276,13 @@ struct SettingsTests {
             "DQ_ENCRYPTION_RESOURCE_TYPES": "Observation, Patient",
         ])
         let auth = try #require(settings.auth)
-        #expect(auth.authorizeURI == "https://a/authorize" && auth.authorizeType == "client_credentials")
+        #expect(auth.authorizeURI == "https://a/authorize" && auth.authorizeType == .clientCredentials)
         #expect(auth.revocationURI == "https://a/revoke" && auth.registrationURI == "https://a/register" && auth.clientName == "gateway 7")
-        #expect(auth.tokenEndpointAuthMethod == "private_key_jwt" && auth.privateKey == "/k.pem" && auth.keyID == "k1")
-        #expect(auth.keyAlgorithm == "ES384" && auth.credentialsDirectory == "/creds")
+        #expect(auth.tokenEndpointAuthMethod == .privateKeyJWT && auth.privateKey == "/k.pem" && auth.keyID == "k1")
+        #expect(auth.keyAlgorithm == .es384 && auth.credentialsDirectory == "/creds")
         let encryption = try #require(settings.encryption)
         #expect(encryption.endpoint == "https://r/envelopes" && encryption.certificate == "/r.crt" && encryption.keyID == "r1")
-        #expect(encryption.mode == "authenticated" && encryption.fhirVersion == "4.0.1" && encryption.inFlight == 4)
+        #expect(encryption.mode == .authenticated && encryption.fhirVersion == "4.0.1" && encryption.inFlight == 4)
         #expect(encryption.resourceTypes == ["Observation", "Patient"])
         let names = [
             "DQ_AUTHORIZE_URI", "DQ_KEY_ALG", "DQ_CREDENTIALS_DIR", "DQ_ENCRYPTION_ENDPOINT", "DQ_ENCRYPTION_RESOURCE_TYPES",

@@ -131,17 +131,15 @@ extension DataQueueSettings {
             if let token = auth.bearerToken {
                 guard !token.isEmpty else { throw Self.configError("\"auth.bearer_token\" is empty") }
                 authorization = StaticBearerToken(token)
-            } else if auth.authorizeType == "authorization_code" {
+            } else if auth.authorizeType == .authorizationCode {
                 authorization = try resolveAuthorizationCode(auth, server: serverURL, network: configuration.network)
             } else if auth.authorizeType != nil || auth.clientID != nil || auth.registrationURI != nil {
                 authorization = try resolveOAuth2(auth, server: serverURL, network: configuration.network)
             }
         }
         if let value = encryption?.inFlight {
-            guard value.isFinite, value.rounded() == value, (1...64).contains(value) else {
-                throw Self.configError("\"encryption.in_flight\" must be a whole number from 1 to 64")
-            }
-            configuration.encryptedInFlight = Int(value)
+            guard (1...64).contains(value) else { throw Self.inFlightError }
+            configuration.encryptedInFlight = value
         }
         configuration.atRest = try resolveAtRest()
         return Resolved(
@@ -210,21 +208,15 @@ extension DataQueueSettings {
     /// `token_endpoint_auth_method`, `private_key`, `key_id` and `key_alg`, checked.
     private func clientAuthentication(_ auth: Auth, allowNone: Bool) throws -> (TokenEndpointAuthMethod?, ClientAssertionKey?) {
         var method: TokenEndpointAuthMethod?
-        if let text = auth.tokenEndpointAuthMethod {
-            guard let parsed = TokenEndpointAuthMethod(rawValue: text), allowNone || parsed != .none else {
+        if let parsed = auth.tokenEndpointAuthMethod {
+            guard allowNone || parsed != .none else {
                 throw Self.configError(
                     "\"auth.token_endpoint_auth_method\" must be client_secret_basic, client_secret_post\(allowNone ? ", none" : "") or private_key_jwt"
                 )
             }
             method = parsed
         }
-        var keyAlgorithm: ClientAssertionKey.Algorithm?
-        if let name = auth.keyAlgorithm {
-            guard let parsed = ClientAssertionKey.Algorithm(rawValue: name.uppercased()) else {
-                throw Self.configError("\"auth.key_alg\" must be RS256, RS384, ES256 or ES384")
-            }
-            keyAlgorithm = parsed
-        }
+        let keyAlgorithm = auth.keyAlgorithm
         var key: ClientAssertionKey?
         if let path = auth.privateKey {
             key = try ClientAssertionKey(pemFile: keyFilePath(path), keyID: auth.keyID, algorithm: keyAlgorithm)
@@ -274,10 +266,6 @@ extension DataQueueSettings {
     private func resolveOAuth2(_ auth: Auth, server: URL, network: NetworkConfiguration) throws -> OAuth2ClientCredentials {
         if auth.issuer != nil || auth.revocationURI != nil {
             throw Self.configError("\"auth.issuer\" and \"auth.revocation_uri\" belong to \"authorize_type\": \"authorization_code\"")
-        }
-        if let type = auth.authorizeType, type != "client_credentials" {
-            throw Self.configError(
-                "\"auth.authorize_type\" must be \"client_credentials\" or \"authorization_code\", not \"\(type)\"")
         }
         let url = Self.authURL
         var oauth = OAuth2Configuration(fhirBaseURL: server)
@@ -332,10 +320,7 @@ extension DataQueueSettings {
         let certificatePath = relative(try text(object.certificate, "certificate", required: true)!)
         let keyID = try text(object.keyID, "key_id", required: true)!
         let version = try text(object.fhirVersion, "fhir_version", required: false) ?? "1.0.2"
-        let modeText = try text(object.mode, "mode", required: false) ?? "c3pro"
-        guard let format = EnvelopeFormat(rawValue: modeText) else {
-            throw Self.configError("\"encryption.mode\" must be \"c3pro\" or \"authenticated\"")
-        }
+        let format = object.mode ?? .c3pro
         var types: Set<String>?
         if let list = object.resourceTypes {
             guard !list.isEmpty else {

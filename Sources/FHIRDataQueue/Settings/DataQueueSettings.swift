@@ -134,7 +134,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         public var tokenURI: String?
         /// `authorize_type`: `client_credentials` (unattended, the default) or `authorization_code` (a
         /// person signs in once with `dq login`; SMART standalone launch with PKCE).
-        public var authorizeType: String?
+        public var authorizeType: AuthorizeType?
         /// `issuer`: the OpenID issuer whose ID tokens are accepted (authorization_code); the default is
         /// the SMART configuration's.
         public var issuer: String?
@@ -146,21 +146,29 @@ public struct DataQueueSettings: Sendable, Decodable {
         public var clientName: String?
         /// `scope`.
         public var scope: String?
-        /// `token_endpoint_auth_method`.
-        public var tokenEndpointAuthMethod: String?
+        /// `token_endpoint_auth_method` (`none` only for `authorization_code`).
+        public var tokenEndpointAuthMethod: TokenEndpointAuthMethod?
         /// `private_key`: a PEM file for private_key_jwt.
         public var privateKey: String?
         /// `key_id` of the private key.
         public var keyID: String?
         /// `key_alg`: the JWS algorithm of an RSA private key, `RS384` (the default) or `RS256`; an EC key's
         /// curve decides its own (`ES256`, `ES384`).
-        public var keyAlgorithm: String?
+        public var keyAlgorithm: ClientAssertionKey.Algorithm?
         /// `registration_fields`: extra members of the registration request (strings or booleans).
         public var registrationFields: [String: FieldValue]?
         /// `registration_headers`: extra headers of the registration request.
         public var registrationHeaders: [String: String]?
         /// `credentials_dir`: where registered credentials are kept.
         public var credentialsDirectory: String?
+
+        /// How requests are authorized with OAuth2 (`authorize_type`).
+        public enum AuthorizeType: String, Sendable, CaseIterable {
+            /// Unattended: the client's own credentials (the default).
+            case clientCredentials = "client_credentials"
+            /// A person signs in once with `dq login`; refresh tokens after that.
+            case authorizationCode = "authorization_code"
+        }
 
         /// A registration field's value.
         public enum FieldValue: Sendable, Decodable, Equatable {
@@ -223,9 +231,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         /// `resource_types` to encrypt. The default is every resource.
         public var resourceTypes: [String]?
         /// `mode`: `c3pro` (the default) or `authenticated`.
-        public var mode: String?
+        public var mode: EnvelopeFormat?
         /// `in_flight`: envelopes sent at once (default 1; more gives up order for the encrypted endpoint).
-        public var inFlight: Double?
+        public var inFlight: Int?
 
         /// Empty (every key unset).
         public init() {}
@@ -337,6 +345,7 @@ public struct DataQueueSettings: Sendable, Decodable {
                 encryption?[keyPath: key] = value
             }
         }
+        try applyChoices(environment: environment)
         if let value = environment["DQ_ENCRYPTION_RESOURCE_TYPES"] {
             encryption = encryption ?? Encryption()
             encryption?.resourceTypes = Self.commaList(value)
@@ -405,16 +414,15 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// `DQ_BEARER_TOKEN_FILE` or `DQ_CLIENT_SECRET_FILE`), each with its variable: `DQ_` and the key, upper-case.
     private static let authTextVariables: [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable)] = [
         ("DQ_CLIENT_ID", \.clientID), ("DQ_TOKEN_URI", \.tokenURI), ("DQ_SCOPE", \.scope), ("DQ_ISSUER", \.issuer),
-        ("DQ_AUTHORIZE_URI", \.authorizeURI), ("DQ_AUTHORIZE_TYPE", \.authorizeType), ("DQ_REVOCATION_URI", \.revocationURI),
+        ("DQ_AUTHORIZE_URI", \.authorizeURI), ("DQ_REVOCATION_URI", \.revocationURI),
         ("DQ_REGISTRATION_URI", \.registrationURI), ("DQ_CLIENT_NAME", \.clientName),
-        ("DQ_TOKEN_ENDPOINT_AUTH_METHOD", \.tokenEndpointAuthMethod), ("DQ_PRIVATE_KEY", \.privateKey), ("DQ_KEY_ID", \.keyID),
-        ("DQ_KEY_ALG", \.keyAlgorithm), ("DQ_CREDENTIALS_DIR", \.credentialsDirectory),
+        ("DQ_PRIVATE_KEY", \.privateKey), ("DQ_KEY_ID", \.keyID), ("DQ_CREDENTIALS_DIR", \.credentialsDirectory),
     ]
 
     /// The `encryption` settings that are text, each with its variable: `DQ_ENCRYPTION_` and the key, upper-case.
     private static let encryptionTextVariables: [(name: String, key: any WritableKeyPath<Encryption, String?> & Sendable)] = [
         ("DQ_ENCRYPTION_ENDPOINT", \.endpoint), ("DQ_ENCRYPTION_CERTIFICATE", \.certificate), ("DQ_ENCRYPTION_KEY_ID", \.keyID),
-        ("DQ_ENCRYPTION_FHIR_VERSION", \.fhirVersion), ("DQ_ENCRYPTION_MODE", \.mode),
+        ("DQ_ENCRYPTION_FHIR_VERSION", \.fhirVersion),
     ]
 
     /// The secret variables: each sets one form of a secret (the value, or the file holding it) and clears the
@@ -452,11 +460,44 @@ public struct DataQueueSettings: Sendable, Decodable {
                 retry?[keyPath: key] = value
             }
         }
-        if let value = try number("DQ_ENCRYPTION_IN_FLIGHT") {
+        if let text = environment["DQ_ENCRYPTION_IN_FLIGHT"] {
+            guard let value = Int(text.trimmingCharacters(in: .whitespaces)) else {
+                throw Self.configError("DQ_ENCRYPTION_IN_FLIGHT must be a whole number")
+            }
             encryption = encryption ?? Encryption()
             encryption?.inFlight = value
         }
     }
+
+    /// The `auth` and `encryption` settings that name one of a set of values, from their variables.
+    private mutating func applyChoices(environment: [String: String]) throws {
+        func choice<T>(_ name: String, _ what: String, _ parse: (String) -> T?) throws -> T? {
+            guard let text = environment[name] else { return nil }
+            guard let value = parse(text) else { throw Self.configError("\(name) \(what)") }
+            return value
+        }
+        if let value = try choice("DQ_AUTHORIZE_TYPE", Self.authorizeTypeError, Auth.AuthorizeType.init(rawValue:)) {
+            auth = auth ?? Auth()
+            auth?.authorizeType = value
+        }
+        if let value = try choice("DQ_TOKEN_ENDPOINT_AUTH_METHOD", Self.authMethodError, TokenEndpointAuthMethod.init(rawValue:)) {
+            auth = auth ?? Auth()
+            auth?.tokenEndpointAuthMethod = value
+        }
+        if let value = try choice("DQ_KEY_ALG", Self.keyAlgorithmError, { ClientAssertionKey.Algorithm(rawValue: $0.uppercased()) }) {
+            auth = auth ?? Auth()
+            auth?.keyAlgorithm = value
+        }
+        if let value = try choice("DQ_ENCRYPTION_MODE", "must be \"c3pro\" or \"authenticated\"", EnvelopeFormat.init(rawValue:)) {
+            encryption = encryption ?? Encryption()
+            encryption?.mode = value
+        }
+    }
+
+    static let authorizeTypeError = "must be \"client_credentials\" or \"authorization_code\""
+    static let authMethodError = "must be client_secret_basic, client_secret_post, none or private_key_jwt"
+    static let keyAlgorithmError = "must be RS256, RS384, ES256 or ES384"
+    static var inFlightError: DataQueueError { configError("\"encryption.in_flight\" must be a whole number from 1 to 64") }
 
     /// The names of a comma list in a variable, trimmed, empty ones left out.
     private static func commaList(_ text: String) -> [String] {
@@ -482,7 +523,8 @@ public struct DataQueueSettings: Sendable, Decodable {
             "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
             "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
             "DQ_CLIENT_SECRET_FILE", "DQ_DATABASE_PASSWORD_FILE", "DQ_ENCRYPTION_RESOURCE_TYPES", "DQ_ENCRYPTION_IN_FLIGHT",
-            "DQ_METRICS_ADDRESS", "DQ_REGISTRATION_FIELDS", "DQ_REGISTRATION_HEADERS",
+            "DQ_METRICS_ADDRESS", "DQ_REGISTRATION_FIELDS", "DQ_REGISTRATION_HEADERS", "DQ_AUTHORIZE_TYPE",
+            "DQ_TOKEN_ENDPOINT_AUTH_METHOD", "DQ_KEY_ALG", "DQ_ENCRYPTION_MODE",
         ] + numberVariables.map(\.name) + wholeNumberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name)
             + encryptionTextVariables.map(\.name))
 
@@ -976,16 +1018,22 @@ extension DataQueueSettings.Auth {
         }
         authorizeURI = try SettingsKeys.value(container, .authorizeURI, string)
         tokenURI = try SettingsKeys.value(container, .tokenURI, string)
-        authorizeType = try SettingsKeys.value(container, .authorizeType, string)
+        authorizeType = try SettingsKeys.choice(container, .authorizeType, DataQueueSettings.authorizeTypeError) {
+            AuthorizeType(rawValue: $0)
+        }
         issuer = try SettingsKeys.value(container, .issuer, string)
         revocationURI = try SettingsKeys.value(container, .revocationURI, string)
         registrationURI = try SettingsKeys.value(container, .registrationURI, string)
         clientName = try SettingsKeys.value(container, .clientName, string)
         scope = try SettingsKeys.value(container, .scope, string)
-        tokenEndpointAuthMethod = try SettingsKeys.value(container, .tokenEndpointAuthMethod, string)
+        tokenEndpointAuthMethod = try SettingsKeys.choice(container, .tokenEndpointAuthMethod, DataQueueSettings.authMethodError) {
+            TokenEndpointAuthMethod(rawValue: $0)
+        }
         privateKey = try SettingsKeys.value(container, .privateKey, string)
         keyID = try SettingsKeys.value(container, .keyID, string)
-        keyAlgorithm = try SettingsKeys.value(container, .keyAlgorithm, string)
+        keyAlgorithm = try SettingsKeys.choice(container, .keyAlgorithm, DataQueueSettings.keyAlgorithmError) {
+            ClientAssertionKey.Algorithm(rawValue: $0.uppercased())
+        }
         registrationFields = try SettingsKeys.value(container, .registrationFields, "must be an object")
         registrationHeaders = try SettingsKeys.value(container, .registrationHeaders, "must be an object of strings")
         credentialsDirectory = try SettingsKeys.value(container, .credentialsDirectory, string)
@@ -1031,8 +1079,8 @@ extension DataQueueSettings.Encryption {
         fhirVersion = try SettingsKeys.value(container, .fhirVersion, string)
         resourceTypes = try SettingsKeys.value(
             container, .resourceTypes, "must be a non-empty list of resource type names")
-        mode = try SettingsKeys.value(container, .mode, "must be \"c3pro\" or \"authenticated\"")
-        inFlight = try SettingsKeys.value(container, .inFlight, "must be a number")
+        mode = try SettingsKeys.choice(container, .mode, "must be \"c3pro\" or \"authenticated\"") { EnvelopeFormat(rawValue: $0) }
+        inFlight = try SettingsKeys.wholeNumber(container, .inFlight, DataQueueSettings.inFlightError)
     }
 }
 
@@ -1076,7 +1124,10 @@ package enum SettingsKeys {
         _ container: KeyedDecodingContainer<Keys>, _ key: Keys, _ what: String, _ parse: (String) -> T?
     ) throws -> T? {
         guard let text: String = try value(container, key, what) else { return nil }
-        guard let parsed = parse(text) else { throw typeError(container.codingPath + [key], what) }
+        guard let parsed = parse(text) else {
+            // The value is a name from a short list, never a secret: saying which one was given helps.
+            throw typeError(container.codingPath + [key], "\(what), not \"\(text.prefix(40))\"")
+        }
         return parsed
     }
 
