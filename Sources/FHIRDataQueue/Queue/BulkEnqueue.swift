@@ -197,7 +197,10 @@ private final class ChunkMaker: @unchecked Sendable {  // unchecked: mutable sta
             if stop { break }
             let range = chunk * chunkSize..<min(count, (chunk + 1) * chunkSize)
             let slots = Slots(count: range.count)
-            let pieces = ChunkPieces.pieces(of: range.count, workers: workers)
+            // Many small pieces, not one a worker: a worker the store's writer thread preempts (they share the
+            // cores) leaves its rest to the others instead of holding up the chunk (sealed bulk enqueue of 100,000:
+            // 1.38 s -> 1.30 s, plain within noise, in turns on this 2-core machine).
+            let pieces = ChunkPieces.pieces(of: range.count, workers: workers * 16)
             ParallelWork.forEach(pieces.count, threads: workers) { [make] piece in
                 for offset in pieces[piece] { slots.set(offset, make(range.lowerBound + offset)) }
             }
