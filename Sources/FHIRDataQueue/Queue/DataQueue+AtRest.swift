@@ -42,7 +42,7 @@ extension DataQueue {
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when no at-rest key is configured.
     package func rekey(progress: (Int) -> Void) async throws -> RekeyReport {
         guard let current = configuration.atRest?.current else {
-            throw DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
+            throw SealedStorage.noKeyToSealUnder
         }
         let resealed = try await store.resealUnderCurrentKey(progress: progress)
         let summary = try await Self.summary(of: store)

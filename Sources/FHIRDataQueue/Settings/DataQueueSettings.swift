@@ -254,16 +254,12 @@ public struct DataQueueSettings: Sendable, Decodable {
     ///   variable.
     public mutating func apply(environment: [String: String]) throws {
         if let value = environment["DQ_SERVER"] { server = value }
-        if let value = environment["DQ_LOG_FORMAT"] {
-            guard let format = LogFormat(rawValue: value.lowercased()) else {
-                throw Self.configError("DQ_LOG_FORMAT must be \"text\" or \"json\"")
-            }
+        let formats = "must be \"text\" or \"json\""
+        if let format = try Self.choice(environment, "DQ_LOG_FORMAT", formats, { LogFormat(rawValue: $0.lowercased()) }) {
             logFormat = format
         }
-        if let value = environment["DQ_LOG_LEVEL"] {
-            guard let level = Logger.Level(rawValue: value.lowercased()) else {
-                throw Self.configError("DQ_LOG_LEVEL must be one of \(Self.logLevels)")
-            }
+        let levels = "must be one of \(Self.logLevels)"
+        if let level = try Self.choice(environment, "DQ_LOG_LEVEL", levels, { Logger.Level(rawValue: $0.lowercased()) }) {
             logLevel = level
         }
         if let value = environment["DQ_METRICS_ADDRESS"] { metricsAddress = value }
@@ -284,10 +280,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
         if let value = environment["DQ_DATABASE"] { database = value }
         if let value = environment["DQ_DATABASE_PASSWORD_FILE"] { databasePasswordFile = value }
-        if let value = environment["DQ_DURABILITY"] {
-            guard let value = Durability(rawValue: value) else {
-                throw Self.configError("DQ_DURABILITY must be \"full\" or \"normal\"")
-            }
+        if let value = try Self.choice(environment, "DQ_DURABILITY", "must be \"full\" or \"normal\"", Durability.init(rawValue:)) {
             durability = value
         }
         if let text = environment["DQ_IDEMPOTENT"] { idempotent = try Self.flag(text, name: "DQ_IDEMPOTENT") }
@@ -472,9 +465,7 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// The `auth` and `encryption` settings that name one of a set of values, from their variables.
     private mutating func applyChoices(environment: [String: String]) throws {
         func choice<T>(_ name: String, _ what: String, _ parse: (String) -> T?) throws -> T? {
-            guard let text = environment[name] else { return nil }
-            guard let value = parse(text) else { throw Self.configError("\(name) \(what)") }
-            return value
+            try Self.choice(environment, name, what, parse)
         }
         if let value = try choice("DQ_AUTHORIZE_TYPE", Self.authorizeTypeError, Auth.AuthorizeType.init(rawValue:)) {
             auth = auth ?? Auth()
@@ -492,6 +483,16 @@ public struct DataQueueSettings: Sendable, Decodable {
             encryption = encryption ?? Encryption()
             encryption?.mode = value
         }
+    }
+
+    /// The value of variable `name` as `parse` reads it (nil when unset); a value it does not read is an error
+    /// saying the variable `what`.
+    private static func choice<T>(_ environment: [String: String], _ name: String, _ what: String, _ parse: (String) -> T?) throws
+        -> T?
+    {
+        guard let text = environment[name] else { return nil }
+        guard let value = parse(text) else { throw configError("\(name) \(what)") }
+        return value
     }
 
     static let authorizeTypeError = "must be \"client_credentials\" or \"authorization_code\""

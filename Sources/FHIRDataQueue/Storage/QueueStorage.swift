@@ -310,7 +310,7 @@ extension QueueStorage {
     func scrubAfterSealing() async throws {}
 
     func resealUnderCurrentKey(progress: (Int) -> Void) async throws -> Int {
-        throw DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
+        throw SealedStorage.noKeyToSealUnder
     }
 
     func preparation() async throws -> (any ItemPreparation)? { nil }

@@ -88,11 +88,16 @@ final class SealedStorage: QueueStorage {
         return state.sealer
     }
 
+    /// What sealing without an at-rest key configured is told.
+    static var noKeyToSealUnder: DataQueueError {
+        DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
+    }
+
     /// The sealer of a queue that must be sealed (a rekey).
     var sealer: Sealer {
         get async throws {
             guard let sealer = try await sealerIfSealed() else {
-                throw DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
+                throw Self.noKeyToSealUnder
             }
             return sealer
         }
