@@ -35,7 +35,7 @@ struct DQBenchmarks {
         case "enqueue-serial":
             let (path, count, size) = (arguments[2], Int(arguments[3])!, Int(arguments[4])!)
             var configuration = DataQueue.Configuration(databasePath: path)
-            configuration.durability = Durability(rawValue: arguments[5])!
+            configuration.durability = DataQueue.Durability(rawValue: arguments[5])!
             if arguments.count > 6 { configuration.atRest = AtRestKeys(current: try AtRestKey(contentsOfFile: arguments[6])) }
             let queue = try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
             let resources = (0..<count).map { resource($0, size: size) }

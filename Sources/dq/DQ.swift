@@ -105,7 +105,7 @@ struct QueueOptions: ParsableArguments {
 /// Options of commands that write to the queue or send: durability, idempotent mode, the request deadline.
 struct SendingOptions: ParsableArguments {
     @Option(help: "full (survives power loss; the default) or normal (faster). Overrides \"durability\".")
-    var durability: Durability?
+    var durability: DataQueue.Durability?
 
     @Flag(help: "Make retried creates safe with conditional create (If-None-Exist).")
     var idempotent = false
@@ -404,4 +404,4 @@ func formatDate(_ date: Date?) -> String {
     StatusReport.formatDate(date)
 }
 
-extension Durability: ExpressibleByArgument {}
+extension DataQueue.Durability: ExpressibleByArgument {}

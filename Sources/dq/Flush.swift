@@ -7,7 +7,7 @@ import Prometheus
 import Synchronization
 
 enum FlushCommandSupport {
-    static func describe(_ stop: FlushStop) -> String {
+    static func describe(_ stop: FlushReport.Stop) -> String {
         switch stop {
         case .transient(let message, let retryAt): return "stopped: \(message); next try after \(formatDate(retryAt))"
         case .authentication(let message): return "stopped: authentication failed: \(message)"

@@ -65,7 +65,7 @@ extension DQ {
                 if json { try printJSON(StatusOutput(status: status, signIn: signIn, sealing: sealing)); return }
                 for line in StatusReport.lines(status) { print(line) }
                 // A PostgreSQL schema of an older dq (read-only here) has not the column yet: not read.
-                let capabilities = (try? await queue.serverCapabilities()) ?? ServerCapabilities()
+                let capabilities = (try? await queue.serverCapabilities()) ?? DataQueue.ServerCapabilities()
                 print(StatusReport.capabilitiesLine(capabilities, idempotent: queue.configuration.idempotent))
                 print(StatusReport.databaseLine(queue.configuration.databasePath))
                 print(StatusReport.sealingLine(sealing))
@@ -296,7 +296,7 @@ extension DQ {
 
         func run() async throws {
             try await withQueue(queueOptions, readOnly: true) { queue in
-                let state: ItemState? = parked ? .parked : pending ? .pending : nil
+                let state: QueuedItem.State? = parked ? .parked : pending ? .pending : nil
                 var items = try await queue.items(state: state, limit: limit + 1)
                 let more = items.count > limit
                 if more {

@@ -41,7 +41,7 @@ enum StatusReport {
 
     /// The line under a queue's status naming its database.
     /// What the server declared, and what idempotent mode can trust of it.
-    static func capabilitiesLine(_ capabilities: ServerCapabilities, idempotent: Bool) -> String {
+    static func capabilitiesLine(_ capabilities: DataQueue.ServerCapabilities, idempotent: Bool) -> String {
         guard let transactions = capabilities.transactions, let conditional = capabilities.conditionalCreate else {
             return "server:     capabilities not read yet (the next flush reads them)"
         }

@@ -72,7 +72,7 @@ struct SignInDecisionTests {
 
     @Test("the authorization URL carries PKCE S256, state, nonce, aud and the loopback redirect; no verifier")
     func authorizationURL() async throws {
-        var configuration = AuthorizationCodeConfiguration(fhirBaseURL: URL(string: "https://fhir.example.org/r4")!, clientID: "app")
+        var configuration = AuthorizationCodeClient.Configuration(fhirBaseURL: URL(string: "https://fhir.example.org/r4")!, clientID: "app")
         configuration.authorizationURL = URL(string: "https://id.example.org/authorize?tenant=t1")
         configuration.tokenURL = URL(string: "https://id.example.org/token")
         configuration.issuer = Self.issuer
@@ -214,7 +214,7 @@ struct SignInDecisionTests {
             default: return .respond(.init(status: 404))
             }
         }
-        var configuration = AuthorizationCodeConfiguration(fhirBaseURL: URL(string: server.baseURL + "/fhir")!, clientID: "app")
+        var configuration = AuthorizationCodeClient.Configuration(fhirBaseURL: URL(string: server.baseURL + "/fhir")!, clientID: "app")
         configuration.scope = "launch/patient offline_access patient/*.cruds"
         configuration.credentialsDirectory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-disc-\(UUID())").path
         let client = AuthorizationCodeClient(configuration: configuration)

@@ -60,7 +60,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     }
 
     /// The settings.
-    public nonisolated let configuration: AuthorizationCodeConfiguration
+    public nonisolated let configuration: AuthorizationCodeClient.Configuration
     /// Where the sign-in is kept.
     package nonisolated let store: SignInStore
     private var httpClient: OAuth2HTTP?
@@ -83,7 +83,7 @@ public actor AuthorizationCodeClient: AuthorizationProvider {
     ///   - configuration: the issuer, client and where the sign-in is kept.
     ///   - httpClient: an HTTP client of the caller's for discovery, token, JWKS and revocation requests (give the
     ///     queue the same one). The default is nil: the process's shared client for `configuration.network`.
-    public init(configuration: AuthorizationCodeConfiguration, httpClient: HTTPClient? = nil) {
+    public init(configuration: AuthorizationCodeClient.Configuration, httpClient: HTTPClient? = nil) {
         self.configuration = configuration
         callerClient = httpClient
         self.store = SignInStore(

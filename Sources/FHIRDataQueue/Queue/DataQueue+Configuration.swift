@@ -27,7 +27,7 @@ extension DataQueue {
         }
 
         /// Opens the store this names (not yet sealed or unsealed: see ``SealedStorage``).
-        func open(durability: Durability, readOnly: Bool, leaseDuration: TimeInterval = 30, logger: Logger?) throws
+        func open(durability: DataQueue.Durability, readOnly: Bool, leaseDuration: TimeInterval = 30, logger: Logger?) throws
             -> any QueueStorage
         {
             let logger = logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
@@ -67,8 +67,8 @@ extension DataQueue {
             get { storage.location }
             set { storage = Storage(newValue) }
         }
-        /// How durable an enqueue is. The default is ``Durability/full``.
-        public var durability: Durability
+        /// How durable an enqueue is. The default is ``DataQueue/Durability/full``.
+        public var durability: DataQueue.Durability
         /// Makes retried creates safe: each `POST` carries `If-None-Exist` on the resource's first
         /// identifier, and a resource without any identifier gets one naming the item's UUID
         /// (`urn:ietf:rfc:3986|urn:uuid:…`). Needs a server with conditional create. The default is `false`.
@@ -131,7 +131,7 @@ extension DataQueue {
         /// Creates a configuration. Every parameter has the default stated on its property.
         public init(
             databasePath: String = DataQueue.defaultDatabasePath(),
-            durability: Durability = .full,
+            durability: DataQueue.Durability = .full,
             idempotent: Bool = false,
             maximumResourceSize: Int = FHIRResource.defaultMaximumSize,
             requestTimeout: TimeInterval = 30,
@@ -263,21 +263,23 @@ public enum SendOutcome: Sendable, Equatable {
     case parked(QueuedItem, reason: String)
 }
 
-/// Why a flush stopped before the queue was empty.
-public enum FlushStop: Sendable, Equatable {
-    /// A transient failure (network, 5xx, 408, 429); the queue is kept in order for a later flush.
-    case transient(String, retryAt: Date)
-    /// The server refused the credentials.
-    case authentication(String)
-    /// The server is backing off after earlier failures; `force` tries anyway.
-    case backoff(until: Date)
-    /// Another process or task is flushing this queue.
-    case busy
-    /// The item limit was reached.
-    case limit
+extension FlushReport {
+    /// Why a flush stopped before the queue was empty.
+    public enum Stop: Sendable, Equatable {
+        /// A transient failure (network, 5xx, 408, 429); the queue is kept in order for a later flush.
+        case transient(String, retryAt: Date)
+        /// The server refused the credentials.
+        case authentication(String)
+        /// The server is backing off after earlier failures; `force` tries anyway.
+        case backoff(until: Date)
+        /// Another process or task is flushing this queue.
+        case busy
+        /// The item limit was reached.
+        case limit
+    }
 }
 
-extension FlushStop: CustomStringConvertible {
+extension FlushReport.Stop: CustomStringConvertible {
     /// Why the flush stopped, in words (PHI-free): `no answer from …: timed out; next try after 2026-11-26T06:10:04Z`.
     public var description: String {
         switch self {
@@ -313,7 +315,7 @@ public struct FlushReport: Sendable, Equatable {
     /// Parked items in the queue after the flush (from this and earlier flushes).
     public var parkedTotal = 0
     /// Why the flush stopped early, or nil when it reached the end of the queue.
-    public var stop: FlushStop?
+    public var stop: FlushReport.Stop?
     /// HTTP requests this flush made to the server (a Bundle is one; the CapabilityStatement read too).
     public var requests = 0
     /// Items sent as entries of transaction Bundles (including Bundles split after a refusal).
@@ -323,12 +325,14 @@ public struct FlushReport: Sendable, Equatable {
     public init() {}
 }
 
-/// Progress of a running flush, for a terminal display.
-public struct FlushProgress: Sendable {
-    /// Items delivered so far.
-    public var delivered: Int
-    /// Items parked so far.
-    public var parked: Int
-    /// The item just handled.
-    public var item: QueuedItem
+extension FlushReport {
+    /// Progress of a running flush, for a terminal display.
+    public struct Progress: Sendable {
+        /// Items delivered so far.
+        public var delivered: Int
+        /// Items parked so far.
+        public var parked: Int
+        /// The item just handled.
+        public var item: QueuedItem
+    }
 }

@@ -10,15 +10,15 @@ extension DataQueue {
     }
 
     /// What dq last read of this queue's server from its CapabilityStatement (nil values: not read yet).
-    public func serverCapabilities() async throws -> ServerCapabilities {
+    public func serverCapabilities() async throws -> DataQueue.ServerCapabilities {
         let support = try await store.bundleSupport(queue: queueName)
-        return ServerCapabilities(
+        return DataQueue.ServerCapabilities(
             transactions: support.transactions, conditionalCreate: support.conditionalCreate.map { $0.sorted() },
             readAt: support.checkedAt)
     }
 
     /// Items of this queue in order, optionally only those in `state`.
-    public func items(state: ItemState? = nil, limit: Int = 1000) async throws -> [QueuedItem] {
+    public func items(state: QueuedItem.State? = nil, limit: Int = 1000) async throws -> [QueuedItem] {
         try await store.items(queue: queueName, state: state, limit: limit)
     }
 
@@ -34,7 +34,7 @@ extension DataQueue {
     }
 
     /// The state of an item, or nil when it is no longer queued (delivered or dropped: see the journal).
-    public func state(of id: UUID) async throws -> ItemState? {
+    public func state(of id: UUID) async throws -> QueuedItem.State? {
         do {
             return try await store.item(id.lowercasedString).info.state
         } catch let error as DataQueueError where error.code == .notFound {

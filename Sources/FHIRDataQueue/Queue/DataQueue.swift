@@ -4,39 +4,41 @@ import Foundation
 import Logging
 import Synchronization
 
-/// A request as it will be queued: what ``DataQueue/prepareRequest(for:method:itemID:)`` makes of a resource.
-///
-/// It holds a path, never a URL: the URL is built when the item is sent, from the configured endpoint, so
-/// a queued item can never send a resource (or the credentials with it) to a host of its own.
-public struct PreparedRequest: Sendable {
-    /// The HTTP method.
-    public var method: FHIRMethod
-    /// The request path relative to the endpoint: `Patient`, `Patient/123`, or empty for the base itself.
-    public var path: String
-    /// The `Content-Type` of the body.
-    public var contentType: String
-    /// The body bytes (the resource, or an encrypted envelope).
-    public var body: Data
-    /// The resource type, for listings and the journal.
-    public var resourceType: String
-    /// The resource id, for updates.
-    public var resourceID: String?
-    /// Whether the body is an encrypted envelope for the encrypted endpoint (changes where it goes and how a
-    /// 2xx answer is read).
-    public var encrypted: Bool
+extension DataQueue {
+    /// A request as it will be queued: what ``DataQueue/prepareRequest(for:method:itemID:)`` makes of a resource.
+    ///
+    /// It holds a path, never a URL: the URL is built when the item is sent, from the configured endpoint, so
+    /// a queued item can never send a resource (or the credentials with it) to a host of its own.
+    public struct PreparedRequest: Sendable {
+        /// The HTTP method.
+        public var method: FHIRMethod
+        /// The request path relative to the endpoint: `Patient`, `Patient/123`, or empty for the base itself.
+        public var path: String
+        /// The `Content-Type` of the body.
+        public var contentType: String
+        /// The body bytes (the resource, or an encrypted envelope).
+        public var body: Data
+        /// The resource type, for listings and the journal.
+        public var resourceType: String
+        /// The resource id, for updates.
+        public var resourceID: String?
+        /// Whether the body is an encrypted envelope for the encrypted endpoint (changes where it goes and how a
+        /// 2xx answer is read).
+        public var encrypted: Bool
 
-    /// Creates a prepared request.
-    public init(
-        method: FHIRMethod, path: String, contentType: String, body: Data, resourceType: String,
-        resourceID: String? = nil, encrypted: Bool = false
-    ) {
-        self.method = method
-        self.path = path
-        self.contentType = contentType
-        self.body = body
-        self.resourceType = resourceType
-        self.resourceID = resourceID
-        self.encrypted = encrypted
+        /// Creates a prepared request.
+        public init(
+            method: FHIRMethod, path: String, contentType: String, body: Data, resourceType: String,
+            resourceID: String? = nil, encrypted: Bool = false
+        ) {
+            self.method = method
+            self.path = path
+            self.contentType = contentType
+            self.body = body
+            self.resourceType = resourceType
+            self.resourceID = resourceID
+            self.encrypted = encrypted
+        }
     }
 }
 
@@ -199,13 +201,13 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     ///
     /// - Throws: ``DataQueueError`` with `.invalidResource` when an update has no `id`, or when idempotent
     ///   mode could not make the create conditional (an `identifier` that is not a list).
-    open func prepareRequest(for resource: FHIRResource, method: FHIRMethod, itemID: UUID) throws -> PreparedRequest {
+    open func prepareRequest(for resource: FHIRResource, method: FHIRMethod, itemID: UUID) throws -> DataQueue.PreparedRequest {
         switch method {
         case .put:
             guard let id = resource.id else {
                 throw DataQueueError(.invalidResource, "a PUT (update) needs the resource's \"id\"")
             }
-            return PreparedRequest(
+            return DataQueue.PreparedRequest(
                 method: .put, path: "\(resource.resourceType)/\(id)", contentType: "application/fhir+json",
                 body: resource.data, resourceType: resource.resourceType, resourceID: id)
         case .post:
@@ -214,11 +216,11 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                 _ = try ConditionalCreate.prepare(resource.data, itemID: itemID, isBundle: resource.isTransactionOrBatch)
             }
             if resource.isTransactionOrBatch {
-                return PreparedRequest(
+                return DataQueue.PreparedRequest(
                     method: .post, path: "", contentType: "application/fhir+json", body: resource.data,
                     resourceType: "Bundle")
             }
-            return PreparedRequest(
+            return DataQueue.PreparedRequest(
                 method: .post, path: resource.resourceType, contentType: "application/fhir+json", body: resource.data,
                 resourceType: resource.resourceType)
         }
@@ -301,7 +303,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
 
     /// Durably queues `resource` without sending it.
     ///
-    /// Returns after the item is committed to SQLite (with ``Durability/full``, on disk). Enqueues from
+    /// Returns after the item is committed to SQLite (with ``DataQueue/Durability/full``, on disk). Enqueues from
     /// many tasks at once share commits.
     ///
     /// The commit and its `fsync` run on the store's own writer thread, never on the calling task's thread:
@@ -439,7 +441,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     ///   not thrown), `CancellationError` when the task was cancelled.
     public func flush(
         limit: Int? = nil, force: Bool = false, lockWait: TimeInterval = 0,
-        progress: (@Sendable (FlushProgress) -> Void)? = nil
+        progress: (@Sendable (FlushReport.Progress) -> Void)? = nil
     ) async throws -> FlushReport {
         // With dq's own HTTP client, the flush runs on the client's event loop (no thread hop per answer).
         try await withTaskExecutorPreference(transport.taskExecutor) {
@@ -449,7 +451,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
 
     private func flush(
         limit: Int?, force: Bool, through: Int64?, tracking: Int64?, lockWait: TimeInterval,
-        progress: (@Sendable (FlushProgress) -> Void)?
+        progress: (@Sendable (FlushReport.Progress) -> Void)?
     ) async throws -> (FlushReport, SendOutcome?) {
         var report = FlushReport()
         guard let lock = try await store.acquireFlush(queue: queueName, until: .now + .milliseconds(Int64(lockWait * 1000)))
@@ -471,7 +473,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
 
     private func flush(
         owning lock: any FlushOwnership, limit: Int?, force: Bool, through: Int64?, tracking: Int64?,
-        progress: (@Sendable (FlushProgress) -> Void)?
+        progress: (@Sendable (FlushReport.Progress) -> Void)?
     ) async throws -> (FlushReport, SendOutcome?) {
         var report = FlushReport()
         if !force {

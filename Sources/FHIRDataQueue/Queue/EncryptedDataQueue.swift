@@ -74,7 +74,7 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {  // unch
     /// - Throws: ``DataQueueError`` with `.invalidResource` for a `PUT` of a resource to encrypt, and as
     ///   ``DataQueue/prepareRequest(for:method:itemID:)`` otherwise.
     public override func prepareRequest(for resource: FHIRResource, method: FHIRMethod, itemID: UUID) throws
-        -> PreparedRequest
+        -> DataQueue.PreparedRequest
     {
         guard shouldEncrypt(resource) else {
             return try super.prepareRequest(for: resource, method: method, itemID: itemID)
@@ -86,7 +86,7 @@ public final class EncryptedDataQueue: DataQueue, @unchecked Sendable {  // unch
             )
         }
         let envelope = try sealer.seal(resource.data)
-        return PreparedRequest(
+        return DataQueue.PreparedRequest(
             method: .post, path: resource.resourceType, contentType: "application/json", body: envelope,
             resourceType: resource.resourceType, resourceID: resource.id, encrypted: true)
     }

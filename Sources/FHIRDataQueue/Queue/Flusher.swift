@@ -19,7 +19,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     private let limit: Int?
     private let through: Int64?
     private let tracking: Int64?
-    private let progress: (@Sendable (FlushProgress) -> Void)?
+    private let progress: (@Sendable (FlushReport.Progress) -> Void)?
 
     private(set) var report = FlushReport()
     private(set) var tracked: SendOutcome?
@@ -72,7 +72,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
 
     init(
         context: FlushContext, lock: any FlushOwnership, limit: Int?, through: Int64?, tracking: Int64?,
-        progress: (@Sendable (FlushProgress) -> Void)?
+        progress: (@Sendable (FlushReport.Progress) -> Void)?
     ) {
         self.context = context
         self.lock = lock
@@ -589,7 +589,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                     versionID: versionID, attempts: item.attempts + 1, enqueuedAt: item.enqueuedAt, at: Date(),
                     fullURL: prepared.stored.fullURL, bundle: bundle))
         }
-        progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
+        progress?(FlushReport.Progress(delivered: report.delivered, parked: report.parked, item: item))
     }
 
     /// Parks an item: one the server rejected, or (`sent: false`) one dq holds back without sending it.
@@ -604,7 +604,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         context.metrics.parked.increment()
         context.logger.warning("parked", metadata: ["item": "\(item.id.lowercasedString)", "reason": "\(message)"])
         if item.sequence == tracking { tracked = .parked(item, reason: message) }
-        progress?(FlushProgress(delivered: report.delivered, parked: report.parked, item: item))
+        progress?(FlushReport.Progress(delivered: report.delivered, parked: report.parked, item: item))
     }
 
     private func recordTransient(_ item: QueuedItem, status: Int?, message: String, retryAfter: TimeInterval?) async throws {

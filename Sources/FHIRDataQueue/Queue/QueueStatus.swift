@@ -4,13 +4,15 @@
     import Foundation
 #endif
 
-/// How hard an enqueue works to survive a power loss.
-public enum Durability: String, Sendable, Codable, CaseIterable {
-    /// `synchronous=FULL`: an enqueue returns after the commit reached the disk (survives power loss).
-    case full
-    /// `synchronous=NORMAL`: survives a crash of dq, but the last commits may be lost on power loss.
-    /// Several times faster per single enqueue.
-    case normal
+extension DataQueue {
+    /// How hard an enqueue works to survive a power loss.
+    public enum Durability: String, Sendable, Codable, CaseIterable {
+        /// `synchronous=FULL`: an enqueue returns after the commit reached the disk (survives power loss).
+        case full
+        /// `synchronous=NORMAL`: survives a crash of dq, but the last commits may be lost on power loss.
+        /// Several times faster per single enqueue.
+        case normal
+    }
 }
 
 /// Counts of a queue, for `dq status`.
@@ -51,19 +53,21 @@ public struct QueueStatus: Sendable, Codable, Hashable {
     }
 }
 
-/// What a server's CapabilityStatement declared when dq last read it.
-public struct ServerCapabilities: Sendable, Codable, Hashable {
-    /// Whether it takes transaction Bundles; nil when not read yet.
-    public var transactions: Bool?
-    /// The resource types whose conditional create (`If-None-Exist`) it declares, sorted; nil when not read yet.
-    public var conditionalCreate: [String]?
-    /// When it was read.
-    public var readAt: Date?
+extension DataQueue {
+    /// What a server's CapabilityStatement declared when dq last read it.
+    public struct ServerCapabilities: Sendable, Codable, Hashable {
+        /// Whether it takes transaction Bundles; nil when not read yet.
+        public var transactions: Bool?
+        /// The resource types whose conditional create (`If-None-Exist`) it declares, sorted; nil when not read yet.
+        public var conditionalCreate: [String]?
+        /// When it was read.
+        public var readAt: Date?
 
-    /// Nothing read yet.
-    public init(transactions: Bool? = nil, conditionalCreate: [String]? = nil, readAt: Date? = nil) {
-        self.transactions = transactions
-        self.conditionalCreate = conditionalCreate
-        self.readAt = readAt
+        /// Nothing read yet.
+        public init(transactions: Bool? = nil, conditionalCreate: [String]? = nil, readAt: Date? = nil) {
+            self.transactions = transactions
+            self.conditionalCreate = conditionalCreate
+            self.readAt = readAt
+        }
     }
 }

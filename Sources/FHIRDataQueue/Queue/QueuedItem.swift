@@ -8,12 +8,14 @@ public enum FHIRMethod: String, Sendable, Codable, CaseIterable {
     case put = "PUT"
 }
 
-/// Where an item is in its life. Delivered items leave the queue for the delivery journal.
-public enum ItemState: String, Sendable, Codable {
-    /// Waiting to be sent, in enqueue order.
-    case pending
-    /// Permanently rejected by the server; kept for an operator to retry or drop.
-    case parked
+extension QueuedItem {
+    /// Where an item is in its life. Delivered items leave the queue for the delivery journal.
+    public enum State: String, Sendable, Codable {
+        /// Waiting to be sent, in enqueue order.
+        case pending
+        /// Permanently rejected by the server; kept for an operator to retry or drop.
+        case parked
+    }
 }
 
 /// A request waiting in the queue, as an operator sees it (no body unless asked for).
@@ -36,7 +38,7 @@ public struct QueuedItem: Sendable, Encodable, Hashable {
     /// Whether the body is an encrypted envelope rather than a plain FHIR resource.
     public let encrypted: Bool
     /// The current state.
-    public let state: ItemState
+    public let state: QueuedItem.State
     /// How many times a send was attempted.
     public let attempts: Int
     /// When the item was enqueued.

@@ -391,7 +391,7 @@ public struct DataQueueService: Service {
     /// once the request on the wire is answered. Graceful shutdown waits for that at most the drain timeout,
     /// cancellation not at all; a request left behind stays queued, and the next flush lets it settle first.
     private func flushDraining(_ queue: DataQueue) async -> Result<FlushReport, any Error>? {
-        let progress: @Sendable (FlushProgress) -> Void = { [self] _ in beat(queue) }
+        let progress: @Sendable (FlushReport.Progress) -> Void = { [self] _ in beat(queue) }
         // Each request and each long step of the flush beats too (see Heartbeat). The flush is an unstructured
         // task because graceful shutdown may leave it behind after the drain timeout (a request on the wire may
         // take the whole request timeout), which a child task cannot be: its group would wait for it.

@@ -234,7 +234,7 @@ extension DataQueueSettings {
         guard let clientID = auth.clientID, !clientID.isEmpty else {
             throw Self.configError("\"auth.client_id\" is missing (authorization_code needs the client id the server registered)")
         }
-        var configuration = AuthorizationCodeConfiguration(fhirBaseURL: server, clientID: clientID)
+        var configuration = AuthorizationCodeClient.Configuration(fhirBaseURL: server, clientID: clientID)
         configuration.clientSecret = auth.clientSecret
         (configuration.authMethod, configuration.assertionKey) = try clientAuthentication(auth, allowNone: true)
         switch configuration.effectiveAuthMethod {

@@ -33,7 +33,7 @@ public struct DataQueueSettings: Sendable, Decodable {
     /// file.
     package var databasePassword: String?
     /// `durability`: `full` or `normal`.
-    public var durability: Durability?
+    public var durability: DataQueue.Durability?
     /// `idempotent`: conditional create on retries.
     public var idempotent: Bool?
     /// `max_resource_bytes`: the largest resource accepted.
@@ -280,7 +280,8 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
         if let value = environment["DQ_DATABASE"] { database = value }
         if let value = environment["DQ_DATABASE_PASSWORD_FILE"] { databasePasswordFile = value }
-        if let value = try Self.choice(environment, "DQ_DURABILITY", "must be \"full\" or \"normal\"", Durability.init(rawValue:)) {
+        let durabilities = "must be \"full\" or \"normal\""
+        if let value = try Self.choice(environment, "DQ_DURABILITY", durabilities, DataQueue.Durability.init(rawValue:)) {
             durability = value
         }
         if let text = environment["DQ_IDEMPOTENT"] { idempotent = try Self.flag(text, name: "DQ_IDEMPOTENT") }
@@ -720,7 +721,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         package var server: URL
         package var queueName: String
         package var database: String?
-        package var durability: Durability?
+        package var durability: DataQueue.Durability?
         package var maximumResourceSize: Int?
         package var batchSize: Int?
         package var batchMaxBytes: Int?
@@ -910,7 +911,9 @@ public struct DataQueueSettings: Sendable, Decodable {
         server = try SettingsKeys.value(container, .server, "must be a string")
         database = try SettingsKeys.value(container, .database, "must be a string")
         databasePasswordFile = try SettingsKeys.value(container, .databasePasswordFile, "must be a string (a file holding the password)")
-        durability = try SettingsKeys.choice(container, .durability, "must be \"full\" or \"normal\"") { Durability(rawValue: $0) }
+        durability = try SettingsKeys.choice(container, .durability, "must be \"full\" or \"normal\"") {
+            DataQueue.Durability(rawValue: $0)
+        }
         idempotent = try SettingsKeys.value(container, .idempotent, "must be true or false")
         maxResourceBytes = try SettingsKeys.wholeNumber(container, .maxResourceBytes, Self.maxResourceBytesError)
         timeoutSeconds = try SettingsKeys.value(container, .timeoutSeconds, "must be a number")

@@ -93,7 +93,7 @@ protocol QueueStorage: AnyObject, Sendable {
     func queues() async throws -> [String]
 
     /// Items in order, of one server or all, pending or parked or both.
-    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem]
+    func items(queue: String?, state: QueuedItem.State?, limit: Int) async throws -> [QueuedItem]
 
     /// One item by id, unique prefix or suffix, or sequence.
     func item(_ reference: String) async throws -> StoredItem

@@ -465,7 +465,7 @@ final class SealedStorage: QueueStorage {
 
     func queues() async throws -> [String] { try await inner.queues() }
 
-    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {
+    func items(queue: String?, state: QueuedItem.State?, limit: Int) async throws -> [QueuedItem] {
         let items = try await inner.items(queue: queue, state: state, limit: limit)
         let found = try await self.state()
         if found.keyIDs.isEmpty { return items }

@@ -1,11 +1,11 @@
 import Foundation
 
-/// A request to store, before it has a sequence number: the ``PreparedRequest`` a resource became, with the
+/// A request to store, before it has a sequence number: the ``DataQueue/PreparedRequest`` a resource became, with the
 /// item's identity (its id and its server's queue) and what links it to other items.
 struct NewItem: Sendable {
     var id: UUID
     var queue: String
-    var request: PreparedRequest
+    var request: DataQueue.PreparedRequest
     /// The producer's `fullUrl` for the resource (`urn:uuid:…`), which later items may reference.
     var fullURL: String? = nil
     /// The `urn:uuid` fullUrls the body references (lowercased, in order; none for an encrypted item), found
@@ -23,7 +23,7 @@ struct NewItem: Sendable {
     var contentType: String { request.contentType }
     var body: Data { request.body }
 
-    init(id: UUID, queue: String, request: PreparedRequest, fullURL: String? = nil, references: [String] = []) {
+    init(id: UUID, queue: String, request: DataQueue.PreparedRequest, fullURL: String? = nil, references: [String] = []) {
         self.id = id
         self.queue = queue
         self.request = request
@@ -38,7 +38,7 @@ struct NewItem: Sendable {
     ) {
         self.init(
             id: id, queue: queue,
-            request: PreparedRequest(
+            request: DataQueue.PreparedRequest(
                 method: method, path: url, contentType: contentType, body: body, resourceType: resourceType,
                 resourceID: resourceID, encrypted: encrypted),
             fullURL: fullURL, references: references)

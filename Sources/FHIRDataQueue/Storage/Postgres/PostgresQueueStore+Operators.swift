@@ -48,7 +48,7 @@ extension PostgresQueueStore {
         }
     }
 
-    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {
+    func items(queue: String?, state: QueuedItem.State?, limit: Int) async throws -> [QueuedItem] {
         try await run("list the queue") { [self] in
             var sql = "SELECT \(Self.itemColumns) FROM dq_item WHERE true"
             var bindings = PostgresBindings()

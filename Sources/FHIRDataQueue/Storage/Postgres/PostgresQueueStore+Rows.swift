@@ -34,7 +34,7 @@ extension PostgresQueueStore {
         let cells = row.makeRandomAccess()
         let seq = try cells["seq"].decode(Int64.self)
         guard let method = FHIRMethod(rawValue: try cells["method"].decode(String.self)) else { throw damaged(seq, "unknown method") }
-        guard let state = ItemState(rawValue: try cells["state"].decode(String.self)) else { throw damaged(seq, "unknown state") }
+        guard let state = QueuedItem.State(rawValue: try cells["state"].decode(String.self)) else { throw damaged(seq, "unknown state") }
         return QueuedItem(
             sequence: seq, id: try cells["uuid"].decode(UUID.self), queue: try cells["queue"].decode(String.self),
             method: method, url: try cells["url"].decode(String.self), resourceType: try cells["resource_type"].decode(String.self),

@@ -45,7 +45,7 @@ extension SQLiteQueueStore {
         try await read("list queues") { db in try String.fetchAll(db, sql: StatusQueries.queues) }
     }
 
-    func items(queue: String?, state: ItemState?, limit: Int) async throws -> [QueuedItem] {
+    func items(queue: String?, state: QueuedItem.State?, limit: Int) async throws -> [QueuedItem] {
         try await read("list the queue") { db in
             var sql =
                 "SELECT seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size FROM item WHERE 1"

@@ -27,7 +27,7 @@ extension SQLiteQueueStore {
     static func queuedItem(_ row: Row) throws -> QueuedItem {
         let uuid = try column(row, "uuid", of: "item") { UUID(uuidString: $0) }
         let method = try column(row, "method", of: "item") { FHIRMethod(rawValue: $0) }
-        let state = try column(row, "state", of: "item") { ItemState(rawValue: $0) }
+        let state = try column(row, "state", of: "item") { QueuedItem.State(rawValue: $0) }
         let lastAttempt: Double? = row["last_attempt_at"]
         let size: Int? = row["size"]
         let body: Data? = size == nil ? row["body"] : nil

@@ -26,7 +26,7 @@ final class SQLiteQueueStore: QueueStorage {
     ///
     /// - Parameter readOnly: open an existing queue for reading only: no directory or file is created,
     ///   nothing is written, and a missing file is an error.
-    init(path: String, durability: Durability, readOnly: Bool = false, busyTimeout: TimeInterval = 30) throws {
+    init(path: String, durability: DataQueue.Durability, readOnly: Bool = false, busyTimeout: TimeInterval = 30) throws {
         self.path = path
         var configuration = Configuration()
         // WAL is set here rather than with GRDB's `.wal`, which writes a table into the WAL file on every open
