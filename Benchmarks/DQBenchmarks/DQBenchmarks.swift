@@ -69,7 +69,7 @@ struct DQBenchmarks {
         case "seal":
             let recipient = try RecipientKey(contentsOfFile: arguments[2])
             let (size, count) = (Int(arguments[3])!, Int(arguments[4])!)
-            let sealer = EnvelopeSealer(recipient: recipient, keyID: "bench", format: EnvelopeFormat(rawValue: arguments[5])!)
+            let sealer = EnvelopeSealer(recipient: recipient, keyID: "bench", format: EnvelopeSealer.Format(rawValue: arguments[5])!)
             let plaintext = resource(0, size: size).data
             var bytes = 0
             let start = ContinuousClock.now

@@ -32,10 +32,10 @@ extension DQ {
                 }
                 return
             }
-            guard let algorithm = ClientAssertionKey.Algorithm(rawValue: alg.uppercased()) else {
+            guard let algorithm = OAuth2Configuration.ClientAssertionKey.Algorithm(rawValue: alg.uppercased()) else {
                 throw ValidationError("--alg must be ES384, ES256, RS384 or RS256")
             }
-            let (key, pem) = try ClientAssertionKey.generate(algorithm, keyID: kid)
+            let (key, pem) = try OAuth2Configuration.ClientAssertionKey.generate(algorithm, keyID: kid)
             let fd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
             guard fd >= 0 else {
                 printError("dq: cannot create \(out): \(String(cString: strerror(errno)))")

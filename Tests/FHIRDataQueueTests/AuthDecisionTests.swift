@@ -73,7 +73,7 @@ struct AuthDecisionTests {
     func credentialStore() throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-cred-\(UUID().uuidString.prefix(8))").path
         defer { try? FileManager.default.removeItem(atPath: directory) }
-        let store = CredentialStore(directory: directory)
+        let store = OAuth2Configuration.CredentialStore(directory: directory)
         let first = StoredCredentials(
             registrationURI: "https://r/register", clientID: "a", clientSecret: "s", tokenEndpointAuthMethod: nil,
             clientSecretExpiresAt: nil, registeredAt: Date(timeIntervalSince1970: 1))
@@ -90,9 +90,9 @@ struct AuthDecisionTests {
 
     @Test(
         "Client assertions carry iss = sub = client_id, the exact token URL, exp within 5 minutes and a fresh jti",
-        arguments: ClientAssertionKey.Algorithm.allCases)
-    func assertions(algorithm: ClientAssertionKey.Algorithm) async throws {
-        let (key, _) = try ClientAssertionKey.generate(algorithm, keyID: "k1")
+        arguments: OAuth2Configuration.ClientAssertionKey.Algorithm.allCases)
+    func assertions(algorithm: OAuth2Configuration.ClientAssertionKey.Algorithm) async throws {
+        let (key, _) = try OAuth2Configuration.ClientAssertionKey.generate(algorithm, keyID: "k1")
         let now = Date()
         let first = try await key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
         let second = try await key.assertion(clientID: "c", tokenURL: "http://127.0.0.1:1/auth/token", now: now)
@@ -112,28 +112,29 @@ struct AuthDecisionTests {
         #expect(exp > Int(now.timeIntervalSince1970) && exp <= Int(now.timeIntervalSince1970) + 300)
         #expect(try part(second, 1)["jti"] as? String != claims["jti"] as? String)
         let signature = first.split(separator: ".")[2]
-        let lengths: [ClientAssertionKey.Algorithm: Int] = [.es256: 86, .es384: 128, .rs256: 342, .rs384: 342]
+        let lengths: [OAuth2Configuration.ClientAssertionKey.Algorithm: Int] = [.es256: 86, .es384: 128, .rs256: 342, .rs384: 342]
         #expect(signature.count == lengths[algorithm], "raw r||s for ES256/ES384, 256 bytes for RSA")
         #expect(key.algorithm == algorithm && key.publicJWK["alg"] == algorithm.rawValue)
     }
 
     @Test("An RSA key signs RS384 unless RS256 is asked for; an EC key's curve decides, and a mismatch is named")
     func assertionAlgorithms() async throws {
-        let (_, rsaPEM) = try ClientAssertionKey.generate(.rs256)
-        #expect(try ClientAssertionKey(pem: rsaPEM).algorithm == .rs384)
-        #expect(try ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).algorithm == .rs256)
-        let (_, p256PEM) = try ClientAssertionKey.generate(.es256)
-        #expect(try ClientAssertionKey(pem: p256PEM).algorithm == .es256)
-        #expect(try ClientAssertionKey(pem: p256PEM).publicJWK["crv"] == "P-256")
+        let (_, rsaPEM) = try OAuth2Configuration.ClientAssertionKey.generate(.rs256)
+        #expect(try OAuth2Configuration.ClientAssertionKey(pem: rsaPEM).algorithm == .rs384)
+        #expect(try OAuth2Configuration.ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).algorithm == .rs256)
+        let (_, p256PEM) = try OAuth2Configuration.ClientAssertionKey.generate(.es256)
+        #expect(try OAuth2Configuration.ClientAssertionKey(pem: p256PEM).algorithm == .es256)
+        #expect(try OAuth2Configuration.ClientAssertionKey(pem: p256PEM).publicJWK["crv"] == "P-256")
         let mismatch = try #require(throws: DataQueueError.self) {
-            try ClientAssertionKey(pem: p256PEM, algorithm: .es384, source: "k.pem")
+            try OAuth2Configuration.ClientAssertionKey(pem: p256PEM, algorithm: .es384, source: "k.pem")
         }
         #expect(mismatch.message.contains("ES384") && mismatch.message.contains("k.pem is a key for ES256"))
-        #expect(throws: DataQueueError.self) { try ClientAssertionKey(pem: rsaPEM, algorithm: .es256) }
+        #expect(throws: DataQueueError.self) { try OAuth2Configuration.ClientAssertionKey(pem: rsaPEM, algorithm: .es256) }
 
         // The hash is the one the header names: an RS256 signature verifies over SHA-256, not SHA-384.
         let rsa = try _RSA.Signing.PrivateKey(pemRepresentation: rsaPEM)
-        let jwt = try await ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).assertion(clientID: "c", tokenURL: "http://t")
+        let jwt = try await OAuth2Configuration.ClientAssertionKey(pem: rsaPEM, algorithm: .rs256).assertion(
+            clientID: "c", tokenURL: "http://t")
         let parts = jwt.split(separator: ".")
         let input = Data((parts[0] + "." + parts[1]).utf8)
         var text = String(parts[2]).replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
@@ -143,7 +144,8 @@ struct AuthDecisionTests {
         #expect(!rsa.publicKey.isValidSignature(signature, for: SHA384.hash(data: input), padding: .insecurePKCS1v1_5))
         // ES256 over P-256 with SHA-256 (swift-crypto hashes inside).
         let p256 = try P256.Signing.PrivateKey(pemRepresentation: p256PEM)
-        let es = try await ClientAssertionKey(pem: p256PEM).assertion(clientID: "c", tokenURL: "http://t").split(separator: ".")
+        let es = try await OAuth2Configuration.ClientAssertionKey(pem: p256PEM).assertion(clientID: "c", tokenURL: "http://t").split(
+            separator: ".")
         var esText = String(es[2]).replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
         while esText.count % 4 != 0 { esText += "=" }
         let esSignature = try P256.Signing.ECDSASignature(rawRepresentation: try #require(Data(base64Encoded: esText)))

@@ -58,8 +58,8 @@ struct EnvelopeTests {
         }
     }
 
-    @Test("Both formats round-trip; every message gets a fresh key", arguments: EnvelopeFormat.allCases)
-    func roundTrip(format: EnvelopeFormat) throws {
+    @Test("Both formats round-trip; every message gets a fresh key", arguments: EnvelopeSealer.Format.allCases)
+    func roundTrip(format: EnvelopeSealer.Format) throws {
         let (recipient, opener) = try Self.keyPair()
         let sealer = EnvelopeSealer(recipient: recipient, keyID: "k/1", fhirVersion: "4.0.1", format: format)
         let plaintext = Data(#"{"resourceType":"Patient","name":[{"family":"Ümlaut"}]}"#.utf8)

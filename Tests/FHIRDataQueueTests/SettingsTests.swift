@@ -63,7 +63,9 @@ struct SettingsTests {
              "encryption": {"mode": "authenticated", "in_flight": 3}}
             """#
         var chosen = try DataQueueSettings.decode(Data(choices.utf8))
-        #expect(chosen.auth?.authorizeType == .authorizationCode && chosen.auth?.tokenEndpointAuthMethod == TokenEndpointAuthMethod.none)
+        #expect(
+            chosen.auth?.authorizeType == .authorizationCode
+                && chosen.auth?.tokenEndpointAuthMethod == OAuth2Configuration.TokenEndpointAuthMethod.none)
         #expect(chosen.auth?.keyAlgorithm == .es256 && chosen.encryption?.mode == .authenticated && chosen.encryption?.inFlight == 3)
         try chosen.apply(environment: [
             "DQ_AUTHORIZE_TYPE": "client_credentials", "DQ_TOKEN_ENDPOINT_AUTH_METHOD": "private_key_jwt", "DQ_KEY_ALG": "RS256",

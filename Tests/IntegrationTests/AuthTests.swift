@@ -183,7 +183,7 @@ struct AuthTests {
         let (server, _, ec) = try await server()
         var configuration = OAuth2Configuration(fhirBaseURL: URL(string: server.base)!)
         configuration.clientID = "c3"
-        configuration.assertionKey = try ClientAssertionKey(pemFile: ec, keyID: "ec-1")
+        configuration.assertionKey = try OAuth2Configuration.ClientAssertionKey(pemFile: ec, keyID: "ec-1")
         let oauth = try OAuth2ClientCredentials(configuration: configuration)
         let tokens = try await withThrowingTaskGroup(of: String.self) { group in
             for _ in 0..<20 { group.addTask { try await oauth.accessToken() } }

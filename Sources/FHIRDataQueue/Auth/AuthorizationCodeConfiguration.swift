@@ -22,9 +22,9 @@ extension AuthorizationCodeClient {
         public var clientSecret: String?
         /// How the client authenticates at the token and revocation endpoints. The default is nil:
         /// `private_key_jwt` with a key, `client_secret_basic` with a secret, else `none` (a public client).
-        public var authMethod: TokenEndpointAuthMethod?
+        public var authMethod: OAuth2Configuration.TokenEndpointAuthMethod?
         /// The signing key for `private_key_jwt`. The default is nil.
-        public var assertionKey: ClientAssertionKey?
+        public var assertionKey: OAuth2Configuration.ClientAssertionKey?
         /// The scope asked for. The default is ``defaultScope``.
         public var scope: String
         /// The OpenID issuer. nil: from the SMART configuration. It must equal the ID token's `iss`.
@@ -35,7 +35,7 @@ extension AuthorizationCodeClient {
         public var tokenURL: URL?
         /// The RFC 7009 revocation endpoint. nil: discovered, if the server offers one.
         public var revocationURL: URL?
-        /// Where the sign-in is kept. The default is ``CredentialStore/defaultDirectory(environment:)``.
+        /// Where the sign-in is kept. The default is ``OAuth2Configuration/CredentialStore/defaultDirectory(environment:)``.
         public var credentialsDirectory: String
         /// The deadline of each request to the authorization server, in seconds. The default is 30.
         public var timeout: TimeInterval
@@ -53,12 +53,12 @@ extension AuthorizationCodeClient {
             self.fhirBaseURL = fhirBaseURL
             self.clientID = clientID
             self.scope = Self.defaultScope
-            self.credentialsDirectory = CredentialStore.defaultDirectory()
+            self.credentialsDirectory = OAuth2Configuration.CredentialStore.defaultDirectory()
             self.timeout = 30
         }
 
         /// The method in use (see ``authMethod``).
-        public var effectiveAuthMethod: TokenEndpointAuthMethod {
+        public var effectiveAuthMethod: OAuth2Configuration.TokenEndpointAuthMethod {
             authMethod ?? (assertionKey != nil ? .privateKeyJWT : clientSecret != nil ? .clientSecretBasic : .none)
         }
 

@@ -1,16 +1,18 @@
 import Foundation
 
-/// How ``OAuth2ClientCredentials`` authenticates to the token endpoint.
-public enum TokenEndpointAuthMethod: String, Sendable, CaseIterable {
-    /// HTTP Basic with the client id and secret, each form-urlencoded first (RFC 6749 §2.3.1).
-    case clientSecretBasic = "client_secret_basic"
-    /// `client_id` and `client_secret` in the form body.
-    case clientSecretPost = "client_secret_post"
-    /// A signed JWT client assertion (RFC 7523, SMART Backend Services).
-    case privateKeyJWT = "private_key_jwt"
-    /// No client authentication: a public client sends only its `client_id` (authorization code flow
-    /// with PKCE; not allowed for client_credentials).
-    case none = "none"
+extension OAuth2Configuration {
+    /// How ``OAuth2ClientCredentials`` authenticates to the token endpoint.
+    public enum TokenEndpointAuthMethod: String, Sendable, CaseIterable {
+        /// HTTP Basic with the client id and secret, each form-urlencoded first (RFC 6749 §2.3.1).
+        case clientSecretBasic = "client_secret_basic"
+        /// `client_id` and `client_secret` in the form body.
+        case clientSecretPost = "client_secret_post"
+        /// A signed JWT client assertion (RFC 7523, SMART Backend Services).
+        case privateKeyJWT = "private_key_jwt"
+        /// No client authentication: a public client sends only its `client_id` (authorization code flow
+        /// with PKCE; not allowed for client_credentials).
+        case none = "none"
+    }
 }
 
 /// The settings of an OAuth2 client_credentials client (and of its dynamic registration).
@@ -31,9 +33,9 @@ public struct OAuth2Configuration: Sendable {
     /// CapabilityStatement's `oauth-uris` extension. The default is nil.
     public var tokenURL: URL?
     /// The token endpoint auth method. The default is `client_secret_basic`, or `private_key_jwt` with a key.
-    public var authMethod: TokenEndpointAuthMethod?
+    public var authMethod: OAuth2Configuration.TokenEndpointAuthMethod?
     /// The signing key for `private_key_jwt`. The default is nil.
-    public var assertionKey: ClientAssertionKey?
+    public var assertionKey: OAuth2Configuration.ClientAssertionKey?
     /// The scope requested. The default is `system/*.cruds`... unless the server grants less.
     public var scope: String?
     /// The RFC 7591 registration endpoint. nil: discovered when registration is needed. The default is nil.
@@ -47,8 +49,8 @@ public struct OAuth2Configuration: Sendable {
     public var registrationFlags: [String: Bool]
     /// Extra headers of the registration request (e.g. C3-PRO's `Antispam`). The default is none.
     public var registrationHeaders: [String: String]
-    /// Where registered credentials are kept. The default is ``CredentialStore/init(directory:)``.
-    public var credentialStore: CredentialStore
+    /// Where registered credentials are kept. The default is ``OAuth2Configuration/CredentialStore/init(directory:)``.
+    public var credentialStore: OAuth2Configuration.CredentialStore
     /// Renew a token this many seconds before it expires. The default is 60.
     public var renewalSkew: TimeInterval
     /// The deadline of a token or registration request, in seconds. The default is 30.
@@ -69,13 +71,13 @@ public struct OAuth2Configuration: Sendable {
         self.registrationFields = [:]
         self.registrationFlags = [:]
         self.registrationHeaders = [:]
-        self.credentialStore = CredentialStore()
+        self.credentialStore = OAuth2Configuration.CredentialStore()
         self.renewalSkew = 60
         self.timeout = 30
     }
 
     /// The method in use: ``authMethod``, else `private_key_jwt` with a key, else `client_secret_basic`.
-    public var effectiveAuthMethod: TokenEndpointAuthMethod {
+    public var effectiveAuthMethod: OAuth2Configuration.TokenEndpointAuthMethod {
         authMethod ?? (assertionKey != nil ? .privateKeyJWT : .clientSecretBasic)
     }
 }

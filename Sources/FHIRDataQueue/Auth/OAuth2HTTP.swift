@@ -81,7 +81,8 @@ struct OAuth2HTTP: Sendable {
     /// Adds the client's authentication to a token, refresh or revocation request: HTTP Basic, the secret in
     /// the form, a signed assertion (RFC 7523), or for a public client (`.none`) only its `client_id`.
     static func authenticate(
-        _ method: TokenEndpointAuthMethod, clientID: String, secret: String?, key: ClientAssertionKey?, audience: URL,
+        _ method: OAuth2Configuration.TokenEndpointAuthMethod, clientID: String, secret: String?,
+        key: OAuth2Configuration.ClientAssertionKey?, audience: URL,
         form: inout [(String, String)], headers: inout HTTPHeaders, rawBasic: Bool = false
     ) async throws {
         switch method {

@@ -2,25 +2,27 @@ import Crypto
 import Foundation
 import _CryptoExtras
 
-/// The encrypted message format sent to a C3-PRO style receiver.
-///
-/// Both formats are a JSON object of standard base64 strings:
-/// `{"key_id": …, "symmetric_key": …, "message": …, "version": …}`.
-public enum EnvelopeFormat: String, Sendable, Codable, CaseIterable {
-    /// The C3-PRO format, byte-compatible with deployed consumers: a fresh 32-byte AES key per message,
-    /// AES-256-CBC with PKCS#7 padding and an all-zero IV (not sent), the key wrapped with RSA-OAEP
-    /// (SHA-1, MGF1-SHA-1, empty label).
+extension EnvelopeSealer {
+    /// The encrypted message format sent to a C3-PRO style receiver.
     ///
-    /// > Important: CBC without a MAC is not authenticated. It is kept for compatibility; prefer
-    /// > ``authenticated`` where the receiver supports it.
-    case c3pro
-    /// dq's authenticated format: AES-256-GCM with a random 12-byte nonce, `message` = nonce ‖ ciphertext ‖
-    /// 16-byte tag, the key wrapped with RSA-OAEP-SHA-256 (MGF1-SHA-256), and `"alg": "A256GCM+RSA-OAEP-256"`
-    /// in the envelope. An old C3-PRO consumer fails to unwrap the key and refuses it rather than misreading it.
-    case authenticated
+    /// Both formats are a JSON object of standard base64 strings:
+    /// `{"key_id": …, "symmetric_key": …, "message": …, "version": …}`.
+    public enum Format: String, Sendable, Codable, CaseIterable {
+        /// The C3-PRO format, byte-compatible with deployed consumers: a fresh 32-byte AES key per message,
+        /// AES-256-CBC with PKCS#7 padding and an all-zero IV (not sent), the key wrapped with RSA-OAEP
+        /// (SHA-1, MGF1-SHA-1, empty label).
+        ///
+        /// > Important: CBC without a MAC is not authenticated. It is kept for compatibility; prefer
+        /// > ``authenticated`` where the receiver supports it.
+        case c3pro
+        /// dq's authenticated format: AES-256-GCM with a random 12-byte nonce, `message` = nonce ‖ ciphertext ‖
+        /// 16-byte tag, the key wrapped with RSA-OAEP-SHA-256 (MGF1-SHA-256), and `"alg": "A256GCM+RSA-OAEP-256"`
+        /// in the envelope. An old C3-PRO consumer fails to unwrap the key and refuses it rather than misreading it.
+        case authenticated
 
-    /// The value of the `alg` member that marks the authenticated format.
-    public static let authenticatedMarker = "A256GCM+RSA-OAEP-256"
+        /// The value of the `alg` member that marks the authenticated format.
+        public static let authenticatedMarker = "A256GCM+RSA-OAEP-256"
+    }
 }
 
 /// Seals resources into envelopes for one receiver key.
@@ -36,11 +38,11 @@ public struct EnvelopeSealer: Sendable {
     public let keyID: String
     /// The FHIR version of the resources. The default is `1.0.2`, as the original sent.
     public let fhirVersion: String
-    /// The format. The default is ``EnvelopeFormat/c3pro``.
-    public let format: EnvelopeFormat
+    /// The format. The default is ``EnvelopeSealer/Format/c3pro``.
+    public let format: EnvelopeSealer.Format
 
     /// Creates a sealer. Every parameter has the default stated on its property.
-    public init(recipient: RecipientKey, keyID: String, fhirVersion: String = "1.0.2", format: EnvelopeFormat = .c3pro) {
+    public init(recipient: RecipientKey, keyID: String, fhirVersion: String = "1.0.2", format: EnvelopeSealer.Format = .c3pro) {
         self.recipient = recipient
         self.keyID = keyID
         self.fhirVersion = fhirVersion
@@ -48,7 +50,7 @@ public struct EnvelopeSealer: Sendable {
         head = Array(#"{"key_id":"#.utf8) + Array(EnvelopeCrypto.jsonString(keyID).utf8) + Array(#","symmetric_key":""#.utf8)
         var tail = Array(#"","version":"#.utf8) + Array(EnvelopeCrypto.jsonString(fhirVersion).utf8)
         if format == .authenticated {
-            tail += Array(#","alg":""#.utf8) + Array(EnvelopeFormat.authenticatedMarker.utf8) + [UInt8(ascii: "\"")]
+            tail += Array(#","alg":""#.utf8) + Array(EnvelopeSealer.Format.authenticatedMarker.utf8) + [UInt8(ascii: "\"")]
         }
         self.tail = tail + [UInt8(ascii: "}")]
     }
@@ -156,7 +158,7 @@ public struct EnvelopeOpener: Sendable {
         let authenticated: Bool
         switch object["alg"] {
         case nil: authenticated = false
-        case let alg as String where alg == EnvelopeFormat.authenticatedMarker: authenticated = true
+        case let alg as String where alg == EnvelopeSealer.Format.authenticatedMarker: authenticated = true
         default: throw corrupt("unknown \"alg\"")
         }
         guard let wrapped = Data(base64Encoded: object["symmetric_key"] as! String) else {

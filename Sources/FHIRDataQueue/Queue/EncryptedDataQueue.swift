@@ -5,7 +5,7 @@ import Logging
 /// A ``DataQueue`` that encrypts chosen resources for a C3-PRO style receiver before they touch the disk.
 ///
 /// A policy decides per resource whether it is encrypted (the original's delegate). Encrypted resources
-/// are sealed into an envelope (see ``EnvelopeFormat``) with a fresh AES key each, queued as the envelope
+/// are sealed into an envelope (see ``EnvelopeSealer/Format``) with a fresh AES key each, queued as the envelope
 /// only, and sent as `POST {encryptedBaseURL}/{resourceType}` with `Content-Type: application/json`. The
 /// others go to the FHIR endpoint exactly as ``DataQueue`` sends them. Both kinds share one queue, so
 /// their order is kept.

@@ -206,8 +206,10 @@ extension DataQueueSettings {
     }
 
     /// `token_endpoint_auth_method`, `private_key`, `key_id` and `key_alg`, checked.
-    private func clientAuthentication(_ auth: Auth, allowNone: Bool) throws -> (TokenEndpointAuthMethod?, ClientAssertionKey?) {
-        var method: TokenEndpointAuthMethod?
+    private func clientAuthentication(_ auth: Auth, allowNone: Bool) throws -> (
+        OAuth2Configuration.TokenEndpointAuthMethod?, OAuth2Configuration.ClientAssertionKey?
+    ) {
+        var method: OAuth2Configuration.TokenEndpointAuthMethod?
         if let parsed = auth.tokenEndpointAuthMethod {
             guard allowNone || parsed != .none else {
                 throw Self.configError(
@@ -217,9 +219,9 @@ extension DataQueueSettings {
             method = parsed
         }
         let keyAlgorithm = auth.keyAlgorithm
-        var key: ClientAssertionKey?
+        var key: OAuth2Configuration.ClientAssertionKey?
         if let path = auth.privateKey {
-            key = try ClientAssertionKey(pemFile: keyFilePath(path), keyID: auth.keyID, algorithm: keyAlgorithm)
+            key = try OAuth2Configuration.ClientAssertionKey(pemFile: keyFilePath(path), keyID: auth.keyID, algorithm: keyAlgorithm)
         } else if keyAlgorithm != nil {
             throw Self.configError("\"auth.key_alg\" is set but \"auth.private_key\" is not")
         }
@@ -291,7 +293,7 @@ extension DataQueueSettings {
         }
         if let headers = auth.registrationHeaders { oauth.registrationHeaders = headers }
         if let directory = auth.credentialsDirectory {
-            oauth.credentialStore = CredentialStore(directory: relative(directory))
+            oauth.credentialStore = OAuth2Configuration.CredentialStore(directory: relative(directory))
         }
         if oauth.clientID == nil && oauth.registrationURI == nil && oauth.tokenURL != nil {
             throw Self.configError("\"auth.client_id\" is missing (or set \"auth.registration_uri\" to register dynamically)")

@@ -147,14 +147,14 @@ public struct DataQueueSettings: Sendable, Decodable {
         /// `scope`.
         public var scope: String?
         /// `token_endpoint_auth_method` (`none` only for `authorization_code`).
-        public var tokenEndpointAuthMethod: TokenEndpointAuthMethod?
+        public var tokenEndpointAuthMethod: OAuth2Configuration.TokenEndpointAuthMethod?
         /// `private_key`: a PEM file for private_key_jwt.
         public var privateKey: String?
         /// `key_id` of the private key.
         public var keyID: String?
         /// `key_alg`: the JWS algorithm of an RSA private key, `RS384` (the default) or `RS256`; an EC key's
         /// curve decides its own (`ES256`, `ES384`).
-        public var keyAlgorithm: ClientAssertionKey.Algorithm?
+        public var keyAlgorithm: OAuth2Configuration.ClientAssertionKey.Algorithm?
         /// `registration_fields`: extra members of the registration request (strings or booleans).
         public var registrationFields: [String: FieldValue]?
         /// `registration_headers`: extra headers of the registration request.
@@ -231,7 +231,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         /// `resource_types` to encrypt. The default is every resource.
         public var resourceTypes: [String]?
         /// `mode`: `c3pro` (the default) or `authenticated`.
-        public var mode: EnvelopeFormat?
+        public var mode: EnvelopeSealer.Format?
         /// `in_flight`: envelopes sent at once (default 1; more gives up order for the encrypted endpoint).
         public var inFlight: Int?
 
@@ -472,15 +472,19 @@ public struct DataQueueSettings: Sendable, Decodable {
             auth = auth ?? Auth()
             auth?.authorizeType = value
         }
-        if let value = try choice("DQ_TOKEN_ENDPOINT_AUTH_METHOD", Self.authMethodError, TokenEndpointAuthMethod.init(rawValue:)) {
+        if let value = try choice(
+            "DQ_TOKEN_ENDPOINT_AUTH_METHOD", Self.authMethodError, OAuth2Configuration.TokenEndpointAuthMethod.init(rawValue:))
+        {
             auth = auth ?? Auth()
             auth?.tokenEndpointAuthMethod = value
         }
-        if let value = try choice("DQ_KEY_ALG", Self.keyAlgorithmError, { ClientAssertionKey.Algorithm(rawValue: $0.uppercased()) }) {
+        if let value = try choice(
+            "DQ_KEY_ALG", Self.keyAlgorithmError, { OAuth2Configuration.ClientAssertionKey.Algorithm(rawValue: $0.uppercased()) })
+        {
             auth = auth ?? Auth()
             auth?.keyAlgorithm = value
         }
-        if let value = try choice("DQ_ENCRYPTION_MODE", "must be \"c3pro\" or \"authenticated\"", EnvelopeFormat.init(rawValue:)) {
+        if let value = try choice("DQ_ENCRYPTION_MODE", "must be \"c3pro\" or \"authenticated\"", EnvelopeSealer.Format.init(rawValue:)) {
             encryption = encryption ?? Encryption()
             encryption?.mode = value
         }
@@ -1031,12 +1035,12 @@ extension DataQueueSettings.Auth {
         clientName = try SettingsKeys.value(container, .clientName, string)
         scope = try SettingsKeys.value(container, .scope, string)
         tokenEndpointAuthMethod = try SettingsKeys.choice(container, .tokenEndpointAuthMethod, DataQueueSettings.authMethodError) {
-            TokenEndpointAuthMethod(rawValue: $0)
+            OAuth2Configuration.TokenEndpointAuthMethod(rawValue: $0)
         }
         privateKey = try SettingsKeys.value(container, .privateKey, string)
         keyID = try SettingsKeys.value(container, .keyID, string)
         keyAlgorithm = try SettingsKeys.choice(container, .keyAlgorithm, DataQueueSettings.keyAlgorithmError) {
-            ClientAssertionKey.Algorithm(rawValue: $0.uppercased())
+            OAuth2Configuration.ClientAssertionKey.Algorithm(rawValue: $0.uppercased())
         }
         registrationFields = try SettingsKeys.value(container, .registrationFields, "must be an object")
         registrationHeaders = try SettingsKeys.value(container, .registrationHeaders, "must be an object of strings")
@@ -1083,7 +1087,7 @@ extension DataQueueSettings.Encryption {
         fhirVersion = try SettingsKeys.value(container, .fhirVersion, string)
         resourceTypes = try SettingsKeys.value(
             container, .resourceTypes, "must be a non-empty list of resource type names")
-        mode = try SettingsKeys.choice(container, .mode, "must be \"c3pro\" or \"authenticated\"") { EnvelopeFormat(rawValue: $0) }
+        mode = try SettingsKeys.choice(container, .mode, "must be \"c3pro\" or \"authenticated\"") { EnvelopeSealer.Format(rawValue: $0) }
         inFlight = try SettingsKeys.wholeNumber(container, .inFlight, DataQueueSettings.inFlightError)
     }
 }
