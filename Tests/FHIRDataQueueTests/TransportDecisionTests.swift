@@ -108,17 +108,32 @@ struct TransportDecisionTests {
         #expect(!error.message.contains("u:p"))
     }
 
-    @Test("A redirect parks the item naming the status, its reason and where it pointed (without the query)")
+    @Test("A redirect parks the item naming the status, its reason and the server it pointed to (not its path or query)")
     func redirectInWords() {
         let result = ResponseClassification.classify(
-            status: 307, body: Data(), retryAfter: nil, envelope: false, location: "https://other.example/fhir/Patient?t=secret")
+            status: 307, body: Data(), retryAfter: nil, envelope: false,
+            location: "https://other.example:8443/fhir/Patient/p-4711?t=secret")
         guard case .permanent(let message) = result else {
             Issue.record("a redirect is permanent for the item: \(result)")
             return
         }
         #expect(message.contains("307 Temporary Redirect"))
-        #expect(message.contains("https://other.example/fhir/Patient"))
+        #expect(message.contains("to https://other.example:8443;"), "\(message)")
+        // The path may hold the resource's id: the text is kept readable with the item, even when sealed at rest.
+        #expect(!message.contains("p-4711") && !message.contains("/fhir"), "\(message)")
         #expect(!message.contains("secret"))
+    }
+
+    @Test(
+        "A FHIR server is named by its origin: scheme, host and port, never user info or path",
+        arguments: [
+            ("https://user:pw@fhir.example.org/fhir/R4/Patient/p-4711", "https://fhir.example.org"),
+            ("http://127.0.0.1:8080/fhir/Patient/p-4711?x=1", "http://127.0.0.1:8080"),
+            ("http://[::1]:9000/Patient/p-4711", "http://[::1]:9000"),
+            ("not a url", "the server"),
+        ])
+    func originOfAServer(url: String, origin: String) {
+        #expect(FHIRTransport.origin(url) == origin)
     }
 
     @Test(

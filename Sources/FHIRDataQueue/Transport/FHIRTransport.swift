@@ -177,7 +177,7 @@ final class FHIRTransport: Sendable {
         } catch {
             if let (head, body) = delegate.partial { return Self.response(head, body) }
             throw TransportFailure(
-                message: "no answer from \(Self.redacted(url)): \(describe(error, url: url))",
+                message: "no answer from \(Self.origin(url)): \(describe(error, url: url))",
                 mayHaveArrived: delegate.requestHeadSent && !Self.neverSent(error))
         }
     }
@@ -200,6 +200,15 @@ final class FHIRTransport: Sendable {
 
     /// The HTTP client's own request logs are internals: shown only at trace level.
     static let silent = Logger(label: "dq.http", factory: { _ in SwiftLogNoOpLogHandler() })
+
+    /// The scheme, host and port of `url`: how a failure of a request to a FHIR server names that server. Not
+    /// its path, which for an update holds the resource's id: the text is logged and kept with the item, readable
+    /// even in a queue sealed at rest.
+    static func origin(_ url: String) -> String {
+        guard let components = URLComponents(string: url), let scheme = components.scheme, let host = components.host
+        else { return "the server" }
+        return "\(scheme)://\(host.contains(":") && !host.hasPrefix("[") ? "[\(host)]" : host)\(components.port.map { ":\($0)" } ?? "")"
+    }
 
     /// The URL without query or user info, safe to log.
     static func redacted(_ url: String) -> String {

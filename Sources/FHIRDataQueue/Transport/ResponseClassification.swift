@@ -43,7 +43,8 @@ enum ResponseClassification: Equatable, Sendable {
             return .transient("server answered \(status)\(name.isEmpty ? "" : " " + name)", retryAfter: retryAfter)
         case 300..<400:
             // dq never follows a redirect: it would resend the resource (and credentials) to another address.
-            let target = location.map { " to \(FHIRTransport.redacted($0))" } ?? ""
+            // The target's origin only: its path may hold the resource's id (the text is kept with the item).
+            let target = location.map { " to \(FHIRTransport.origin($0))" } ?? ""
             return .permanent(
                 "server redirected the request (\(status) \(reason(status)))\(target); dq does not follow redirects: check the base URL")
         default:
