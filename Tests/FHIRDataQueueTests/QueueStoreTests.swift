@@ -42,6 +42,24 @@ struct QueueStoreTests {
         #expect(normalSync == 1)
     }
 
+    @Test("The WAL scrub after sealing says so when a reader keeps the WAL from being emptied, and empties it once the reader is gone")
+    func scrubWaitsForReaders() async throws {
+        let store = try SQLiteQueueStore(path: path, durability: .full, busyTimeout: 0.2)
+        _ = try await store.insert((0..<20).map { item($0) })
+        var reader: OpaquePointer?
+        #expect(sqlite3_open_v2(path, &reader, SQLITE_OPEN_READONLY, nil) == SQLITE_OK)
+        defer { sqlite3_close(reader) }
+        // A read transaction: it reads from the WAL, which it keeps from being emptied while it lasts.
+        #expect(sqlite3_exec(reader, "BEGIN; SELECT count(*) FROM item;", nil, nil, nil) == SQLITE_OK)
+        _ = try await store.insert([item(20)])
+        func walBytes() throws -> Int { try FileManager.default.attributesOfItem(atPath: path + "-wal")[.size] as? Int ?? -1 }
+        #expect(try await store.scrubAfterSealing() == false)
+        #expect(try walBytes() > 0)
+        #expect(sqlite3_exec(reader, "COMMIT", nil, nil, nil) == SQLITE_OK)
+        #expect(try await store.scrubAfterSealing() == true)
+        #expect(try walBytes() == 0)
+    }
+
     @Test("Opening an existing queue and reading its status writes nothing to disk")
     func readOnlyOpen() async throws {
         do {

@@ -407,6 +407,39 @@ struct StorageConformanceTests {
     }
 
     @Test(
+        "A sealed store refuses plain items, also from a writer that opened it while it was plain: one, grouped or bulk, nothing queued",
+        arguments: StoreKind.available)
+    func sealedRefusesPlainItems(kind: StoreKind) async throws {
+        let inner = try await kind.make(in: directory)
+        let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+        // A writer without a key that opened the queue while it was plain writes to the store itself.
+        _ = try await inner.insert([item(0)])
+        let sealed = try await SealedStorage.open(
+            inner, keys: AtRestKeys(current: AtRestKey.generate().key), readOnly: false, lazily: false, logger: logger)
+        #expect(try await inner.sealedCounts()[""] == nil, "the item queued before was sealed")
+        let attempts: [(String, @Sendable () async throws -> Void)] = [
+            ("one", { _ = try await inner.insert([item(1)]) }),
+            ("grouped", { _ = try await inner.insertGrouped(item(2)) }),
+            ("bulk", { [item = item(3)] in _ = try await inner.insert(chunks: 1) { _ in [item] } }),
+        ]
+        for (shape, attempt) in attempts {
+            do {
+                try await attempt()
+                Issue.record("\(shape): a plain item was stored in a sealed queue")
+            } catch let error as DataQueueError {
+                #expect(error.code == .invalidConfiguration, "\(shape): \(error)")
+                #expect(error.message.contains("sealed at rest") && error.message.contains("at_rest.key_file"), "\(error.message)")
+            }
+        }
+        #expect(try await inner.rawItems(after: 0, limit: 10).count == 1, "nothing of the refused inserts is stored")
+        // The writer with the key goes on; guarding again is no error.
+        _ = try await sealed.insert([item(4)])
+        try await inner.refusePlainItems()
+        #expect(try await inner.rawItems(after: 0, limit: 10).count == 2)
+        #expect(try await inner.sealedCounts()[""] == nil)
+    }
+
+    @Test(
         "A queue sealed after deliveries: its journal's fullUrls become keyed hashes, and a bulk enqueue may reference them",
         arguments: StoreKind.available)
     func sealedAfterDeliveries(kind: StoreKind) async throws {

@@ -1,3 +1,4 @@
+import FHIRDataQueue
 import Foundation
 import GRDB
 import Testing
@@ -210,6 +211,56 @@ struct AtRestTests {
         // 600 + 20 + 40 rows; every body and path opened; 20 resource ids; every swapped seal refused; one nonce
         // per sealed value (a repeated nonce under one key would break AES-GCM).
         #expect(counts == [660, 660, 660, 20, 660, 1340], "\(result.stdout) \(result.stderr)")
+    }
+
+    @Test(
+        "A sealed queue keeps no resource id in what it records of a failed attempt: a PUT that finds the server down stays queued, its path in no byte of the queue's files"
+    )
+    func failedAttemptKeepsNoPath() async throws {
+        let (key, _) = try await keygen("rest.key")
+        let port = Peers.freePort()  // nothing listens there: every attempt is refused
+        let env = environment("http://127.0.0.1:\(port)/fhir", key: key)
+        let input = try mixedInput(observations: 0, linked: 1)
+        let put = try await dq(["enqueue", "--ndjson", "--method", "put", input.puts], env)
+        #expect(put.status == 0, "\(put.stderr)")
+        let id = "rest0x" + marker.suffix(4)
+        let flushed = try await dq(["flush"], env)
+        #expect(flushed.status == 75, "\(flushed.stderr)")
+        #expect(flushed.stderr.contains("no answer from http://127.0.0.1:\(port)"), "\(flushed.stderr)")
+        #expect(!flushed.stderr.contains(id) && !flushed.stdout.contains(id))
+        // The attempt is recorded with the item (the error text dq keeps readable beside the sealed values)...
+        let listed = try await dq(["list", "--json"], env)
+        #expect(listed.stdout.contains("no answer from http://127.0.0.1:\(port)"), "\(listed.stdout.prefix(600))")
+        // ... and names the server, not the request: the PUT's path holds the resource's id.
+        #expect(found(id, in: queueFiles()).isEmpty, "the PUT's id is readable in \(found(id, in: queueFiles()))")
+    }
+
+    @Test(
+        "A service that opened the queue while it was plain, without a key, adds no readable row once dq seals it: its enqueue is a configuration error, nothing is queued"
+    )
+    func plainWriterAfterSealing() async throws {
+        let (key, _) = try await keygen("rest.key")
+        let env = environment("http://127.0.0.1:9/fhir", key: key)
+        let configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
+        let service = try await DataQueue(baseURL: URL(string: "http://127.0.0.1:9/fhir")!, configuration: configuration)
+        _ = try await service.enqueue(try FHIRResource(json: Data(resources.observation(0, extra: " \(marker)").utf8)))
+        #expect(!found(marker, in: queueFiles()).isEmpty, "plain so far")
+        // dq, with the key, seals the queue (and the item in it) as it opens it to enqueue one more.
+        let one = try work.write("one.json", resources.observation(1, extra: " \(marker)"))
+        let sealing = try await dq(["enqueue", one], env)
+        #expect(sealing.status == 0, "\(sealing.stderr)")
+        do {
+            _ = try await service.enqueue(try FHIRResource(json: Data(resources.observation(2, extra: " \(marker)").utf8)))
+            Issue.record("the service queued a plain item into the sealed queue")
+        } catch let error as DataQueueError {
+            #expect(error.code == .invalidConfiguration && error.message.contains("sealed at rest"), "\(error)")
+            #expect(!error.message.contains(marker))
+        }
+        try await service.shutdown()
+        let status = try await dq(["status", "--json"], env)
+        let summary = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(summary["pending"] as? Int == 2, "\(status.stdout)")
+        #expect(found(marker, in: queueFiles()).isEmpty, "the marker is readable in \(found(marker, in: queueFiles()))")
     }
 
     @Test("The same queue without at_rest holds the marker readable: the scan above can fail")

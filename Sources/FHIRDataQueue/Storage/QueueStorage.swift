@@ -136,6 +136,11 @@ protocol QueueStorage: AnyObject, Sendable {
     /// Adds a seal key (nothing when its id is there).
     func addSealKey(_ record: SealKeyRecord) async throws
 
+    /// Makes the store refuse, from now on, every item whose body is not sealed: also those of a process that
+    /// opened the queue while it was plain and has no key (its cached view says "plain"). An insert of one fails
+    /// with ``DataQueueError/Code/invalidConfiguration`` and queues nothing. Cheap once done (a look-up).
+    func refusePlainItems() async throws
+
     /// How many items (of every queue) each at-rest key seals, by key id; `""` counts plain items.
     func sealedCounts() async throws -> [String: Int]
 
@@ -147,8 +152,10 @@ protocol QueueStorage: AnyObject, Sendable {
     func replaceSealed(_ replacements: [SealedReplacement]) async throws -> Int
 
     /// After items were sealed: removes what the store keeps of their earlier values beyond the rows (SQLite:
-    /// the WAL's frames). The default does nothing.
-    func scrubAfterSealing() async throws
+    /// the WAL's frames). False when it could not (another connection kept reading throughout). The default
+    /// does nothing and returns true.
+    @discardableResult
+    func scrubAfterSealing() async throws -> Bool
 
     /// Seals every item under the current at-rest key: those sealed under an older key and any plain one, in
     /// batches, while producers and flushes go on; returns how many were sealed again. A store without at-rest
@@ -307,7 +314,7 @@ extension QueueStorage {
 
     func vacuum() async throws {}
 
-    func scrubAfterSealing() async throws {}
+    func scrubAfterSealing() async throws -> Bool { true }
 
     func resealUnderCurrentKey(progress: (Int) -> Void) async throws -> Int {
         throw SealedStorage.noKeyToSealUnder

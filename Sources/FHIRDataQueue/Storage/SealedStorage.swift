@@ -88,6 +88,16 @@ final class SealedStorage: QueueStorage {
         return state.sealer
     }
 
+    /// What an insert of a plain item into a sealed queue is told (the store refused it: see
+    /// ``QueueStorage/refusePlainItems()``).
+    static var plainItemRefused: DataQueueError {
+        DataQueueError(
+            .invalidConfiguration,
+            "configuration: the queue is sealed at rest (since this process opened it, or the items come from a plain "
+                + "queue) and takes only sealed items; nothing was queued: set \"at_rest.key_file\" (or DQ_AT_REST_KEY_FILE) "
+                + "to its key")
+    }
+
     /// What sealing without an at-rest key configured is told.
     static var noKeyToSealUnder: DataQueueError {
         DataQueueError(.invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: there is no key to seal under")
@@ -138,16 +148,19 @@ final class SealedStorage: QueueStorage {
                     sealer = Sealer(keys: keys, indexKey: unwrapped)
                 }
             }
+            // From here on the store itself refuses plain items, from whichever process: one that opened the queue
+            // while it was plain, without a key, would otherwise go on adding readable rows.
+            try await inner.refusePlainItems()
             if let plain = try await inner.sealedCounts()[""], plain > 0 {
                 logger.notice("sealing the items queued before at_rest was set", metadata: ["items": "\(plain)"])
                 let sealed = try await sealAll(sealer, only: .plain) { [logger] done in
                     logger.info("sealed items", metadata: ["done": "\(done)", "of": "\(plain)"])
                 }
-                try await inner.scrubAfterSealing()
+                try await scrub()
                 logger.notice("sealed the items queued before at_rest was set", metadata: ["items": "\(sealed)"])
             }
             // Also after an open that stopped half-way: the look-up for plain ones is one probe of an index.
-            if try await sealJournal(sealer) > 0 { try await inner.scrubAfterSealing() }
+            if try await sealJournal(sealer) > 0 { try await scrub() }
         }
         return State(sealer: sealer, keyIDs: Array(Set(ids + [keys.current.id])).sorted())
     }
@@ -162,8 +175,19 @@ final class SealedStorage: QueueStorage {
 
     func resealUnderCurrentKey(progress: (Int) -> Void) async throws -> Int {
         let resealed = try await sealAll(try await sealer, only: .notUnderCurrentKey, progress: progress)
-        try await inner.scrubAfterSealing()
+        try await scrub()
         return resealed
+    }
+
+    /// ``QueueStorage/scrubAfterSealing()``, with a warning when another connection kept it from being done.
+    private func scrub() async throws {
+        if try await !inner.scrubAfterSealing() {
+            logger.warning(
+                """
+                the queue's write-ahead log still holds pages written before sealing: another process kept reading \
+                the queue; run dq rekey once it has stopped to remove them
+                """)
+        }
     }
 
     /// Seals items again under the current key, in batches, each batch in one transaction, while producers
@@ -520,13 +544,15 @@ final class SealedStorage: QueueStorage {
 
     func addSealKey(_ record: SealKeyRecord) async throws { try await inner.addSealKey(record) }
 
+    func refusePlainItems() async throws { try await inner.refusePlainItems() }
+
     func sealedCounts() async throws -> [String: Int] { try await inner.sealedCounts() }
 
     func rawItems(after: Int64, limit: Int) async throws -> [StoredItem] { try await inner.rawItems(after: after, limit: limit) }
 
     func replaceSealed(_ replacements: [SealedReplacement]) async throws -> Int { try await inner.replaceSealed(replacements) }
 
-    func scrubAfterSealing() async throws { try await inner.scrubAfterSealing() }
+    func scrubAfterSealing() async throws -> Bool { try await inner.scrubAfterSealing() }
 
     func plainJournalFullURLs(limit: Int) async throws -> [String] { try await inner.plainJournalFullURLs(limit: limit) }
 

@@ -304,6 +304,8 @@ extension PostgresQueueStore {
                 return DataQueueError(.transport, "cannot \(what): PostgreSQL is unavailable (\(state))")
             case .server where state.hasPrefix("28"):
                 return DataQueueError(.authentication, "cannot \(what): PostgreSQL refused the login (\(state))")
+            case .server where state == PostgresQueueStore.plainItemRefusal:
+                return SealedStorage.plainItemRefused
             case .server:
                 let message = error.serverInfo?[.message].map { ": " + $0.prefix(200) } ?? ""
                 return DataQueueError(.storage, "cannot \(what): PostgreSQL error \(state)\(message)")

@@ -19,6 +19,28 @@ extension SQLiteQueueStore {
         }
     }
 
+    /// The message of the trigger that refuses a plain item in a sealed queue (see ``refusePlainItems()``).
+    static let plainItemRefusal = "dq: the queue is sealed at rest; a plain item is refused"
+
+    func refusePlainItems() async throws {
+        let present = try await read("look for the sealed queue's guard") { db in
+            try Bool.fetchOne(db, sql: "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = 'item_sealed_only')")
+                ?? false
+        }
+        guard !present else { return }
+        // A trigger, so that it holds for every connection, also one opened while the queue was plain: SQLite
+        // prepares its statements again when the schema changes. A sealed body starts with `DQS1` (see ``Sealer``).
+        // Only inserts: a seal or rekey rewrites rows with UPDATE.
+        try await immediate("guard the sealed queue") { db in
+            try db.execute(
+                sql: """
+                    CREATE TRIGGER IF NOT EXISTS item_sealed_only BEFORE INSERT ON item
+                    WHEN substr(NEW.body, 1, 4) IS NOT X'44515331'
+                    BEGIN SELECT RAISE(ABORT, '\(Self.plainItemRefusal)'); END
+                    """)
+        }
+    }
+
     func sealedCounts() async throws -> [String: Int] {
         try await read("count sealed items") { db in
             var counts: [String: Int] = [:]
@@ -89,11 +111,19 @@ extension SQLiteQueueStore {
         }
     }
 
-    /// Writes the WAL back into the file and empties it, so that no frame of an earlier (plain) version of a row
-    /// stays on disk; skipped while another connection reads (its next checkpoint does it).
-    func scrubAfterSealing() async throws {
+    /// Writes the WAL back into the file and empties it (truncated to zero bytes), so that no frame of an earlier
+    /// (plain) version of a row stays on disk. A connection that reads holds it back: SQLite waits for it as for
+    /// a lock (the busy timeout), then this returns false. A later checkpoint does not empty the file: new frames
+    /// overwrite old ones from the start, and those beyond would stay.
+    func scrubAfterSealing() async throws -> Bool {
         do {
-            try await database.writeWithoutTransaction { db in _ = try? Row.fetchAll(db, sql: "PRAGMA wal_checkpoint(TRUNCATE)") }
+            // One row: busy (1 when a reader or writer held it back), frames in the WAL, frames checkpointed.
+            let busy = try await database.writeWithoutTransaction { db in
+                try Row.fetchOne(db, sql: "PRAGMA wal_checkpoint(TRUNCATE)").map { ($0[0] as Int) != 0 } ?? false
+            }
+            return !busy
+        } catch let error as DatabaseError where error.resultCode == .SQLITE_BUSY || error.resultCode == .SQLITE_LOCKED {
+            return false
         } catch {
             throw SQLiteQueueStore.mapError(error, doing: "scrub the WAL")
         }
