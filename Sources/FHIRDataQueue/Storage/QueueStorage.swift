@@ -139,6 +139,8 @@ protocol QueueStorage: AnyObject, Sendable {
     /// Makes the store refuse, from now on, every item whose body is not sealed: also those of a process that
     /// opened the queue while it was plain and has no key (its cached view says "plain"). An insert of one fails
     /// with ``DataQueueError/Code/invalidConfiguration`` and queues nothing. Cheap once done (a look-up).
+    /// SQLite has nothing to install (each insert of plain items looks at the seal key table in its
+    /// transaction); PostgreSQL, where several dq versions may share the tables, gets a trigger.
     func refusePlainItems() async throws
 
     /// How many items (of every queue) each at-rest key seals, by key id; `""` counts plain items.

@@ -37,27 +37,25 @@ extension PostgresQueueStore {
     func refusePlainItems() async throws {
         // A trigger, so that it holds for every instance, also one that opened the queue while it was plain. Made
         // once under a versioned name, never replaced (as the enqueue procedures); instances that make it at the
-        // same moment: the loser's duplicate is no error. A sealed body starts with `DQS1` (see ``Sealer``).
+        // same moment: the loser's duplicate is no error. A sealed body starts with `DQS1` (see ``Sealer``): the
+        // trigger's WHEN, evaluated without calling the function, passes a sealed row at the cost of a compare.
         // Only inserts: a seal or rekey rewrites rows with UPDATE.
         _ = try await run("guard the sealed queue") { [self] in
             try await client.query(
                 """
                 DO $do$ BEGIN
-                  IF to_regprocedure('dq_item_sealed_only_v1()') IS NULL THEN
-                    CREATE FUNCTION dq_item_sealed_only_v1() RETURNS trigger LANGUAGE plpgsql AS $f$
+                  IF to_regprocedure('dq_refuse_plain_item_v1()') IS NULL THEN
+                    CREATE FUNCTION dq_refuse_plain_item_v1() RETURNS trigger LANGUAGE plpgsql AS $f$
                     BEGIN
-                      IF substring(NEW.body FROM 1 FOR 4) IS DISTINCT FROM '\\x44515331'::bytea THEN
-                        RAISE EXCEPTION 'dq: the queue is sealed at rest; a plain item is refused'
-                          USING ERRCODE = 'DQS01';
-                      END IF;
-                      RETURN NEW;
+                      RAISE EXCEPTION 'dq: the queue is sealed at rest; a plain item is refused' USING ERRCODE = 'DQS01';
                     END $f$;
                   END IF;
                   IF NOT EXISTS (
                     SELECT 1 FROM pg_trigger WHERE tgname = 'dq_item_sealed_only' AND tgrelid = to_regclass('dq_item')
                   ) THEN
-                    CREATE TRIGGER dq_item_sealed_only BEFORE INSERT ON dq_item
-                      FOR EACH ROW EXECUTE FUNCTION dq_item_sealed_only_v1();
+                    CREATE TRIGGER dq_item_sealed_only BEFORE INSERT ON dq_item FOR EACH ROW
+                      WHEN (substring(NEW.body FROM 1 FOR 4) IS DISTINCT FROM '\\x44515331'::bytea)
+                      EXECUTE FUNCTION dq_refuse_plain_item_v1();
                   END IF;
                 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
                 END $do$

@@ -41,6 +41,10 @@ extension SQLiteQueueStore {
     }
 
     static func insert(_ items: [NewItem], db: Database) throws -> [Int64] {
+        // Plain items are refused once the queue is sealed, in this very transaction: a process that opened the
+        // queue while it was plain, without a key, would otherwise go on adding readable rows after another sealed
+        // it. One look-up per transaction; sealed items (see ``Sealer``) need none.
+        if items.contains(where: { !$0.sealed }), try isSealed(db) { throw SealedStorage.plainItemRefused }
         let now = Date().timeIntervalSince1970
         let statement = try db.cachedStatement(
             sql: """

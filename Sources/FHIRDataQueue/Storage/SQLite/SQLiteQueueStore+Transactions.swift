@@ -20,8 +20,6 @@ extension SQLiteQueueStore {
                 // EFBIG and ENOSPC during a write surface as SQLITE_IOERR_WRITE; the transaction is rolled back.
                 return DataQueueError(
                     .storageFull, "cannot \(what): a write failed (disk full, file-size limit or I/O error); nothing was written")
-            case .SQLITE_CONSTRAINT where dbError.message == SQLiteQueueStore.plainItemRefusal:
-                return SealedStorage.plainItemRefused
             case .SQLITE_BUSY, .SQLITE_LOCKED:
                 return DataQueueError(.busy, "cannot \(what): the database is locked by another process")
             case .SQLITE_CORRUPT, .SQLITE_NOTADB:
