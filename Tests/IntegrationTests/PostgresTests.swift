@@ -369,6 +369,46 @@ struct PostgresTests {
         #expect(pruned.stdout.contains("pruned \(2 * count) journal line(s)"), "\(pruned.stdout.suffix(500))")
     }
 
+    @Test(
+        "dq migrate into a PostgreSQL queue sealed at rest on its own is refused (78), nothing moved: its items would be refused or not found"
+    )
+    func migrateIntoSealedQueue() async throws {
+        let database = try await Self.freshDatabase()
+        let pg = environment("http://127.0.0.1:9/fhir", database: database)
+        var lite = pg
+        lite["DQ_DATABASE"] = work.file("queue.sqlite")
+        let key = work.file("rest.key")
+        #expect(try await dq(["keygen", "--at-rest", "--out", key], ["HOME": work.path]).status == 0)
+        var sealed = pg
+        sealed["DQ_AT_REST_KEY_FILE"] = key
+        #expect(try await dq(["enqueue", try work.write("t.json", resources.observation(0))], sealed).status == 0)
+        for index in 1..<3 {
+            #expect(try await dq(["enqueue", try work.write("o\(index).json", resources.observation(index))], lite).status == 0)
+        }
+        let moved = try await dq(["migrate", "--to", database], lite)
+        #expect(moved.status == 78, "\(moved.stderr)")
+        #expect(moved.stderr.contains("sealed at rest already") && moved.stderr.contains("nothing was moved"), "\(moved.stderr)")
+        let left = try JSONSerialization.jsonObject(with: Data(try await dq(["status", "--json"], lite).stdout.utf8)) as? [String: Any]
+        #expect(left?["pending"] as? Int == 2, "the SQLite queue keeps its items")
+        let target = try JSONSerialization.jsonObject(with: Data(try await dq(["status", "--json"], sealed).stdout.utf8)) as? [String: Any]
+        #expect(target?["pending"] as? Int == 1 && target?["delivered"] as? Int == 0, "the target is as it was")
+
+        // A sealed SQLite queue moves into a PostgreSQL queue that is not sealed, with its keys; run again, the
+        // target's keys are the ones it brought: nothing more, and no refusal.
+        let fresh = try await Self.freshDatabase()
+        var sealedLite = sealed
+        sealedLite["DQ_DATABASE"] = work.file("sealed.sqlite")
+        #expect(try await dq(["enqueue", try work.write("s.json", resources.observation(5))], sealedLite).status == 0)
+        let first = try await dq(["migrate", "--to", fresh], sealedLite)
+        #expect(first.status == 0, "\(first.stderr)")
+        let again = try await dq(["migrate", "--to", fresh], sealedLite)
+        #expect(again.status == 0, "\(again.stderr)")
+        var into = sealed
+        into["DQ_DATABASE"] = fresh
+        let shown = try JSONSerialization.jsonObject(with: Data(try await dq(["status", "--json"], into).stdout.utf8)) as? [String: Any]
+        #expect(shown?["pending"] as? Int == 1, "\(String(describing: shown))")
+    }
+
     @Test("dq migrate moves a SQLite queue into PostgreSQL in order, with its parked items and journal; running it again adds nothing")
     func migrate() async throws {
         let server = try await FHIRServer.start()

@@ -79,8 +79,20 @@ package enum QueueAdministration {
                 }
                 locks.append(lock)
             }
-            // A sealed queue stays sealed: its items move as they are, with the keys that open them.
-            for record in try await source.sealKeys() { try await target.addSealKey(record) }
+            // A sealed queue stays sealed: its items move as they are, with the keys that open them. Not into a
+            // queue sealed on its own: that one refuses plain items, and its index key (see ``Sealer``) is not this
+            // queue's, so the fullUrls of the items moved in would not be found. Its keys came from this queue
+            // only when they are these very records (a migration run again).
+            let sealKeys = try await source.sealKeys()
+            let targetKeys = try await target.sealKeys()
+            if !targetKeys.allSatisfy(sealKeys.contains) {
+                throw DataQueueError(
+                    .invalidConfiguration,
+                    "the target queue is sealed at rest already (key \(targetKeys.map(\.id).joined(separator: ", "))): dq migrate "
+                        + "moves a queue into a PostgreSQL queue that is not sealed (or one it moved this queue into before); "
+                        + "nothing was moved")
+            }
+            for record in sealKeys { try await target.addSealKey(record) }
             var report = MigrationReport()
             let journal = try await source.deliveries(queue: nil, limit: Int(Int32.max))
             for start in stride(from: 0, to: journal.count, by: 1000) {
