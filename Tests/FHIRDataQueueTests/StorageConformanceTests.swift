@@ -407,6 +407,32 @@ struct StorageConformanceTests {
     }
 
     @Test(
+        "Processes that seal a plain queue at the same moment under different keys: one key is recorded, the others are told to use it",
+        arguments: StoreKind.available)
+    func firstSealersRace(kind: StoreKind) async throws {
+        let inner = try await kind.make(in: directory)
+        _ = try await inner.insert([item(0, fullURL: "urn:uuid:first")])
+        let logger = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+        let keys = (0..<6).map { _ in AtRestKey.generate().key }
+        let opened = await withTaskGroup(of: Bool.self) { group in
+            for key in keys {
+                group.addTask {
+                    let store = try? await SealedStorage.open(
+                        inner, keys: AtRestKeys(current: key), readOnly: false, lazily: false, logger: logger)
+                    return store != nil
+                }
+            }
+            var count = 0
+            for await sealed in group where sealed { count += 1 }
+            return count
+        }
+        #expect(opened == 1, "one process seals the queue; the others are told which key it needs")
+        let recorded = try await inner.sealKeys()
+        #expect(recorded.count == 1, "one key, hence one index key: \(recorded.map(\.id))")
+        #expect(try await inner.sealedCounts()[""] == nil, "the item is sealed")
+    }
+
+    @Test(
         "A sealed store refuses plain items, also from a writer that opened it while it was plain: one, grouped or bulk, nothing queued",
         arguments: StoreKind.available)
     func sealedRefusesPlainItems(kind: StoreKind) async throws {

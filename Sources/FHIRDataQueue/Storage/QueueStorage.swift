@@ -136,6 +136,10 @@ protocol QueueStorage: AnyObject, Sendable {
     /// Adds a seal key (nothing when its id is there).
     func addSealKey(_ record: SealKeyRecord) async throws
 
+    /// Adds the queue's first seal key, only while it has none, atomically with that check; false when another
+    /// process recorded one first (under the same key or another).
+    func addFirstSealKey(_ record: SealKeyRecord) async throws -> Bool
+
     /// Makes the store refuse, from now on, every item whose body is not sealed: also those of a process that
     /// opened the queue while it was plain and has no key (its cached view says "plain"). An insert of one fails
     /// with ``DataQueueError/Code/invalidConfiguration`` and queues nothing. Cheap once done (a look-up).

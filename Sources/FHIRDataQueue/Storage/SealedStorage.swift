@@ -140,8 +140,17 @@ final class SealedStorage: QueueStorage {
         var sealer = Sealer(keys: keys, indexKey: indexKey ?? SymmetricKey(size: .bits256))
         if !readOnly {
             if !records.contains(where: { $0.id == keys.current.id }) {
-                try await inner.addSealKey(
-                    SealKeyRecord(id: keys.current.id, wrappedIndexKey: Sealer.wrap(indexKey: sealer.indexKey, under: keys.current)))
+                let record = SealKeyRecord(
+                    id: keys.current.id, wrappedIndexKey: Sealer.wrap(indexKey: sealer.indexKey, under: keys.current))
+                if records.isEmpty {
+                    // The queue's first key, recorded only while it still has none: a process sealing it at this
+                    // moment under another key would otherwise record an index key of its own beside this one (and
+                    // their fullUrl hashes would differ). Lost to another: what it recorded decides, as for a queue
+                    // sealed before.
+                    guard try await inner.addFirstSealKey(record) else { return try await findState() }
+                } else {
+                    try await inner.addSealKey(record)
+                }
                 // Another process may have sealed the queue at the same moment with the same key: its index key won.
                 let stored = try await inner.sealKeys().first { $0.id == keys.current.id }
                 if let stored, let unwrapped = Sealer.unwrap(stored.wrappedIndexKey, under: keys.current) {
@@ -543,6 +552,8 @@ final class SealedStorage: QueueStorage {
     func sealKeys() async throws -> [SealKeyRecord] { try await inner.sealKeys() }
 
     func addSealKey(_ record: SealKeyRecord) async throws { try await inner.addSealKey(record) }
+
+    func addFirstSealKey(_ record: SealKeyRecord) async throws -> Bool { try await inner.addFirstSealKey(record) }
 
     func refusePlainItems() async throws { try await inner.refusePlainItems() }
 

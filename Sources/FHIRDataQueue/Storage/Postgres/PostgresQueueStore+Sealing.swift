@@ -31,6 +31,27 @@ extension PostgresQueueStore {
         }
     }
 
+    func addFirstSealKey(_ record: SealKeyRecord) async throws -> Bool {
+        try await run("add the first seal key") { [self] in
+            try await client.withTransaction(logger: logger) { connection in
+                // Two transactions that both saw no key would each add theirs: the lock makes the second wait and
+                // then see the first's.
+                _ = try await connection.query("LOCK TABLE dq_seal_key IN SHARE ROW EXCLUSIVE MODE", logger: logger).collect()
+                var added = false
+                for try await _ in try await connection.query(
+                    """
+                    INSERT INTO dq_seal_key (key_id, index_key, added_at)
+                    SELECT \(record.id), \(record.wrappedIndexKey), \(Date().timeIntervalSince1970)
+                    WHERE NOT EXISTS (SELECT 1 FROM dq_seal_key) RETURNING key_id
+                    """, logger: logger)
+                {
+                    added = true
+                }
+                return added
+            }
+        }
+    }
+
     /// The SQLSTATE of the trigger's refusal of a plain item in a sealed queue (see ``refusePlainItems()``).
     static let plainItemRefusal = "DQS01"
 

@@ -19,6 +19,15 @@ extension SQLiteQueueStore {
         }
     }
 
+    func addFirstSealKey(_ record: SealKeyRecord) async throws -> Bool {
+        try await immediate("add the first seal key") { db in
+            try db.execute(
+                sql: "INSERT INTO seal_key (key_id, index_key, added_at) SELECT ?, ?, ? WHERE NOT EXISTS (SELECT 1 FROM seal_key)",
+                arguments: [record.id, record.wrappedIndexKey, Date().timeIntervalSince1970])
+            return db.changesCount == 1
+        }
+    }
+
     /// Nothing to do: every insert of plain items looks at the seal key table in its own transaction (see
     /// ``insert(_:db:)``). A trigger would do the same for every row, sealed ones too: it made a sealed bulk
     /// enqueue of 100,000 a quarter slower.
