@@ -137,7 +137,7 @@ final class SealedStorage: QueueStorage {
         }
         // A plain queue read without writing stays plain.
         if readOnly && records.isEmpty { return State(sealer: nil, keyIDs: []) }
-        var sealer = Sealer(keys: keys, indexKey: indexKey ?? SymmetricKey(size: .bits256))
+        let sealer = Sealer(keys: keys, indexKey: indexKey ?? SymmetricKey(size: .bits256))
         if !readOnly {
             if !records.contains(where: { $0.id == keys.current.id }) {
                 let record = SealKeyRecord(
@@ -149,12 +149,9 @@ final class SealedStorage: QueueStorage {
                     // sealed before.
                     guard try await inner.addFirstSealKey(record) else { return try await findState() }
                 } else {
+                    // A new key of a sealed queue wraps the index key it has (unwrapped above): whichever process
+                    // records it, the index key stays the same.
                     try await inner.addSealKey(record)
-                }
-                // Another process may have sealed the queue at the same moment with the same key: its index key won.
-                let stored = try await inner.sealKeys().first { $0.id == keys.current.id }
-                if let stored, let unwrapped = Sealer.unwrap(stored.wrappedIndexKey, under: keys.current) {
-                    sealer = Sealer(keys: keys, indexKey: unwrapped)
                 }
             }
             // From here on the store itself refuses plain items, from whichever process: one that opened the queue
