@@ -19,7 +19,9 @@ from a script that tests fill through the control endpoint, or drawn at random w
 
 Server behaviours (flags): --max-entries N answers 413 to a transaction Bundle of more than N entries;
 --no-transactions answers 405 to every transaction Bundle; --latency MS delays every request by MS
-milliseconds each way (a slow link). Stats count the transaction Bundles forwarded and their entries.
+milliseconds each way (a slow link); --no-conditional-create takes `conditionalCreate` out of the
+upstream's CapabilityStatement (a server that offers no way to be exactly once). Stats count the transaction
+Bundles forwarded and their entries.
 
 Control (never forwarded):
   POST /__proxy/faults   JSON list of faults to append to the script
@@ -121,6 +123,17 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return len(bundle.get("entry", []))
 
+    @staticmethod
+    def _without_conditional_create(data):
+        try:
+            statement = json.loads(data)
+            for rest in statement.get("rest", []):
+                for resource in rest.get("resource", []):
+                    resource.pop("conditionalCreate", None)
+            return json.dumps(statement).encode()
+        except (ValueError, AttributeError):
+            return data
+
     def _forward(self, body):
         upstream = urllib.parse.urlsplit(ARGS.upstream)
         connection = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=60)
@@ -182,6 +195,8 @@ class Handler(BaseHTTPRequestHandler):
         if name == "delay":
             time.sleep(int(fault.split(":")[1]) / 1000.0)
         status, data, headers = self._forward(body)
+        if ARGS.no_conditional_create and self.command == "GET" and self.path.split("?")[0].rstrip("/").endswith("/metadata"):
+            data = self._without_conditional_create(data)
         if entries is not None:
             with LOCK:
                 STATS["bundles"] += 1
@@ -219,6 +234,8 @@ def main():
     parser.add_argument("--max-entries", type=int, default=0, help="413 for transaction Bundles with more entries")
     parser.add_argument("--no-transactions", action="store_true", help="405 for every transaction Bundle")
     parser.add_argument("--latency", type=float, default=0.0, help="milliseconds added each way to every request")
+    parser.add_argument("--no-conditional-create", action="store_true",
+                        help="the CapabilityStatement declares conditional create for no type")
     parser.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     ARGS = parser.parse_args()

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes Sources/FHIRDataQueue/Resource/IdentifierCardinality.swift: which FHIR R4 resource types have a single
-`identifier` (0..1) and which have none, for idempotent mode's generated identifier.
+`identifier` (0..1), which have none and which a list, for idempotent mode's generated identifier; together, every
+R4 resource type (what `dq enqueue` accepts unless told of more).
 
 The source is the R4 (4.0.1) StructureDefinitions as the SMART Python client's models carry them (fhirclient
 4.4.0, generated from the official definitions: each element says whether it is a list). Run:
@@ -59,6 +60,12 @@ enum IdentifierCardinality {{
 
     /// Types without an `identifier` element: idempotent mode cannot give them one.
     static let none: Set<String> = {swift_set(none)}
+
+    /// Types whose `identifier` is 0..* (a list): the rest of R4's resource types.
+    static let list: Set<String> = {swift_set(listed)}
+
+    /// Every FHIR R4 resource type ({len(single) + len(none) + len(listed)}).
+    static let allTypes: Set<String> = single.union(none).union(list)
 }}
 '''
 path = os.path.join(root, "Sources", "FHIRDataQueue", "Resource", "IdentifierCardinality.swift")

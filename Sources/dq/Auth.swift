@@ -22,6 +22,12 @@ extension DQ {
         var atRest = false
 
         func run() async throws {
+            // A refusal to overwrite is the operator's to mend (EX_CANTCREAT), not an I/O failure.
+            var existing = stat()
+            if lstat(out, &existing) == 0 {
+                printError("dq: \(out) exists: dq keygen never overwrites a key (name another --out, or move the file away)")
+                throw ExitCode(Exit.cannotCreate)
+            }
             if atRest {
                 do {
                     let key = try AtRestKey.generate(writingTo: out)
@@ -39,7 +45,7 @@ extension DQ {
             let fd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
             guard fd >= 0 else {
                 printError("dq: cannot create \(out): \(String(cString: strerror(errno)))")
-                throw ExitCode(Exit.ioError)
+                throw ExitCode(Exit.cannotCreate)
             }
             let data = Data(pem.utf8)
             let written = data.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }

@@ -18,8 +18,9 @@ struct DQ: AsyncParsableCommand {
             a failed send stays queued, a rejected one is parked for an operator.
 
             Exit codes (sysexits): 0 ok, 64 usage, 65 bad input or items rejected by the server, 66 input file \
-            missing or unreadable, 74 I/O error, 75 temporary failure (retry later), 77 authentication refused, \
-            78 configuration error. When several apply, the first of 77, 75, 65 wins.
+            missing or unreadable, 69 an endpoint or proxy does not answer (dq doctor), 74 I/O error, 75 temporary \
+            failure (retry later), 77 authentication refused, 78 configuration error. When several apply, the first \
+            of 77, 75, 65 wins.
             """,
         version: DQVersion.current,
         subcommands: [
@@ -107,7 +108,10 @@ struct SendingOptions: ParsableArguments {
     @Option(help: "full (survives power loss; the default) or normal (faster). Overrides \"durability\".")
     var durability: DataQueue.Durability?
 
-    @Flag(help: "Make retried creates safe with conditional create (If-None-Exist).")
+    @Flag(
+        help:
+            "Idempotent mode: every create goes as a conditional create (If-None-Exist), one without an identifier given one. Overrides \"idempotent\"; the default, auto, does so for the types the server declares."
+    )
     var idempotent = false
 
     @Option(parsing: .unconditional, help: "The deadline of one request, in seconds (the default is 30).")
@@ -143,6 +147,9 @@ enum Exit {
     static let usage: Int32 = 64
     static let dataError: Int32 = 65
     static let noInput: Int32 = 66
+    /// `dq doctor`: the server, a proxy, the token or the encrypted endpoint does not answer (EX_UNAVAILABLE).
+    static let unavailable: Int32 = 69
+    static let cannotCreate: Int32 = 73
     static let ioError: Int32 = 74
     static let temporaryFailure: Int32 = 75
     static let permissionDenied: Int32 = 77

@@ -152,10 +152,23 @@ struct InputReader {
             }
             expected = size
         }
-        // Read as a stream: a pipe or process substitution (`<(cat p.json)`, /dev/fd/63) has no size.
-        guard let handle = FileHandle(forReadingAtPath: path) else { throw Unreadable(reason: "cannot be read") }
-        defer { try? handle.close() }
-        return try readAll(handle, limit: fileLimit, expected: expected)
+        // Read as a stream: a pipe or process substitution (`<(cat p.json)`, /dev/fd/63) has no size. Opened
+        // without waiting: a named pipe nobody writes to would block open(2) for ever; opened so, it reads as empty
+        // (its end) and is refused as such.
+        let isPipe = isFIFO(path)
+        let fd = open(path, O_RDONLY | O_CLOEXEC | (isPipe ? O_NONBLOCK : 0))
+        guard fd >= 0 else { throw Unreadable(reason: "cannot be read") }
+        if isPipe { _ = fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) }
+        let handle = FileHandle(fileDescriptor: fd, closeOnDealloc: true)
+        let data = try readAll(handle, limit: fileLimit, expected: expected)
+        if isPipe && data.isEmpty { throw Unreadable(reason: "is a named pipe with nothing written to it (no writer had it open)") }
+        return data
+    }
+
+    /// Whether `path` is a FIFO (a named pipe, or the pipe of a process substitution).
+    private func isFIFO(_ path: String) -> Bool {
+        var info = stat()
+        return stat(path, &info) == 0 && (info.st_mode & S_IFMT) == S_IFIFO
     }
 
     /// Reads to the end, refusing more than `limit` bytes; `expected` (a regular file's size) saves growing

@@ -67,6 +67,7 @@ extension DQ {
                 // A PostgreSQL schema of an older dq (read-only here) has not the column yet: not read.
                 let capabilities = (try? await queue.serverCapabilities()) ?? DataQueue.ServerCapabilities()
                 print(StatusReport.capabilitiesLine(capabilities, idempotent: queue.configuration.idempotent))
+                if let line = StatusReport.exactlyOnceLine(capabilities, idempotent: queue.configuration.idempotent) { print(line) }
                 print(StatusReport.databaseLine(queue.configuration.databasePath))
                 print(StatusReport.sealingLine(sealing))
                 if let signIn { signIn.printLines() }
@@ -157,11 +158,23 @@ extension DQ {
     struct Doctor: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
             commandName: "doctor",
-            abstract: "Check the queue database's integrity (read-only) and say how to recover a damaged one.",
-            discussion: "Exit 0 when the database is sound, 74 when SQLite finds damage.")
+            abstract: "Check what dq flush needs: the settings and their files, the database, the server, proxy and token endpoint.",
+            discussion: """
+                Read-only. Checks the settings and the files they name (CA bundle, client certificate and key, keys), \
+                the queue database's integrity and, unless --offline, that the server (GET [base]/metadata), the proxy \
+                on the way, the encrypted endpoint and the token endpoint answer (a token is asked for, as a flush \
+                would). Each problem is printed on standard error with what to do about it.
+
+                Exit 0 when nothing is wrong, else the first of: 78 a setting, or a file it names, is missing, \
+                unreadable or not valid; 74 the database is damaged or cannot be read (the recovery steps follow); \
+                77 the token endpoint refuses the client, or nobody is signed in; 69 the server, the proxy, the token \
+                or the encrypted endpoint does not answer, or the server answers with an error.
+                """)
         @OptionGroup var queueOptions: QueueOptions
-        @Flag(help: "Print the database's state and each endpoint's route as JSON (the recovery steps stay on stderr).")
+        @Flag(help: "Print the findings and each endpoint's route as JSON (the recovery steps stay on stderr).")
         var json = false
+        @Flag(help: "Check the settings, their files and the database only: connect to nothing.")
+        var offline = false
 
         /// `--json`'s object.
         struct Report: Encodable {
@@ -173,37 +186,87 @@ extension DQ {
             }
             var database: String
             var ok: Bool
+            /// SQLite's findings in a damaged database, then the words of every other problem.
             var problems: [String]
+            /// Each problem with what it concerns, its remedy and its exit code.
+            var findings: [Finding]
             var routes: [Route]
+            var exitCode: Int32
         }
 
         func run() async throws {
-            let settings = try? DataQueueSettings.load(options: queueOptions)
+            var findings: [Finding] = []
+            var settings: DataQueueSettings?
+            do {
+                settings = try DataQueueSettings.load(options: queueOptions)
+            } catch {
+                findings.append(Self.configuration(error))
+            }
             let database = settings?.database ?? DataQueue.defaultDatabasePath()
             let routes = settings.map(DQ.routes) ?? []
             if !json { printRoutes(routes) }
-            let problems: [String]
-            do {
-                problems = try await QueueAdministration.integrityCheck(databasePath: database)
-            } catch let error as DataQueueError {
-                printError("dq: \(error.message)")
-                throw ExitCode(Exit.code(for: error))
+            var damage: [String] = []
+            var reached: [String] = []
+            // Settings that cannot be read name no database to check: the default one would mislead.
+            if let settings {
+                let checked = Self.settingsFindings(settings)
+                findings += checked.findings
+                do {
+                    let problems = try await QueueAdministration.integrityCheck(databasePath: database)
+                    if problems == ["ok"] {
+                        if !json { print("\(QueueAdministration.displayDatabase(database)): ok") }
+                        if !json, let line = await StatusReport.doctorDeliveryLine(settings) { print(line) }
+                    } else {
+                        damage = Array(problems.prefix(20))
+                        findings.append(
+                            Finding(
+                                about: "database", problem: "\(QueueAdministration.displayDatabase(database)) is damaged",
+                                remedy: damageRemedy(database), exitCode: Exit.ioError))
+                    }
+                } catch let error as DataQueueError {
+                    findings.append(
+                        Finding(
+                            about: "database", problem: error.message,
+                            remedy: "check that \"database\" (DQ_DATABASE, --database) names the queue and that this user can read it",
+                            exitCode: Exit.code(for: error)))
+                }
+                if !offline, let values = checked.values {
+                    let network = await Self.networkFindings(values, resolved: checked.resolved)
+                    findings += network.findings
+                    reached = network.reached
+                }
             }
+            let code = Self.exitCode(findings)
             if json {
                 try printJSON(
                     Report(
-                        database: QueueAdministration.displayDatabase(database), ok: problems == ["ok"],
-                        problems: problems == ["ok"] ? [] : Array(problems.prefix(20)),
-                        routes: routes.map { Report.Route(endpoint: $0.name, url: $0.url, route: $0.route) }))
+                        database: QueueAdministration.displayDatabase(database), ok: findings.isEmpty,
+                        problems: damage + findings.filter { $0.about != "database" || damage.isEmpty }.map(\.problem), findings: findings,
+                        routes: routes.map { Report.Route(endpoint: $0.name, url: $0.url, route: $0.route) }, exitCode: code))
+            } else {
+                for line in reached { print(line) }
             }
-            if problems == ["ok"] {
-                if !json { print("\(QueueAdministration.displayDatabase(database)): ok") }
-                return
+            for finding in findings where finding.about != "database" || damage.isEmpty {
+                printError("dq: \(finding.problem)")
+                printError("dq: fix: \(finding.remedy)")
             }
-            for problem in problems.prefix(20) { printError("dq: \(problem)") }
+            if !damage.isEmpty { printDamage(damage, database: database) }
+            if code != Exit.ok { throw ExitCode(code) }
+        }
+
+        /// What to do about a damaged database, in one line (the steps themselves follow the findings).
+        func damageRemedy(_ database: String) -> String {
+            if database.hasPrefix("postgres") { return "fix or delete the rows named with psql" }
+            guard QueueAdministration.schemaIsReadable(databasePath: database) else { return "restore the queue from a backup" }
+            return "copy what SQLite can read into a new file: the steps are printed on standard error"
+        }
+
+        /// SQLite's findings in a damaged database and how to recover it.
+        func printDamage(_ problems: [String], database: String) {
+            for problem in problems { printError("dq: \(problem)") }
             if database.hasPrefix("postgres") {
                 printError("dq: fix or delete the rows named above with psql (the queue's tables are dq_item and dq_delivery)")
-                throw ExitCode(Exit.ioError)
+                return
             }
             guard QueueAdministration.schemaIsReadable(databasePath: database) else {
                 printError(
@@ -212,10 +275,9 @@ extension DQ {
                     can read items out of it. Stop every dq process using it, move it away with its -wal and -shm files
                     (keep them), and restore the queue from a backup; items enqueued since that backup must be enqueued again.
                     """)
-                throw ExitCode(Exit.ioError)
+                return
             }
             printError(recoverySteps(database: database))
-            throw ExitCode(Exit.ioError)
         }
     }
 
@@ -231,7 +293,11 @@ extension DQ {
 
     /// Each endpoint dq would reach, its URL, and `direct` or the proxy it goes through (password redacted).
     static func routes(_ settings: DataQueueSettings) -> [(name: String, url: String, route: String)] {
-        guard let values = try? settings.checkedValues() else { return [] }
+        // The routes do not depend on the TLS files: one that is missing (dq doctor names it) hides no route.
+        var routing = settings
+        routing.caBundle = nil
+        routing.tls = nil
+        guard let values = try? routing.checkedValues() else { return [] }
         var endpoints: [(String, String)] = [("server", values.server.absoluteString)]
         if let endpoint = settings.encryption?.endpoint { endpoints.append(("encrypted endpoint", endpoint)) }
         if let auth = settings.auth {
@@ -491,19 +557,29 @@ func shellQuoted(_ text: String) -> String {
 
 extension DQ.Status {
     fileprivate func checkQueue() async -> Int32 {
-        let found: QueueStatus?
+        let found: [QueueStatus]
         do {
-            let values = try DataQueueSettings.load(options: queueOptions).checkedValues()
-            let statuses = try await QueueAdministration.allQueueStatuses(databasePath: values.database ?? DataQueue.defaultDatabasePath())
-            found = statuses.first { $0.queue == values.queueName }
+            // With --all, or no server (as `dq status` then shows every queue): every queue of the database, summed.
+            let settings = try DataQueueSettings.load(options: queueOptions)
+            if all || settings.server == nil {
+                found = try await QueueAdministration.allQueueStatuses(
+                    databasePath: settings.database ?? DataQueue.defaultDatabasePath())
+            } else {
+                let values = try settings.checkedValues()
+                let statuses = try await QueueAdministration.allQueueStatuses(
+                    databasePath: values.database ?? DataQueue.defaultDatabasePath())
+                found = statuses.filter { $0.queue == values.queueName }
+            }
         } catch {
             print(DQ.CheckLine.line(3, (error as? DataQueueError)?.message ?? "\(error)"))
             return 3
         }
-        // A queue with no rows yet: nothing pending, nothing failing.
+        // A queue with no rows yet: nothing pending, nothing failing. Several: the sums, the oldest, the worst.
+        let failing = found.max { $0.consecutiveFailures < $1.consecutiveFailures }
         let status = (
-            pending: found?.pending ?? 0, parked: found?.parked ?? 0, oldestPendingAt: found?.oldestPendingAt,
-            consecutiveFailures: found?.consecutiveFailures ?? 0, lastError: found?.lastError
+            pending: found.reduce(0) { $0 + $1.pending }, parked: found.reduce(0) { $0 + $1.parked },
+            oldestPendingAt: found.compactMap(\.oldestPendingAt).min(),
+            consecutiveFailures: failing?.consecutiveFailures ?? 0, lastError: failing?.lastError
         )
         let age = status.oldestPendingAt.map { max(0, Int(Date().timeIntervalSince($0))) } ?? 0
         let ageLimit = maxAge.flatMap(parseDuration).map { Int($0) }

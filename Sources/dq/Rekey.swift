@@ -25,11 +25,13 @@ extension DQ {
                 queueOptions,
                 adjust: { settings in
                     guard let to else { return }
+                    let path = to.hasPrefix("/") ? to : FileManager.default.currentDirectoryPath + "/" + to
+                    // The flag's own file is named when it is the one that cannot be read or is no key.
+                    _ = try AtRestKey(contentsOfFile: path, setting: "--to")
                     guard let current = settings.atRest?.keyFile else {
                         throw DataQueueError(
                             .invalidConfiguration, "configuration: \"at_rest.key_file\" is not set: the queue's key is needed to open it")
                     }
-                    let path = to.hasPrefix("/") ? to : FileManager.default.currentDirectoryPath + "/" + to
                     var atRest = settings.atRest ?? DataQueueSettings.AtRest()
                     atRest.oldKeyFiles = [current] + (atRest.oldKeyFiles ?? [])
                     atRest.keyFile = path

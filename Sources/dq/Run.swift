@@ -56,7 +56,7 @@ extension DQ {
             if let drainTimeout { try checkFlagSeconds(drainTimeout, name: "--drain-timeout", allowZero: true) }
             if let readyMaxAge { try checkFlagSeconds(readyMaxAge, name: "--ready-max-age", allowZero: false) }
             if let metricsAddress, MetricsServer.parse(metricsAddress) == nil {
-                throw ValidationError("--metrics-address must be HOST:PORT or PORT")
+                throw ValidationError("--metrics-address is \(metricsAddress): \(DataQueueSettings.metricsAddressForm)")
             }
         }
 
@@ -252,39 +252,15 @@ struct ReloadOnHangup: Service {
 
     /// The settings that differ, by name (`auth.client_secret`), never by value.
     static func changes(_ old: DataQueueSettings, _ new: DataQueueSettings) -> [String] {
-        let ignored: Set<String> = ["baseDirectory", "sourcePath", "fileHoldsSecret", "exposedSecretFiles"]
-        func snake(_ name: String) -> String {
-            name.reduce(into: "") { result, character in
-                if character.isUppercase { result += "_" + character.lowercased() } else { result.append(character) }
-            }
-        }
-        /// The value inside an optional (nil for none); any other value as it is.
-        func unwrap(_ value: Any) -> Any? {
-            let mirror = Mirror(reflecting: value)
-            return mirror.displayStyle == .optional ? mirror.children.first?.value : value
-        }
-        func walk(_ old: Any, _ new: Any, prefix: String, depth: Int, into names: inout [String]) {
-            let oldChildren = Mirror(reflecting: old).children
-            let newChildren = Dictionary(
-                Mirror(reflecting: new).children.compactMap { child in child.label.map { ($0, child.value) } }
-            ) { first, _ in first }
-            for child in oldChildren {
-                guard let label = child.label, !ignored.contains(label), let other = newChildren[label] else { continue }
-                let name = prefix + snake(label)
-                guard String(describing: child.value) != String(describing: other) else { continue }
-                if depth < 1, let unwrapped = unwrap(child.value), let otherUnwrapped = unwrap(other),
-                    Mirror(reflecting: unwrapped).displayStyle == .struct
-                {
-                    walk(unwrapped, otherUnwrapped, prefix: name + ".", depth: depth + 1, into: &names)
-                } else {
-                    names.append(name)
-                }
-            }
-        }
-        var names: [String] = []
-        walk(old, new, prefix: "", depth: 0, into: &names)
-        return names
+        // Not by their mirrors: those show every secret as "<redacted>", so a rotated one would look unchanged.
+        new.changes(since: old)
     }
+}
+
+extension ReloadOnHangup: RedactedDescription {
+    /// The config file it reads again: swift-service-lifecycle names the service by its description in its log
+    /// lines, and the settings it holds are not shown.
+    package var redactedFields: [RedactedField] { [.plain("config", current.sourcePath ?? "none")] }
 }
 
 /// systemd's notification protocol (sd_notify), as the last service of the group: READY=1 once the group
@@ -500,4 +476,14 @@ final class GroupStarted: Sendable {
     var isSet: Bool { flag.load(ordering: .acquiring) }
 
     func set() { flag.store(true, ordering: .releasing) }
+}
+
+extension SystemdNotify: RedactedDescription {
+    /// The status it reports (`delivering to` and the queue's name).
+    package var redactedFields: [RedactedField] { [.plain("status", status)] }
+}
+
+extension StopOnSignal: RedactedDescription {
+    /// Nothing to show: it waits for SIGTERM or SIGINT.
+    package var redactedFields: [RedactedField] { [] }
 }

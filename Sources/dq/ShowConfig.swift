@@ -94,8 +94,14 @@ struct ShowConfig: AsyncParsableCommand {
             "database_password_file", settings.databasePasswordFile ?? "none",
             origin("database_password_file", ["DQ_DATABASE_PASSWORD_FILE"]))
         add("durability", configuration.durability.rawValue, origin("durability", ["DQ_DURABILITY"]))
-        add("idempotent", String(configuration.idempotent), origin("idempotent", ["DQ_IDEMPOTENT"]))
+        add("idempotent", configuration.idempotent.rawValue, origin("idempotent", ["DQ_IDEMPOTENT"]))
         add("max_resource_bytes", String(configuration.maximumResourceSize), origin("max_resource_bytes", ["DQ_MAX_RESOURCE_BYTES"]))
+        let extraTypes: String
+        switch configuration.resourceTypes {
+        case .any: extraTypes = "* (any type)"
+        case .r4(let adding): extraTypes = adding.isEmpty ? "none (FHIR R4's types)" : adding.sorted().joined(separator: ",")
+        }
+        add("extra_resource_types", extraTypes, origin("extra_resource_types", ["DQ_EXTRA_RESOURCE_TYPES"]))
         add("timeout_seconds", number(configuration.requestTimeout), origin("timeout_seconds", ["DQ_TIMEOUT_SECONDS"]))
         add(
             "connect_timeout_seconds", number(configuration.connectTimeout),

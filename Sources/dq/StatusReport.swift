@@ -1,4 +1,5 @@
 import FHIRDataQueue
+import Logging
 
 #if canImport(FoundationEssentials)
     import FoundationEssentials
@@ -41,16 +42,44 @@ enum StatusReport {
 
     /// The line under a queue's status naming its database.
     /// What the server declared, and what idempotent mode can trust of it.
-    static func capabilitiesLine(_ capabilities: DataQueue.ServerCapabilities, idempotent: Bool) -> String {
+    static func capabilitiesLine(_ capabilities: DataQueue.ServerCapabilities, idempotent: DataQueue.Idempotence) -> String {
         guard let transactions = capabilities.transactions, let conditional = capabilities.conditionalCreate else {
             return "server:     capabilities not read yet (the next flush reads them)"
         }
         var line = "server:     transactions \(transactions ? "yes" : "no"), conditional create "
         line += conditional.isEmpty ? "declared for no type" : "for \(conditional.count) type(s)"
-        if idempotent && conditional.isEmpty {
+        if idempotent == .always && conditional.isEmpty {
             line += " (idempotent mode cannot prevent a duplicate after a lost answer)"
         }
         return line
+    }
+
+    /// The line saying that creates to this server cannot be delivered exactly once, and why: the server
+    /// declares conditional create for no type, or `idempotent` is `false`. Nil while its CapabilityStatement
+    /// has not been read, or when conditional creates protect the creates of the declared types.
+    static func exactlyOnceLine(_ capabilities: DataQueue.ServerCapabilities, idempotent: DataQueue.Idempotence) -> String? {
+        guard capabilities.transactions != nil, let conditional = capabilities.conditionalCreate else { return nil }
+        let lost = "a create whose answer was lost (dq killed, the connection cut) is stored again when it is sent again"
+        if conditional.isEmpty {
+            return "delivery:   at least once, not exactly once: the server declares conditional create for no type, so \(lost)"
+        }
+        if idempotent == .never {
+            return "delivery:   at least once, not exactly once: idempotent is false, so \(lost) "
+                + "(\"auto\", the default, prevents it for the \(conditional.count) type(s) the server declares)"
+        }
+        return nil
+    }
+
+    /// `dq doctor`'s ``exactlyOnceLine(_:idempotent:)``, from what the queue's database (opened read-only) keeps
+    /// of the configured server's CapabilityStatement; nil without a server, a queue to read, or anything to say.
+    static func doctorDeliveryLine(_ settings: DataQueueSettings) async -> String? {
+        guard settings.server != nil,
+            let queue = try? await settings.makeQueue(
+                readOnly: true, logger: Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() }))
+        else { return nil }
+        let capabilities = (try? await queue.serverCapabilities()) ?? DataQueue.ServerCapabilities()
+        try? await queue.shutdown()
+        return exactlyOnceLine(capabilities, idempotent: queue.configuration.idempotent)
     }
 
     /// How the database is sealed at rest: not at all, or under which keys, with how many items each seals.

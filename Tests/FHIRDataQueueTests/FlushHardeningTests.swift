@@ -25,7 +25,7 @@ struct FlushHardeningTests {
     func queue(
         _ server: ScriptedServer, path: String = "/fhir", idempotent: Bool = false, requestTimeout: TimeInterval = 10
     ) async throws -> DataQueue {
-        var configuration = DataQueue.Configuration(databasePath: databasePath, idempotent: idempotent)
+        var configuration = DataQueue.Configuration(databasePath: databasePath, idempotent: .init(idempotent))
         configuration.batchSize = 1
         configuration.retryPolicy = RetryPolicy(initialDelay: 60, maximumDelay: 600, jitter: 0)
         configuration.requestTimeout = requestTimeout

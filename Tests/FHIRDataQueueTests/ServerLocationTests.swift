@@ -57,6 +57,7 @@ struct ServerLocationTests {
     func queue(_ server: ScriptedServer) async throws -> DataQueue {
         var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path)
         configuration.batchSize = 1
+        configuration.idempotent = false  // plain creates, so that no CapabilityStatement is read: the server counts requests
         configuration.retryPolicy = RetryPolicy(initialDelay: 60, maximumDelay: 600, jitter: 0)
         return try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
     }

@@ -19,7 +19,7 @@ struct SettingsTests {
         #expect(resolved.server.absoluteString == "HTTPS://FHIR.example.org:443/r4/")
         let configuration = resolved.configuration
         #expect(configuration.databasePath == "/tmp/dq-settings-test/q.sqlite")
-        #expect(configuration.durability == .normal && configuration.idempotent)
+        #expect(configuration.durability == .normal && configuration.idempotent == .always)
         #expect(configuration.maximumResourceSize == 1_048_576)
         #expect(configuration.requestTimeout == 12 && configuration.connectTimeout == 3 && configuration.settleDelay == 0.5)
         #expect(configuration.retryPolicy.initialDelay == 1 && configuration.retryPolicy.maximumDelay == 60)
@@ -171,7 +171,7 @@ struct SettingsTests {
         ])
         let resolved = try settings.resolve()
         #expect(resolved.server.absoluteString == "http://b/fhir")
-        #expect(!resolved.configuration.idempotent)
+        #expect(resolved.configuration.idempotent == .never)
         #expect(resolved.configuration.databasePath == "/tmp/x.sqlite")
         let error = try #require(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_IDEMPOTENT": "maybe"]) }
         #expect(error.message.contains("DQ_IDEMPOTENT"))

@@ -335,6 +335,34 @@ struct TransportTests {
         try await other.shutdown()
     }
 
+    @Test("A proxy that does not answer is named as the one that did not, without its credentials; a host in no_proxy is the server's")
+    func deadProxyNamed() async throws {
+        var ports: [Int] = []
+        for _ in 0..<2 {
+            let unused = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
+            ports.append(try #require(unused.localAddress?.port))
+            try await unused.close()
+        }
+        var network = NetworkConfiguration()
+        network.httpProxy = "http://ops:pr0xy-s3cret@127.0.0.1:\(ports[0])"
+        network.noProxy = "127.0.0.1"
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, network: network)
+        let proxied = await #expect(throws: TransportFailure.self) {
+            try await transport.send(request("http://fhir.invalid/fhir/Observation/1"), authorization: nil, logger: logger)
+        }
+        #expect(
+            proxied?.message == "no answer from the proxy http://127.0.0.1:\(ports[0]) (for http://fhir.invalid): connection refused",
+            "\(proxied?.message ?? "")")
+        #expect(proxied?.cause == .proxyConnection && proxied?.mayHaveArrived == false)
+        #expect(proxied?.message.contains("s3cret") == false && proxied?.message.contains("ops") == false)
+        let direct = await #expect(throws: TransportFailure.self) {
+            try await transport.send(request("http://127.0.0.1:\(ports[1])/fhir/Observation"), authorization: nil, logger: logger)
+        }
+        #expect(direct?.message == "no answer from http://127.0.0.1:\(ports[1]): connection refused", "\(direct?.message ?? "")")
+        #expect(direct?.cause == .connection)
+        try await transport.shutdown()
+    }
+
     /// dq asks for TLS 1.2 at least: a server that can speak TLS 1.1 only is refused before any request.
     @Test("A server that offers only TLS 1.1 is refused in the handshake; nothing is sent")
     func tls12AtLeast() async throws {

@@ -104,6 +104,10 @@ struct AuthTests {
         #expect(refused.status == 77, "\(refused.stderr)")
         #expect(refused.stderr.contains("invalid_client"))
         #expect(refused.stdout.contains("2 pending"))
+        // Inside the backoff that follows, refused credentials are still refused credentials (77), not an outage (75).
+        let again = try await dq(["flush"], wrong)
+        #expect(again.status == 77, "\(again.stderr)")
+        #expect(again.stderr.contains("invalid_client") && again.stderr.contains("--now"), "\(again.stderr)")
         let right = try config(server.base, auth: ["client_id": "c1", "client_secret": secret])
         #expect(try await dq(["flush", "--now"], right).status == 0)
         #expect(try await server.values("Observation", system: resources.system) == ["0", "1"])

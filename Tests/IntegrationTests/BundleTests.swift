@@ -13,7 +13,7 @@ struct BundleTests {
 
     func environment(_ server: String, idempotent: Bool = false, batch: Int? = nil) -> [String: String] {
         var env = ["DQ_SERVER": server, "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
-        if idempotent { env["DQ_IDEMPOTENT"] = "true" }
+        env["DQ_IDEMPOTENT"] = String(idempotent)  // "false" too: the default is "auto"
         if let batch { env["DQ_BATCH_SIZE"] = String(batch) }
         return env
     }

@@ -13,7 +13,7 @@ struct LibraryTests {
 
     func queue(_ base: String, idempotent: Bool = false) async throws -> DataQueue {
         var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
-        configuration.idempotent = idempotent
+        configuration.idempotent = .init(idempotent)
         // One request per item: these tests script the answer to each request (BundleTests cover Bundles).
         configuration.batchSize = 1
         configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)

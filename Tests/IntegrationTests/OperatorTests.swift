@@ -326,9 +326,10 @@ struct OperatorTests {
         let env = environment("http://127.0.0.1:9/fhir")
         let file = try work.write("many.ndjson", resources.ndjson(0..<400))
         #expect(try await dq(["enqueue", "--ndjson", file], env).status == 0)
-        let sound = try await dq(["doctor"], env)
+        // Nothing answers at port 9: --offline checks the settings and the database only.
+        let sound = try await dq(["doctor", "--offline"], env)
         #expect(sound.status == 0 && sound.stdout.contains(": ok"), "\(sound.stderr)")
-        let soundJSON = try await dq(["doctor", "--json"], env)
+        let soundJSON = try await dq(["doctor", "--json", "--offline"], env)
         let report = try json(soundJSON.stdout)
         #expect(report["ok"] as? Bool == true && (report["problems"] as? [Any])?.isEmpty == true, "\(soundJSON.stdout)")
         let routes = report["routes"] as? [[String: String]] ?? []
@@ -589,7 +590,7 @@ struct OperatorTests {
 
         let mode = try FileManager.default.attributesOfItem(atPath: damagedFile)[.posixPermissions] as? Int
         #expect(mode == 0o600, "the recovered file is its owner's only: \(String(mode ?? 0, radix: 8))")
-        let healed = try await dq(["doctor"], crashEnv)
+        let healed = try await dq(["doctor", "--offline"], crashEnv)
         #expect(healed.status == 0 && healed.stdout.contains(": ok"), "\(healed.stdout)\(healed.stderr)")
         let listed = try await dq(["list", "--json"], crashEnv)
         #expect(listed.status == 0, "\(listed.stderr)")

@@ -18,7 +18,7 @@ struct QueueDeliveryTests {
     /// One request per item: these tests script faults request by request (BundleTests cover Bundles).
     func environment(_ server: String, idempotent: Bool = false) -> [String: String] {
         var env = ["DQ_SERVER": server, "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path, "DQ_BATCH_SIZE": "1"]
-        if idempotent { env["DQ_IDEMPOTENT"] = "true" }
+        env["DQ_IDEMPOTENT"] = String(idempotent)  // "false" too: the default is "auto"
         return env
     }
 

@@ -18,7 +18,7 @@ struct ServiceTests {
 
     func environment(_ server: String, idempotent: Bool = true, batch: Int? = nil) -> [String: String] {
         var env = ["DQ_SERVER": server, "DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path]
-        if idempotent { env["DQ_IDEMPOTENT"] = "true" }
+        env["DQ_IDEMPOTENT"] = String(idempotent)  // "false" too: the default is "auto"
         if let batch { env["DQ_BATCH_SIZE"] = String(batch) }
         return env
     }

@@ -66,3 +66,21 @@ extension AuthorizationCodeClient {
         public var asksForIDToken: Bool { scope.split(separator: " ").contains("openid") }
     }
 }
+
+extension AuthorizationCodeClient.Configuration: RedactedDescription {
+    /// Every setting; the client secret and the signing key redacted, and the password of any URL.
+    package var redactedFields: [RedactedField] {
+        [
+            .url("fhirBaseURL", fhirBaseURL), .plain("clientID", clientID), .secret("clientSecret", clientSecret),
+            .plain("authMethod", authMethod), .plain("assertionKey", assertionKey), .plain("scope", scope),
+            .url("issuer", issuer), .url("authorizationURL", authorizationURL), .url("tokenURL", tokenURL),
+            .url("revocationURL", revocationURL), .plain("credentialsDirectory", credentialsDirectory),
+            .plain("timeout", timeout), .plain("network", network),
+        ]
+    }
+}
+
+extension AuthorizationCodeClient: RedactedDescription {
+    /// Its configuration, without secrets; never the sign-in (tokens) it holds.
+    package nonisolated var redactedFields: [RedactedField] { [.plain("configuration", configuration)] }
+}

@@ -91,6 +91,24 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         }
     }
 
+    /// For `dq doctor`: asks the token endpoint (discovered if need be) for a new token, as a flush would. A
+    /// client that has still to register (no `client_id`, no stored registration) is not registered here: then
+    /// only the token endpoint is found, and nil is returned.
+    ///
+    /// - Returns: the token endpoint that issued a token, or nil when the client is not registered yet.
+    /// - Throws: ``DataQueueError``: `.transport` when an endpoint does not answer, `.authentication` when the
+    ///   token endpoint refuses the client, `.invalidConfiguration` when no token endpoint can be found.
+    package func checkTokenEndpoint(logger: Logger) async throws -> URL? {
+        let endpoints = try await resolveEndpoints()
+        if credentials == nil {
+            guard let registration = endpoints.registration else { throw Self.noRegistration }
+            guard let stored = try configuration.credentialStore.load(registrationURI: registration.absoluteString) else { return nil }
+            credentials = (stored.clientID, stored.clientSecret)
+        }
+        _ = try await accessToken(forceRefresh: true, logger: logger)
+        return endpoints.token
+    }
+
     // MARK: - Token request
 
     private func requestToken(logger: Logger) async throws -> String {
@@ -145,11 +163,7 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
 
     private func clientCredentials(logger: Logger) async throws -> (String, String?) {
         if let credentials { return credentials }
-        guard let registration = try await resolveEndpoints().registration else {
-            throw DataQueueError(
-                .invalidConfiguration,
-                "configuration: \"auth.client_id\" is missing and there is no \"auth.registration_uri\" to register with")
-        }
+        guard let registration = try await resolveEndpoints().registration else { throw Self.noRegistration }
         if let stored = try configuration.credentialStore.load(registrationURI: registration.absoluteString) {
             logger.debug("using stored registered credentials")
             credentials = (stored.clientID, stored.clientSecret)
@@ -158,6 +172,10 @@ public actor OAuth2ClientCredentials: AuthorizationProvider {
         let stored = try await register(at: registration, logger: logger)
         return (stored.clientID, stored.clientSecret)
     }
+
+    /// No `client_id`, and nowhere to register one.
+    static let noRegistration = DataQueueError(
+        .invalidConfiguration, "configuration: \"auth.client_id\" is missing and there is no \"auth.registration_uri\" to register with")
 
     /// Registers this client now (RFC 7591) and stores the credentials, replacing earlier ones.
     @discardableResult

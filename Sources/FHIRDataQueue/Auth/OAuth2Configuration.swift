@@ -81,3 +81,30 @@ public struct OAuth2Configuration: Sendable {
         authMethod ?? (assertionKey != nil ? .privateKeyJWT : .clientSecretBasic)
     }
 }
+
+extension OAuth2Configuration: RedactedDescription {
+    /// Every setting; the client secret, the signing key and the values of registration fields and headers
+    /// redacted, and the password of any URL.
+    package var redactedFields: [RedactedField] {
+        [
+            .url("fhirBaseURL", fhirBaseURL), .plain("clientID", clientID), .secret("clientSecret", clientSecret),
+            .url("tokenURL", tokenURL), .plain("authMethod", authMethod), .plain("assertionKey", assertionKey),
+            .plain("scope", scope), .url("registrationURI", registrationURI), .plain("clientName", clientName),
+            .secretValues("registrationFields", registrationFields), .plain("registrationFlags", registrationFlags),
+            .secretValues("registrationHeaders", registrationHeaders), .plain("credentialStore", credentialStore),
+            .plain("renewalSkew", renewalSkew), .plain("timeout", timeout), .plain("network", network),
+        ]
+    }
+}
+
+extension OAuth2Configuration.ClientAssertionKey: RedactedDescription {
+    /// The key's id and algorithm; the private key itself redacted.
+    package var redactedFields: [RedactedField] {
+        [.custom("backing", thumbprint, shown: Redaction.Secret()), .plain("keyID", keyID), .plain("algorithm", algorithm)]
+    }
+}
+
+extension OAuth2ClientCredentials: RedactedDescription {
+    /// Its configuration, without secrets; never a token or registered credentials it holds.
+    package nonisolated var redactedFields: [RedactedField] { [.plain("configuration", configuration)] }
+}

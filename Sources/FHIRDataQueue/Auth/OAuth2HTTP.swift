@@ -73,8 +73,10 @@ struct OAuth2HTTP: Sendable {
         } catch let error as DataQueueError {
             throw error
         } catch {
-            let description = FHIRTransport.describe(error, url: request.url, network: callerClient == nil ? network : nil)
-            throw DataQueueError(.transport, "no answer from \(FHIRTransport.redacted(request.url)): \(description)")
+            throw DataQueueError(
+                .transport,
+                FHIRTransport.noAnswer(
+                    error, url: request.url, server: FHIRTransport.redacted(request.url), network: callerClient == nil ? network : nil))
         }
     }
 

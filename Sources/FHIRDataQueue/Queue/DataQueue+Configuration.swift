@@ -33,7 +33,7 @@ extension DataQueue {
             let logger = logger ?? Logger(label: "dq", factory: { _ in SwiftLogNoOpLogHandler() })
             switch self {
             case .sqlite(let path):
-                return try SQLiteQueueStore(path: path, durability: durability, readOnly: readOnly)
+                return try SQLiteQueueStore(path: path, durability: durability, readOnly: readOnly, logger: logger)
             case .postgresURL(let url):
                 return try PostgresQueueStore(url: url, readOnly: readOnly, leaseSeconds: leaseDuration, logger: logger)
             case .postgres(let client, let preparedStatements):
@@ -50,6 +50,48 @@ extension DataQueue {
             case .postgres: ""
             }
         }
+    }
+
+    /// Whether creates go as conditional creates (`If-None-Exist`), so that a create whose answer was lost
+    /// (the connection cut, dq killed after the server committed it) finds the resource when it is sent again
+    /// instead of storing it twice.
+    ///
+    /// The `idempotent` setting: `"auto"` (the default), `true` or `false` in `dq.json` and `DQ_IDEMPOTENT`. A
+    /// Boolean converts, so `configuration.idempotent = true` reads as before.
+    ///
+    /// ```swift
+    /// configuration.idempotent = .automatic   // the default
+    /// configuration.idempotent = true         // .always
+    /// ```
+    public enum Idempotence: String, Sendable, Hashable, CaseIterable, ExpressibleByBooleanLiteral, CustomStringConvertible {
+        /// `"auto"`, the default: a create of a type whose `conditionalCreate` the server's CapabilityStatement
+        /// declares carries `If-None-Exist` on the resource's first identifier with a `system` and a `value`
+        /// (each `POST` entry of a queued Bundle likewise). Nothing is added to a resource: one without such an
+        /// identifier, or of a type the server does not declare, goes as a plain create, as does every create
+        /// to a server that declares conditional create for no type (there dq delivers at least once). The
+        /// CapabilityStatement is read as for automatic Bundles (at most once per flush, cached for
+        /// ``Configuration/capabilityLifetime``).
+        case automatic = "auto"
+        /// `true`: idempotent mode. Every create carries `If-None-Exist` on the resource's first identifier
+        /// with a `system` and a `value`, whatever the server declares; a resource without one gets one naming
+        /// its queue item (`urn:ietf:rfc:3986|urn:uuid:…`); a resource whose identifier cannot be conditioned
+        /// is refused at enqueue. A 200 counts as `already-present` only for the declared types.
+        case always = "true"
+        /// `false`: plain creates. A create whose answer was lost is sent again (at least once).
+        case never = "false"
+
+        /// `true` is ``always``, `false` ``never``.
+        public init(booleanLiteral value: Bool) {
+            self = value ? .always : .never
+        }
+
+        /// `true` is ``always``, `false` ``never``.
+        public init(_ enabled: Bool) {
+            self = enabled ? .always : .never
+        }
+
+        /// The setting's value as `dq.json` and `DQ_IDEMPOTENT` write it: `auto`, `true` or `false`.
+        public var description: String { rawValue }
     }
 
     /// How a ``DataQueue`` stores, sends and retries.
@@ -69,12 +111,16 @@ extension DataQueue {
         }
         /// How durable an enqueue is. The default is ``DataQueue/Durability/full``.
         public var durability: DataQueue.Durability
-        /// Makes retried creates safe: each `POST` carries `If-None-Exist` on the resource's first
-        /// identifier, and a resource without any identifier gets one naming the item's UUID
-        /// (`urn:ietf:rfc:3986|urn:uuid:…`). Needs a server with conditional create. The default is `false`.
-        public var idempotent: Bool
+        /// Makes retried creates safe with conditional creates (see ``Idempotence``). The default,
+        /// ``Idempotence/automatic``, sends `If-None-Exist` on the resource's own identifier for the types whose
+        /// conditional create the server declares; `true` (idempotent mode) for every create, giving a resource
+        /// without an identifier one that names the item's UUID (`urn:ietf:rfc:3986|urn:uuid:…`); `false` never.
+        public var idempotent: Idempotence
         /// The largest resource accepted, in bytes. The default is ``FHIRResource/defaultMaximumSize``.
         public var maximumResourceSize: Int
+        /// The `resourceType`s an enqueue accepts. The default is FHIR R4's: a type the server cannot know is refused
+        /// at once, not parked when the server refuses it.
+        public var resourceTypes: ResourceTypes = .r4(adding: [])
         /// The deadline of one request, in seconds. The default is 30.
         public var requestTimeout: TimeInterval
         /// The connect timeout, in seconds. The default is 10.
@@ -132,7 +178,7 @@ extension DataQueue {
         public init(
             databasePath: String = DataQueue.defaultDatabasePath(),
             durability: DataQueue.Durability = .full,
-            idempotent: Bool = false,
+            idempotent: Idempotence = .automatic,
             maximumResourceSize: Int = FHIRResource.defaultMaximumSize,
             requestTimeout: TimeInterval = 30,
             connectTimeout: TimeInterval = 10,
@@ -279,6 +325,12 @@ extension FlushReport {
     }
 }
 
+extension FlushReport.Stop {
+    /// How a refused credential's failure starts in the server state (`dq status`'s last error): a flush inside its
+    /// backoff stops with ``authentication(_:)`` again rather than ``backoff(until:)``.
+    static let refusedCredentials = "authentication failed: "
+}
+
 extension FlushReport.Stop: CustomStringConvertible {
     /// Why the flush stopped, in words (PHI-free): `no answer from …: timed out; next try after 2026-11-26T06:10:04Z`.
     public var description: String {
@@ -334,5 +386,78 @@ extension FlushReport {
         public var parked: Int
         /// The item just handled.
         public var item: QueuedItem
+    }
+}
+
+extension DataQueue.Storage: CustomStringConvertible, CustomDebugStringConvertible, CustomReflectable {
+    /// `sqlite(path: "…")`, `postgresURL("…")` with the URL's password redacted, or `postgres(client: PostgresClient,
+    /// preparedStatements: …)`: a host's client is named, never reflected (its configuration holds the password).
+    public var description: String {
+        switch self {
+        case .sqlite(let path): "sqlite(path: \(String(reflecting: path)))"
+        case .postgresURL(let url): "postgresURL(\(String(reflecting: Redaction.url(url))))"
+        case .postgres(_, let prepared): "postgres(client: PostgresClient, preparedStatements: \(prepared))"
+        }
+    }
+
+    /// The same as `description`: never a password.
+    public var debugDescription: String { description }
+
+    /// The case and its values as `description` shows them.
+    public var customMirror: Mirror {
+        switch self {
+        case .sqlite(let path): Mirror(self, children: ["sqlite": path], displayStyle: .enum)
+        case .postgresURL(let url): Mirror(self, children: ["postgresURL": Redaction.url(url)], displayStyle: .enum)
+        case .postgres(_, let prepared):
+            Mirror(self, children: ["postgres": (client: "PostgresClient", preparedStatements: prepared)], displayStyle: .enum)
+        }
+    }
+}
+
+extension DataQueue.Configuration: RedactedDescription {
+    /// Every setting; the password of a PostgreSQL or proxy URL redacted, and the at-rest keys shown by their ids.
+    package var redactedFields: [RedactedField] {
+        [
+            .plain("storage", storage), .plain("durability", durability), .plain("idempotent", idempotent),
+            .plain("maximumResourceSize", maximumResourceSize), .plain("resourceTypes", resourceTypes),
+            .plain("requestTimeout", requestTimeout),
+            .plain("connectTimeout", connectTimeout), .plain("retryPolicy", retryPolicy), .plain("lockWait", lockWait),
+            .plain("settleDelay", settleDelay), .plain("leaseDuration", leaseDuration), .plain("network", network),
+            .plain("batchSize", batchSize), .plain("batchMaxBytes", batchMaxBytes), .plain("encryptedInFlight", encryptedInFlight),
+            .plain("capabilityLifetime", capabilityLifetime), .plain("readOnly", readOnly),
+            .custom("atRest", atRest.map(\.ids), shown: atRest.map(\.ids)),
+        ]
+    }
+}
+
+extension DataQueue: RedactedDescription {
+    /// `DataQueue(queue: http://host/fhir)` (or the subclass's name): the queue's name, nothing it holds.
+    public var description: String { "\(type(of: self))(queue: \(queueName))" }
+
+    /// The queue's name, its configuration (without secrets) and the type of its authorization: never the
+    /// credentials, the store or the HTTP client.
+    package var redactedFields: [RedactedField] {
+        [
+            .plain("queueName", queueName), .plain("configuration", configuration),
+            .custom("authorization", authorization.map { Redaction.name(of: $0) }, shown: authorization.map { Redaction.name(of: $0) }),
+        ]
+    }
+}
+
+extension DataQueue.Configuration {
+    /// Which `resourceType`s an enqueue accepts.
+    public enum ResourceTypes: Sendable, Hashable {
+        /// FHIR R4's resource types, and `adding` (types a server defines of its own).
+        case r4(adding: Set<String>)
+        /// Any type name: the server decides.
+        case any
+
+        /// Whether `type` is accepted.
+        public func accepts(_ type: String) -> Bool {
+            switch self {
+            case .any: true
+            case .r4(let adding): IdentifierCardinality.allTypes.contains(type) || adding.contains(type)
+            }
+        }
     }
 }

@@ -211,7 +211,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                 method: .put, path: "\(resource.resourceType)/\(id)", contentType: "application/fhir+json",
                 body: resource.data, resourceType: resource.resourceType, resourceID: id)
         case .post:
-            if configuration.idempotent {
+            if configuration.idempotent == .always {
                 // Checked now so that bad input is named at enqueue; the condition itself is made at send time.
                 _ = try ConditionalCreate.prepare(resource.data, itemID: itemID, isBundle: resource.isTransactionOrBatch)
             }
@@ -256,7 +256,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         FlushContext(
             queueName: queueName, configuration: configuration, store: store,
             delivery: Delivery(
-                transport: transport, authorization: authorization, idempotent: configuration.idempotent, logger: logger),
+                transport: transport, authorization: authorization, idempotence: configuration.idempotent, logger: logger),
             endpoints: endpoints(), logger: logger, metrics: metrics, heldDeliveries: heldDeliveries, hooks: hooks)
     }
 
@@ -272,6 +272,12 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     }
 
     func newItem(for resource: FHIRResource, method: FHIRMethod, fullURL: String? = nil) throws -> NewItem {
+        guard configuration.resourceTypes.accepts(resource.resourceType) else {
+            throw DataQueueError(
+                .invalidResource,
+                "\"\(FHIRResource.printable(resource.resourceType))\" is not a FHIR R4 resource type (a type of the server's own goes in \"extra_resource_types\")"
+            )
+        }
         let id = UUID.timeOrdered()
         let request = try prepareRequest(for: resource, method: method, itemID: id)
         var declared: String?
@@ -479,7 +485,14 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         if !force {
             let state = try await store.serverState(queue: queueName)
             if let next = state.nextAttemptAt, next > Date() {
-                report.stop = .backoff(until: next)
+                // Refused credentials are not an outage: the flush says so (77 for dq), not "try later" (75).
+                if let error = state.lastError, error.hasPrefix(FlushReport.Stop.refusedCredentials) {
+                    report.stop = .authentication(
+                        "\(error.dropFirst(FlushReport.Stop.refusedCredentials.count)) (the last try, \(state.failures) in a row; "
+                            + "mend the credentials, then flush with force (dq flush --now))")
+                } else {
+                    report.stop = .backoff(until: next)
+                }
                 try await fillCounts(&report)
                 return (report, nil)
             }

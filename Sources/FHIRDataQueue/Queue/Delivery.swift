@@ -9,8 +9,8 @@ struct Delivery: Sendable {
     let transport: FHIRTransport
     /// Supplies the `Authorization` header, if any.
     let authorization: (any AuthorizationProvider)?
-    /// Whether creates go as conditional creates (idempotent mode).
-    let idempotent: Bool
+    /// Whether creates go as conditional creates: always (idempotent mode), for the declared types, or never.
+    let idempotence: DataQueue.Idempotence
     let logger: Logger
 
     /// What one request came to.
@@ -23,13 +23,24 @@ struct Delivery: Sendable {
         case authentication(status: Int?, message: String)
     }
 
-    /// The request that sends a stored item now: idempotent mode's condition is added here, so the setting
-    /// of this flush (and the item's own override) applies.
-    func outgoingRequest(for item: StoredItem, url: String) throws -> OutgoingRequest {
+    /// The request that sends a stored item now: the condition of a conditional create is added here, so the
+    /// setting of this flush (and the item's own override) applies. `declared`: the types whose conditional
+    /// create the server's CapabilityStatement declares (nil: not known), for ``DataQueue/Idempotence/automatic``.
+    func outgoingRequest(for item: StoredItem, url: String, declared: Set<String>?) throws -> OutgoingRequest {
         var body = item.body
         var ifNoneExist: String?
-        if idempotent && item.conditionalCreate && item.info.method == .post && !item.info.encrypted {
-            (body, ifNoneExist) = try ConditionalCreate.prepare(body, itemID: item.info.id, isBundle: item.info.url.isEmpty)
+        if item.conditionalCreate && item.info.method == .post && !item.info.encrypted {
+            switch idempotence {
+            case .always:
+                (body, ifNoneExist) = try ConditionalCreate.prepare(body, itemID: item.info.id, isBundle: item.info.url.isEmpty)
+            case .automatic:
+                if let declared, !declared.isEmpty {
+                    (body, ifNoneExist) = ConditionalCreate.prepareDeclared(
+                        body, resourceType: item.info.resourceType, isBundle: item.info.url.isEmpty, declared: declared)
+                }
+            case .never:
+                break
+            }
         }
         return OutgoingRequest(
             method: item.info.method, url: url, contentType: item.contentType, ifNoneExist: ifNoneExist, body: body)
@@ -37,13 +48,17 @@ struct Delivery: Sendable {
 
     /// Sends one request, with one fresh credential and one retry after a 401/403, and classifies the answer.
     func deliver(_ request: OutgoingRequest, encrypted: Bool) async -> Outcome {
-        var refused: String?
+        var refused: (header: String, status: Int, message: String)?
         while true {
             Heartbeat.beat()
             let header: String?
             do {
                 if let refused {
-                    header = try await authorization?.authorizationHeader(replacing: refused, logger: logger)
+                    header = try await authorization?.authorizationHeader(replacing: refused.header, logger: logger)
+                    // The same credential again (a static token): sending it again would only be refused again.
+                    if header == refused.header {
+                        return .authentication(status: refused.status, message: refused.message)
+                    }
                 } else {
                     header = try await authorization?.authorizationHeader(forceRefresh: false, logger: logger)
                 }
@@ -78,7 +93,7 @@ struct Delivery: Sendable {
             case .authentication(let message):
                 // One retry with a fresh credential; the provider renews only if this header is still current.
                 if let header, refused == nil {
-                    refused = header
+                    refused = (header, response.status, message)
                     continue
                 }
                 return .authentication(status: response.status, message: message)

@@ -131,8 +131,14 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             }
             try await refill(to: max(batchSize, 1))
             guard let head = prefetched.first else { return }
-            if support == nil && context.configuration.idempotent {
+            if support == nil && context.configuration.idempotent == .always {
                 // Idempotent mode trusts a 200 only where the server declares conditional create.
+                _ = try await capabilities(needed: true)
+            } else if context.configuration.idempotent == .automatic, !capabilityRead, support?.checkedAt == nil,
+                mayBeConditioned(head)
+            {
+                // Automatic mode conditions the creates of the types the server declares: read before the first
+                // create that could be conditioned (not for an update, an envelope, or a row that cannot go).
                 _ = try await capabilities(needed: true)
             }
             if !sizeKnown && !head.info.encrypted && !head.info.url.isEmpty {
@@ -212,8 +218,14 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         return try await resolveReferences(run)
     }
 
-    /// The request of one item as it goes now: its URL from the configured endpoint, idempotent mode's
-    /// condition, and (later) its references.
+    /// Whether automatic mode could send `stored` as a conditional create: a plain create that can be sent.
+    private func mayBeConditioned(_ stored: StoredItem) -> Bool {
+        stored.unreadable == nil && stored.conditionalCreate && stored.info.method == .post && !stored.info.encrypted
+            && (try? context.endpoints.url(for: stored.info)) != nil
+    }
+
+    /// The request of one item as it goes now: its URL from the configured endpoint, the condition of a
+    /// conditional create (idempotent or automatic mode), and (later) its references.
     private func prepare(_ stored: StoredItem) throws -> Prepared {
         if let reason = stored.unreadable {
             // Nothing of it can be trusted: it is parked with the reason, and nothing is sent.
@@ -224,7 +236,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         // A row whose path dq did not write is refused here, before anything is sent.
         let url = try context.endpoints.url(for: stored.info)
         do {
-            var request = try context.delivery.outgoingRequest(for: stored, url: url)
+            var request = try context.delivery.outgoingRequest(for: stored, url: url, declared: support?.conditionalCreate)
             request.isBundle = stored.info.url.isEmpty  // a Bundle queued as one item
             return Prepared(stored: stored, request: request)
         } catch let error as DataQueueError where error.code == .invalidResource {
@@ -626,8 +638,10 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         try await recorder.finish()
         let failures = (try await context.store.serverState(queue: context.queueName).failures) + 1
         let retryAt = Date().addingTimeInterval(context.configuration.retryPolicy.delay(afterFailures: failures, retryAfter: nil))
+        // Recorded as a refusal, so that a flush inside the backoff says the credentials are refused (not "later").
         try await context.store.recordFailure(
-            queue: context.queueName, item: item, status: status, error: message, nextAttemptAt: retryAt, owner: lock)
+            queue: context.queueName, item: item, status: status, error: FlushReport.Stop.refusedCredentials + message,
+            nextAttemptAt: retryAt, owner: lock)
         report.stop = .authentication(message)
         context.logger.debug("authentication failed", metadata: ["reason": "\(message)"])
     }

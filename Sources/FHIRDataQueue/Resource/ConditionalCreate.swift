@@ -13,7 +13,9 @@ import Foundation
 /// `request.ifNoneExist` in the same way (generated identifiers name the item and the entry's position).
 ///
 /// It is computed when the item is sent, so the setting that applies is the one of the flush, and an
-/// operator can turn it off for one item (`dq retry --no-conditional`).
+/// operator can turn it off for one item (`dq retry --no-conditional`). The default setting,
+/// ``DataQueue/Idempotence/automatic``, conditions only what needs no change to the resource
+/// (`prepareDeclared`).
 enum ConditionalCreate {
     /// The system of generated identifiers (a URI as the identifier's value).
     static let generatedSystem = "urn:ietf:rfc:3986"
@@ -40,6 +42,46 @@ enum ConditionalCreate {
             throw DataQueueError(.invalidResource, "idempotent mode cannot read the resource's JSON")
         }
         return (apply(insertions, to: body), ifNoneExist)
+    }
+
+    /// The condition of ``DataQueue/Idempotence/automatic``: `If-None-Exist` on the resource's own first
+    /// identifier with a system and a value, when the server declares conditional create for its type; in a
+    /// transaction or batch Bundle, a `request.ifNoneExist` for each such `POST` entry that has none of its own.
+    /// Nothing is added to a resource and nothing is refused: a resource without such an identifier, of a type
+    /// not in `declared`, or whose JSON dq cannot read here goes as it is, a plain create.
+    static func prepareDeclared(_ body: Data, resourceType: String, isBundle: Bool, declared: Set<String>)
+        -> (body: Data, ifNoneExist: String?)
+    {
+        if isBundle {
+            var insertions: [(offset: Int, bytes: [UInt8])] = []
+            for entry in (try? postEntries(body)) ?? [] {
+                guard let resource = try? JSONScanner.scan(body, entry.resource, keys: ["resourceType"]),
+                    let type = resource.members["resourceType"].flatMap({ JSONScanner.string(in: body, $0) }),
+                    declared.contains(type), let condition = ownCondition(body, entry.resource)
+                else { continue }
+                insertions.append((entry.request.lowerBound + 1, Array(#""ifNoneExist":"\#(condition)","#.utf8)))
+            }
+            return (apply(insertions, to: body), nil)
+        }
+        guard declared.contains(resourceType) else { return (body, nil) }
+        return (body, ownCondition(body, 0..<body.count))
+    }
+
+    /// The condition on the first identifier with a system and a value of the resource object at `range` (its
+    /// `identifier` a list, or a single one), else nil.
+    private static func ownCondition(_ data: Data, _ range: Range<Int>) -> String? {
+        guard let document = try? JSONScanner.scan(data, range, keys: ["identifier"]),
+            let identifier = document.members["identifier"]
+        else { return nil }
+        switch data[data.startIndex + identifier.lowerBound] {
+        case UInt8(ascii: "{"):
+            return usable(data, identifier)
+        case UInt8(ascii: "["):
+            let list = try? JSONScanner.scan(data, identifier, keys: [])
+            return list?.elements.lazy.compactMap { usable(data, $0) }.first
+        default:
+            return nil
+        }
     }
 
     /// `identifier=<system>|<value>`, each part escaped for a search URL (and therefore safe inside JSON).
@@ -108,9 +150,21 @@ enum ConditionalCreate {
     }
 
     private static func planBundle(_ data: Data, itemID: UUID, into insertions: inout [(offset: Int, bytes: [UInt8])]) throws {
+        for entry in try postEntries(data) {
+            let (condition, insertion) = try plan(
+                resource: data, entry.resource, generatedValue: "urn:uuid:" + entryID(itemID: itemID, index: entry.index))
+            if let insertion { insertions.append(insertion) }
+            if let condition { insertions.append((entry.request.lowerBound + 1, Array(#""ifNoneExist":"\#(condition)","#.utf8))) }
+        }
+    }
+
+    /// The `POST` entries of a Bundle without an `ifNoneExist` of their own: each one's position, its `request`
+    /// object and its `resource` object.
+    private static func postEntries(_ data: Data) throws -> [(index: Int, request: Range<Int>, resource: Range<Int>)] {
         let bundle = try JSONScanner.scan(data, 0..<data.count, keys: ["entry"])
         guard let entryRange = bundle.members["entry"], data[data.startIndex + entryRange.lowerBound] == UInt8(ascii: "[")
-        else { return }
+        else { return [] }
+        var entries: [(index: Int, request: Range<Int>, resource: Range<Int>)] = []
         for (index, element) in try JSONScanner.scan(data, entryRange, keys: []).elements.enumerated() {
             guard data[data.startIndex + element.lowerBound] == UInt8(ascii: "{") else { continue }
             let entry = try JSONScanner.scan(data, element, keys: ["request", "resource"])
@@ -122,11 +176,9 @@ enum ConditionalCreate {
             guard request.members["ifNoneExist"] == nil,
                 let method = request.members["method"].flatMap({ JSONScanner.string(in: data, $0) }), method == "POST"
             else { continue }
-            let (condition, insertion) = try plan(
-                resource: data, resourceRange, generatedValue: "urn:uuid:" + entryID(itemID: itemID, index: index))
-            if let insertion { insertions.append(insertion) }
-            if let condition { insertions.append((requestRange.lowerBound + 1, Array(#""ifNoneExist":"\#(condition)","#.utf8))) }
+            entries.append((index, requestRange, resourceRange))
         }
+        return entries
     }
 
     /// A UUID for entry `index` of item `itemID`: the same on every retry, different for every entry.

@@ -453,3 +453,16 @@ private final class ResumeOnce<Value: Sendable>: Sendable {
         continuation?.resume(returning: value)
     }
 }
+
+extension DataQueueService: RedactedDescription {
+    /// `DataQueueService(queue: http://host/fhir)`: the queues it delivers, by name. swift-service-lifecycle names
+    /// a service by its description in its log lines: nothing a queue holds is shown.
+    public var description: String {
+        "DataQueueService(\(queues.count == 1 ? "queue" : "queues"): \(queues.map(\.queueName).joined(separator: ", ")))"
+    }
+
+    /// The queues' names and how the service polls and drains.
+    package var redactedFields: [RedactedField] {
+        [.plain("queues", queues.map(\.queueName)), .plain("configuration", configuration)]
+    }
+}

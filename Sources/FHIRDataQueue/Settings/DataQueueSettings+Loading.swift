@@ -14,6 +14,9 @@ extension DataQueueSettings {
 
     /// Decodes settings from JSON bytes; `source` names them in errors.
     public static func decode(_ data: Data, source: String = "the settings") throws -> DataQueueSettings {
+        if data.starts(with: [0xEF, 0xBB, 0xBF]) {
+            throw configError("\(source) starts with a byte order mark (a UTF-8 BOM): save it as UTF-8 without one")
+        }
         do {
             let settings = try JSONDecoder().decode(DataQueueSettings.self, from: data)
             try checkStrict(data, source: source)
@@ -36,34 +39,33 @@ extension DataQueueSettings {
         }
     }
 
-    /// The JSON rules resource files follow, for settings too: no key twice in one object (jq and Python take
-    /// the last, Foundation the first), no trailing comma.
+    /// The JSON rules resource files follow, for settings too: no key twice in any object, at any depth (jq and
+    /// Python take the last, Foundation the first), no trailing comma.
     private static func checkStrict(_ data: Data, source: String) throws {
-        func refusal(_ failure: JSONScanner.Failure, in object: String?) -> DataQueueError {
-            if case .duplicateKey(let key) = failure {
-                let name = (object.map { $0 + "." } ?? "") + FHIRResource.printable(key)
-                return configError("\"\(name)\" appears twice in \(source) (give it once)")
+        // Every key the settings use, at any depth: the scanner records where the members it is asked for lie.
+        func keys(_ value: Any) -> Set<String> {
+            if let object = value as? [String: Any] {
+                return object.reduce(into: Set(object.keys)) { $0.formUnion(keys($1.value)) }
             }
-            return configError("\(source) is not strict JSON (a trailing comma, or a comment?)")
+            return (value as? [Any])?.reduce(into: Set()) { $0.formUnion(keys($1)) } ?? []
         }
-        let top: JSONScanner.Document
-        do {
-            top = try JSONScanner.scan(data, 0..<data.count, keys: Set(CodingKeysNames.objects))
-        } catch {
-            throw refusal(error, in: nil)
-        }
-        for (name, range) in top.members where data[data.startIndex + range.lowerBound] == UInt8(ascii: "{") {
+        let names = keys((try? JSONSerialization.jsonObject(with: data)) ?? [:])
+        func check(_ range: Range<Int>, in object: String?) throws {
+            let document: JSONScanner.Document
             do {
-                _ = try JSONScanner.scan(data, range, keys: [])
+                document = try JSONScanner.scan(data, range, keys: names)
             } catch {
-                throw refusal(error, in: name)
+                if case .duplicateKey(let key) = error {
+                    let name = (object.map { $0 + "." } ?? "") + FHIRResource.printable(key)
+                    throw configError("\"\(name)\" appears twice in \(source) (give it once)")
+                }
+                throw configError("\(source) is not strict JSON (a trailing comma, or a comment?)")
+            }
+            for (name, member) in document.members where data[data.startIndex + member.lowerBound] == UInt8(ascii: "{") {
+                try check(member, in: (object.map { $0 + "." } ?? "") + FHIRResource.printable(name))
             }
         }
-    }
-
-    /// The settings keys whose values are objects.
-    private enum CodingKeysNames {
-        static let objects = ["auth", "tls", "retry", "encryption"]
+        try check(0..<data.count, in: nil)
     }
 
     /// The byte offset where `data` stops being JSON, as Foundation's parser reports it.
@@ -115,6 +117,13 @@ extension DataQueueSettings {
         if let value = values.durability { configuration.durability = value }
         if let idempotent { configuration.idempotent = idempotent }
         if let value = values.maximumResourceSize { configuration.maximumResourceSize = value }
+        if let extra = extraResourceTypes {
+            if let bad = extra.first(where: { $0 != "*" && !FHIRResource.isValidTypeName($0) }) {
+                throw Self.configError(
+                    "\"extra_resource_types\" holds \(FHIRResource.printable(bad)), not a resource type name (or \"*\" for any)")
+            }
+            configuration.resourceTypes = extra.contains("*") ? .any : .r4(adding: Set(extra))
+        }
         if let value = values.batchSize { configuration.batchSize = value }
         if let value = values.batchMaxBytes { configuration.batchMaxBytes = value }
         if let value = values.requestTimeout { configuration.requestTimeout = value }
@@ -196,6 +205,7 @@ extension DataQueueSettings {
     /// An `auth` URL key's value: nil when absent, else an http(s) URL with a host.
     private static func authURL(_ text: String?, _ key: String) throws -> URL? {
         guard let text else { return nil }
+        try URLPort.check(text, setting: "configuration: \"auth.\(key)\"")
         guard let url = URL(string: text), let scheme = url.scheme?.lowercased(), scheme == "http" || scheme == "https",
             url.host != nil
         else { throw configError("\"auth.\(key)\" must be an http(s) URL") }

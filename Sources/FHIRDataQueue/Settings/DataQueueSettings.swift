@@ -34,10 +34,14 @@ public struct DataQueueSettings: Sendable, Decodable {
     package var databasePassword: String?
     /// `durability`: `full` or `normal`.
     public var durability: DataQueue.Durability?
-    /// `idempotent`: conditional create on retries.
-    public var idempotent: Bool?
+    /// `idempotent`: conditional creates, so that a create whose answer was lost is not stored twice: `"auto"`
+    /// (the default: for the types whose conditional create the server declares), `true` or `false` (see
+    /// ``DataQueue/Idempotence``).
+    public var idempotent: DataQueue.Idempotence?
     /// `max_resource_bytes`: the largest resource accepted.
     public var maxResourceBytes: Int?
+    /// `extra_resource_types`: resource types a server adds to FHIR R4's, accepted at enqueue; `"*"` accepts any.
+    public var extraResourceTypes: [String]?
     /// `timeout_seconds`: the deadline of one request.
     public var timeoutSeconds: Double?
     /// `connect_timeout_seconds`: the connect timeout.
@@ -284,7 +288,11 @@ public struct DataQueueSettings: Sendable, Decodable {
         if let value = try Self.choice(environment, "DQ_DURABILITY", durabilities, DataQueue.Durability.init(rawValue:)) {
             durability = value
         }
-        if let text = environment["DQ_IDEMPOTENT"] { idempotent = try Self.flag(text, name: "DQ_IDEMPOTENT") }
+        if let text = environment["DQ_IDEMPOTENT"] {
+            idempotent =
+                text.lowercased() == "auto"
+                ? .automatic : DataQueue.Idempotence(try Self.flag(text, name: "DQ_IDEMPOTENT", or: "auto"))
+        }
         if let value = environment["DQ_CA_BUNDLE"] {
             // Over the file's, whichever of its two names the file used.
             if tls?.caBundle != nil { tls?.caBundle = value } else { caBundle = value }
@@ -340,6 +348,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             }
         }
         try applyChoices(environment: environment)
+        if let value = environment["DQ_EXTRA_RESOURCE_TYPES"] { extraResourceTypes = Self.commaList(value) }
         if let value = environment["DQ_ENCRYPTION_RESOURCE_TYPES"] {
             encryption = encryption ?? Encryption()
             encryption?.resourceTypes = Self.commaList(value)
@@ -354,10 +363,10 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
     }
 
-    /// `true`/`false` (or `1`/`0`) in a variable.
-    private static func flag(_ text: String, name: String) throws -> Bool {
+    /// `true`/`false` (or `1`/`0`) in a variable; `or` names a further value the caller takes, for the message.
+    private static func flag(_ text: String, name: String, or other: String? = nil) throws -> Bool {
         guard let flag = ["1": true, "true": true, "0": false, "false": false][text.lowercased()] else {
-            throw configError("\(name) must be true or false")
+            throw configError("\(name) must be true or false" + (other.map { " (or \($0))" } ?? ""))
         }
         return flag
     }
@@ -530,7 +539,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
             "DQ_CLIENT_SECRET_FILE", "DQ_DATABASE_PASSWORD_FILE", "DQ_ENCRYPTION_RESOURCE_TYPES", "DQ_ENCRYPTION_IN_FLIGHT",
             "DQ_METRICS_ADDRESS", "DQ_REGISTRATION_FIELDS", "DQ_REGISTRATION_HEADERS", "DQ_AUTHORIZE_TYPE",
-            "DQ_TOKEN_ENDPOINT_AUTH_METHOD", "DQ_KEY_ALG", "DQ_ENCRYPTION_MODE",
+            "DQ_TOKEN_ENDPOINT_AUTH_METHOD", "DQ_KEY_ALG", "DQ_ENCRYPTION_MODE", "DQ_EXTRA_RESOURCE_TYPES",
         ] + numberVariables.map(\.name) + wholeNumberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name)
             + encryptionTextVariables.map(\.name))
 
@@ -575,7 +584,10 @@ public struct DataQueueSettings: Sendable, Decodable {
             throw configError("cannot read the config file \(path)")
         }
         var settings = try decode(data)
-        settings.baseDirectory = QueuePaths.directory(of: path)
+        // The directory of the file as named from the working directory (`dq.json` alone names no directory, and
+        // its relative paths would otherwise be read from `/`).
+        let absolute = path.hasPrefix("/") ? path : FileManager.default.currentDirectoryPath + "/" + path
+        settings.baseDirectory = QueuePaths.directory(of: absolute)
         settings.sourcePath = path
         settings.fileHoldsSecret =
             settings.auth?.bearerToken != nil || settings.auth?.clientSecret != nil
@@ -787,11 +799,20 @@ public struct DataQueueSettings: Sendable, Decodable {
         _ = try Self.seconds(drainTimeoutSeconds, "drain_timeout_seconds", allowZero: true)
         _ = try Self.seconds(readyMaxAgeSeconds, "ready_max_age_seconds", allowZero: false)
         if let metricsAddress, Self.metricsAddress(metricsAddress) == nil {
-            throw Self.configError("\"metrics_address\" must be HOST:PORT or PORT")
+            throw Self.configError("\"metrics_address\" is \(metricsAddress): \(Self.metricsAddressForm)")
         }
         if let retry {
             values.retryInitialDelay = try Self.seconds(retry.initialSeconds, "retry.initial_seconds", allowZero: true)
             values.retryMaximumDelay = try Self.seconds(retry.maximumSeconds, "retry.maximum_seconds", allowZero: true)
+            let defaults = RetryPolicy()
+            let initial = values.retryInitialDelay ?? defaults.initialDelay
+            let maximum = values.retryMaximumDelay ?? defaults.maximumDelay
+            if initial > maximum {
+                func shown(_ seconds: Double) -> String { seconds == seconds.rounded() ? "\(Int(seconds))" : "\(seconds)" }
+                throw Self.configError(
+                    "\"retry.initial_seconds\" (\(shown(initial))) is more than \"retry.maximum_seconds\" (\(shown(maximum))\(values.retryMaximumDelay == nil ? ", the default" : "")): the first delay cannot be longer than the longest"
+                )
+            }
             if let value = retry.jitter {
                 guard value.isFinite, (0...1).contains(value) else {
                     throw Self.configError("\"retry.jitter\" must be between 0 and 1")
@@ -846,6 +867,10 @@ public struct DataQueueSettings: Sendable, Decodable {
         return network
     }
 
+    /// What `metrics_address` and `--metrics-address` take, for their errors.
+    package static let metricsAddressForm =
+        "it must be HOST:PORT, [IPv6]:PORT or PORT, the port a whole number from 0 to 65535 (0: any free port)"
+
     /// `HOST:PORT` (`[v6]:PORT`) or a bare port (on loopback) as `metrics_address` and `--metrics-address` take
     /// it; nil when it is neither.
     package static func metricsAddress(_ text: String) -> (host: String, port: Int)? {
@@ -889,6 +914,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         case databasePasswordFile = "database_password_file"
         case atRest = "at_rest"
         case maxResourceBytes = "max_resource_bytes"
+        case extraResourceTypes = "extra_resource_types"
         case timeoutSeconds = "timeout_seconds"
         case connectTimeoutSeconds = "connect_timeout_seconds"
         case settleSeconds = "settle_seconds"
@@ -918,8 +944,15 @@ public struct DataQueueSettings: Sendable, Decodable {
         durability = try SettingsKeys.choice(container, .durability, "must be \"full\" or \"normal\"") {
             DataQueue.Durability(rawValue: $0)
         }
-        idempotent = try SettingsKeys.value(container, .idempotent, "must be true or false")
+        if let flag: Bool = try? container.decodeIfPresent(Bool.self, forKey: .idempotent) {
+            idempotent = DataQueue.Idempotence(flag)
+        } else {
+            idempotent = try SettingsKeys.choice(container, .idempotent, "must be true, false or \"auto\"") {
+                $0 == "auto" ? .automatic : nil
+            }
+        }
         maxResourceBytes = try SettingsKeys.wholeNumber(container, .maxResourceBytes, Self.maxResourceBytesError)
+        extraResourceTypes = try SettingsKeys.value(container, .extraResourceTypes, "must be a list of resource type names")
         timeoutSeconds = try SettingsKeys.value(container, .timeoutSeconds, "must be a number")
         connectTimeoutSeconds = try SettingsKeys.value(container, .connectTimeoutSeconds, "must be a number")
         settleSeconds = try SettingsKeys.value(container, .settleSeconds, "must be a number")

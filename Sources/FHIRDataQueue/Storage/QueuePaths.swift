@@ -85,6 +85,7 @@ package enum QueuePaths {
             let scheme = components.scheme?.lowercased(), scheme == "http" || scheme == "https"
         else { throw invalid("must be an http or https URL") }
         guard let host = components.host, !host.isEmpty else { throw invalid("must have a host") }
+        try URLPort.check(baseURL.absoluteString, setting: setting)
         if let port = components.port, !(1...65535).contains(port) { throw invalid("has port \(port), not one from 1 to 65535") }
         if components.user != nil || components.password != nil {
             throw invalid("must not hold a user or password (put credentials in \"auth\" or the environment)")

@@ -311,6 +311,9 @@ struct CompletedDelivery: Sendable {
     var fullURL: String? = nil
     /// The id of the Bundle request it travelled in, when it did.
     var bundle: String? = nil
+    /// When the server's answer came (the journal line's time): made as the answer is read, not when the line is
+    /// written, which a refused journal write and its retry can put much later.
+    var answeredAt = Date()
     /// For a Bundle queued as one item: its entries' locations from the transaction-response (JSON array).
     var entries: String? = nil
 }

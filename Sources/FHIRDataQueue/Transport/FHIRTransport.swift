@@ -39,6 +39,22 @@ struct TransportFailure: Error, Sendable {
     /// False only when the request certainly never left (connection refused, name not resolved, connect
     /// timeout, TLS handshake refused): then no orphaned request can be at the server.
     var mayHaveArrived: Bool
+    /// Who did not answer, as far as dq can tell.
+    var cause: TransportFailureCause = .other
+}
+
+/// Where a request without an answer failed (what `dq doctor` suggests depends on it).
+package enum TransportFailureCause: Sendable, Equatable {
+    /// No connection to the proxy the request goes through (refused, unreachable, not resolved, timed out).
+    case proxyConnection
+    /// The proxy answered but would not pass the request on (407, a refused tunnel, no answer in time).
+    case proxyRefused
+    /// No connection to the server itself (refused, unreachable, not resolved, timed out).
+    case connection
+    /// The TLS handshake with the server failed (its certificate, or dq's).
+    case tls
+    /// Anything else: a connection closed, a deadline passed.
+    case other
 }
 
 /// The HTTP side of dq: sends requests with a deadline through async-http-client and reports the answer, and
@@ -156,13 +172,15 @@ final class FHIRTransport: Sendable {
         url: String, method: HTTPMethod, headers: HTTPHeaders, body: Data?, limit: Int, logger: Logger
     ) async throws -> TransportResponse {
         let delegate = ResponseSummary(limit: limit)
+        let started = ContinuousClock.now
+        let sentBytes = body?.count ?? 0
         do {
             let client = try client(for: url)
             let http = try HTTPClient.Request(
                 url: url, method: method, headers: headers, body: body.map { .byteBuffer(ByteBuffer(data: $0)) })
             let task = client.execute(
                 request: http, delegate: delegate, eventLoop: .delegate(on: eventLoop), deadline: .now() + timeout,
-                logger: logger.logLevel <= .trace ? logger : Self.silent)
+                logger: Self.silent)
             let (head, body) = try await task.futureResult.get()
             // Answered before its body was all sent (a 401 or 413 for a large body): the client closes that
             // connection, but its pool can stay held by the unsent body when the server reads no more; the
@@ -171,14 +189,24 @@ final class FHIRTransport: Sendable {
                 task.cancel()
                 clients?.retire(client)
             }
+            // Sizes and timings only: never a body byte, never the path (an update's holds the resource's id).
+            logger.trace(
+                "HTTP exchange",
+                metadata: [
+                    "method": "\(method.rawValue)", "server": "\(Self.origin(url))", "status": "\(head.status.code)",
+                    "sent_bytes": "\(sentBytes)", "received_bytes": "\(body.readableBytes)",
+                    "elapsed": "\(ContinuousClock.now - started)",
+                ])
             return Self.response(head, body)
         } catch let error as DataQueueError {
             throw error
         } catch {
             if let (head, body) = delegate.partial { return Self.response(head, body) }
+            let network = clients?.network
             throw TransportFailure(
-                message: "no answer from \(Self.origin(url)): \(describe(error, url: url))",
-                mayHaveArrived: delegate.requestHeadSent && !Self.neverSent(error))
+                message: Self.noAnswer(error, url: url, server: Self.origin(url), network: network),
+                mayHaveArrived: delegate.requestHeadSent && !Self.neverSent(error),
+                cause: Self.cause(of: error, url: url, network: network))
         }
     }
 
@@ -198,7 +226,9 @@ final class FHIRTransport: Sendable {
         return false
     }
 
-    /// The HTTP client's own request logs are internals: shown only at trace level.
+    /// The HTTP client's own request logs, never shown: at trace level async-http-client prints the first and
+    /// last bytes of every body part (a resource's PHI) and the request's URL (an update's holds the resource's
+    /// id). dq logs each request's size and timing itself.
     static let silent = Logger(label: "dq.http", factory: { _ in SwiftLogNoOpLogHandler() })
 
     /// The scheme, host and port of `url`: how a failure of a request to a FHIR server names that server. Not
@@ -224,6 +254,54 @@ final class FHIRTransport: Sendable {
         Self.describe(error, url: url, network: clients?.network)
     }
 
+    /// The words of a request to `url` that got no answer: `no answer from <server>: <why>`, or, when the
+    /// connection that failed was the one to the proxy `network` sends `url` through (`no_proxy` considered),
+    /// `no answer from the proxy http://host:port (for <server>): <why>`, without the proxy's credentials.
+    /// `server` is how the caller names the endpoint (a FHIR server by its origin, never a path).
+    static func noAnswer(_ error: any Error, url: String, server: String, network: NetworkConfiguration?) -> String {
+        guard cause(of: error, url: url, network: network) == .proxyConnection,
+            let proxy = URL(string: url).flatMap({ network?.proxy(for: $0) })
+        else { return "no answer from \(server): \(describe(error, url: url, network: network))" }
+        var reason = describe(error)
+        if reason == Self.unresolvedHost { reason = "the proxy's host name could not be resolved" }
+        return "no answer from the proxy \(NetworkConfiguration.origin(ofProxy: proxy)) (for \(server)): \(reason)"
+    }
+
+    /// Where a request to `url` that failed with `error` failed: at the proxy `network` sends it through, at the
+    /// server, in the TLS handshake, or elsewhere.
+    ///
+    /// Through a proxy, every connection dq opens is one to the proxy (an http:// server is reached by CONNECT
+    /// too): a connection that cannot be made at all is the proxy's absence; a server the proxy cannot reach is
+    /// the proxy's answer to CONNECT (a refused tunnel).
+    static func cause(of error: any Error, url: String, network: NetworkConfiguration?) -> TransportFailureCause {
+        let proxied = URL(string: url).flatMap { network?.proxy(for: $0) } != nil
+        if let error = error as? HTTPClientError,
+            [.proxyAuthenticationRequired, .invalidProxyResponse, .httpProxyHandshakeTimeout, .socksHandshakeTimeout].contains(error)
+        {
+            return .proxyRefused
+        }
+        if isConnectFailure(error) { return proxied ? .proxyConnection : .connection }
+        if describeTLS(String(reflecting: error), clientCertificate: network?.clientCertificatePath != nil) != nil { return .tls }
+        return .other
+    }
+
+    /// Whether `error` is a connection that could not be made at all: refused, unreachable, a name not resolved,
+    /// or the connect deadline passed.
+    static func isConnectFailure(_ error: any Error) -> Bool {
+        if let error = error as? HTTPClientError { return error == .connectTimeout }
+        if error is NIOConnectionError { return true }
+        if let error = error as? ChannelError, case .connectTimeout = error { return true }
+        if let error = error as? IOError {
+            return [ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EADDRNOTAVAIL].contains(error.errnoCode)
+        }
+        let text = String(reflecting: error)
+        let words = ["connectionRefused", "Connection refused", "getaddrinfo", "NXDOMAIN", "unknownHost", "UnknownHost"]
+        return words.contains { text.contains($0) }
+    }
+
+    /// ``describe(_:url:network:)``'s words for a host name that did not resolve.
+    static let unresolvedHost = "the server's host name could not be resolved"
+
     /// `error` of a request to `url` in words; `network` names the proxy that request went through (the one for
     /// its scheme, unless `no_proxy` sends it around) and says whether dq has a client certificate.
     static func describe(_ error: any Error, url: String? = nil, network: NetworkConfiguration? = nil) -> String {
@@ -248,8 +326,8 @@ final class FHIRTransport: Sendable {
         let text = String(reflecting: error)
         if let tls = describeTLS(text, clientCertificate: clientCertificate) { return tls }
         if text.contains("connectionRefused") || text.contains("Connection refused") { return "connection refused" }
-        if text.contains("getaddrinfo") || text.contains("NXDOMAIN") || text.contains("unknownHost") {
-            return "the server's host name could not be resolved"
+        if text.contains("getaddrinfo") || text.contains("NXDOMAIN") || text.contains("unknownHost") || text.contains("UnknownHost") {
+            return unresolvedHost
         }
         let plain = "\(error)"
         return plain.count > 200 ? String(plain.prefix(200)) + "…" : plain

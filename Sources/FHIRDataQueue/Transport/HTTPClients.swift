@@ -200,6 +200,7 @@ final class HTTPClients: Sendable {
         else {
             throw DataQueueError(.invalidConfiguration, "configuration: the proxy \(shown) is not a URL (http://host:port)")
         }
+        try URLPort.check(text, setting: "configuration: the proxy \(shown)")
         switch components.scheme?.lowercased() {
         case "http":
             var authorization: HTTPClient.Authorization?

@@ -111,8 +111,28 @@ public struct NetworkConfiguration: Sendable, Hashable {
         return components.string ?? "the proxy"
     }
 
+    /// The scheme, host and port a proxy URL names (`http://proxy.example:3128`), the port dq connects to
+    /// (80, 1080 for SOCKS) when it names none: no user, password or path. How a proxy that did not answer is named.
+    package static func origin(ofProxy proxy: String) -> String {
+        guard let components = components(proxy), let host = components.host, !host.isEmpty else { return "the proxy" }
+        let scheme = components.scheme?.lowercased() ?? "http"
+        let port = components.port ?? (scheme.hasPrefix("socks") ? 1080 : 80)
+        return "\(scheme)://\(host.contains(":") && !host.hasPrefix("[") ? "[\(host)]" : host):\(port)"
+    }
+
     /// A proxy URL's parts; one without a scheme (`user:password@host:3128`, as curl takes it) is `http://`.
     package static func components(_ proxy: String) -> URLComponents? {
         URLComponents(string: proxy.contains("://") ? proxy : "http://" + proxy)
+    }
+}
+
+extension NetworkConfiguration: RedactedDescription {
+    /// Every setting; each proxy URL's password redacted (see ``redacted(_:)``).
+    package var redactedFields: [RedactedField] {
+        [
+            .url("httpsProxy", httpsProxy), .url("httpProxy", httpProxy), .plain("noProxy", noProxy),
+            .plain("caBundlePath", caBundlePath), .plain("caBundleOnly", caBundleOnly),
+            .plain("clientCertificatePath", clientCertificatePath), .plain("clientKeyPath", clientKeyPath),
+        ]
     }
 }

@@ -228,3 +228,14 @@ extension PostgresQueueStore {
         }
     }
 }
+
+extension PostgresQueueStore: RedactedDescription {
+    /// `PostgresQueueStore(postgres://user@host/database)`: the URL without its password, never the client or
+    /// its configuration (which hold it).
+    var description: String { "PostgresQueueStore(\(displayURL))" }
+
+    /// The URL without its password, whether it is read-only, and its lease.
+    package var redactedFields: [RedactedField] {
+        [.url("displayURL", displayURL), .plain("readOnly", readOnly), .plain("leaseSeconds", leaseSeconds)]
+    }
+}

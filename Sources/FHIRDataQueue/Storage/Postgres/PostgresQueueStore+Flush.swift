@@ -81,7 +81,6 @@ extension PostgresQueueStore {
     /// Moves `deliveries` to the journal in three statements whatever their number: one delete, one insert
     /// of the lines (in delivery order, for the items the delete found), and the backoff's reset.
     func journal(_ deliveries: [CompletedDelivery], queue: String, connection: PostgresConnection) async throws {
-        let now = Date().timeIntervalSince1970
         var deleted = Set<Int64>()
         for try await seq in try await connection.query(
             "DELETE FROM dq_item WHERE seq = ANY(\(deliveries.map(\.item.sequence))) RETURNING seq", logger: logger
@@ -109,7 +108,7 @@ extension PostgresQueueStore {
                 bindings.append(delivery.versionID)
                 bindings.append(item.attempts + 1)
                 bindings.append(item.enqueuedAt.timeIntervalSince1970)
-                bindings.append(now)
+                bindings.append(delivery.answeredAt.timeIntervalSince1970)
                 bindings.append(delivery.fullURL)
                 bindings.append(delivery.bundle)
                 bindings.append(delivery.entries)

@@ -41,7 +41,6 @@ extension SQLiteQueueStore {
     }
 
     static func journal(_ deliveries: [CompletedDelivery], queue: String, db: Database) throws {
-        let now = Date().timeIntervalSince1970
         let delete = try db.cachedStatement(sql: "DELETE FROM item WHERE seq = ?")
         let insert = try db.cachedStatement(
             sql: """
@@ -56,7 +55,7 @@ extension SQLiteQueueStore {
             try insert.execute(arguments: [
                 item.sequence, item.id.lowercasedString, delivery.event.rawValue, item.queue, item.method.rawValue, delivery.url,
                 item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
-                item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, now, delivery.fullURL, delivery.bundle,
+                item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, delivery.answeredAt.timeIntervalSince1970, delivery.fullURL, delivery.bundle,
                 delivery.entries, delivery.note,
             ])
         }

@@ -1,6 +1,8 @@
 import CSQLite
 import Foundation
 import GRDB
+import Logging
+import Synchronization
 
 #if canImport(Glibc)
     import Glibc
@@ -16,6 +18,9 @@ final class SQLiteQueueStore: QueueStorage {
     let batcher: GroupCommit<NewItem, Int64>
     /// The device and inode of the file opened (see ``checkFileIdentity()``).
     let fileIdentity: (device: UInt64, inode: UInt64)?
+    /// The device and inode of the `-wal` and `-shm` files beside the database while it is the one opened: what is
+    /// moved aside when the database is found deleted or replaced (see ``checkFileIdentity()``).
+    private let companions = Mutex<[String: FileIdentity]>([:])
 
     /// Opens or creates the database at `path` (mode 0600, directory 0700), migrating the schema under
     /// an exclusive file lock so that several processes may open a new file at once.
@@ -26,7 +31,11 @@ final class SQLiteQueueStore: QueueStorage {
     ///
     /// - Parameter readOnly: open an existing queue for reading only: no directory or file is created,
     ///   nothing is written, and a missing file is an error.
-    init(path: String, durability: DataQueue.Durability, readOnly: Bool = false, busyTimeout: TimeInterval = 30) throws {
+    /// - Parameter logger: where moving aside the files of a deleted database is reported.
+    init(
+        path: String, durability: DataQueue.Durability, readOnly: Bool = false, busyTimeout: TimeInterval = 30,
+        logger: Logger? = nil
+    ) throws {
         self.path = path
         var configuration = Configuration()
         // WAL is set here rather than with GRDB's `.wal`, which writes a table into the WAL file on every open
@@ -67,6 +76,13 @@ final class SQLiteQueueStore: QueueStorage {
             try migrationLock.lock()
             defer { migrationLock.unlock() }
             if !FileManager.default.fileExists(atPath: path) {
+                // A WAL or shared-memory file without its database is a deleted database's: SQLite would apply its
+                // frames to the new file (inherited rows and state, or a malformed database).
+                for moved in try Self.moveAside(Self.companionSuffixes.map { path + $0 }, reason: "orphaned") {
+                    logger?.warning(
+                        "moved aside a file left by a deleted queue database before creating a new one",
+                        metadata: ["file": "\(moved)"])
+                }
                 try Self.create(path, configuration: configuration)
             }
             database = try Self.openExisting(path, configuration: configuration, readOnly: false)
@@ -76,23 +92,63 @@ final class SQLiteQueueStore: QueueStorage {
             committer: .thread(name: "dq-enqueue") { [database] items in
                 SQLiteQueueStore.immediateNow(database, "enqueue") { db in try SQLiteQueueStore.insert(items, db: db) }
             })
-        var info = stat()
-        fileIdentity = stat(path, &info) == 0 ? (UInt64(info.st_dev), UInt64(info.st_ino)) : nil
+        fileIdentity = FileIdentity(path).map { ($0.device, $0.inode) }
     }
 
     /// Refuses to go on with a file that is no longer the one at `path`: deleted, or replaced (a restore, a
     /// `mv`). A long-running process would otherwise keep writing to the unlinked file while what is queued
     /// into the new one is never sent.
+    ///
+    /// Found deleted or replaced, its `-wal` and `-shm` (when still the ones this process uses) are moved aside, and
+    /// this connection will not checkpoint or remove them when it closes: the next process that creates or opens a
+    /// database at `path` must not replay the old one's frames, and must not have its own WAL removed by name.
     func checkFileIdentity() throws {
         guard let fileIdentity else { return }
-        var info = stat()
-        guard stat(path, &info) == 0 else {
-            throw DataQueueError(.storage, "the queue database \(path) was deleted while dq had it open; restart dq")
+        let now = FileIdentity(path)
+        if let now, now.device == fileIdentity.device && now.inode == fileIdentity.inode {
+            companions.withLock { known in
+                for suffix in Self.companionSuffixes where known[suffix] == nil {
+                    known[suffix] = FileIdentity(path + suffix)
+                }
+            }
+            return
         }
-        guard UInt64(info.st_dev) == fileIdentity.device && UInt64(info.st_ino) == fileIdentity.inode else {
-            throw DataQueueError(
-                .storage, "the queue database \(path) was replaced by another file while dq had it open; restart dq to open it")
+        let ours = companions.withLock { known in
+            Self.companionSuffixes.filter { suffix in known[suffix].map { FileIdentity(path + suffix) == $0 } ?? false }
         }
+        database.writeWithoutTransaction { db in _ = dq_sqlite3_no_checkpoint_on_close(db.sqliteConnection, 1) }
+        let moved = (try? Self.moveAside(ours.map { path + $0 }, reason: now == nil ? "deleted" : "replaced")) ?? []
+        let aside = moved.isEmpty ? "" : "; its \(moved.count == 1 ? "file" : "files") \(moved.joined(separator: ", ")) moved aside"
+        if now == nil {
+            throw DataQueueError(.storage, "the queue database \(path) was deleted while dq had it open\(aside); restart dq")
+        }
+        throw DataQueueError(
+            .storage, "the queue database \(path) was replaced by another file while dq had it open\(aside); restart dq to open it")
+    }
+
+    /// The files SQLite keeps beside a database in WAL mode.
+    static let companionSuffixes = ["-wal", "-shm"]
+
+    /// Renames each of `files` that exists to `<file>.<reason>-<UTC time>`; the new names.
+    ///
+    /// - Throws: ``DataQueueError`` (`.storage`) when one cannot be moved: a database must not be made beside it.
+    static func moveAside(_ files: [String], reason: String) throws -> [String] {
+        let stamp = Date().formatted(.iso8601.year().month().day().time(includingFractionalSeconds: false))
+            .replacingOccurrences(of: ":", with: "")
+        var moved: [String] = []
+        for file in files {
+            var info = stat()
+            guard lstat(file, &info) == 0 else { continue }
+            let aside = "\(file).\(reason)-\(stamp)"
+            guard rename(file, aside) == 0 else {
+                throw DataQueueError(
+                    .storage,
+                    "\(file) is left by a queue database that is gone and cannot be moved aside (\(String(cString: strerror(errno)))): move or remove it by hand"
+                )
+            }
+            moved.append(aside)
+        }
+        return moved
     }
 
     // MARK: - Moving to another store (dq migrate)
@@ -124,5 +180,19 @@ final class SQLiteQueueStore: QueueStorage {
         // A new descriptor per flush: flock excludes other flushes in this process too.
         let lock = try FileLock(path: DataQueue.flushLockPath(database: path, queue: queue), guardsDeletion: true)
         return try await lock.lock(until: deadline) ? lock : nil
+    }
+}
+
+/// A file's device and inode: which file a path named when it was looked at.
+struct FileIdentity: Equatable, Sendable {
+    var device: UInt64
+    var inode: UInt64
+
+    /// The file at `path` now; nil when there is none.
+    init?(_ path: String) {
+        var info = stat()
+        guard stat(path, &info) == 0 else { return nil }
+        device = UInt64(info.st_dev)
+        inode = UInt64(info.st_ino)
     }
 }
