@@ -172,12 +172,28 @@ final class PostgresLease: FlushOwnership {
 
     func release() async {
         renewer.withLock { $0?.cancel() }
-        if note.withLock({ $0.release() }) {
-            _ = try? await store.client.query(
-                "UPDATE dq_note SET in_flight_seq = NULL, in_flight_at = NULL WHERE queue = \(queue) AND token = \(token)",
-                logger: store.logger)
+        let clearNote = note.withLock { $0.release() }
+        let (queue, token, store) = (queue, token, store)
+        // Not cancelled with the caller: a flush that graceful shutdown ends releases its lease on its way out, or
+        // the next flush (a cron flush, the restarted service) finds it held until it expires.
+        let released = await Task {
+            do {
+                if clearNote {
+                    _ = try await store.client.query(
+                        "UPDATE dq_note SET in_flight_seq = NULL, in_flight_at = NULL WHERE queue = \(queue) AND token = \(token)",
+                        logger: store.logger)
+                }
+                _ = try await store.client.query(
+                    "UPDATE dq_lease SET expires_at = '-infinity' WHERE queue = \(queue) AND token = \(token)", logger: store.logger)
+                return true
+            } catch {
+                return false
+            }
+        }.value
+        if !released {
+            store.logger.warning(
+                "the flush lease could not be released; the next flush waits until it expires",
+                metadata: ["queue": "\(queue)", "seconds": "\(store.leaseSeconds)"])
         }
-        _ = try? await store.client.query(
-            "UPDATE dq_lease SET expires_at = '-infinity' WHERE queue = \(queue) AND token = \(token)", logger: store.logger)
     }
 }
