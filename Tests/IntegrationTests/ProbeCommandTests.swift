@@ -162,25 +162,37 @@ struct ProbeCommandTests {
         #expect(!Self.appears(marker, in: flushed.stderr + flushed.stdout), "\(flushed.stderr)")
     }
 
-    @Test(
-        "A database deleted under dq run: dq run stops (74) and moves its -wal and -shm aside; the next enqueue makes a clean queue",
-        .timeLimit(.minutes(3)))
-    func deletedUnderRun() async throws {
+    /// dq run on a queue whose server is down, with 400 items of 4 KB queued beside it: its WAL holds real pages.
+    func runningWithBigWAL() async throws -> (ChildProcess, environment: [String: String], database: String) {
         var environment = env
-        environment["DQ_SERVER"] = "http://127.0.0.1:9/fhir"
-        let config = try work.write("dq.json", #"{"retry": {"initial_seconds": 600}}"#)
-        environment["DQ_CONFIG"] = config
+        environment["DQ_CONFIG"] = try work.write("dq.json", #"{"retry": {"initial_seconds": 600}}"#)
         let body = String(repeating: "y", count: 4000)
         let lines = (0..<400).map { #"{"resourceType":"Observation","status":"final","code":{"text":"\#(body)\#($0)"}}"# }
         let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: environment)
         let database = work.file("queue.sqlite")
         #expect(try await eventually { FileManager.default.fileExists(atPath: database + "-wal") })
-        #expect(
-            try await dq(["enqueue", "--ndjson", try work.write("many.ndjson", lines.joined(separator: "\n"))], environment).status == 0)
+        let file = try work.write("many.ndjson", lines.joined(separator: "\n"))
+        #expect(try await dq(["enqueue", "--ndjson", file], environment).status == 0)
         let wal = (try FileManager.default.attributesOfItem(atPath: database + "-wal")[.size] as? NSNumber)?.intValue ?? 0
         #expect(wal > 500_000, "the WAL holds real pages: \(wal) bytes")
-        try await Task.sleep(for: .milliseconds(300))  // dq run has looked at its files while they were its own
+        return (run, environment, database)
+    }
 
+    /// After the old database went: one new item queued, its queue sound and holding nothing of the old one.
+    func expectCleanSuccessor(_ environment: [String: String], _ database: String) async throws {
+        let status = try await dq(["status", "--json"], environment)
+        let counts = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
+        #expect(counts["pending"] as? Int == 1, "\(status.stdout)")
+        let check = try await DatabaseQueue(path: database).read { db in try String.fetchOne(db, sql: "PRAGMA integrity_check") }
+        #expect(check == "ok")
+    }
+
+    @Test(
+        "A database deleted under dq run: dq run stops (74) and moves its -wal and -shm aside; the next enqueue makes a clean queue",
+        .timeLimit(.minutes(3)))
+    func deletedUnderRun() async throws {
+        let (run, environment, database) = try await runningWithBigWAL()
+        try await Task.sleep(for: .milliseconds(300))  // dq run has looked at its files while they were its own
         try FileManager.default.removeItem(atPath: database)
         let stopped = await run.wait(timeout: .seconds(60))
         #expect(stopped.status == 74, "\(stopped.stderr)")
@@ -189,24 +201,12 @@ struct ProbeCommandTests {
         #expect(!FileManager.default.fileExists(atPath: database + "-shm"))
 
         #expect(try await dq(["enqueue", try patient()], environment).status == 0)
-        let status = try await dq(["status", "--json"], environment)
-        let counts = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
-        #expect(counts["pending"] as? Int == 1, "\(status.stdout)")
-        let check = try await DatabaseQueue(path: database).read { db in try String.fetchOne(db, sql: "PRAGMA integrity_check") }
-        #expect(check == "ok")
+        try await expectCleanSuccessor(environment, database)
     }
 
     @Test("A queue killed with its WAL, then deleted: the next enqueue moves the orphans aside and says where")
     func orphansAfterAKill() async throws {
-        var environment = env
-        environment["DQ_CONFIG"] = try work.write("dq.json", #"{"retry": {"initial_seconds": 600}}"#)
-        let body = String(repeating: "z", count: 4000)
-        let lines = (0..<400).map { #"{"resourceType":"Observation","status":"final","code":{"text":"\#(body)\#($0)"}}"# }
-        let run = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "0.1"], environment: environment)
-        let database = work.file("queue.sqlite")
-        #expect(try await eventually { FileManager.default.fileExists(atPath: database + "-wal") })
-        #expect(
-            try await dq(["enqueue", "--ndjson", try work.write("many.ndjson", lines.joined(separator: "\n"))], environment).status == 0)
+        let (run, environment, database) = try await runningWithBigWAL()
         run.kill(SIGKILL)
         _ = await run.wait()
         #expect(FileManager.default.fileExists(atPath: database + "-wal"))
@@ -215,11 +215,7 @@ struct ProbeCommandTests {
         let enqueued = try await dq(["enqueue", try patient()], environment)
         #expect(enqueued.status == 0, "\(enqueued.stderr)")
         #expect(enqueued.stderr.contains("moved aside") && enqueued.stderr.contains(".orphaned-"), "\(enqueued.stderr)")
-        let status = try await dq(["status", "--json"], environment)
-        let counts = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any])
-        #expect(counts["pending"] as? Int == 1, "\(status.stdout)")
-        let check = try await DatabaseQueue(path: database).read { db in try String.fetchOne(db, sql: "PRAGMA integrity_check") }
-        #expect(check == "ok")
+        try await expectCleanSuccessor(environment, database)
     }
 
     @Test("A resourceType that is not FHIR R4's is refused at enqueue (65, nothing queued) unless extra_resource_types names it")

@@ -137,6 +137,16 @@ struct SecretLogTests {
         #expect(result.status == 0, "\(result.stderr)")
     }
 
+    /// The database URL and password for `storage` (none for SQLite); nil when the PostgreSQL case cannot run here.
+    static func database(for storage: String) async throws -> (url: String?, password: String?)? {
+        guard storage == "postgres" else { return (nil, nil) }
+        guard let (url, secret) = try await postgres() else {
+            print("SecretLogTests: no PostgreSQL (DQ_TEST_POSTGRES_URL): the postgres case is skipped")
+            return nil
+        }
+        return (url, secret)
+    }
+
     /// A new database on the test PostgreSQL (without its password), and the password; nil without one.
     static func postgres() async throws -> (url: String, password: String)? {
         guard Peers.environment["DQ_TEST_POSTGRES_URL"] != nil || Peers.required else { return nil }
@@ -148,15 +158,7 @@ struct SecretLogTests {
         "Every secret setting has a marker: dq run -v (text, JSON), dq flush -v, dq doctor -v, a reload and a refused reload print none",
         arguments: ["sqlite", "postgres"])
     func noSecretInDebugLogs(storage: String) async throws {
-        var database: String?
-        var password: String?
-        if storage == "postgres" {
-            guard let (url, secret) = try await Self.postgres() else {
-                print("SecretLogTests: no PostgreSQL (DQ_TEST_POSTGRES_URL): the postgres case is skipped")
-                return
-            }
-            (database, password) = (url, secret)
-        }
+        guard let (database, password) = try await Self.database(for: storage) else { return }
         let server = try await FHIRServer.start()
         var setup = try await makeSetup(server: server.base, database: database, databasePassword: password)
         var outputs: [(String, String)] = []
@@ -230,15 +232,7 @@ struct SecretLogTests {
         "Errors print no secret: a server that refuses the token, a proxy that does not answer, a refused database password",
         arguments: ["sqlite", "postgres"])
     func noSecretInErrors(storage: String) async throws {
-        var database: String?
-        var password: String?
-        if storage == "postgres" {
-            guard let (url, secret) = try await Self.postgres() else {
-                print("SecretLogTests: no PostgreSQL (DQ_TEST_POSTGRES_URL): the postgres case is skipped")
-                return
-            }
-            (database, password) = (url, secret)
-        }
+        guard let (database, password) = try await Self.database(for: storage) else { return }
         // A server that wants another token: the flush is refused, dq run logs that delivery stopped.
         let server = try await FHIRServer.start(tokens: ["some-other-token"])
         let setup = try await makeSetup(server: server.base, database: database, databasePassword: password)
