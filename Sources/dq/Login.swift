@@ -35,32 +35,42 @@ extension DQ {
             guard (0...65535).contains(port) else { throw ValidationError("--port must be 0 to 65535") }
             try await withSignInClient(queueOptions) { client, logger in
                 let listener = try await LoopbackRedirectListener.start(port: port)
-                defer { Task { await listener.close() } }
-                let pending = try await client.prepareSignIn(redirectURI: listener.redirectURI)
-                printError("dq: open this address in a browser and sign in (waiting up to \(Int(timeout)) s):", level: .notice)
-                // Unbuffered, so that whoever reads the output sees the address while dq waits.
-                FileHandle.standardOutput.write(Data((pending.authorizationURL.absoluteString + "\n").utf8))
-                if noBrowser {
-                    printError(
-                        "dq: then paste here the address the browser was sent to (it begins with \(listener.redirectURI)):", level: .notice)
-                } else {
-                    openBrowser(pending.authorizationURL)
+                // Closed on every path, awaited (not a Task from a defer, which nobody waits for).
+                do {
+                    try await signIn(client, listener: listener, logger: logger)
+                } catch {
+                    await listener.close()
+                    throw error
                 }
-                guard let redirect = await firstRedirect(listener: listener, pasted: noBrowser) else {
-                    throw DataQueueError(.transport, "no sign-in arrived within \(Int(timeout)) s; nothing was stored")
-                }
-                let signIn = try await client.completeSignIn(pending, redirect: redirect, logger: logger)
-                let who = signIn.fhirUser ?? signIn.subject.map { "subject \($0)" } ?? "the person"
-                print("signed in to \(signIn.fhirBaseURL) as \(who)")
-                if let patient = signIn.patient { print("patient:       \(patient)") }
-                if let encounter = signIn.encounter { print("encounter:     \(encounter)") }
-                print("access token:  valid until \(formatDate(signIn.expiresAt)), renewed after \(formatDate(signIn.renewAt))")
-                print(
-                    signIn.refreshToken != nil
-                        ? "refresh token: kept; dq renews the access token unattended"
-                        : "refresh token: none (ask for offline_access); run dq login again when the access token expires")
-                print("stored in:     \(client.store.path)")
+                await listener.close()
             }
+        }
+
+        private func signIn(_ client: AuthorizationCodeClient, listener: LoopbackRedirectListener, logger: Logger) async throws {
+            let pending = try await client.prepareSignIn(redirectURI: listener.redirectURI)
+            printError("dq: open this address in a browser and sign in (waiting up to \(Int(timeout)) s):", level: .notice)
+            // Unbuffered, so that whoever reads the output sees the address while dq waits.
+            FileHandle.standardOutput.write(Data((pending.authorizationURL.absoluteString + "\n").utf8))
+            if noBrowser {
+                printError(
+                    "dq: then paste here the address the browser was sent to (it begins with \(listener.redirectURI)):", level: .notice)
+            } else {
+                openBrowser(pending.authorizationURL)
+            }
+            guard let redirect = await firstRedirect(listener: listener, pasted: noBrowser) else {
+                throw DataQueueError(.transport, "no sign-in arrived within \(Int(timeout)) s; nothing was stored")
+            }
+            let signIn = try await client.completeSignIn(pending, redirect: redirect, logger: logger)
+            let who = signIn.fhirUser ?? signIn.subject.map { "subject \($0)" } ?? "the person"
+            print("signed in to \(signIn.fhirBaseURL) as \(who)")
+            if let patient = signIn.patient { print("patient:       \(patient)") }
+            if let encounter = signIn.encounter { print("encounter:     \(encounter)") }
+            print("access token:  valid until \(formatDate(signIn.expiresAt)), renewed after \(formatDate(signIn.renewAt))")
+            print(
+                signIn.refreshToken != nil
+                    ? "refresh token: kept; dq renews the access token unattended"
+                    : "refresh token: none (ask for offline_access); run dq login again when the access token expires")
+            print("stored in:     \(client.store.path)")
         }
 
         /// The redirect from the listener or, with `pasted`, a line on standard input, whichever comes first.

@@ -51,12 +51,17 @@ extension DataQueue {
 ///
 /// ```swift
 /// let queue = try await DataQueue(baseURL: URL(string: "https://fhir.example.org/r4")!)
-/// defer { Task { try await queue.shutdown() } }
-/// switch try await queue.create(try FHIRResource(json: data)) {
-/// case .delivered(let record): print("stored as", record.location ?? "?")
-/// case .queued(_, let reason): print("queued:", reason)
-/// case .parked(_, let reason): print("rejected:", reason)
+/// do {
+///     switch try await queue.create(try FHIRResource(json: data)) {
+///     case .delivered(let record): print("stored as", record.location ?? "?")
+///     case .queued(_, let reason): print("queued:", reason)
+///     case .parked(_, let reason): print("rejected:", reason)
+///     }
+/// } catch {
+///     try? await queue.shutdown()
+///     throw error
 /// }
+/// try await queue.shutdown()  // awaited, on every path: not a Task nobody waits for
 /// ```
 ///
 /// Only one flush of a queue runs at a time across all processes (an `flock` on the queue's own lock file
