@@ -162,6 +162,11 @@ extension DataQueue {
         /// envelopes to an unordered message queue anyway); the journal and parking stay exact, and plain items
         /// keep their order.
         public var encryptedInFlight: Int = 1
+        /// Where envelopes queued as they are (``DataQueue/enqueue(_:)-(SealedEnvelope)``) are posted, e.g.
+        /// `https://example.org/c3pro/encfhir`: which endpoint an item goes to is stored with the item, so a plain
+        /// ``DataQueue`` that holds no key can queue and forward envelopes sealed elsewhere. The default is none
+        /// (such envelopes are refused); an ``EncryptedDataQueue`` posts to its own encrypted endpoint.
+        public var encryptedEndpoint: URL?
         /// How long what a server's CapabilityStatement said is trusted before it is read again. The default
         /// is one day.
         public var capabilityLifetime: TimeInterval
@@ -424,6 +429,7 @@ extension DataQueue.Configuration: RedactedDescription {
             .plain("connectTimeout", connectTimeout), .plain("retryPolicy", retryPolicy), .plain("lockWait", lockWait),
             .plain("settleDelay", settleDelay), .plain("leaseDuration", leaseDuration), .plain("network", network),
             .plain("batchSize", batchSize), .plain("batchMaxBytes", batchMaxBytes), .plain("encryptedInFlight", encryptedInFlight),
+            .url("encryptedEndpoint", encryptedEndpoint),
             .plain("capabilityLifetime", capabilityLifetime), .plain("readOnly", readOnly),
             .custom("atRest", atRest.map(\.ids), shown: atRest.map(\.ids)),
         ]

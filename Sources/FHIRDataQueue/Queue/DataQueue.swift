@@ -92,6 +92,8 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     let metrics: QueueMetrics
     /// Deliveries the server accepted whose journal write failed, written by the next flush of this process.
     let heldDeliveries = HeldDeliveries()
+    /// ``Configuration/encryptedEndpoint`` in its normal form.
+    private let configuredEncryptedEndpoint: String?
 
     /// Opens the queue for `baseURL`, creating the database if needed.
     ///
@@ -116,6 +118,9 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         try configuration.validate()
         self.baseURL = baseURL
         self.queueName = try Self.queueName(for: baseURL, setting: "server")
+        self.configuredEncryptedEndpoint = try configuration.encryptedEndpoint.map {
+            try Self.queueName(for: $0, setting: "encryptedEndpoint")
+        }
         self.configuration = configuration
         self.authorization = authorization
         self.logger = logger
@@ -233,10 +238,11 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
 
     /// The endpoint an item goes to: the base URL, or for an encrypted item the encrypted endpoint.
     open func endpoint(encrypted: Bool) throws -> String {
-        guard !encrypted else {
+        guard encrypted else { return queueName }
+        guard let configuredEncryptedEndpoint else {
             throw DataQueueError(.storage, "an encrypted item is queued, but this queue has no encrypted endpoint configured")
         }
-        return queueName
+        return configuredEncryptedEndpoint
     }
 
     /// The full URL of a queued item, built from the configured endpoint and the item's stored path.
@@ -276,13 +282,18 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
             && FHIRResource.isValidID(String(id))
     }
 
-    func newItem(for resource: FHIRResource, method: FHIRMethod, fullURL: String? = nil) throws -> NewItem {
-        guard configuration.resourceTypes.accepts(resource.resourceType) else {
+    /// Refuses a `resourceType` the configuration does not accept (see ``Configuration/resourceTypes``).
+    private func checkType(_ type: String) throws {
+        guard configuration.resourceTypes.accepts(type) else {
             throw DataQueueError(
                 .invalidResource,
-                "\"\(FHIRResource.printable(resource.resourceType))\" is not a FHIR R4 resource type (a type of the server's own goes in \"extra_resource_types\")"
+                "\"\(FHIRResource.printable(type))\" is not a FHIR R4 resource type (a type of the server's own goes in \"extra_resource_types\")"
             )
         }
+    }
+
+    func newItem(for resource: FHIRResource, method: FHIRMethod, fullURL: String? = nil) throws -> NewItem {
+        try checkType(resource.resourceType)
         let id = UUID.timeOrdered()
         let request = try prepareRequest(for: resource, method: method, itemID: id)
         var declared: String?
@@ -336,6 +347,34 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         if item.fullURL != nil || !item.references.isEmpty {
             try await checkReferences([item])
         }
+        let sequence = try await store.insertGrouped(item)
+        metrics.enqueued.increment()
+        wakeUp.signal()
+        return queuedItem(item, sequence: sequence)
+    }
+
+    /// Durably queues an envelope sealed elsewhere, unchanged, for the encrypted endpoint (an
+    /// ``EncryptedDataQueue``'s, or ``Configuration/encryptedEndpoint``), in its place in this queue's order.
+    ///
+    /// The queue holds no key for it: its shape was checked when the ``SealedEnvelope`` was made, and the
+    /// receiver opens it. Sealed at rest like any item when the queue is.
+    ///
+    /// - Returns: the queued item (`encrypted`, posted to `{encrypted endpoint}/{resourceType}`).
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when the queue has no encrypted endpoint, and as
+    ///   ``enqueue(_:method:fullURL:)`` otherwise.
+    @discardableResult
+    public func enqueue(_ envelope: SealedEnvelope) async throws -> QueuedItem {
+        try checkType(envelope.resourceType)
+        do {
+            _ = try endpoint(encrypted: true)
+        } catch {
+            throw DataQueueError(
+                .invalidConfiguration, "this queue has no encrypted endpoint to send envelopes to (Configuration.encryptedEndpoint)")
+        }
+        let request = DataQueue.PreparedRequest(
+            method: .post, path: envelope.resourceType, contentType: "application/json", body: envelope.data,
+            resourceType: envelope.resourceType, encrypted: true)
+        let item = NewItem(id: UUID.timeOrdered(), queue: queueName, request: request, fullURL: nil, references: [])
         let sequence = try await store.insertGrouped(item)
         metrics.enqueued.increment()
         wakeUp.signal()

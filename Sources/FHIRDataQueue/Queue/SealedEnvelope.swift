@@ -1,0 +1,69 @@
+import Foundation
+
+/// An envelope sealed elsewhere (by a C3-PRO app, or a dq that holds the receiver's certificate), queued as it is
+/// for the encrypted endpoint by a queue that cannot open it.
+///
+/// Its shape is checked without a key: a JSON object whose `key_id`, `symmetric_key`, `message` and `version` are
+/// strings, `symmetric_key` and `message` standard base64, `version` a FHIR version C3-PRO apps and dq send, and
+/// `alg`, when present, dq's authenticated format. The bytes are stored and sent unchanged.
+///
+/// ```swift
+/// let envelope = try SealedEnvelope(json: body, resourceType: "QuestionnaireResponse")
+/// try await queue.enqueue(envelope)   // POSTed to the encrypted endpoint, in its place in the queue's order
+/// ```
+public struct SealedEnvelope: Sendable, Hashable {
+    /// The envelope's bytes, as received.
+    public let data: Data
+    /// The type of the resource inside, as the sender named it (the path it is posted to: `{encrypted}/{type}`).
+    public let resourceType: String
+    /// The `key_id`: which receiver key opens it.
+    public let keyID: String
+    /// The `version`: the FHIR version of the resource inside.
+    public let version: String
+
+    /// The `version`s accepted: the FHIR versions C3-PRO apps sent (DSTU2 `0.5.0`, `1.0.2`, STU3 `3.0.x`) and those
+    /// dq's own sealer can be told to write (R4 `4.0.x`).
+    public static let knownVersions: Set<String> = [
+        "0.5.0", "0.9.0", "1.0.0", "1.0.1", "1.0.2", "3.0.0", "3.0.1", "3.0.2", "4.0.0", "4.0.1",
+    ]
+
+    /// Checks `json`'s shape and keeps its bytes.
+    ///
+    /// - Parameters:
+    ///   - json: the envelope as received.
+    ///   - resourceType: the type of the resource inside (a device posts to `…/encfhir/{type}`).
+    /// - Throws: ``DataQueueError`` with `.invalidResource` naming the first thing wrong (never a value).
+    public init(json: Data, resourceType: String) throws {
+        func invalid(_ why: String) -> DataQueueError { DataQueueError(.invalidResource, "envelope: \(why)") }
+        guard FHIRResource.isValidTypeName(resourceType) else {
+            throw invalid("\(FHIRResource.printable(resourceType)) is not a resource type name")
+        }
+        guard let object = (try? JSONSerialization.jsonObject(with: json)) as? [String: Any] else {
+            throw invalid("not a JSON object")
+        }
+        var fields: [String: String] = [:]
+        for field in ["key_id", "symmetric_key", "message", "version"] {
+            guard let value = object[field] as? String, !value.isEmpty else {
+                throw invalid("\"\(field)\" is missing, empty or not a string")
+            }
+            fields[field] = value
+        }
+        for field in ["symmetric_key", "message"] where Data(base64Encoded: fields[field]!) == nil {
+            throw invalid("\"\(field)\" is not standard base64")
+        }
+        guard let version = fields["version"], Self.knownVersions.contains(version) else {
+            throw invalid("\"version\" is not one of \(Self.knownVersions.sorted().joined(separator: ", "))")
+        }
+        if let alg = object["alg"], alg as? String != EnvelopeSealer.Format.authenticatedMarker {
+            throw invalid("\"alg\" is not \(EnvelopeSealer.Format.authenticatedMarker)")
+        }
+        let known: Set<String> = ["key_id", "symmetric_key", "message", "version", "alg"]
+        if let other = object.keys.sorted().first(where: { !known.contains($0) }) {
+            throw invalid("\(FHIRResource.printable(other)) is not a member of an envelope")
+        }
+        self.data = json
+        self.resourceType = resourceType
+        self.keyID = fields["key_id"]!
+        self.version = version
+    }
+}
