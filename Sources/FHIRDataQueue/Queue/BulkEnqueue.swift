@@ -59,7 +59,7 @@ extension DataQueue {
     /// none. Made for bulk input (`dq enqueue --ndjson`): the entries are made on every core, a chunk at a
     /// time, while the chunks before are being written, so checking the input overlaps with storing it.
     ///
-    /// References between entries follow ``enqueue(_:)``.
+    /// References between entries follow ``enqueue(_:)->[QueuedItem]``.
     ///
     /// - Parameters:
     ///   - count: how many entries.

@@ -162,7 +162,7 @@ extension DataQueue {
         /// envelopes to an unordered message queue anyway); the journal and parking stay exact, and plain items
         /// keep their order.
         public var encryptedInFlight: Int = 1
-        /// Where envelopes queued as they are (``DataQueue/enqueue(_:)-(SealedEnvelope)``) are posted, e.g.
+        /// Where envelopes queued as they are (``DataQueue/enqueue(_:)->QueuedItem``) are posted, e.g.
         /// `https://example.org/c3pro/encfhir`: which endpoint an item goes to is stored with the item, so a plain
         /// ``DataQueue`` that holds no key can queue and forward envelopes sealed elsewhere. The default is none
         /// (such envelopes are refused); an ``EncryptedDataQueue`` posts to its own encrypted endpoint.
