@@ -55,7 +55,8 @@ extension SQLiteQueueStore {
             try insert.execute(arguments: [
                 item.sequence, item.id.lowercasedString, delivery.event.rawValue, item.queue, item.method.rawValue, delivery.url,
                 item.resourceType, delivery.status, delivery.location, delivery.serverID, delivery.versionID,
-                item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, delivery.answeredAt.timeIntervalSince1970, delivery.fullURL, delivery.bundle,
+                item.attempts + 1, item.enqueuedAt.timeIntervalSince1970, delivery.answeredAt.timeIntervalSince1970, delivery.fullURL,
+                delivery.bundle,
                 delivery.entries, delivery.note,
             ])
         }
