@@ -59,9 +59,10 @@ struct ReloadOnHangup: Service {
                     return false
                 }
                 // A key or certificate rotated at its path: the queue just made has new HTTP clients that read it.
-                // The log is set up once per process: its level and format change at the next start.
+                // The log and the metrics endpoint are set up once per process: they change at the next start.
+                let once = ["log_level", "log_format", "metrics_address"]
                 let changed =
-                    Self.changes(current, settings).map { ["log_level", "log_format"].contains($0) ? $0 + " (at the next start)" : $0 }
+                    Self.changes(current, settings).map { once.contains($0) ? $0 + " (at the next start)" : $0 }
                     + (settings.tlsFiles() != currentTLSFiles ? ["tls files"] : [])
                 logger.notice(
                     "configuration reloaded; delivery restarts with it",

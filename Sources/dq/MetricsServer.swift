@@ -57,6 +57,11 @@ final class MetricsServer: Service {
     /// Serves until graceful shutdown or cancellation, then closes the listening socket.
     func run() async throws {
         try? await gracefulShutdown()
+        await close()
+    }
+
+    /// Closes the listening socket (`dq run` keeps it across its rounds and closes it when it ends).
+    func close() async {
         try? await channel.close()
     }
 }

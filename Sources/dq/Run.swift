@@ -85,28 +85,39 @@ extension DQ {
             recordBuildInfo()
             let work = Task { [queueOptions, sending] in
                 try await withQueue(queueOptions, sending: sending, waitsForDatabase: true) { first, firstSettings in
-                    // SIGHUP: a configuration that validates replaces the running one once the group has drained
-                    // (the request on the wire answered, the journal committed); one that does not is refused.
-                    var (queue, settings) = (first, firstSettings)
-                    while stops.beginRound() {
-                        let reload = ReloadRequest()
-                        defer { stops.endRound() }
-                        try await deliver(
-                            queue: queue, settings: settings, registry: registry, reload: reload, hangups: hangups, stops: stops)
-                        let next = reload.take()
-                        if stops.requested {
-                            // A reload had ended the round (so no STOPPING=1 was sent): the stop came as it drained.
-                            if let (unused, _) = next {
-                                SystemdNotify.send("STOPPING=1")
-                                try? await unused.shutdown()
+                    // The metrics endpoint outlives the rounds: a reload swaps the service it reports on and keeps
+                    // the listening socket and its clients' connections (its address changes at the next start).
+                    let round = CurrentRound()
+                    let metrics = try await serveMetrics(settings: firstSettings, registry: registry, round: round)
+                    // Closed on every path, awaited.
+                    do {
+                        // SIGHUP: a configuration that validates replaces the running one once the group has drained
+                        // (the request on the wire answered, the journal committed); one that does not is refused.
+                        var (queue, settings) = (first, firstSettings)
+                        while stops.beginRound() {
+                            let reload = ReloadRequest()
+                            defer { stops.endRound() }
+                            try await deliver(
+                                queue: queue, settings: settings, round: round, reload: reload, hangups: hangups, stops: stops)
+                            let next = reload.take()
+                            if stops.requested {
+                                // A reload had ended the round (so no STOPPING=1 was sent): the stop came as it drained.
+                                if let (unused, _) = next {
+                                    SystemdNotify.send("STOPPING=1")
+                                    try? await unused.shutdown()
+                                }
+                                break
                             }
-                            break
+                            guard let (nextQueue, nextSettings) = next else { break }
+                            if queue !== first { try? await queue.shutdown() }
+                            (queue, settings) = (nextQueue, nextSettings)
                         }
-                        guard let (nextQueue, nextSettings) = next else { break }
                         if queue !== first { try? await queue.shutdown() }
-                        (queue, settings) = (nextQueue, nextSettings)
+                    } catch {
+                        await metrics?.close()
+                        throw error
                     }
-                    if queue !== first { try? await queue.shutdown() }
+                    await metrics?.close()
                 }
             }
             // A stop between rounds (the queue opening, a database awaited) cancels the work: nothing is sent then.
@@ -122,9 +133,23 @@ extension DQ {
             }
         }
 
-        /// One configuration's service group: delivery, metrics, readiness, systemd notifications, reload.
+        /// The metrics endpoint (`--metrics-address`, else `metrics_address`), listening before the first round's
+        /// group runs (an address in use fails the start); nil when none is asked for.
+        private func serveMetrics(
+            settings: DataQueueSettings, registry: PrometheusCollectorRegistry, round: CurrentRound
+        ) async throws -> MetricsServer? {
+            guard let address = metricsAddress ?? settings.metricsAddress, let (host, port) = MetricsServer.parse(address)
+            else { return nil }
+            let started = try await MetricsServer.start(
+                host: host, port: port, registry: registry, readiness: { await round.readiness() },
+                liveness: { round.liveness() })
+            Logger(label: "dq").info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
+            return started
+        }
+
+        /// One configuration's service group: delivery, readiness, systemd notifications, reload.
         private func deliver(
-            queue: DataQueue, settings: DataQueueSettings, registry: PrometheusCollectorRegistry, reload: ReloadRequest,
+            queue: DataQueue, settings: DataQueueSettings, round: CurrentRound, reload: ReloadRequest,
             hangups: HangupSignals, stops: StopSignals
         ) async throws {
             let logger = Logger(label: "dq")
@@ -142,22 +167,11 @@ extension DQ {
                     watchdog: SystemdNotify.watchdog()),
                 logger: logger)
             var services: [ServiceGroupConfiguration.ServiceConfiguration] = [.init(service: service)]
-            // The metrics server listens before the group runs (an address in use fails the start): until the
-            // group traps SIGTERM, /readyz says it is starting, so that nothing takes it as up and stops it then.
+            // Until the group traps SIGTERM, /readyz says it is starting, so that nothing takes it as up and stops it
+            // then; between rounds, that it is reloading.
             let trapping = GroupStarted()
-            if let address = metricsAddress ?? settings.metricsAddress, let (host, port) = MetricsServer.parse(address) {
-                let started = try await MetricsServer.start(
-                    host: host, port: port, registry: registry,
-                    readiness: {
-                        guard trapping.isSet else {
-                            return DataQueueService.Readiness(reasons: ["starting: the service group is not running yet"])
-                        }
-                        return await service.readiness()
-                    },
-                    liveness: { service.liveness() })
-                services.append(.init(service: started))
-                logger.info("serving metrics", metadata: ["address": "\(host):\(started.port)"])
-            }
+            round.begin(service, started: trapping)
+            defer { round.end() }
             // A reload that validated ends this group gracefully, as SIGTERM would.
             let shutdown = GroupShutdown()
             services.append(
@@ -185,4 +199,28 @@ extension DQ {
 /// `dq_build_info{version="…"} 1`, the usual way to put a version on a dashboard.
 func recordBuildInfo() {
     Gauge(label: "dq_build_info", dimensions: [("version", DQVersion.current)]).record(1)
+}
+
+/// The round of `dq run` that runs now, for the metrics endpoint that outlives rounds: readiness and liveness of
+/// its service, "starting" until its group traps its signals, "reloading" between two rounds.
+final class CurrentRound: Sendable {
+    private let state = Mutex<(service: DataQueueService, started: GroupStarted)?>(nil)
+
+    func begin(_ service: DataQueueService, started: GroupStarted) { state.withLock { $0 = (service, started) } }
+    func end() { state.withLock { $0 = nil } }
+
+    func readiness() async -> DataQueueService.Readiness {
+        guard let (service, started) = state.withLock({ $0 }) else {
+            return DataQueueService.Readiness(reasons: ["reloading: the next configuration's delivery is starting"])
+        }
+        guard started.isSet else {
+            return DataQueueService.Readiness(reasons: ["starting: the service group is not running yet"])
+        }
+        return await service.readiness()
+    }
+
+    /// Alive between rounds: the process is switching configurations, not stuck.
+    func liveness() -> DataQueueService.Liveness {
+        state.withLock { $0 }?.service.liveness() ?? DataQueueService.Liveness(reasons: [])
+    }
 }

@@ -411,6 +411,81 @@ struct ServiceTests {
         #expect(!result.stderr.contains("t0ken"), "no token in any line")
     }
 
+    /// The inode of the socket listening on 127.0.0.1:`port` (from /proc/net/tcp): which socket it is.
+    static func listeningSocket(port: Int) -> String? {
+        guard let table = try? String(contentsOfFile: "/proc/net/tcp", encoding: .utf8) else { return nil }
+        let local = "0100007F:" + String(format: "%04X", port)
+        for line in table.split(separator: "\n").dropFirst() {
+            let fields = line.split(separator: " ")
+            if fields.count > 9, fields[1] == local, fields[3] == "0A" { return String(fields[9]) }
+        }
+        return nil
+    }
+
+    @Test(
+        "SIGHUP keeps the metrics endpoint: a client's keep-alive connection and the listening socket survive the reload, and the changed setting takes effect"
+    )
+    func reloadKeepsMetricsListener() async throws {
+        let server = try await FHIRServer.start()
+        let port = Peers.freePort()
+        let config = try work.write("dq.json", #"{"server": "\#(server.base)", "batch_size": 1}"#)
+        let env = ["DQ_DATABASE": work.file("queue.sqlite"), "HOME": work.path, "DQ_LOG_LEVEL": "notice"]
+        let run = try ChildProcess(
+            Peers.dqBinary, ["run", "--config", config, "--poll-interval", "0.1", "--metrics-address", "127.0.0.1:\(port)"],
+            environment: env)
+        let log = { (try? String(contentsOfFile: run.stderrPath, encoding: .utf8)) ?? "" }
+        #expect(try await eventually { (try? await HTTP.get("http://127.0.0.1:\(port)/readyz"))?.0 == 200 }, "\(log())")
+
+        // One HTTP/1.1 connection (Python's http.client, which never reconnects on its own after the server closed
+        // it): a request, then, after the reload, two more on the same socket.
+        let client = try ChildProcess(
+            "/usr/bin/env",
+            [
+                "python3", "-c",
+                """
+                import http.client, sys
+                c = http.client.HTTPConnection("127.0.0.1", \(port), timeout=30)
+                c.request("GET", "/metrics"); r = c.getresponse(); r.read()
+                first = c.sock.getsockname()
+                print("first", r.status, flush=True)
+                sys.stdin.readline()
+                c.auto_open = 0
+                for path in ("/metrics", "/readyz"):
+                    c.request("GET", path); r = c.getresponse(); body = r.read()
+                    print(path, r.status, c.sock.getsockname() == first, flush=True)
+                """,
+            ], keepStdinOpen: true)
+        #expect(try await eventually { client.outputSoFar.contains("first 200") }, "\(client.outputSoFar)")
+        let listening = try #require(Self.listeningSocket(port: port), "no socket listens on \(port)")
+
+        try Data(#"{"server": "\#(server.base)", "batch_size": 7}"#.utf8).write(to: URL(fileURLWithPath: config))
+        run.kill(SIGHUP)
+        #expect(try await eventually { log().contains("changed=batch_size") }, "\(log())")
+        // The new round runs (ready again), then the old connection asks.
+        #expect(try await eventually { (try? await HTTP.get("http://127.0.0.1:\(port)/readyz"))?.0 == 200 }, "\(log())")
+        #expect(Self.listeningSocket(port: port) == listening, "the listening socket is the one from before the reload")
+        client.writeStdin(Data("go\n".utf8))
+        client.closeStdin()
+        let answers = await client.wait(timeout: .seconds(60))
+        #expect(answers.status == 0, "\(answers.stderr)")
+        #expect(
+            answers.stdout.contains("/metrics 200 True") && answers.stdout.contains("/readyz 200 True"),
+            "\(answers.stdout) \(answers.stderr)")
+
+        // The new setting is the one in use: seven items go in one Bundle, not one by one.
+        let file = try work.write("seven.ndjson", resources.ndjson(0..<7))
+        #expect(try await dq(["enqueue", "--config", config, "--ndjson", file], env).status == 0)
+        #expect(try await eventually { (try await server.values("Observation", system: resources.system)).count == 7 })
+        let journal = try await dq(["log", "--json", "--config", config], env)
+        let lines = try #require(try JSONSerialization.jsonObject(with: Data(journal.stdout.utf8)) as? [[String: Any]])
+        #expect(lines.count == 7)
+        #expect(Set(lines.compactMap { $0["bundle"] as? String }).count == 1, "one Bundle of seven: \(journal.stdout.prefix(600))")
+        let metrics = String(decoding: try await HTTP.get("http://127.0.0.1:\(port)/metrics").1, as: UTF8.self)
+        #expect(metrics.contains("dq_"), "\(metrics.prefix(500))")
+        run.kill(SIGTERM)
+        #expect(await run.wait(timeout: .seconds(30)).status == 0)
+    }
+
     @Test("/readyz: a server that is down is not a readiness failure; an item older than --ready-max-age is")
     func readinessAge() async throws {
         let server = try FHIRServer()  // never started: connection refused
