@@ -135,7 +135,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 // Idempotent mode trusts a 200 only where the server declares conditional create.
                 _ = try await capabilities(needed: true)
             } else if context.configuration.idempotent == .automatic, !capabilityRead, support?.checkedAt == nil,
-                mayBeConditioned(head)
+                prefetched.contains(where: mayBeConditioned)
             {
                 // Automatic mode conditions the creates of the types the server declares: read before the first
                 // create that could be conditioned (not for an update, an envelope, or a row that cannot go).

@@ -948,7 +948,7 @@ public struct DataQueueSettings: Sendable, Decodable {
             idempotent = DataQueue.Idempotence(flag)
         } else {
             idempotent = try SettingsKeys.choice(container, .idempotent, "must be true, false or \"auto\"") {
-                $0 == "auto" ? .automatic : nil
+                $0.lowercased() == "auto" ? .automatic : nil
             }
         }
         maxResourceBytes = try SettingsKeys.wholeNumber(container, .maxResourceBytes, Self.maxResourceBytesError)

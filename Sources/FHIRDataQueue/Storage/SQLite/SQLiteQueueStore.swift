@@ -117,8 +117,15 @@ final class SQLiteQueueStore: QueueStorage {
             Self.companionSuffixes.filter { suffix in known[suffix].map { FileIdentity(path + suffix) == $0 } ?? false }
         }
         database.writeWithoutTransaction { db in _ = dq_sqlite3_no_checkpoint_on_close(db.sqliteConnection, 1) }
-        let moved = (try? Self.moveAside(ours.map { path + $0 }, reason: now == nil ? "deleted" : "replaced")) ?? []
-        let aside = moved.isEmpty ? "" : "; its \(moved.count == 1 ? "file" : "files") \(moved.joined(separator: ", ")) moved aside"
+        // A file that cannot be moved is named (its error says to move it by hand): left there, the next database
+        // opened at the path would replay it.
+        let aside: String
+        do {
+            let moved = try Self.moveAside(ours.map { path + $0 }, reason: now == nil ? "deleted" : "replaced")
+            aside = moved.isEmpty ? "" : "; its \(moved.count == 1 ? "file" : "files") \(moved.joined(separator: ", ")) moved aside"
+        } catch {
+            aside = "; \((error as? DataQueueError)?.message ?? "\(error)")"
+        }
         if now == nil {
             throw DataQueueError(.storage, "the queue database \(path) was deleted while dq had it open\(aside); restart dq")
         }
