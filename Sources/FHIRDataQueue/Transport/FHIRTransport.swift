@@ -203,10 +203,10 @@ final class FHIRTransport: Sendable {
         } catch {
             if let (head, body) = delegate.partial { return Self.response(head, body) }
             let network = clients?.network
+            let cause = Self.cause(of: error, url: url, network: network)
             throw TransportFailure(
-                message: Self.noAnswer(error, url: url, server: Self.origin(url), network: network),
-                mayHaveArrived: delegate.requestHeadSent && !Self.neverSent(error),
-                cause: Self.cause(of: error, url: url, network: network))
+                message: Self.noAnswer(error, url: url, server: Self.origin(url), network: network, cause: cause),
+                mayHaveArrived: delegate.requestHeadSent && !Self.neverSent(error), cause: cause)
         }
     }
 
@@ -257,9 +257,12 @@ final class FHIRTransport: Sendable {
     /// The words of a request to `url` that got no answer: `no answer from <server>: <why>`, or, when the
     /// connection that failed was the one to the proxy `network` sends `url` through (`no_proxy` considered),
     /// `no answer from the proxy http://host:port (for <server>): <why>`, without the proxy's credentials.
-    /// `server` is how the caller names the endpoint (a FHIR server by its origin, never a path).
-    static func noAnswer(_ error: any Error, url: String, server: String, network: NetworkConfiguration?) -> String {
-        guard cause(of: error, url: url, network: network) == .proxyConnection,
+    /// `server` is how the caller names the endpoint (a FHIR server by its origin, never a path); `cause`, when the
+    /// caller has worked it out already (``cause(of:url:network:)``).
+    static func noAnswer(
+        _ error: any Error, url: String, server: String, network: NetworkConfiguration?, cause known: TransportFailureCause? = nil
+    ) -> String {
+        guard (known ?? cause(of: error, url: url, network: network)) == .proxyConnection,
             let proxy = URL(string: url).flatMap({ network?.proxy(for: $0) })
         else { return "no answer from \(server): \(describe(error, url: url, network: network))" }
         var reason = describe(error)
