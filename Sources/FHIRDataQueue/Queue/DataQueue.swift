@@ -347,6 +347,11 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         if item.fullURL != nil || !item.references.isEmpty {
             try await checkReferences([item])
         }
+        return try await commit(item)
+    }
+
+    /// Commits one item (grouped with other single enqueues), counts it and wakes the service.
+    private func commit(_ item: NewItem) async throws -> QueuedItem {
         let sequence = try await store.insertGrouped(item)
         metrics.enqueued.increment()
         wakeUp.signal()
@@ -374,11 +379,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         let request = DataQueue.PreparedRequest(
             method: .post, path: envelope.resourceType, contentType: "application/json", body: envelope.data,
             resourceType: envelope.resourceType, encrypted: true)
-        let item = NewItem(id: UUID.timeOrdered(), queue: queueName, request: request, fullURL: nil, references: [])
-        let sequence = try await store.insertGrouped(item)
-        metrics.enqueued.increment()
-        wakeUp.signal()
-        return queuedItem(item, sequence: sequence)
+        return try await commit(NewItem(id: UUID.timeOrdered(), queue: queueName, request: request, fullURL: nil, references: []))
     }
 
     /// Durably queues several entries in one transaction: all of them or, on any error, none.
