@@ -1,34 +1,38 @@
+import Configuration
 import FHIRDataQueue
 import Foundation
 
 extension DataQueueSettings {
-    /// The settings of one `dq` run: the config file (`--config`, else `$DQ_CONFIG`, else `./dq.json` if
-    /// present), then `DQ_*` environment variables, then flags. The file's schema and every check live in the
-    /// library, so a service embedding dq reads the same file the same way.
+    /// The settings of one `dq` run, read through one `ConfigReader` (see ``SettingsReader``): the flags, then
+    /// the `DQ_*` environment variables, then the config file (`--config`, else `$DQ_CONFIG`, else `./dq.json`
+    /// if present), then the secret files the settings name. The keys and every check live in the library, so a
+    /// service embedding dq reads the same keys the same way.
+    ///
+    /// - Parameter accessReporter: told where each value came from (`dq config`).
     static func load(
         options: QueueOptions, sending: SendingOptions? = nil,
-        environment: [String: String] = ProcessInfo.processInfo.environment
-    ) throws -> DataQueueSettings {
+        environment: [String: String] = ProcessInfo.processInfo.environment, accessReporter: (any AccessReporter)? = nil
+    ) async throws -> DataQueueSettings {
         // The format the flag or environment names applies from here (an error in the settings file itself is
         // written in it); the file's own log_format from the line after the load.
         if let format = try? DQLogHandler.Format.named(options.logFormat ?? environment["DQ_LOG_FORMAT"]) {
             StandardError.format.withLock { $0 = format }
         }
-        var settings = try DataQueueSettings.load(
-            config: options.config, server: options.server, database: options.database, environment: environment,
-            decode: DataQueueSettings.decode(_:source:))
+        var flags: [String: ConfigContent] = [:]
+        flags["server"] = options.server.map(ConfigContent.string)
+        flags["database"] = options.database.map(ConfigContent.string)
+        flags["proxy"] = options.proxy.map(ConfigContent.string)
+        flags["durability"] = sending?.durability.map { .string($0.rawValue) }
+        flags["idempotent"] = sending?.idempotent == true ? .bool(true) : nil
+        flags["timeout_seconds"] = sending?.timeout.map(ConfigContent.double)
+        flags["batch_size"] = sending?.batchSize.map { .double(Double($0)) }
+        let settings = try await DataQueueSettings.load(
+            config: options.config, flags: flags, environment: environment, accessReporter: accessReporter)
         if let format = try? DQLogHandler.Format.named(options.logFormat ?? settings.logFormat?.rawValue) {
             StandardError.format.withLock { $0 = format }
         }
-        if let proxy = options.proxy { settings.proxy = proxy }
         warnAboutCommandLineSecrets(database: options.database, proxy: options.proxy)
         warnAboutUnknownEnvironmentVariables(environment)
-        if let sending {
-            if let durability = sending.durability { settings.durability = durability }
-            if sending.idempotent { settings.idempotent = true }
-            if let timeout = sending.timeout { settings.timeoutSeconds = timeout }
-            if let batchSize = sending.batchSize { settings.batchSize = batchSize }
-        }
         return settings
     }
 }
@@ -45,7 +49,7 @@ func warnAboutCommandLineSecrets(database: String?, proxy: String?, flag: String
 
 /// Warns (never refuses) about a `DQ_…` variable dq does not read: a misspelt name is otherwise ignored.
 func warnAboutUnknownEnvironmentVariables(_ environment: [String: String]) {
-    for (name, suggestion) in DataQueueSettings.unknownEnvironmentVariables(in: environment) {
+    for (name, suggestion) in SettingKey.unknownEnvironmentVariables(in: environment) {
         printError("dq: warning: \(name) is not a dq setting and is ignored" + (suggestion.map { " (did you mean \($0)?)" } ?? ""))
     }
 }

@@ -38,7 +38,7 @@ extension DQ {
             if check { throw ExitCode(await checkQueue()) }
             let settings: DataQueueSettings
             do {
-                settings = try DataQueueSettings.load(options: queueOptions)
+                settings = try await DataQueueSettings.load(options: queueOptions)
             } catch let error as DataQueueError {
                 printError("dq: \(error.message)")
                 throw ExitCode(Exit.code(for: error))
@@ -198,7 +198,7 @@ extension DQ {
             var findings: [Finding] = []
             var settings: DataQueueSettings?
             do {
-                settings = try DataQueueSettings.load(options: queueOptions)
+                settings = try await DataQueueSettings.load(options: queueOptions)
             } catch {
                 findings.append(Self.configuration(error))
             }
@@ -560,7 +560,7 @@ extension DQ.Status {
         let found: [QueueStatus]
         do {
             // With --all, or no server (as `dq status` then shows every queue): every queue of the database, summed.
-            let settings = try DataQueueSettings.load(options: queueOptions)
+            let settings = try await DataQueueSettings.load(options: queueOptions)
             if all || settings.server == nil {
                 found = try await QueueAdministration.allQueueStatuses(
                     databasePath: settings.database ?? DataQueue.defaultDatabasePath())

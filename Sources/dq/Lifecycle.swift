@@ -50,7 +50,7 @@ struct ReloadOnHangup: Service {
     private func listen() async throws -> Bool {
         while await hangups.next() {
             do {
-                let settings = try DataQueueSettings.load(options: options, sending: sending)
+                let settings = try await DataQueueSettings.load(options: options, sending: sending)
                 _ = try settings.journalRetention()
                 let queue = try await settings.makeQueue(readOnly: false, logger: logger)
                 // A SIGTERM came while the queue opened (which does not stop for it): stop, do not start a round.

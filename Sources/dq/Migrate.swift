@@ -20,7 +20,7 @@ extension DQ {
 
         func run() async throws {
             do {
-                let settings = try DataQueueSettings.load(options: queueOptions)
+                let settings = try await DataQueueSettings.load(options: queueOptions)
                 try bootstrapLogging(queueOptions, settings)
                 let logger = Logger(label: "dq")
                 warnAboutCommandLineSecrets(database: to, proxy: nil, flag: "--to")

@@ -27,7 +27,7 @@ struct ShowConfig: AsyncParsableCommand {
     func run() async throws {
         let entries: [Entry]
         do {
-            entries = try Self.entries(options: queueOptions, environment: ProcessInfo.processInfo.environment)
+            entries = try await Self.entries(options: queueOptions, environment: ProcessInfo.processInfo.environment)
         } catch let error as DataQueueError {
             printError("dq: \(error.message)")
             throw ExitCode(Exit.code(for: error))
@@ -57,25 +57,27 @@ struct ShowConfig: AsyncParsableCommand {
         return components.string ?? "(a URL with a password)"
     }
 
-    /// The settings as `options` and `environment` make them, in the README's order.
-    static func entries(options: QueueOptions, environment: [String: String]) throws -> [Entry] {
-        let settings = try DataQueueSettings.load(options: options, environment: environment)
+    /// The settings as `options` and `environment` make them, in the README's order; each origin is the provider
+    /// of the reader that gave the value, as the reader reported it.
+    static func entries(options: QueueOptions, environment: [String: String]) async throws -> [Entry] {
+        let recorder = OriginRecorder()
+        let settings = try await DataQueueSettings.load(options: options, environment: environment, accessReporter: recorder)
         let resolved = try settings.resolve()
         let configuration = resolved.configuration
-        let file =
-            settings.sourcePath.flatMap { FileManager.default.contents(atPath: $0) }
-            .flatMap { try? JSONSerialization.jsonObject(with: $0) as? [String: Any] } ?? [:]
+        let flags = ["server": "--server", "database": "--database", "proxy": "--proxy"]
 
-        func inFile(_ key: String) -> Bool {
-            let parts = key.split(separator: ".").map(String.init)
-            guard parts.count == 2 else { return file[key] != nil }
-            return (file[parts[0]] as? [String: Any])?[parts[1]] != nil
-        }
-        func origin(_ key: String, _ variables: [String], flag: (String, Bool)? = nil, also: [String] = []) -> String {
-            if let (name, given) = flag, given { return "flag \(name)" }
-            if let name = variables.first(where: { environment[$0] != nil }) { return "env \(name)" }
-            if let key = ([key] + also).first(where: inFile), let path = settings.sourcePath { return "\(path): \(key)" }
-            return "default"
+        /// Where the first of `keys` that the reader found came from; else the first of `variables` set (the
+        /// proxy variables, which are not dq keys); else dq's default.
+        func origin(_ keys: String..., variables: [String] = []) -> String {
+            for key in keys {
+                guard let (provider, name) = recorder.origin(of: key) else { continue }
+                switch provider {
+                case SettingsReader.flagsName: return "flag \(flags[key] ?? key)"
+                case SettingsReader.environmentName: return "env \(name)"
+                default: return "\(settings.sourcePath ?? "the config file"): \(name)"
+                }
+            }
+            return variables.first { environment[$0] != nil }.map { "env \($0)" } ?? "default"
         }
         func number(_ value: Double) -> String {
             value.rounded() == value && abs(value) < 1e15 ? String(Int(value)) : String(value)
@@ -85,124 +87,122 @@ struct ShowConfig: AsyncParsableCommand {
 
         add(
             "server", Self.redacted(resolved.server.absoluteString),
-            origin("server", ["DQ_SERVER"], flag: ("--server", options.server != nil)))
+            origin("server"))
         let database = configuration.databasePath
         add(
             "database", database.hasPrefix("postgres") ? Self.redacted(database) : database,
-            origin("database", ["DQ_DATABASE"], flag: ("--database", options.database != nil)))
+            origin("database"))
         add(
             "database_password_file", settings.databasePasswordFile ?? "none",
-            origin("database_password_file", ["DQ_DATABASE_PASSWORD_FILE"]))
-        add("durability", configuration.durability.rawValue, origin("durability", ["DQ_DURABILITY"]))
-        add("idempotent", configuration.idempotent.rawValue, origin("idempotent", ["DQ_IDEMPOTENT"]))
-        add("max_resource_bytes", String(configuration.maximumResourceSize), origin("max_resource_bytes", ["DQ_MAX_RESOURCE_BYTES"]))
+            origin("database_password_file"))
+        add("durability", configuration.durability.rawValue, origin("durability"))
+        add("idempotent", configuration.idempotent.rawValue, origin("idempotent"))
+        add("max_resource_bytes", String(configuration.maximumResourceSize), origin("max_resource_bytes"))
         let extraTypes: String
         switch configuration.resourceTypes {
         case .any: extraTypes = "* (any type)"
         case .r4(let adding): extraTypes = adding.isEmpty ? "none (FHIR R4's types)" : adding.sorted().joined(separator: ",")
         }
-        add("extra_resource_types", extraTypes, origin("extra_resource_types", ["DQ_EXTRA_RESOURCE_TYPES"]))
-        add("timeout_seconds", number(configuration.requestTimeout), origin("timeout_seconds", ["DQ_TIMEOUT_SECONDS"]))
+        add("extra_resource_types", extraTypes, origin("extra_resource_types"))
+        add("timeout_seconds", number(configuration.requestTimeout), origin("timeout_seconds"))
         add(
             "connect_timeout_seconds", number(configuration.connectTimeout),
-            origin("connect_timeout_seconds", ["DQ_CONNECT_TIMEOUT_SECONDS"]))
-        add("batch_size", configuration.batchSize.map(String.init) ?? "automatic", origin("batch_size", ["DQ_BATCH_SIZE"]))
-        add("batch_max_bytes", String(configuration.batchMaxBytes), origin("batch_max_bytes", ["DQ_BATCH_MAX_BYTES"]))
-        add("lease_seconds", number(configuration.leaseDuration), origin("lease_seconds", ["DQ_LEASE_SECONDS"]))
-        add("settle_seconds", number(configuration.settleDelay), origin("settle_seconds", ["DQ_SETTLE_SECONDS"]))
+            origin("connect_timeout_seconds"))
+        add("batch_size", configuration.batchSize.map(String.init) ?? "automatic", origin("batch_size"))
+        add("batch_max_bytes", String(configuration.batchMaxBytes), origin("batch_max_bytes"))
+        add("lease_seconds", number(configuration.leaseDuration), origin("lease_seconds"))
+        add("settle_seconds", number(configuration.settleDelay), origin("settle_seconds"))
         add(
             "retry.initial_seconds", number(configuration.retryPolicy.initialDelay),
-            origin("retry.initial_seconds", ["DQ_RETRY_INITIAL_SECONDS"]))
+            origin("retry.initial_seconds"))
         add(
             "retry.maximum_seconds", number(configuration.retryPolicy.maximumDelay),
-            origin("retry.maximum_seconds", ["DQ_RETRY_MAXIMUM_SECONDS"]))
-        add("retry.jitter", number(configuration.retryPolicy.jitter), origin("retry.jitter", ["DQ_RETRY_JITTER"]))
+            origin("retry.maximum_seconds"))
+        add("retry.jitter", number(configuration.retryPolicy.jitter), origin("retry.jitter"))
         let proxy = configuration.network.proxy(for: resolved.server)
         add(
             "proxy", proxy.map(NetworkConfiguration.redacted) ?? "none",
             origin(
-                "proxy",
-                ["DQ_PROXY", "DQ_PROXY_FILE"]
-                    + (resolved.server.scheme == "https" ? ["HTTPS_PROXY", "https_proxy"] : ["HTTP_PROXY", "http_proxy"]),
-                flag: ("--proxy", options.proxy != nil), also: ["proxy_file"]))
-        add("no_proxy", configuration.network.noProxy ?? "none", origin("no_proxy", ["DQ_NO_PROXY", "NO_PROXY", "no_proxy"]))
-        add("tls.ca_bundle", configuration.network.caBundlePath ?? "none", origin("tls.ca_bundle", ["DQ_CA_BUNDLE"], also: ["ca_bundle"]))
-        add("tls.ca_bundle_only", String(configuration.network.caBundleOnly), origin("tls.ca_bundle_only", ["DQ_CA_BUNDLE_ONLY"]))
+                "proxy", "proxy_file",
+                variables: resolved.server.scheme == "https" ? ["https_proxy", "HTTPS_PROXY"] : ["http_proxy", "HTTP_PROXY"]))
+        add("no_proxy", configuration.network.noProxy ?? "none", origin("no_proxy", variables: ["no_proxy", "NO_PROXY"]))
+        add("tls.ca_bundle", configuration.network.caBundlePath ?? "none", origin("tls.ca_bundle", "ca_bundle"))
+        add("tls.ca_bundle_only", String(configuration.network.caBundleOnly), origin("tls.ca_bundle_only"))
         add(
             "tls.client_certificate", configuration.network.clientCertificatePath ?? "none",
-            origin("tls.client_certificate", ["DQ_CLIENT_CERTIFICATE"]))
-        add("tls.client_key", configuration.network.clientKeyPath ?? "none", origin("tls.client_key", ["DQ_CLIENT_KEY"]))
+            origin("tls.client_certificate"))
+        add("tls.client_key", configuration.network.clientKeyPath ?? "none", origin("tls.client_key"))
         let auth = settings.auth
-        add("auth.client_id", auth?.clientID ?? "none", origin("auth.client_id", ["DQ_CLIENT_ID"]))
-        add("auth.token_uri", auth?.tokenURI ?? "none", origin("auth.token_uri", ["DQ_TOKEN_URI"]))
-        add("auth.scope", auth?.scope ?? "none", origin("auth.scope", ["DQ_SCOPE"]))
+        add("auth.client_id", auth?.clientID ?? "none", origin("auth.client_id"))
+        add("auth.token_uri", auth?.tokenURI ?? "none", origin("auth.token_uri"))
+        add("auth.scope", auth?.scope ?? "none", origin("auth.scope"))
         add(
             "auth.bearer_token", auth?.bearerToken == nil ? "none" : "(set)",
-            origin("auth.bearer_token", ["DQ_TOKEN", "DQ_BEARER_TOKEN_FILE"], also: ["auth.bearer_token_file"]))
+            origin("auth.bearer_token", "auth.bearer_token_file"))
         add(
             "auth.client_secret", auth?.clientSecret == nil ? "none" : "(set)",
-            origin("auth.client_secret", ["DQ_CLIENT_SECRET", "DQ_CLIENT_SECRET_FILE"], also: ["auth.client_secret_file"]))
+            origin("auth.client_secret", "auth.client_secret_file"))
         add(
             "journal_retention_days", (try settings.journalRetention()).map { number($0 / 86_400) } ?? "0 (keep every line)",
-            origin("journal_retention_days", ["DQ_JOURNAL_RETENTION_DAYS"]))
+            origin("journal_retention_days"))
         add(
             "ready_max_age_seconds", settings.readyMaxAgeSeconds.map(number) ?? "none",
-            origin("ready_max_age_seconds", ["DQ_READY_MAX_AGE_SECONDS"]))
+            origin("ready_max_age_seconds"))
         add(
             "log_format", options.logFormat ?? settings.logFormat?.rawValue ?? "text",
-            origin("log_format", ["DQ_LOG_FORMAT"], flag: ("--log-format", options.logFormat != nil)))
+            options.logFormat != nil ? "flag --log-format" : origin("log_format"))
         add(
             "log_level", options.verbose ? "debug" : settings.logLevel?.rawValue ?? "warning",
-            origin("log_level", ["DQ_LOG_LEVEL"], flag: ("-v", options.verbose)))
-        add("metrics_address", settings.metricsAddress ?? "none (dq run)", origin("metrics_address", ["DQ_METRICS_ADDRESS"]))
+            options.verbose ? "flag -v" : origin("log_level"))
+        add("metrics_address", settings.metricsAddress ?? "none (dq run)", origin("metrics_address"))
         add(
             "poll_interval_seconds", number(settings.pollIntervalSeconds ?? 1),
-            origin("poll_interval_seconds", ["DQ_POLL_INTERVAL_SECONDS"]))
+            origin("poll_interval_seconds"))
         add(
             "drain_timeout_seconds", number(settings.drainTimeoutSeconds ?? 10),
-            origin("drain_timeout_seconds", ["DQ_DRAIN_TIMEOUT_SECONDS"]))
-        let authText: [(String, String, String?)] = [
-            ("authorize_type", "DQ_AUTHORIZE_TYPE", auth?.authorizeType?.rawValue ?? (auth == nil ? nil : "client_credentials")),
-            ("authorize_uri", "DQ_AUTHORIZE_URI", auth?.authorizeURI), ("issuer", "DQ_ISSUER", auth?.issuer),
-            ("revocation_uri", "DQ_REVOCATION_URI", auth?.revocationURI),
-            ("registration_uri", "DQ_REGISTRATION_URI", auth?.registrationURI), ("client_name", "DQ_CLIENT_NAME", auth?.clientName),
-            ("token_endpoint_auth_method", "DQ_TOKEN_ENDPOINT_AUTH_METHOD", auth?.tokenEndpointAuthMethod?.rawValue),
-            ("private_key", "DQ_PRIVATE_KEY", auth?.privateKey.map { settings.keyFilePath($0) }), ("key_id", "DQ_KEY_ID", auth?.keyID),
-            ("key_alg", "DQ_KEY_ALG", auth?.keyAlgorithm?.rawValue), ("credentials_dir", "DQ_CREDENTIALS_DIR", auth?.credentialsDirectory),
+            origin("drain_timeout_seconds"))
+        let authText: [(String, String?)] = [
+            ("authorize_type", auth?.authorizeType?.rawValue ?? (auth == nil ? nil : "client_credentials")),
+            ("authorize_uri", auth?.authorizeURI), ("issuer", auth?.issuer),
+            ("revocation_uri", auth?.revocationURI),
+            ("registration_uri", auth?.registrationURI), ("client_name", auth?.clientName),
+            ("token_endpoint_auth_method", auth?.tokenEndpointAuthMethod?.rawValue),
+            ("private_key", auth?.privateKey.map { settings.keyFilePath($0) }), ("key_id", auth?.keyID),
+            ("key_alg", auth?.keyAlgorithm?.rawValue), ("credentials_dir", auth?.credentialsDirectory),
         ]
-        for (key, variable, value) in authText {
-            add("auth." + key, value ?? "none", origin("auth." + key, [variable]))
+        for (key, value) in authText {
+            add("auth." + key, value ?? "none", origin("auth." + key))
         }
         // The fields' names and values (none is a secret); the headers' names only (one may carry a token).
         add(
             "auth.registration_fields",
             (auth?.registrationFields ?? [:]).sorted { $0.key < $1.key }.map { "\($0.key)=\(Self.text($0.value))" }
                 .joined(separator: ", ").ifEmpty("none"),
-            origin("auth.registration_fields", ["DQ_REGISTRATION_FIELDS"]))
+            origin("auth.registration_fields"))
         add(
             "auth.registration_headers",
             (auth?.registrationHeaders ?? [:]).keys.sorted().map { "\($0): (set)" }.joined(separator: ", ").ifEmpty("none"),
-            origin("auth.registration_headers", ["DQ_REGISTRATION_HEADERS"]))
+            origin("auth.registration_headers"))
         add(
             "at_rest.key_file", settings.atRest?.keyFile.map { "\($0) (key \(configuration.atRest?.current.id ?? "?"))" } ?? "none",
-            origin("at_rest.key_file", ["DQ_AT_REST_KEY_FILE"]))
+            origin("at_rest.key_file"))
         add(
             "at_rest.old_key_files", (settings.atRest?.oldKeyFiles ?? []).joined(separator: ", ").ifEmpty("none"),
-            origin("at_rest.old_key_files", ["DQ_AT_REST_OLD_KEY_FILES"]))
+            origin("at_rest.old_key_files"))
         add(
             "encryption.endpoint", resolved.encryption?.endpoint.absoluteString ?? "none",
-            origin("encryption.endpoint", ["DQ_ENCRYPTION_ENDPOINT"]))
+            origin("encryption.endpoint"))
         let encryption = settings.encryption
-        let encryptionText: [(String, String, String?)] = [
-            ("certificate", "DQ_ENCRYPTION_CERTIFICATE", encryption?.certificate),
-            ("key_id", "DQ_ENCRYPTION_KEY_ID", encryption?.keyID),
-            ("fhir_version", "DQ_ENCRYPTION_FHIR_VERSION", encryption?.fhirVersion ?? (encryption == nil ? nil : "1.0.2")),
-            ("resource_types", "DQ_ENCRYPTION_RESOURCE_TYPES", encryption?.resourceTypes?.joined(separator: ", ")),
-            ("mode", "DQ_ENCRYPTION_MODE", encryption?.mode?.rawValue ?? (encryption == nil ? nil : "c3pro")),
-            ("in_flight", "DQ_ENCRYPTION_IN_FLIGHT", encryption?.inFlight.map(String.init) ?? (encryption == nil ? nil : "1")),
+        let encryptionText: [(String, String?)] = [
+            ("certificate", encryption?.certificate),
+            ("key_id", encryption?.keyID),
+            ("fhir_version", encryption?.fhirVersion ?? (encryption == nil ? nil : "1.0.2")),
+            ("resource_types", encryption?.resourceTypes?.joined(separator: ", ")),
+            ("mode", encryption?.mode?.rawValue ?? (encryption == nil ? nil : "c3pro")),
+            ("in_flight", encryption?.inFlight.map(String.init) ?? (encryption == nil ? nil : "1")),
         ]
-        for (key, variable, value) in encryptionText {
-            add("encryption." + key, value ?? "none", origin("encryption." + key, [variable]))
+        for (key, value) in encryptionText {
+            add("encryption." + key, value ?? "none", origin("encryption." + key))
         }
         return entries
     }

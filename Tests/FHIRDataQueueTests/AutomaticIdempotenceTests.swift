@@ -137,24 +137,23 @@ struct AutomaticIdempotenceTests {
     }
 
     @Test("The setting: \"auto\", true and false in the file and DQ_IDEMPOTENT; auto when unset; anything else refused")
-    func setting() throws {
-        func resolved(_ file: String, _ environment: [String: String] = [:]) throws -> DataQueue.Idempotence {
-            var settings = try DataQueueSettings.decode(Data(#"{"server":"http://a/fhir"\#(file)}"#.utf8))
-            try settings.apply(environment: environment)
+    func setting() async throws {
+        func resolved(_ file: String, _ environment: [String: String] = [:]) async throws -> DataQueue.Idempotence {
+            let settings = try await DataQueueSettings.decode(Data(#"{"server":"http://a/fhir"\#(file)}"#.utf8), environment: environment)
             return try settings.resolve().configuration.idempotent
         }
-        #expect(try resolved("") == .automatic)
-        #expect(try resolved(#","idempotent":"auto""#) == .automatic)
-        #expect(try resolved(#","idempotent":true"#) == .always)
-        #expect(try resolved(#","idempotent":false"#) == .never)
-        #expect(try resolved(#","idempotent":false"#, ["DQ_IDEMPOTENT": "AUTO"]) == .automatic)
-        #expect(try resolved("", ["DQ_IDEMPOTENT": "1"]) == .always)
-        #expect(try resolved(#","idempotent":"auto""#, ["DQ_IDEMPOTENT": "false"]) == .never)
+        #expect(try await resolved("") == .automatic)
+        #expect(try await resolved(#","idempotent":"auto""#) == .automatic)
+        #expect(try await resolved(#","idempotent":true"#) == .always)
+        #expect(try await resolved(#","idempotent":false"#) == .never)
+        #expect(try await resolved(#","idempotent":false"#, ["DQ_IDEMPOTENT": "AUTO"]) == .automatic)
+        #expect(try await resolved("", ["DQ_IDEMPOTENT": "1"]) == .always)
+        #expect(try await resolved(#","idempotent":"auto""#, ["DQ_IDEMPOTENT": "false"]) == .never)
         for bad in [#","idempotent":"yes""#, #","idempotent":1"#] {
-            let error = try #require(throws: DataQueueError.self) { try resolved(bad) }
+            let error = try await #require(throws: DataQueueError.self) { try await resolved(bad) }
             #expect(error.message.contains("\"idempotent\"") && error.message.contains("auto"), "\(error.message)")
         }
-        let error = try #require(throws: DataQueueError.self) { try resolved("", ["DQ_IDEMPOTENT": "maybe"]) }
+        let error = try await #require(throws: DataQueueError.self) { try await resolved("", ["DQ_IDEMPOTENT": "maybe"]) }
         #expect(error.message.contains("DQ_IDEMPOTENT") && error.message.contains("auto"), "\(error.message)")
         var configuration = DataQueue.Configuration()
         configuration.idempotent = true

@@ -17,13 +17,13 @@ struct CoreTests {
     }
 
     @Test("Loading a config file records its directory, its path and whether it holds a secret")
-    func settingsRecordTheirDirectory() throws {
+    func settingsRecordTheirDirectory() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-core-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(at: directory) }
         let path = directory.appendingPathComponent("dq.json").path
         try Data(#"{"server": "http://127.0.0.1:9/fhir", "auth": {"client_secret": "s"}}"#.utf8).write(to: URL(fileURLWithPath: path))
-        let settings = try DataQueueSettings.load(contentsOf: path)
+        let settings = try await DataQueueSettings.load(contentsOf: path)
         #expect(settings.baseDirectory == directory.path)
         #expect(settings.sourcePath == path)
         #expect(settings.fileHoldsSecret)

@@ -68,32 +68,32 @@ struct ProbeDefectTests {
             (#"{"tls": {"ca_bundle": "a", "ca_bundle": "b"}}"#, "tls.ca_bundle"),
             (#"{"server": "http://a/fhir", "server": "http://b/fhir"}"#, "server"),
         ])
-    func repeatedKeys(json: String, name: String) throws {
-        #expect {
-            _ = try DataQueueSettings.decode(Data(json.utf8))
+    func repeatedKeys(json: String, name: String) async throws {
+        await #expect {
+            _ = try await DataQueueSettings.decode(Data(json.utf8))
         } throws: { error in
             (error as? DataQueueError)?.message.contains("\"\(name)\" appears twice") == true
         }
     }
 
     @Test("A byte order mark is named as such")
-    func byteOrderMark() throws {
+    func byteOrderMark() async throws {
         let data = Data([0xEF, 0xBB, 0xBF]) + Data(#"{"server": "http://a/fhir"}"#.utf8)
-        #expect {
-            _ = try DataQueueSettings.decode(data)
+        await #expect {
+            _ = try await DataQueueSettings.decode(data)
         } throws: { error in
             (error as? DataQueueError)?.message.contains("byte order mark") == true
         }
     }
 
     @Test("retry.initial_seconds longer than retry.maximum_seconds (given or the default) is refused")
-    func retryOrder() throws {
-        func checked(_ retry: String) throws {
-            _ = try DataQueueSettings.decode(Data(#"{"server": "http://127.0.0.1:9/fhir", "retry": \#(retry)}"#.utf8)).checkedValues()
+    func retryOrder() async throws {
+        func checked(_ retry: String) async throws {
+            _ = try await DataQueueSettings.decode(Data(#"{"server": "http://127.0.0.1:9/fhir", "retry": \#(retry)}"#.utf8)).checkedValues()
         }
-        #expect(throws: DataQueueError.self) { try checked(#"{"initial_seconds": 60, "maximum_seconds": 30}"#) }
-        #expect(throws: DataQueueError.self) { try checked(#"{"initial_seconds": 1000}"#) }
-        #expect(throws: Never.self) { try checked(#"{"initial_seconds": 30, "maximum_seconds": 30}"#) }
+        await #expect(throws: DataQueueError.self) { try await checked(#"{"initial_seconds": 60, "maximum_seconds": 30}"#) }
+        await #expect(throws: DataQueueError.self) { try await checked(#"{"initial_seconds": 1000}"#) }
+        await #expect(throws: Never.self) { try await checked(#"{"initial_seconds": 30, "maximum_seconds": 30}"#) }
     }
 
     // MARK: - The journal's time

@@ -63,7 +63,7 @@ struct RedactionTests {
     }
 
     /// Settings with every secret set to a marker.
-    func settings() throws -> DataQueueSettings {
+    func settings() async throws -> DataQueueSettings {
         let json = """
             {"server": "https://fhir.example.org/r4", "database": "postgres://dq:\(databasePassword)@db.example.org/dq?sslmode=require",
              "proxy": "http://dq:\(proxyPassword)@proxy.example.org:3128", "no_proxy": "localhost",
@@ -72,18 +72,19 @@ struct RedactionTests {
                       "registration_headers": {"Antispam": "\(header)"},
                       "registration_fields": {"software_statement": "\(field)", "sandbox": true}}}
             """
-        var settings = try DataQueueSettings.decode(Data(json.utf8))
-        try settings.apply(environment: [
-            "HTTPS_PROXY": "http://env:\(environmentProxyPassword)@proxy.example.org:3128",
-            "HTTP_PROXY": "env:\(environmentProxyPassword)@proxy.example.org:3128",
-        ])
+        var settings = try await DataQueueSettings.decode(
+            Data(json.utf8),
+            environment: [
+                "HTTPS_PROXY": "http://env:\(environmentProxyPassword)@proxy.example.org:3128",
+                "HTTP_PROXY": "env:\(environmentProxyPassword)@proxy.example.org:3128",
+            ])
         settings.databasePassword = filePassword
         return settings
     }
 
     @Test("DataQueueSettings and its auth object: every secret redacted, the plain settings shown")
-    func settingsRedacted() throws {
-        let settings = try settings()
+    func settingsRedacted() async throws {
+        let settings = try await settings()
         let text = expectRedacted(settings, "DataQueueSettings")
         #expect(text.contains("https://fhir.example.org/r4") && text.contains("dq-client") && text.contains("<redacted>"), "\(text)")
         #expect(text.contains("postgres://dq:***@db.example.org/dq?sslmode=require"), "\(text)")
@@ -101,8 +102,8 @@ struct RedactionTests {
     }
 
     @Test("What the settings resolve to, and the checked values: no secret")
-    func resolvedRedacted() throws {
-        var settings = try settings()
+    func resolvedRedacted() async throws {
+        var settings = try await settings()
         settings.databasePassword = nil
         let resolved = try settings.resolve()
         let text = expectRedacted(resolved, "DataQueueSettings.Resolved")
@@ -206,8 +207,8 @@ struct RedactionTests {
     }
 
     @Test("Each redacting struct lists every stored property: a new one is shown (or redacted) and compared")
-    func everyPropertyListed() throws {
-        let settings = try settings()
+    func everyPropertyListed() async throws {
+        let settings = try await settings()
         var oauth = OAuth2Configuration(fhirBaseURL: URL(string: "https://fhir.example.org")!)
         oauth.clientSecret = "s"
         let values: [(Any.Type, any RedactedDescription)] = [
@@ -231,8 +232,8 @@ struct RedactionTests {
     }
 
     @Test("Changed settings are named, secrets among them, and never shown")
-    func changesNamed() throws {
-        let old = try settings()
+    func changesNamed() async throws {
+        let old = try await settings()
         #expect(old.changes(since: old).isEmpty)
         var new = old
         new.auth?.bearerToken = Self.marker("rotated")

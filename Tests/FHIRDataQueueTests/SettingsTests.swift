@@ -1,4 +1,6 @@
+import Configuration
 import Foundation
+import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -7,7 +9,7 @@ import Testing
 @Suite("Settings file")
 struct SettingsTests {
     @Test("A full file decodes and resolves to the queue's configuration")
-    func fullFile() throws {
+    func fullFile() async throws {
         let json = #"""
             {"server": "HTTPS://FHIR.example.org:443/r4/", "database": "/tmp/dq-settings-test/q.sqlite",
              "durability": "normal", "idempotent": true, "max_resource_bytes": 1048576, "timeout_seconds": 12,
@@ -15,7 +17,7 @@ struct SettingsTests {
              "retry": {"initial_seconds": 1, "maximum_seconds": 60, "jitter": 0},
              "auth": {"bearer_token": "t0k3n"}}
             """#
-        let resolved = try DataQueueSettings.decode(Data(json.utf8)).resolve()
+        let resolved = try await DataQueueSettings.decode(Data(json.utf8)).resolve()
         #expect(resolved.server.absoluteString == "HTTPS://FHIR.example.org:443/r4/")
         let configuration = resolved.configuration
         #expect(configuration.databasePath == "/tmp/dq-settings-test/q.sqlite")
@@ -28,18 +30,20 @@ struct SettingsTests {
     }
 
     @Test("Settings that are a choice or a whole number are typed so, from the file and from the environment")
-    func typedFields() throws {
+    func typedFields() async throws {
         let json = #"""
             {"server": "http://127.0.0.1:9/fhir", "durability": "normal", "log_format": "JSON", "log_level": "Info", "batch_size": 20.0,
              "batch_max_bytes": 4096, "max_resource_bytes": 65536}
             """#
-        var settings = try DataQueueSettings.decode(Data(json.utf8))
+        var settings = try await DataQueueSettings.decode(Data(json.utf8))
         #expect(settings.durability == .normal && settings.logFormat == .json && settings.logLevel == .info)
         #expect(settings.batchSize == 20 && settings.batchMaxBytes == 4096 && settings.maxResourceBytes == 65_536)
-        try settings.apply(environment: [
-            "DQ_DURABILITY": "full", "DQ_LOG_FORMAT": "text", "DQ_LOG_LEVEL": "trace", "DQ_BATCH_SIZE": "7",
-            "DQ_BATCH_MAX_BYTES": "2048", "DQ_MAX_RESOURCE_BYTES": "128",
-        ])
+        settings = try await DataQueueSettings.decode(
+            Data(json.utf8),
+            environment: [
+                "DQ_DURABILITY": "full", "DQ_LOG_FORMAT": "text", "DQ_LOG_LEVEL": "trace", "DQ_BATCH_SIZE": "7",
+                "DQ_BATCH_MAX_BYTES": "2048", "DQ_MAX_RESOURCE_BYTES": "128",
+            ])
         #expect(settings.durability == .full && settings.logFormat == .text && settings.logLevel == .trace)
         #expect(settings.batchSize == 7 && settings.batchMaxBytes == 2048 && settings.maxResourceBytes == 128)
         // Set in code, out of range: refused where the file's value would be.
@@ -52,25 +56,29 @@ struct SettingsTests {
             (#"{"log_level": "loud"}"#, #""log_level" must be one of trace"#),
             (#"{"durability": "sometimes"}"#, #""durability" must be "full" or "normal""#),
         ] {
-            let error = #expect(throws: DataQueueError.self) { try DataQueueSettings.decode(Data(text.utf8)) }
+            let error = await #expect(throws: DataQueueError.self) { try await DataQueueSettings.decode(Data(text.utf8)) }
             #expect(error?.message.contains(message) == true, "\(text): \(error?.message ?? "")")
         }
-        let variable = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_BATCH_MAX_BYTES": "4k"]) }
+        let variable = await #expect(throws: DataQueueError.self) {
+            try await DataQueueSettings.decode(Data(json.utf8), environment: ["DQ_BATCH_MAX_BYTES": "4k"])
+        }
         #expect(variable?.message.contains("DQ_BATCH_MAX_BYTES must be a whole number") == true)
 
         let choices = #"""
             {"auth": {"authorize_type": "authorization_code", "token_endpoint_auth_method": "none", "key_alg": "es256"},
              "encryption": {"mode": "authenticated", "in_flight": 3}}
             """#
-        var chosen = try DataQueueSettings.decode(Data(choices.utf8))
+        var chosen = try await DataQueueSettings.decode(Data(choices.utf8))
         #expect(
             chosen.auth?.authorizeType == .authorizationCode
                 && chosen.auth?.tokenEndpointAuthMethod == OAuth2Configuration.TokenEndpointAuthMethod.none)
         #expect(chosen.auth?.keyAlgorithm == .es256 && chosen.encryption?.mode == .authenticated && chosen.encryption?.inFlight == 3)
-        try chosen.apply(environment: [
-            "DQ_AUTHORIZE_TYPE": "client_credentials", "DQ_TOKEN_ENDPOINT_AUTH_METHOD": "private_key_jwt", "DQ_KEY_ALG": "RS256",
-            "DQ_ENCRYPTION_MODE": "c3pro", "DQ_ENCRYPTION_IN_FLIGHT": "2",
-        ])
+        chosen = try await DataQueueSettings.decode(
+            Data(choices.utf8),
+            environment: [
+                "DQ_AUTHORIZE_TYPE": "client_credentials", "DQ_TOKEN_ENDPOINT_AUTH_METHOD": "private_key_jwt", "DQ_KEY_ALG": "RS256",
+                "DQ_ENCRYPTION_MODE": "c3pro", "DQ_ENCRYPTION_IN_FLIGHT": "2",
+            ])
         #expect(chosen.auth?.authorizeType == .clientCredentials && chosen.auth?.tokenEndpointAuthMethod == .privateKeyJWT)
         #expect(chosen.auth?.keyAlgorithm == .rs256 && chosen.encryption?.mode == .c3pro && chosen.encryption?.inFlight == 2)
         for (text, message) in [
@@ -79,10 +87,12 @@ struct SettingsTests {
             (#"{"encryption": {"mode": "rot13"}}"#, #""encryption.mode" must be "c3pro" or "authenticated""#),
             (#"{"encryption": {"in_flight": 1.5}}"#, #""encryption.in_flight" must be a whole number from 1 to 64"#),
         ] {
-            let error = #expect(throws: DataQueueError.self) { try DataQueueSettings.decode(Data(text.utf8)) }
+            let error = await #expect(throws: DataQueueError.self) { try await DataQueueSettings.decode(Data(text.utf8)) }
             #expect(error?.message.contains(message) == true, "\(text): \(error?.message ?? "")")
         }
-        let mode = #expect(throws: DataQueueError.self) { try chosen.apply(environment: ["DQ_ENCRYPTION_MODE": "rot13"]) }
+        let mode = await #expect(throws: DataQueueError.self) {
+            try await DataQueueSettings.decode(Data(choices.utf8), environment: ["DQ_ENCRYPTION_MODE": "rot13"])
+        }
         #expect(mode?.message.contains("DQ_ENCRYPTION_MODE must be") == true, "\(mode?.message ?? "")")
     }
 
@@ -139,9 +149,9 @@ struct SettingsTests {
             (#"[1]"#, "is not a JSON object"),
             ("not json", "is not a JSON object"),
         ])
-    func namedErrors(json: String, message: String) throws {
-        let error = try #require(throws: DataQueueError.self) {
-            _ = try DataQueueSettings.decode(Data(json.utf8)).resolve()
+    func namedErrors(json: String, message: String) async throws {
+        let error = try await #require(throws: DataQueueError.self) {
+            _ = try await DataQueueSettings.decode(Data(json.utf8)).resolve()
         }
         #expect(error.code == .invalidConfiguration)
         #expect(error.message.hasPrefix("configuration: "))
@@ -149,31 +159,36 @@ struct SettingsTests {
     }
 
     @Test("authorize_type authorization_code makes a public sign-in client with the SMART default scope")
-    func authorizationCode() throws {
+    func authorizationCode() async throws {
         let json =
             #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "app", "credentials_dir": "/tmp/x"}}"#
-        let resolved = try DataQueueSettings.decode(Data(json.utf8)).resolve()
+        let resolved = try await DataQueueSettings.decode(Data(json.utf8)).resolve()
         let client = try #require(resolved.authorization as? AuthorizationCodeClient)
         #expect(client.configuration.effectiveAuthMethod == .none)
         #expect(client.configuration.scope == "launch/patient openid fhirUser offline_access patient/*.cruds")
         #expect(client.store.path.hasPrefix("/tmp/x/login-"))
         let secret =
             #"{"server": "http://h/fhir", "auth": {"authorize_type": "authorization_code", "client_id": "app", "client_secret": "s"}}"#
-        let confidential = try #require(try DataQueueSettings.decode(Data(secret.utf8)).resolve().authorization as? AuthorizationCodeClient)
+        let confidential = try #require(
+            try await DataQueueSettings.decode(Data(secret.utf8)).resolve().authorization as? AuthorizationCodeClient)
         #expect(confidential.configuration.effectiveAuthMethod == .clientSecretBasic)
     }
 
     @Test("DQ_* variables win over the file; a secret from the environment is never in an error")
-    func environment() throws {
-        var settings = try DataQueueSettings.decode(Data(#"{"server":"http://a/fhir","idempotent":true}"#.utf8))
-        try settings.apply(environment: [
-            "DQ_SERVER": "http://b/fhir", "DQ_IDEMPOTENT": "0", "DQ_TOKEN": "env-secret", "DQ_DATABASE": "/tmp/x.sqlite",
-        ])
+    func environment() async throws {
+        let file = Data(#"{"server":"http://a/fhir","idempotent":true}"#.utf8)
+        var settings = try await DataQueueSettings.decode(
+            file,
+            environment: [
+                "DQ_SERVER": "http://b/fhir", "DQ_IDEMPOTENT": "0", "DQ_TOKEN": "env-secret", "DQ_DATABASE": "/tmp/x.sqlite",
+            ])
         let resolved = try settings.resolve()
         #expect(resolved.server.absoluteString == "http://b/fhir")
         #expect(resolved.configuration.idempotent == .never)
         #expect(resolved.configuration.databasePath == "/tmp/x.sqlite")
-        let error = try #require(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_IDEMPOTENT": "maybe"]) }
+        let error = try await #require(throws: DataQueueError.self) {
+            try await DataQueueSettings.decode(file, environment: ["DQ_IDEMPOTENT": "maybe"])
+        }
         #expect(error.message.contains("DQ_IDEMPOTENT"))
         settings.timeoutSeconds = .nan
         let bad = try #require(throws: DataQueueError.self) { try settings.resolve() }
@@ -195,7 +210,7 @@ struct SettingsTests {
     @Test(
         "PostgreSQL as libpq reads it: a host that starts with / is a socket folder (URL, host=, PGHOST), none is /var/run/postgresql; the password's order"
     )
-    func postgresConnection() throws {
+    func postgresConnection() async throws {
         func parse(_ url: String, _ environment: [String: String] = [:]) throws -> (
             socket: String?, host: String?, password: String?, display: String
         ) {
@@ -223,7 +238,7 @@ struct SettingsTests {
         defer { try? FileManager.default.removeItem(at: directory) }
         let awkward = "p@ss:w/rd%?#&= é"
         try Data((awkward + "\n").utf8).write(to: directory.appendingPathComponent("pw"))
-        var settings = try DataQueueSettings.decode(
+        var settings = try await DataQueueSettings.decode(
             Data(#"{"server": "http://h/fhir", "database": "postgres://dq@db/queue", "database_password_file": "pw"}"#.utf8))
         settings.baseDirectory = directory.path
         try settings.readSecretFiles(environment: [:])
@@ -259,7 +274,7 @@ struct SettingsTests {
             try parse("postgres://dq@db/queue?sslcert=\(home.path)/.postgresql/postgresql.crt", ["HOME": home.path])
         }
 
-        var both = try DataQueueSettings.decode(
+        var both = try await DataQueueSettings.decode(
             Data(#"{"server": "http://h/fhir", "database": "postgres://dq:x@db/queue", "database_password_file": "pw"}"#.utf8))
         both.baseDirectory = directory.path
         try both.readSecretFiles(environment: [:])
@@ -267,16 +282,19 @@ struct SettingsTests {
     }
 
     @Test("Every auth and encryption key has its variable: DQ_ and the key (auth), DQ_ENCRYPTION_ and the key (encryption)")
-    func everyKeyHasAVariable() throws {
-        var settings = DataQueueSettings()
-        try settings.apply(environment: [
-            "DQ_AUTHORIZE_URI": "https://a/authorize", "DQ_AUTHORIZE_TYPE": "client_credentials", "DQ_REVOCATION_URI": "https://a/revoke",
-            "DQ_REGISTRATION_URI": "https://a/register", "DQ_CLIENT_NAME": "gateway 7", "DQ_TOKEN_ENDPOINT_AUTH_METHOD": "private_key_jwt",
-            "DQ_PRIVATE_KEY": "/k.pem", "DQ_KEY_ID": "k1", "DQ_KEY_ALG": "ES384", "DQ_CREDENTIALS_DIR": "/creds",
-            "DQ_ENCRYPTION_ENDPOINT": "https://r/envelopes", "DQ_ENCRYPTION_CERTIFICATE": "/r.crt", "DQ_ENCRYPTION_KEY_ID": "r1",
-            "DQ_ENCRYPTION_MODE": "authenticated", "DQ_ENCRYPTION_FHIR_VERSION": "4.0.1", "DQ_ENCRYPTION_IN_FLIGHT": "4",
-            "DQ_ENCRYPTION_RESOURCE_TYPES": "Observation, Patient",
-        ])
+    func everyKeyHasAVariable() async throws {
+        let settings = try await DataQueueSettings.decode(
+            Data("{}".utf8),
+            environment: [
+                "DQ_AUTHORIZE_URI": "https://a/authorize", "DQ_AUTHORIZE_TYPE": "client_credentials",
+                "DQ_REVOCATION_URI": "https://a/revoke",
+                "DQ_REGISTRATION_URI": "https://a/register", "DQ_CLIENT_NAME": "gateway 7",
+                "DQ_TOKEN_ENDPOINT_AUTH_METHOD": "private_key_jwt",
+                "DQ_PRIVATE_KEY": "/k.pem", "DQ_KEY_ID": "k1", "DQ_KEY_ALG": "ES384", "DQ_CREDENTIALS_DIR": "/creds",
+                "DQ_ENCRYPTION_ENDPOINT": "https://r/envelopes", "DQ_ENCRYPTION_CERTIFICATE": "/r.crt", "DQ_ENCRYPTION_KEY_ID": "r1",
+                "DQ_ENCRYPTION_MODE": "authenticated", "DQ_ENCRYPTION_FHIR_VERSION": "4.0.1", "DQ_ENCRYPTION_IN_FLIGHT": "4",
+                "DQ_ENCRYPTION_RESOURCE_TYPES": "Observation, Patient",
+            ])
         let auth = try #require(settings.auth)
         #expect(auth.authorizeURI == "https://a/authorize" && auth.authorizeType == .clientCredentials)
         #expect(auth.revocationURI == "https://a/revoke" && auth.registrationURI == "https://a/register" && auth.clientName == "gateway 7")
@@ -290,12 +308,14 @@ struct SettingsTests {
             "DQ_AUTHORIZE_URI", "DQ_KEY_ALG", "DQ_CREDENTIALS_DIR", "DQ_ENCRYPTION_ENDPOINT", "DQ_ENCRYPTION_RESOURCE_TYPES",
             "DQ_ENCRYPTION_IN_FLIGHT", "DQ_DATABASE_PASSWORD_FILE",
         ]
-        #expect(DataQueueSettings.unknownEnvironmentVariables(in: Dictionary(uniqueKeysWithValues: names.map { ($0, "x") })).isEmpty)
-        #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_ENCRYPTION_IN_FLIGHT": "many"]) }
+        #expect(SettingKey.unknownEnvironmentVariables(in: Dictionary(uniqueKeysWithValues: names.map { ($0, "x") })).isEmpty)
+        await #expect(throws: DataQueueError.self) {
+            try await DataQueueSettings.decode(Data("{}".utf8), environment: ["DQ_ENCRYPTION_IN_FLIGHT": "many"])
+        }
     }
 
     @Test("Relative paths in a file are relative to the file's directory")
-    func relativePaths() throws {
+    func relativePaths() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-settings-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(at: directory) }
@@ -303,7 +323,7 @@ struct SettingsTests {
         try Data(
             #"{"server":"http://a/fhir","encryption":{"endpoint":"http://a/enc","certificate":"missing.pem","key_id":"k"}}"#.utf8
         ).write(to: file)
-        let settings = try DataQueueSettings.load(contentsOf: file.path)
+        let settings = try await DataQueueSettings.load(contentsOf: file.path)
         #expect(settings.baseDirectory == directory.path)
         let error = try #require(throws: DataQueueError.self) { try settings.resolve() }
         #expect(error.message.contains("encryption.certificate"), "\(error.message)")
@@ -317,26 +337,28 @@ struct SettingsTests {
             (#"{"server": "http://a/fhir",}"#, "not strict JSON"),
             (#"{"server": "http://a/fhir", "retry": {"jitter": 0,}}"#, "not strict JSON"),
         ])
-    func strictJSON(file: String, expected: String) throws {
-        let error = #expect(throws: DataQueueError.self) { try DataQueueSettings.decode(Data(file.utf8), source: "dq.json") }
+    func strictJSON(file: String, expected: String) async throws {
+        let error = await #expect(throws: DataQueueError.self) { try await DataQueueSettings.decode(Data(file.utf8), source: "dq.json") }
         #expect(error?.code == .invalidConfiguration)
         #expect(error?.message.contains(expected) == true, "\(error?.message ?? "")")
         #expect(error?.message.contains("x") == false || !expected.contains("bearer"), "no value in the error")
     }
 
     @Test("Every number setting, retry, no_proxy, ca_bundle_only and auth's names have a DQ_ variable that wins over the file")
-    func environmentForEverySetting() throws {
+    func environmentForEverySetting() async throws {
         let file =
             #"{"server":"http://a/fhir","timeout_seconds":5,"retry":{"jitter":0.1},"#
             + #""auth":{"client_id":"file-id","token_uri":"http://t/x"}}"#
-        var settings = try DataQueueSettings.decode(Data(file.utf8))
-        try settings.apply(environment: [
-            "DQ_MAX_RESOURCE_BYTES": "4096", "DQ_TIMEOUT_SECONDS": "12.5", "DQ_CONNECT_TIMEOUT_SECONDS": "3",
-            "DQ_SETTLE_SECONDS": "2", "DQ_BATCH_MAX_BYTES": "65536", "DQ_READY_MAX_AGE_SECONDS": "600", "DQ_JOURNAL_RETENTION_DAYS": "7",
-            "DQ_RETRY_INITIAL_SECONDS": "0.5", "DQ_RETRY_MAXIMUM_SECONDS": "60", "DQ_RETRY_JITTER": "0",
-            "DQ_NO_PROXY": "localhost,.internal", "DQ_CA_BUNDLE_ONLY": "false", "DQ_CLIENT_ID": "env-id", "DQ_SCOPE": "system/*.write",
-            "DQ_CLIENT_SECRET": "s3cret", "DQ_LEASE_SECONDS": "7",
-        ])
+        let settings = try await DataQueueSettings.decode(
+            Data(file.utf8),
+            environment: [
+                "DQ_MAX_RESOURCE_BYTES": "4096", "DQ_TIMEOUT_SECONDS": "12.5", "DQ_CONNECT_TIMEOUT_SECONDS": "3",
+                "DQ_SETTLE_SECONDS": "2", "DQ_BATCH_MAX_BYTES": "65536", "DQ_READY_MAX_AGE_SECONDS": "600",
+                "DQ_JOURNAL_RETENTION_DAYS": "7",
+                "DQ_RETRY_INITIAL_SECONDS": "0.5", "DQ_RETRY_MAXIMUM_SECONDS": "60", "DQ_RETRY_JITTER": "0",
+                "DQ_NO_PROXY": "localhost,.internal", "DQ_CA_BUNDLE_ONLY": "false", "DQ_CLIENT_ID": "env-id", "DQ_SCOPE": "system/*.write",
+                "DQ_CLIENT_SECRET": "s3cret", "DQ_LEASE_SECONDS": "7",
+            ])
         let resolved = try settings.resolve()
         let configuration = resolved.configuration
         #expect(configuration.maximumResourceSize == 4096)
@@ -350,23 +372,27 @@ struct SettingsTests {
         let client = try #require(resolved.authorization as? OAuth2ClientCredentials)
         #expect(client.configuration.clientID == "env-id" && client.configuration.scope == "system/*.write")
         for name in ["DQ_TIMEOUT_SECONDS", "DQ_RETRY_JITTER", "DQ_CA_BUNDLE_ONLY"] {
-            let error = try #require(throws: DataQueueError.self) { try settings.apply(environment: [name: "soon"]) }
+            let error = try await #require(throws: DataQueueError.self) {
+                try await DataQueueSettings.decode(Data(file.utf8), environment: [name: "soon"])
+            }
             #expect(error.message.contains(name), "\(error.message)")
         }
-        #expect(DataQueueSettings.unknownEnvironmentVariables(in: ["DQ_RETRY_JITTER": "0", "DQ_NO_PROXY": ""]).isEmpty)
+        #expect(SettingKey.unknownEnvironmentVariables(in: ["DQ_RETRY_JITTER": "0", "DQ_NO_PROXY": ""]).isEmpty)
     }
 
     @Test("A bad DQ_DURABILITY or DQ_BATCH_SIZE is named by the variable, not the file's key")
-    func environmentNamed() throws {
-        var settings = DataQueueSettings()
-        let durability = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_DURABILITY": "bogus"]) }
+    func environmentNamed() async throws {
+        func read(_ environment: [String: String]) async throws {
+            _ = try await DataQueueSettings.decode(Data("{}".utf8), environment: environment)
+        }
+        let durability = await #expect(throws: DataQueueError.self) { try await read(["DQ_DURABILITY": "bogus"]) }
         #expect(durability?.message.contains("DQ_DURABILITY") == true, "\(durability?.message ?? "")")
-        let batch = #expect(throws: DataQueueError.self) { try settings.apply(environment: ["DQ_BATCH_SIZE": "0"]) }
+        let batch = await #expect(throws: DataQueueError.self) { try await read(["DQ_BATCH_SIZE": "0"]) }
         #expect(batch?.message.contains("DQ_BATCH_SIZE") == true, "\(batch?.message ?? "")")
     }
 
     @Test("Every DQ_ variable the sources read is a known name, and an unknown one is reported with the name it likely meant")
-    func unknownEnvironmentVariables() throws {
+    func unknownEnvironmentVariables() async throws {
         // The list must follow the code: a variable read but not listed would be warned about as unknown.
         let sources = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("../../Sources")
         var read = Set<String>()
@@ -379,9 +405,9 @@ struct SettingsTests {
             }
         }
         #expect(read.count >= 12, "the scan found the variables: \(read.sorted())")
-        let unlisted = read.subtracting(DataQueueSettings.environmentVariables).subtracting(DataQueueSettings.toolingVariables)
+        let unlisted = read.subtracting(SettingKey.environmentVariables).subtracting(SettingKey.toolingVariables)
         #expect(unlisted.subtracting(["DQ_TEST_"]).isEmpty, "\(unlisted)")
-        let unknown = DataQueueSettings.unknownEnvironmentVariables(in: [
+        let unknown = SettingKey.unknownEnvironmentVariables(in: [
             "DQ_SEVER": "x", "DQ_SERVER": "y", "DQ_FROBNICATE": "z", "PATH": "/bin", "DQ_LOG_LEVL": "debug",
             "DQ_BIN": "/x/dq", "DQ_TEST_FHIR_BASE": "http://t",
         ])
@@ -390,7 +416,7 @@ struct SettingsTests {
     }
 
     @Test("auth.client_secret_file: read from $CREDENTIALS_DIRECTORY (a relative name), without its newline; not a secret in the file")
-    func clientSecretFile() throws {
+    func clientSecretFile() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-creds-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(at: directory) }
@@ -398,26 +424,18 @@ struct SettingsTests {
         chmod(directory.appendingPathComponent("client-secret").path, 0o600)
         let config = directory.appendingPathComponent("dq.json").path
         try Data(#"{"auth": {"client_id": "c", "client_secret_file": "client-secret"}}"#.utf8).write(to: URL(fileURLWithPath: config))
-        var settings = try DataQueueSettings.load(config: config, server: "http://h/fhir", database: nil, environment: [:]) {
-            try DataQueueSettings.decode($0, source: $1)
-        }
+        var settings = try await DataQueueSettings.load(config: config, flags: ["server": .string("http://h/fhir")], environment: [:])
         #expect(settings.auth?.clientSecret == "s3cret+/=", "beside the config file when no credentials directory is set")
         #expect(!settings.fileHoldsSecret && settings.exposedSecretFiles.isEmpty)
         let elsewhere = directory.appendingPathComponent("systemd")
         try FileManager.default.createDirectory(at: elsewhere, withIntermediateDirectories: true)
         try Data("from-systemd".utf8).write(to: elsewhere.appendingPathComponent("client-secret"))
-        settings = try DataQueueSettings.load(
-            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
-        ) {
-            try DataQueueSettings.decode($0, source: $1)
-        }
+        settings = try await DataQueueSettings.load(
+            config: config, flags: ["server": .string("http://h/fhir")], environment: ["CREDENTIALS_DIRECTORY": elsewhere.path])
         #expect(settings.auth?.clientSecret == "from-systemd")
         try Data("from-windows\r\n".utf8).write(to: elsewhere.appendingPathComponent("client-secret"))
-        settings = try DataQueueSettings.load(
-            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
-        ) {
-            try DataQueueSettings.decode($0, source: $1)
-        }
+        settings = try await DataQueueSettings.load(
+            config: config, flags: ["server": .string("http://h/fhir")], environment: ["CREDENTIALS_DIRECTORY": elsewhere.path])
         #expect(settings.auth?.clientSecret == "from-windows", "a CRLF line end (one Character in Swift) is dropped too")
         // A credential mounted as a link is judged by the file it names (a link's own mode is 0777).
         try FileManager.default.moveItem(
@@ -425,25 +443,16 @@ struct SettingsTests {
         chmod(directory.appendingPathComponent("store").path, 0o600)
         try FileManager.default.createSymbolicLink(
             at: elsewhere.appendingPathComponent("client-secret"), withDestinationURL: directory.appendingPathComponent("store"))
-        settings = try DataQueueSettings.load(
-            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
-        ) {
-            try DataQueueSettings.decode($0, source: $1)
-        }
+        settings = try await DataQueueSettings.load(
+            config: config, flags: ["server": .string("http://h/fhir")], environment: ["CREDENTIALS_DIRECTORY": elsewhere.path])
         #expect(settings.auth?.clientSecret == "from-windows" && settings.exposedSecretFiles.isEmpty, "\(settings.exposedSecretFiles)")
         chmod(directory.appendingPathComponent("store").path, 0o644)
-        settings = try DataQueueSettings.load(
-            config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": elsewhere.path]
-        ) {
-            try DataQueueSettings.decode($0, source: $1)
-        }
+        settings = try await DataQueueSettings.load(
+            config: config, flags: ["server": .string("http://h/fhir")], environment: ["CREDENTIALS_DIRECTORY": elsewhere.path])
         #expect(settings.exposedSecretFiles == [elsewhere.appendingPathComponent("client-secret").path])
-        let error = #expect(throws: DataQueueError.self) {
-            try DataQueueSettings.load(
-                config: config, server: "http://h/fhir", database: nil, environment: ["CREDENTIALS_DIRECTORY": "/nonexistent"]
-            ) {
-                try DataQueueSettings.decode($0, source: $1)
-            }
+        let error = await #expect(throws: DataQueueError.self) {
+            try await DataQueueSettings.load(
+                config: config, flags: ["server": .string("http://h/fhir")], environment: ["CREDENTIALS_DIRECTORY": "/nonexistent"])
         }
         #expect(error?.code == .invalidConfiguration && error?.message.contains("auth.client_secret_file") == true)
     }
@@ -451,7 +460,7 @@ struct SettingsTests {
     @Test(
         "proxy_file and the DQ_…_FILE variables: the file is read (the environment's name over the file's secret), proxy and proxy_file exclude each other"
     )
-    func secretFilesFromEnvironment() throws {
+    func secretFilesFromEnvironment() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-creds-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(at: directory) }
@@ -461,26 +470,98 @@ struct SettingsTests {
         }
         let config = directory.appendingPathComponent("dq.json").path
         try Data(#"{"proxy_file": "proxy-url", "auth": {"bearer_token": "file-token"}}"#.utf8).write(to: URL(fileURLWithPath: config))
-        func load(_ environment: [String: String]) throws -> DataQueueSettings {
-            try DataQueueSettings.load(config: config, server: "http://h/fhir", database: nil, environment: environment) {
-                try DataQueueSettings.decode($0, source: $1)
-            }
+        func load(_ environment: [String: String]) async throws -> DataQueueSettings {
+            try await DataQueueSettings.load(config: config, flags: ["server": .string("http://h/fhir")], environment: environment)
         }
-        var settings = try load([:])
+        var settings = try await load([:])
         #expect(settings.proxy == "http://user:pr0xy-pass@proxy.example:3128", "read beside the config file, without its newline")
         #expect(settings.auth?.bearerToken == "file-token")
-        settings = try load(["DQ_BEARER_TOKEN_FILE": directory.appendingPathComponent("token").path, "DQ_PROXY": "http://other:8080"])
+        settings = try await load(["DQ_BEARER_TOKEN_FILE": directory.appendingPathComponent("token").path, "DQ_PROXY": "http://other:8080"])
         #expect(settings.auth?.bearerToken == "env-file-token", "the variable's file over the config file's token")
         #expect(settings.proxy == "http://other:8080", "DQ_PROXY over the config file's proxy_file")
         let resolved = try settings.resolve()
         #expect(resolved.configuration.network.proxy(for: URL(string: "https://h/fhir")!) == "http://other:8080")
 
         try Data(#"{"proxy": "http://a:1", "proxy_file": "proxy-url"}"#.utf8).write(to: URL(fileURLWithPath: config))
-        let both = #expect(throws: DataQueueError.self) { try load([:]) }
+        let both = await #expect(throws: DataQueueError.self) { try await load([:]) }
         #expect(both?.message.contains("proxy_file") == true, "\(both?.message ?? "")")
         try Data(#"{"proxy_file": "missing"}"#.utf8).write(to: URL(fileURLWithPath: config))
-        let missing = #expect(throws: DataQueueError.self) { try load([:]) }
+        let missing = await #expect(throws: DataQueueError.self) { try await load([:]) }
         #expect(missing?.message.contains("\"proxy_file\"") == true && missing?.message.contains("pr0xy") == false)
+    }
+
+    @Test("DataQueue.Configuration(reader:) and the auth configurations read dq.json's keys from any ConfigReader")
+    func configurationFromReader() async throws {
+        let memory = InMemoryProvider(values: [
+            "database": "/tmp/dq-reader/q.sqlite", "durability": "normal", "timeout_seconds": 12.5, "batch_size": 20.0,
+            "retry.jitter": 0.0, "extra_resource_types": .init(.stringArray(["Device"]), isSecret: false),
+            "idempotent": .init(.bool(false), isSecret: false), "no_proxy": "localhost",
+        ])
+        let configuration = try await DataQueue.Configuration(reader: ConfigReader(provider: memory))
+        #expect(configuration.databasePath == "/tmp/dq-reader/q.sqlite" && configuration.durability == .normal)
+        #expect(configuration.requestTimeout == 12.5 && configuration.batchSize == 20 && configuration.retryPolicy.jitter == 0)
+        #expect(configuration.idempotent == .never && configuration.network.noProxy == "localhost")
+        if case .r4(let adding) = configuration.resourceTypes {
+            #expect(adding == ["Device"])
+        } else {
+            Issue.record("\(configuration.resourceTypes)")
+        }
+
+        // The same keys under a host's prefix, from a JSON file; a value of the wrong type is named by its key.
+        let file = try SettingsFile(
+            data: Data(#"{"server": "https://h/fhir", "settle_seconds": 2, "auth": {"client_id": "c", "client_secret": "s"}}"#.utf8),
+            source: "host.json")
+        let reader = ConfigReader(provider: file)
+        #expect(try await DataQueue.Configuration(reader: reader).settleDelay == 2)
+        let oauth = try await OAuth2Configuration(reader: reader)
+        #expect(oauth.clientID == "c" && oauth.clientSecret == "s" && oauth.fhirBaseURL.absoluteString == "https://h/fhir")
+        let scoped = ConfigReader(provider: InMemoryProvider(values: ["dq.lease_seconds": "soon"])).scoped(to: "dq")
+        let error = await #expect(throws: DataQueueError.self) { try await DataQueue.Configuration(reader: scoped) }
+        #expect(error?.message == #"configuration: "lease_seconds" must be a number"#, "\(error?.message ?? "")")
+        let signIn = ConfigReader(provider: InMemoryProvider(values: ["server": "https://h/fhir", "auth.client_id": "app"]))
+        #expect(try await AuthorizationCodeClient.Configuration(reader: signIn).clientID == "app")
+    }
+
+    @Test("dq's reader: a flag over its DQ_ variable over the file, each value's origin reported by the reader")
+    func precedenceThroughTheReader() async throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-reader-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let config = directory.appendingPathComponent("dq.json").path
+        try Data(#"{"server": "http://file/fhir", "timeout_seconds": 5, "settle_seconds": 1, "retry": {"jitter": 0.5}}"#.utf8)
+            .write(to: URL(fileURLWithPath: config))
+        let recorder = OriginRecorder()
+        let settings = try await DataQueueSettings.load(
+            config: config, flags: ["server": .string("http://flag/fhir")],
+            environment: ["DQ_SERVER": "http://env/fhir", "DQ_TIMEOUT_SECONDS": "7", "DQ_SETTLE_SECONDS": "3"], accessReporter: recorder)
+        #expect(settings.server == "http://flag/fhir" && settings.timeoutSeconds == 7 && settings.settleSeconds == 3)
+        #expect(settings.retry?.jitter == 0.5 && settings.connectTimeoutSeconds == nil)
+        // Where each value came from is what the reader reported (nothing is reported when it is bypassed).
+        #expect(recorder.origin(of: "server")?.provider == SettingsReader.flagsName)
+        #expect(
+            recorder.origin(of: "timeout_seconds").map { [$0.provider, $0.encodedKey] } == [
+                SettingsReader.environmentName, "DQ_TIMEOUT_SECONDS",
+            ])
+        #expect(recorder.origin(of: "retry.jitter").map { [$0.provider, $0.encodedKey] } == [SettingsReader.fileName, "retry.jitter"])
+        #expect(recorder.origin(of: "connect_timeout_seconds") == nil)
+        // A secret is read as one: an access logger redacts it.
+        let secrets = SecretsSeen()
+        let reader = SettingsReader.make(
+            environment: ["DQ_TOKEN": "t0k3n", "DQ_CLIENT_ID": "c"], file: nil, accessReporter: secrets)
+        _ = try await DataQueueSettings(reader: reader)
+        #expect(secrets.secret["auth.bearer_token"] == true && secrets.secret["auth.client_id"] == false, "\(secrets.secret)")
+    }
+
+    @Test(
+        "An unknown key is refused through the file's provider, with the key it likely meant",
+        arguments: [
+            (#"{"sever": "x"}"#, #"unknown key "sever" (did you mean "server"?)"#),
+            (#"{"retry": {"jiter": 1}}"#, #"unknown key "retry.jiter" (did you mean "retry.jitter"?)"#),
+            (#"{"frobnicate": 1}"#, #"unknown key "frobnicate""#),
+        ])
+    func unknownKeySuggestion(json: String, message: String) async throws {
+        let error = #expect(throws: DataQueueError.self) { try SettingsFile(data: Data(json.utf8), source: "dq.json") }
+        #expect(error?.message.hasSuffix(message) == true, "\(error?.message ?? "")")
     }
 
     @Test("The default database: $STATE_DIRECTORY (systemd), else $XDG_DATA_HOME, else ~/.local/share")
@@ -490,5 +571,14 @@ struct SettingsTests {
                 == "/var/lib/dq/queue.sqlite")
         #expect(QueuePaths.defaultDatabasePath(environment: ["XDG_DATA_HOME": "/x", "HOME": "/h"]) == "/x/dq/queue.sqlite")
         #expect(QueuePaths.defaultDatabasePath(environment: ["HOME": "/h"]) == "/h/.local/share/dq/queue.sqlite")
+    }
+}
+
+/// Which keys were read as secrets.
+private final class SecretsSeen: AccessReporter, Sendable {
+    private let seen = Mutex<[String: Bool]>([:])
+    var secret: [String: Bool] { seen.withLock { $0 } }
+    func report(_ event: AccessEvent) {
+        if case .success(let value?) = event.result { seen.withLock { $0[event.metadata.key.description] = value.isSecret } }
     }
 }

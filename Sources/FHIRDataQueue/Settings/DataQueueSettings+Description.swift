@@ -20,7 +20,8 @@ extension DataQueueSettings: RedactedDescription {
             .plain("drainTimeoutSeconds", drainTimeoutSeconds), .plain("journalRetentionDays", journalRetentionDays),
             .plain("retry", retry), .plain("caBundle", caBundle), .url("proxy", proxy), .plain("proxyFile", proxyFile),
             .plain("noProxy", noProxy), .plain("tls", tls), .plain("environmentNetwork", environmentNetwork), .plain("auth", auth),
-            .plain("encryption", encryption), .plain("atRest", atRest), .plain("baseDirectory", baseDirectory),
+            .plain("encryption", encryption), .plain("atRest", atRest),
+            .plain("envelopeKeyring", envelopeKeyring?.directory), .plain("baseDirectory", baseDirectory),
             .plain("sourcePath", sourcePath), .plain("fileHoldsSecret", fileHoldsSecret),
             .plain("exposedSecretFiles", exposedSecretFiles),
         ]

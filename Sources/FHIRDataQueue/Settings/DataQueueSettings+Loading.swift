@@ -1,31 +1,74 @@
+import Configuration
 import Foundation
 import Logging
 
 extension DataQueueSettings {
     // MARK: - Loading
 
-    /// Reads and decodes a settings file; relative paths in it are relative to its directory.
+    /// The settings of one `dq` run, read through ``SettingsReader``: `flags` (values by key), then the `DQ_*`
+    /// variables of `environment`, then the config file (`config`, else `$DQ_CONFIG`, else the first of
+    /// ``configSearchPath(environment:)`` that exists); then the `…_file` secrets are read, the proxy
+    /// variables noted and the database password put into a PostgreSQL URL.
+    ///
+    /// - Parameter accessReporter: told of every value read and where it came from (`dq config`).
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the key or variable of the first bad value.
+    package static func load(
+        config: String?, flags: [String: ConfigContent] = [:], environment: [String: String],
+        accessReporter: (any AccessReporter)? = nil
+    ) async throws -> DataQueueSettings {
+        let path =
+            config ?? environment["DQ_CONFIG"]
+            ?? configSearchPath(environment: environment).first { FileManager.default.fileExists(atPath: $0) }
+        let file = try path.map(SettingsFile.init(contentsOf:))
+        let reader = SettingsReader.make(flags: flags, environment: environment, file: file, accessReporter: accessReporter)
+        var settings = try await DataQueueSettings(reader: reader)
+        if let path {
+            // The directory of the file as named from the working directory (`dq.json` alone names no directory,
+            // and its relative paths would otherwise be read from `/`).
+            let absolute = path.hasPrefix("/") ? path : FileManager.default.currentDirectoryPath + "/" + path
+            settings.baseDirectory = QueuePaths.directory(of: absolute)
+            settings.sourcePath = path
+            settings.fileHoldsSecret = file?.holdsSecret ?? false
+        }
+        settings.environmentNetwork.apply(environment: environment)
+        try settings.readSecretFiles(environment: environment)
+        settings.noteExposedKeyFiles(environment: environment)
+        try settings.applyDatabasePassword()
+        return settings
+    }
+
+    /// Reads a settings file (with no variable or secret file); relative paths in it are relative to its directory.
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) when the file cannot be read, is not a JSON
     ///   object, or has an unknown key or a value of the wrong type.
-    public static func load(contentsOf path: String) throws -> DataQueueSettings {
-        try load(contentsOf: path) { data in try decode(data, source: path) }
+    package static func load(contentsOf path: String) async throws -> DataQueueSettings {
+        var settings = try await DataQueueSettings(reader: SettingsReader.make(environment: [:], file: SettingsFile(contentsOf: path)))
+        let absolute = path.hasPrefix("/") ? path : FileManager.default.currentDirectoryPath + "/" + path
+        settings.baseDirectory = QueuePaths.directory(of: absolute)
+        settings.sourcePath = path
+        settings.fileHoldsSecret = try SettingsFile(contentsOf: path).holdsSecret
+        return settings
     }
 
-    /// Decodes settings from JSON bytes; `source` names them in errors.
-    public static func decode(_ data: Data, source: String = "the settings") throws -> DataQueueSettings {
+    /// Reads settings from JSON bytes and the `DQ_` variables of `environment` over them (no secret file is
+    /// read); `source` names the bytes in errors.
+    package static func decode(
+        _ data: Data, source: String = "the settings", environment: [String: String] = [:]
+    ) async throws -> DataQueueSettings {
+        let file = try SettingsFile(data: data, source: source)
+        var settings = try await DataQueueSettings(reader: SettingsReader.make(environment: environment, file: file))
+        settings.environmentNetwork.apply(environment: environment)
+        return settings
+    }
+
+    /// The object JSON bytes hold, once they pass the checks swift-configuration's `JSONSnapshot` does not make:
+    /// no byte order mark, strict JSON (see ``checkStrict(_:source:)``), an object at the top; where the JSON
+    /// breaks is named by line and column.
+    static func checkedObject(_ data: Data, source: String) throws -> [String: Any] {
         if data.starts(with: [0xEF, 0xBB, 0xBF]) {
             throw configError("\(source) starts with a byte order mark (a UTF-8 BOM): save it as UTF-8 without one")
         }
-        do {
-            let settings = try JSONDecoder().decode(DataQueueSettings.self, from: data)
-            try checkStrict(data, source: source)
-            return settings
-        } catch let error as DataQueueError {
-            throw error
-        } catch DecodingError.typeMismatch(_, let context) where !context.codingPath.isEmpty {
-            throw configError("\(SettingsKeys.name(context.codingPath)) has the wrong type")
-        } catch DecodingError.dataCorrupted {
+        guard let parsed = try? JSONSerialization.jsonObject(with: data) else {
             // Where the JSON breaks (never the text around it): Foundation's parser names a character offset.
             if let at = errorOffset(in: data) {
                 let before = data.prefix(at)
@@ -34,9 +77,10 @@ extension DataQueueSettings {
                 throw configError("\(source) is not a JSON object: invalid JSON at line \(line), column \(column)")
             }
             throw configError("\(source) is not a JSON object")
-        } catch {
-            throw configError("\(source) is not a JSON object")
         }
+        guard let object = parsed as? [String: Any] else { throw configError("\(source) is not a JSON object") }
+        try checkStrict(data, source: source)
+        return object
     }
 
     /// The JSON rules resource files follow, for settings too: no key twice in any object, at any depth (jq and
@@ -112,6 +156,41 @@ extension DataQueueSettings {
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the key of the first bad value.
     package func resolve() throws -> Resolved {
         let values = try checkedValues()
+        var configuration = try queueConfiguration(values)
+        let serverURL = values.server
+        var authorization: (any AuthorizationProvider)?
+        if let auth {
+            if let token = auth.bearerToken {
+                guard !token.isEmpty else { throw Self.configError("\"auth.bearer_token\" is empty") }
+                authorization = StaticBearerToken(token)
+            } else if auth.authorizeType == .authorizationCode {
+                authorization = AuthorizationCodeClient(
+                    configuration: try authorizationCodeConfiguration(auth, server: serverURL, network: configuration.network))
+            } else if auth.authorizeType != nil || auth.clientID != nil || auth.registrationURI != nil {
+                authorization = try OAuth2ClientCredentials(
+                    configuration: oauth2Configuration(auth, server: serverURL, network: configuration.network))
+            }
+        }
+        configuration.atRest = try resolveAtRest()
+        configuration.envelopeKeyring = envelopeKeyring
+        return Resolved(
+            server: serverURL, configuration: configuration, authorization: authorization,
+            encryption: try encryption.map(resolveEncryption))
+    }
+
+    /// The queue's configuration (every key but `server`, `auth` and `encryption`'s others), checked; the at-rest
+    /// keys are read from their files.
+    package func queueConfiguration() throws -> DataQueue.Configuration {
+        // No server is needed for the queue's own values: a placeholder stands in for the check of the others.
+        var values = CheckedValues(server: URL(fileURLWithPath: "/"), queueName: "")
+        try checkOptions(&values)
+        var configuration = try queueConfiguration(values)
+        configuration.atRest = try resolveAtRest()
+        configuration.envelopeKeyring = envelopeKeyring
+        return configuration
+    }
+
+    private func queueConfiguration(_ values: CheckedValues) throws -> DataQueue.Configuration {
         var configuration = DataQueue.Configuration()
         if let value = values.database { configuration.databasePath = value }
         if let value = values.durability { configuration.durability = value }
@@ -134,26 +213,11 @@ extension DataQueueSettings {
         if let value = values.retryMaximumDelay { configuration.retryPolicy.maximumDelay = value }
         if let value = values.retryJitter { configuration.retryPolicy.jitter = value }
         configuration.network = values.network
-        let serverURL = values.server
-        var authorization: (any AuthorizationProvider)?
-        if let auth {
-            if let token = auth.bearerToken {
-                guard !token.isEmpty else { throw Self.configError("\"auth.bearer_token\" is empty") }
-                authorization = StaticBearerToken(token)
-            } else if auth.authorizeType == .authorizationCode {
-                authorization = try resolveAuthorizationCode(auth, server: serverURL, network: configuration.network)
-            } else if auth.authorizeType != nil || auth.clientID != nil || auth.registrationURI != nil {
-                authorization = try resolveOAuth2(auth, server: serverURL, network: configuration.network)
-            }
-        }
         if let value = encryption?.inFlight {
             guard (1...64).contains(value) else { throw Self.inFlightError }
             configuration.encryptedInFlight = value
         }
-        configuration.atRest = try resolveAtRest()
-        return Resolved(
-            server: serverURL, configuration: configuration, authorization: authorization,
-            encryption: try encryption.map(resolveEncryption))
+        return configuration
     }
 
     /// Builds the queue the settings describe: an ``EncryptedDataQueue`` when `encryption` is set, else a
@@ -165,7 +229,7 @@ extension DataQueueSettings {
     ///   - logger: where the queue logs.
     /// - Throws: ``DataQueueError``: `.invalidConfiguration` for a bad setting, `.storage` when the database
     ///   cannot be opened.
-    public func makeQueue(readOnly: Bool = false, logger: Logger) async throws -> DataQueue {
+    package func makeQueue(readOnly: Bool = false, logger: Logger) async throws -> DataQueue {
         var resolved = try resolve()
         resolved.configuration.readOnly = readOnly
         if let encryption = resolved.encryption {
@@ -238,7 +302,10 @@ extension DataQueueSettings {
         return (method, key)
     }
 
-    private func resolveAuthorizationCode(_ auth: Auth, server: URL, network: NetworkConfiguration) throws -> AuthorizationCodeClient {
+    /// The `auth` object for `authorization_code`, checked.
+    func authorizationCodeConfiguration(
+        _ auth: Auth, server: URL, network: NetworkConfiguration
+    ) throws -> AuthorizationCodeClient.Configuration {
         for (key, set) in [("registration_uri", auth.registrationURI != nil), ("registration_fields", auth.registrationFields != nil)]
         where set {
             throw Self.configError("\"auth.\(key)\" is for client_credentials; with authorization_code give \"auth.client_id\"")
@@ -272,10 +339,11 @@ extension DataQueueSettings {
         }
         if let directory = auth.credentialsDirectory { configuration.credentialsDirectory = relative(directory) }
         configuration.network = network
-        return AuthorizationCodeClient(configuration: configuration)
+        return configuration
     }
 
-    private func resolveOAuth2(_ auth: Auth, server: URL, network: NetworkConfiguration) throws -> OAuth2ClientCredentials {
+    /// The `auth` object for `client_credentials`, checked.
+    func oauth2Configuration(_ auth: Auth, server: URL, network: NetworkConfiguration) throws -> OAuth2Configuration {
         if auth.issuer != nil || auth.revocationURI != nil {
             throw Self.configError("\"auth.issuer\" and \"auth.revocation_uri\" belong to \"authorize_type\": \"authorization_code\"")
         }
@@ -308,7 +376,7 @@ extension DataQueueSettings {
         if oauth.clientID == nil && oauth.registrationURI == nil && oauth.tokenURL != nil {
             throw Self.configError("\"auth.client_id\" is missing (or set \"auth.registration_uri\" to register dynamically)")
         }
-        return try OAuth2ClientCredentials(configuration: oauth)
+        return oauth
     }
 
     private func resolveEncryption(_ object: Encryption) throws -> ResolvedEncryption {

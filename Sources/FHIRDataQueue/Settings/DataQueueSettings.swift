@@ -1,173 +1,149 @@
+import Configuration
+import Foundation
 import Logging
+import Synchronization
 
-#if canImport(FoundationEssentials)
-    import FoundationEssentials
-#else
-    import Foundation
-#endif
-
-/// The `dq.json` settings file, as the `dq` command line and an embedding service both read it.
-///
-/// Decoding checks names and types (an unknown key or a wrong type is an error that names the key);
-/// making a queue (``makeQueue(readOnly:logger:)``) checks values and builds its pieces. Environment variables (`DQ_*`) are applied
-/// with ``apply(environment:)``; an application applies its own overrides by setting the properties.
-///
-/// ```swift
-/// var settings = try DataQueueSettings.load(contentsOf: "/etc/dq/dq.json")
-/// try settings.apply(environment: ProcessInfo.processInfo.environment)
-/// let queue = try await settings.makeQueue(logger: logger)
-/// ```
+/// The settings of `dq.json`, its `DQ_` variables and the command line's flags, as one `ConfigReader` gives them
+/// (see ``SettingsReader``): each key as it was given, before ``resolve()`` checks the values and builds the
+/// queue's pieces. The library's public way in is ``DataQueue/Configuration/init(reader:)`` and the auth
+/// configurations' `init(reader:)`; this value is what they, `dq` and its tests share.
 ///
 /// Every error is a ``DataQueueError`` with code `.invalidConfiguration` and a message that starts with
-/// `configuration:` and names the key, never its secret value.
-public struct DataQueueSettings: Sendable, Decodable {
+/// `configuration:` and names the key (or the variable), never its secret value.
+package struct DataQueueSettings: Sendable {
     /// `server`: the FHIR base URL.
-    public var server: String?
-    /// `database`: the queue's SQLite file. The default is ``DataQueue/defaultDatabasePath(environment:)``.
-    public var database: String?
-    /// `database_password_file` (or `DQ_DATABASE_PASSWORD_FILE`): a file holding the PostgreSQL password, for a
-    /// `database` URL without one (a relative name is looked up in `$CREDENTIALS_DIRECTORY` when systemd's
-    /// `LoadCredential=` set it, else beside the config file). Over `PGPASSWORD` and the password file.
-    public var databasePasswordFile: String?
-    /// The password `database_password_file` holds, read by ``readSecretFiles(environment:)``. Not read from the
-    /// file.
+    package var server: String?
+    /// `database`: the queue's SQLite file or PostgreSQL URL. The default is ``DataQueue/defaultDatabasePath(environment:)``.
+    package var database: String?
+    /// `database_password_file`: a file holding the PostgreSQL password, for a `database` URL without one.
+    package var databasePasswordFile: String?
+    /// The password `database_password_file` holds, read by ``readSecretFiles(environment:)``.
     package var databasePassword: String?
     /// `durability`: `full` or `normal`.
-    public var durability: DataQueue.Durability?
-    /// `idempotent`: conditional creates, so that a create whose answer was lost is not stored twice: `"auto"`
-    /// (the default: for the types whose conditional create the server declares), `true` or `false` (see
-    /// ``DataQueue/Idempotence``).
-    public var idempotent: DataQueue.Idempotence?
+    package var durability: DataQueue.Durability?
+    /// `idempotent`: `"auto"`, `true` or `false` (see ``DataQueue/Idempotence``).
+    package var idempotent: DataQueue.Idempotence?
     /// `max_resource_bytes`: the largest resource accepted.
-    public var maxResourceBytes: Int?
-    /// `extra_resource_types`: resource types a server adds to FHIR R4's, accepted at enqueue; `"*"` accepts any.
-    public var extraResourceTypes: [String]?
+    package var maxResourceBytes: Int?
+    /// `extra_resource_types`: resource types a server adds to FHIR R4's; `"*"` accepts any.
+    package var extraResourceTypes: [String]?
     /// `timeout_seconds`: the deadline of one request.
-    public var timeoutSeconds: Double?
+    package var timeoutSeconds: Double?
     /// `connect_timeout_seconds`: the connect timeout.
-    public var connectTimeoutSeconds: Double?
+    package var connectTimeoutSeconds: Double?
     /// `settle_seconds`: see ``DataQueue/Configuration/settleDelay``.
-    public var settleSeconds: Double?
-    /// `lease_seconds` (or `DQ_LEASE_SECONDS`): see ``DataQueue/Configuration/leaseDuration``.
-    public var leaseSeconds: Double?
-    /// `batch_size`: the most items per request (transaction Bundle entries); `1` one request per item. Unset:
-    /// automatic (see ``DataQueue/Configuration/batchSize``).
-    public var batchSize: Int?
+    package var settleSeconds: Double?
+    /// `lease_seconds`: see ``DataQueue/Configuration/leaseDuration``.
+    package var leaseSeconds: Double?
+    /// `batch_size`: the most items per request; unset: automatic (see ``DataQueue/Configuration/batchSize``).
+    package var batchSize: Int?
     /// `batch_max_bytes`: the most body bytes per Bundle.
-    public var batchMaxBytes: Int?
-    /// `ready_max_age_seconds`: `dq run`'s `/readyz` fails while a pending item is older than this (unset: age
-    /// is not looked at).
-    public var readyMaxAgeSeconds: Double?
-    /// `log_format` (or `DQ_LOG_FORMAT`): `text` (the default) or `json`, for the command line's log lines.
-    public var logFormat: LogFormat?
-    /// `log_level` (or `DQ_LOG_LEVEL`): the least level logged, `trace` to `critical`; the default is `warning`
-    /// (`-v` is `debug`).
-    public var logLevel: Logger.Level?
-    /// `metrics_address` (or `DQ_METRICS_ADDRESS`): where `dq run` serves `/metrics`, `/healthz` and `/readyz`
-    /// (`HOST:PORT`, or a port on loopback). The default is none.
-    public var metricsAddress: String?
-    /// `poll_interval_seconds` (or `DQ_POLL_INTERVAL_SECONDS`): how often `dq run` looks for items queued by other
-    /// processes. The default is 1.
-    public var pollIntervalSeconds: Double?
-    /// `drain_timeout_seconds` (or `DQ_DRAIN_TIMEOUT_SECONDS`): how long `dq run`'s graceful stop waits for the
-    /// request on the wire. The default is 10.
-    public var drainTimeoutSeconds: Double?
-    /// `journal_retention_days`: delivery journal lines older than this are deleted by `dq run` (daily) and
-    /// `dq flush`. The default is 90; 0 keeps every line.
-    public var journalRetentionDays: Double?
+    package var batchMaxBytes: Int?
+    /// `ready_max_age_seconds` (`dq run`): `/readyz` fails while a pending item is older than this.
+    package var readyMaxAgeSeconds: Double?
+    /// `log_format` (the command line): `text` (the default) or `json`.
+    package var logFormat: LogFormat?
+    /// `log_level` (the command line): the least level logged; the default is `warning`.
+    package var logLevel: Logger.Level?
+    /// `metrics_address` (`dq run`): where `/metrics`, `/healthz` and `/readyz` are served. The default is none.
+    package var metricsAddress: String?
+    /// `poll_interval_seconds` (`dq run`): how often it looks for items queued by other processes. The default is 1.
+    package var pollIntervalSeconds: Double?
+    /// `drain_timeout_seconds` (`dq run`): how long a graceful stop waits for the request on the wire. The default is 10.
+    package var drainTimeoutSeconds: Double?
+    /// `journal_retention_days`: delivery journal lines older than this are deleted. The default is 90; 0 keeps every line.
+    package var journalRetentionDays: Double?
     /// `retry`: the backoff after failures.
-    public var retry: Retry?
+    package var retry: Retry?
     /// `ca_bundle`: PEM CAs to trust in addition to the system's (also `tls.ca_bundle`).
-    public var caBundle: String?
-    /// `proxy`: the proxy for every request (`http://[user:password@]host:port`, or `socks5://host:port`); over
-    /// `HTTPS_PROXY` and `HTTP_PROXY`.
-    public var proxy: String?
-    /// `proxy_file`: a file holding the proxy URL (its credentials kept out of the config file), read like
-    /// the other `…_file` secrets; excludes `proxy`.
-    public var proxyFile: String?
-    /// `no_proxy`: hosts reached without the proxy (curl's `NO_PROXY` rules); over `NO_PROXY`.
-    public var noProxy: String?
+    package var caBundle: String?
+    /// `proxy`: the proxy for every request; over `HTTPS_PROXY` and `HTTP_PROXY`.
+    package var proxy: String?
+    /// `proxy_file`: a file holding the proxy URL; excludes `proxy`.
+    package var proxyFile: String?
+    /// `no_proxy`: hosts reached without the proxy; over `NO_PROXY`.
+    package var noProxy: String?
     /// `tls`: the client certificate and trust.
-    public var tls: TLS?
-    /// The proxy variables of the environment (`HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY`), set by
-    /// ``apply(environment:)``. Not read from the file.
-    public var environmentNetwork = NetworkConfiguration()
+    package var tls: TLS?
+    /// The proxy variables of the environment (`HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY`). Not a key.
+    package var environmentNetwork = NetworkConfiguration()
     /// `auth`: how requests are authorized.
-    public var auth: Auth?
+    package var auth: Auth?
     /// `encryption`: the encrypted endpoint (see ``EncryptedDataQueue``).
-    public var encryption: Encryption?
+    package var encryption: Encryption?
     /// `at_rest`: the keys that seal queued items on disk (see ``DataQueue/Configuration/atRest``).
-    public var atRest: AtRest?
-    /// The directory that relative paths in the file (keys, certificates, credentials) are relative to: the
-    /// file's own directory when loaded with ``load(contentsOf:)``. Not read from the file.
-    public var baseDirectory: String?
-    /// The file the settings were loaded from, if any. Not read from the file.
-    public var sourcePath: String?
+    package var atRest: AtRest?
+    /// The keys `dq serve` opens envelopes with (from `serve.keys_dir`; see ``DataQueue/Configuration/envelopeKeyring``).
+    package var envelopeKeyring: EnvelopeKeyring?
+    /// The directory that relative paths (keys, certificates, credentials) are relative to: the settings file's.
+    package var baseDirectory: String?
+    /// The file the settings were read from, if any.
+    package var sourcePath: String?
     /// Whether the file itself (not the environment) holds a secret: a bearer token or a client secret.
-    public var fileHoldsSecret = false
-    /// Secret files (`…_file` settings) that others than their owner can read. Not read from the file.
-    public var exposedSecretFiles: [String] = []
+    package var fileHoldsSecret = false
+    /// Secret files (`…_file` settings) that others than their owner can read.
+    package var exposedSecretFiles: [String] = []
 
     /// The `retry` object.
-    public struct Retry: Sendable, Decodable {
+    package struct Retry: Sendable {
         /// `initial_seconds`.
-        public var initialSeconds: Double?
+        package var initialSeconds: Double?
         /// `maximum_seconds`.
-        public var maximumSeconds: Double?
+        package var maximumSeconds: Double?
         /// `jitter`, from 0 to 1.
-        public var jitter: Double?
+        package var jitter: Double?
+        /// Empty `retry` settings.
+        package init() {}
     }
 
-    /// The `auth` object: a static bearer token, or OAuth2 client_credentials with optional registration.
-    public struct Auth: Sendable, Decodable {
-        /// `bearer_token` (or `DQ_TOKEN`).
-        public var bearerToken: String?
+    /// The `auth` object: a static bearer token, or OAuth2 client_credentials or authorization_code.
+    package struct Auth: Sendable {
+        /// `bearer_token`.
+        package var bearerToken: String?
         /// `client_id`.
-        public var clientID: String?
-        /// `client_secret` (or `DQ_CLIENT_SECRET`).
-        public var clientSecret: String?
-        /// `bearer_token_file`: a file holding the bearer token (a relative name is looked up in
-        /// `$CREDENTIALS_DIRECTORY` when systemd's `LoadCredential=` set it, else beside the config file).
-        public var bearerTokenFile: String?
-        /// `client_secret_file`: a file holding the client secret, found as `bearer_token_file` is.
-        public var clientSecretFile: String?
-        /// `authorize_uri`: with `client_credentials` C3-PRO's name for the token endpoint; with
-        /// `authorization_code` the authorization endpoint.
-        public var authorizeURI: String?
+        package var clientID: String?
+        /// `client_secret`.
+        package var clientSecret: String?
+        /// `bearer_token_file`: a file holding the bearer token.
+        package var bearerTokenFile: String?
+        /// `client_secret_file`: a file holding the client secret.
+        package var clientSecretFile: String?
+        /// `authorize_uri`: the token endpoint (client_credentials), the authorization endpoint (authorization_code).
+        package var authorizeURI: String?
         /// `token_uri`.
-        public var tokenURI: String?
-        /// `authorize_type`: `client_credentials` (unattended, the default) or `authorization_code` (a
-        /// person signs in once with `dq login`; SMART standalone launch with PKCE).
-        public var authorizeType: AuthorizeType?
-        /// `issuer`: the OpenID issuer whose ID tokens are accepted (authorization_code); the default is
-        /// the SMART configuration's.
-        public var issuer: String?
-        /// `revocation_uri`: the RFC 7009 revocation endpoint (authorization_code); the default is discovered.
-        public var revocationURI: String?
+        package var tokenURI: String?
+        /// `authorize_type`: `client_credentials` (the default) or `authorization_code`.
+        package var authorizeType: AuthorizeType?
+        /// `issuer`: the OpenID issuer whose ID tokens are accepted (authorization_code).
+        package var issuer: String?
+        /// `revocation_uri`: the RFC 7009 revocation endpoint (authorization_code).
+        package var revocationURI: String?
         /// `registration_uri`: RFC 7591 dynamic registration.
-        public var registrationURI: String?
+        package var registrationURI: String?
         /// `client_name` for registration.
-        public var clientName: String?
+        package var clientName: String?
         /// `scope`.
-        public var scope: String?
-        /// `token_endpoint_auth_method` (`none` only for `authorization_code`).
-        public var tokenEndpointAuthMethod: OAuth2Configuration.TokenEndpointAuthMethod?
+        package var scope: String?
+        /// `token_endpoint_auth_method`.
+        package var tokenEndpointAuthMethod: OAuth2Configuration.TokenEndpointAuthMethod?
         /// `private_key`: a PEM file for private_key_jwt.
-        public var privateKey: String?
+        package var privateKey: String?
         /// `key_id` of the private key.
-        public var keyID: String?
-        /// `key_alg`: the JWS algorithm of an RSA private key, `RS384` (the default) or `RS256`; an EC key's
-        /// curve decides its own (`ES256`, `ES384`).
-        public var keyAlgorithm: OAuth2Configuration.ClientAssertionKey.Algorithm?
+        package var keyID: String?
+        /// `key_alg`: the JWS algorithm of an RSA private key.
+        package var keyAlgorithm: OAuth2Configuration.ClientAssertionKey.Algorithm?
         /// `registration_fields`: extra members of the registration request (strings or booleans).
-        public var registrationFields: [String: FieldValue]?
+        package var registrationFields: [String: FieldValue]?
         /// `registration_headers`: extra headers of the registration request.
-        public var registrationHeaders: [String: String]?
+        package var registrationHeaders: [String: String]?
         /// `credentials_dir`: where registered credentials are kept.
-        public var credentialsDirectory: String?
+        package var credentialsDirectory: String?
+
+        /// Empty `auth` settings.
+        package init() {}
 
         /// How requests are authorized with OAuth2 (`authorize_type`).
-        public enum AuthorizeType: String, Sendable, CaseIterable {
+        package enum AuthorizeType: String, Sendable, CaseIterable {
             /// Unattended: the client's own credentials (the default).
             case clientCredentials = "client_credentials"
             /// A person signs in once with `dq login`; refresh tokens after that.
@@ -175,226 +151,297 @@ public struct DataQueueSettings: Sendable, Decodable {
         }
 
         /// A registration field's value.
-        public enum FieldValue: Sendable, Decodable, Equatable {
+        package enum FieldValue: Sendable, Decodable, Equatable {
             /// A string.
             case string(String)
             /// A boolean.
             case bool(Bool)
 
             /// Decodes a string or a boolean.
-            public init(from decoder: any Decoder) throws {
+            package init(from decoder: any Decoder) throws {
                 let container = try decoder.singleValueContainer()
                 if let flag = try? container.decode(Bool.self) {
                     self = .bool(flag)
-                } else if let text = try? container.decode(String.self) {
-                    self = .string(text)
                 } else {
-                    throw SettingsKeys.typeError(decoder.codingPath, "must be a string or a boolean")
+                    self = .string(try container.decode(String.self))
                 }
             }
         }
     }
 
     /// The `tls` object.
-    public struct TLS: Sendable, Decodable {
+    package struct TLS: Sendable {
         /// `client_certificate`: a PEM certificate (chain) for servers that require one.
-        public var clientCertificate: String?
+        package var clientCertificate: String?
         /// `client_key`: its PEM private key.
-        public var clientKey: String?
+        package var clientKey: String?
         /// `ca_bundle`: PEM CAs trusted in addition to the system's.
-        public var caBundle: String?
+        package var caBundle: String?
         /// `ca_bundle_only`: trust only `ca_bundle`, not the system's CAs.
-        public var caBundleOnly: Bool?
-
+        package var caBundleOnly: Bool?
         /// Empty `tls` settings.
-        public init() {}
+        package init() {}
     }
 
     /// The `at_rest` object.
-    public struct AtRest: Sendable, Decodable {
-        /// `key_file` (or `DQ_AT_REST_KEY_FILE`): the key that seals new items, made by `dq keygen --at-rest`
-        /// (a relative name is looked up in `$CREDENTIALS_DIRECTORY` when set, else beside the config file).
-        public var keyFile: String?
-        /// `old_key_files`: keys that open items sealed before a rekey, listed until none is sealed under them.
-        public var oldKeyFiles: [String]?
-
+    package struct AtRest: Sendable {
+        /// `key_file`: the key that seals new items, made by `dq keygen --at-rest`.
+        package var keyFile: String?
+        /// `old_key_files`: keys that open items sealed before a rekey.
+        package var oldKeyFiles: [String]?
         /// Empty `at_rest` settings.
-        public init() {}
+        package init() {}
     }
 
     /// The `encryption` object.
-    public struct Encryption: Sendable, Decodable {
+    package struct Encryption: Sendable {
         /// `endpoint`: where envelopes are posted.
-        public var endpoint: String?
+        package var endpoint: String?
         /// `certificate`: the receiver's X.509 certificate (PEM or DER).
-        public var certificate: String?
+        package var certificate: String?
         /// `key_id`: the receiver's name for its key.
-        public var keyID: String?
+        package var keyID: String?
         /// `fhir_version` written into envelopes. The default is `1.0.2`.
-        public var fhirVersion: String?
+        package var fhirVersion: String?
         /// `resource_types` to encrypt. The default is every resource.
-        public var resourceTypes: [String]?
+        package var resourceTypes: [String]?
         /// `mode`: `c3pro` (the default) or `authenticated`.
-        public var mode: EnvelopeSealer.Format?
-        /// `in_flight`: envelopes sent at once (default 1; more gives up order for the encrypted endpoint).
-        public var inFlight: Int?
-
-        /// Empty (every key unset).
-        public init() {}
+        package var mode: EnvelopeSealer.Format?
+        /// `in_flight`: envelopes sent at once (default 1).
+        package var inFlight: Int?
+        /// Empty `encryption` settings.
+        package init() {}
     }
-
-    /// Empty settings (every key unset).
-    public init() {}
-
-    /// Applies the `DQ_*` environment variables over the file: `DQ_SERVER`, `DQ_DATABASE`, `DQ_DURABILITY`,
-    /// `DQ_IDEMPOTENT`, `DQ_CA_BUNDLE`, `DQ_CA_BUNDLE_ONLY`, `DQ_TOKEN`, `DQ_CLIENT_SECRET`, `DQ_PROXY`,
-    /// `DQ_NO_PROXY`, `DQ_CLIENT_CERTIFICATE`, `DQ_CLIENT_KEY`, `DQ_AT_REST_KEY_FILE`, `DQ_AT_REST_OLD_KEY_FILES`
-    /// (a comma list); each number setting as `DQ_` and its key (`DQ_TIMEOUT_SECONDS`, `DQ_RETRY_JITTER`, …);
-    /// each `auth` key as `DQ_` and the key (`DQ_CLIENT_ID`, `DQ_TOKEN_URI`, `DQ_KEY_ALG`, …, and
-    /// `DQ_BEARER_TOKEN_FILE`, `DQ_CLIENT_SECRET_FILE`); each `encryption` key as `DQ_ENCRYPTION_` and the key
-    /// (`DQ_ENCRYPTION_ENDPOINT`, `DQ_ENCRYPTION_RESOURCE_TYPES` a comma list, …); `DQ_DATABASE_PASSWORD_FILE`; and the usual `HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY` (see ``environmentNetwork``).
-    ///
-    /// - Throws: ``DataQueueError`` for a flag that is not a boolean or a number that is not one, naming the
-    ///   variable.
-    public mutating func apply(environment: [String: String]) throws {
-        if let value = environment["DQ_SERVER"] { server = value }
-        let formats = "must be \"text\" or \"json\""
-        if let format = try Self.choice(environment, "DQ_LOG_FORMAT", formats, { LogFormat(rawValue: $0.lowercased()) }) {
-            logFormat = format
-        }
-        let levels = "must be one of \(Self.logLevels)"
-        if let level = try Self.choice(environment, "DQ_LOG_LEVEL", levels, { Logger.Level(rawValue: $0.lowercased()) }) {
-            logLevel = level
-        }
-        if let value = environment["DQ_METRICS_ADDRESS"] { metricsAddress = value }
-        for (name, key) in [("DQ_REGISTRATION_FIELDS", "registration_fields"), ("DQ_REGISTRATION_HEADERS", "registration_headers")] {
-            guard let text = environment[name] else { continue }
-            // A JSON object, as the file's key takes it (a header may carry a registration token: never echoed).
-            let wrapped = Data(#"{"\#(key)": \#(text)}"#.utf8)
-            guard let decoded = try? JSONDecoder().decode(Auth.self, from: wrapped) else {
-                throw Self.configError(
-                    "\(name) must be a JSON object of \(key == "registration_fields" ? "strings or booleans" : "strings")")
-            }
-            auth = auth ?? Auth()
-            if key == "registration_fields" {
-                auth?.registrationFields = decoded.registrationFields
-            } else {
-                auth?.registrationHeaders = decoded.registrationHeaders
-            }
-        }
-        if let value = environment["DQ_DATABASE"] { database = value }
-        if let value = environment["DQ_DATABASE_PASSWORD_FILE"] { databasePasswordFile = value }
-        let durabilities = "must be \"full\" or \"normal\""
-        if let value = try Self.choice(environment, "DQ_DURABILITY", durabilities, DataQueue.Durability.init(rawValue:)) {
-            durability = value
-        }
-        if let text = environment["DQ_IDEMPOTENT"] {
-            idempotent =
-                text.lowercased() == "auto"
-                ? .automatic : DataQueue.Idempotence(try Self.flag(text, name: "DQ_IDEMPOTENT", or: "auto"))
-        }
-        if let value = environment["DQ_CA_BUNDLE"] {
-            // Over the file's, whichever of its two names the file used.
-            if tls?.caBundle != nil { tls?.caBundle = value } else { caBundle = value }
-        }
-        if let value = environment["DQ_PROXY"] {
-            proxy = value
-            proxyFile = nil
-        }
-        if let value = environment["DQ_PROXY_FILE"] {
-            proxyFile = value
-            proxy = nil
-        }
-        if let value = environment["DQ_CLIENT_CERTIFICATE"] {
-            tls = tls ?? TLS()
-            tls?.clientCertificate = value
-        }
-        if let value = environment["DQ_CLIENT_KEY"] {
-            tls = tls ?? TLS()
-            tls?.clientKey = value
-        }
-        environmentNetwork.apply(environment: environment)
-        if let text = environment["DQ_BATCH_SIZE"] {
-            let limit = SettingLimits.maximumBatchSize
-            guard let value = Int(text.trimmingCharacters(in: .whitespaces)), (1...limit).contains(value) else {
-                throw Self.configError("DQ_BATCH_SIZE must be a whole number from 1 to \(limit)")
-            }
-            batchSize = value
-        }
-        if let value = environment["DQ_AT_REST_KEY_FILE"] {
-            atRest = atRest ?? AtRest()
-            atRest?.keyFile = value
-        }
-        if let value = environment["DQ_AT_REST_OLD_KEY_FILES"] {
-            atRest = atRest ?? AtRest()
-            atRest?.oldKeyFiles = Self.commaList(value)
-        }
-        try applyNumbers(environment: environment)
-        if let value = environment["DQ_NO_PROXY"] { noProxy = value }
-        if let text = environment["DQ_CA_BUNDLE_ONLY"] {
-            tls = tls ?? TLS()
-            tls?.caBundleOnly = try Self.flag(text, name: "DQ_CA_BUNDLE_ONLY")
-        }
-        for (name, key) in Self.authTextVariables {
-            if let value = environment[name] {
-                auth = auth ?? Auth()
-                auth?[keyPath: key] = value
-            }
-        }
-        for (name, key) in Self.encryptionTextVariables {
-            if let value = environment[name] {
-                encryption = encryption ?? Encryption()
-                encryption?[keyPath: key] = value
-            }
-        }
-        try applyChoices(environment: environment)
-        if let value = environment["DQ_EXTRA_RESOURCE_TYPES"] { extraResourceTypes = Self.commaList(value) }
-        if let value = environment["DQ_ENCRYPTION_RESOURCE_TYPES"] {
-            encryption = encryption ?? Encryption()
-            encryption?.resourceTypes = Self.commaList(value)
-        }
-        // A secret from the environment replaces the file's, in either of its forms.
-        for (name, key, other) in Self.authSecretVariables {
-            if let value = environment[name] {
-                auth = auth ?? Auth()
-                auth?[keyPath: key] = value
-                auth?[keyPath: other] = nil
-            }
-        }
-    }
-
-    /// `true`/`false` (or `1`/`0`) in a variable; `or` names a further value the caller takes, for the message.
-    private static func flag(_ text: String, name: String, or other: String? = nil) throws -> Bool {
-        guard let flag = ["1": true, "true": true, "0": false, "false": false][text.lowercased()] else {
-            throw configError("\(name) must be true or false" + (other.map { " (or \($0))" } ?? ""))
-        }
-        return flag
-    }
-
-    /// The settings that are numbers, each with its variable (`DQ_` and the key, upper-case; `retry.` keys as
-    /// `DQ_RETRY_…`); the value is checked as the file's is, when the settings are resolved.
-    private static let numberVariables: [(name: String, key: any WritableKeyPath<DataQueueSettings, Double?> & Sendable)] = [
-        ("DQ_TIMEOUT_SECONDS", \.timeoutSeconds),
-        ("DQ_CONNECT_TIMEOUT_SECONDS", \.connectTimeoutSeconds), ("DQ_SETTLE_SECONDS", \.settleSeconds),
-        ("DQ_READY_MAX_AGE_SECONDS", \.readyMaxAgeSeconds),
-        ("DQ_JOURNAL_RETENTION_DAYS", \.journalRetentionDays), ("DQ_LEASE_SECONDS", \.leaseSeconds),
-        ("DQ_POLL_INTERVAL_SECONDS", \.pollIntervalSeconds), ("DQ_DRAIN_TIMEOUT_SECONDS", \.drainTimeoutSeconds),
-    ]
-
-    /// The settings that are whole numbers, each with its variable (`DQ_BATCH_SIZE`, with its own check, aside).
-    private static let wholeNumberVariables: [(name: String, key: any WritableKeyPath<DataQueueSettings, Int?> & Sendable)] = [
-        ("DQ_MAX_RESOURCE_BYTES", \.maxResourceBytes), ("DQ_BATCH_MAX_BYTES", \.batchMaxBytes),
-    ]
-
-    /// The log levels, least first, as `log_level` names them.
-    package static let logLevels = Logger.Level.allCases.map(\.rawValue).joined(separator: ", ")
 
     /// How the command line writes its log lines (`log_format`).
-    public enum LogFormat: String, Sendable, CaseIterable {
+    package enum LogFormat: String, Sendable, CaseIterable {
         /// Plain lines (the default); under systemd's journal each starts with its syslog priority.
         case text
         /// One JSON object a line, for log shippers.
         case json
+    }
+
+    /// Empty settings (every key unset).
+    package init() {}
+
+    /// Reads every key from `reader` (see ``SettingKey/all``), each with its type; a secret is read as one, so
+    /// that access reporters redact it. Values are checked by ``resolve()``.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the key of a value of the wrong type (a
+    ///   provider may name its own source, as the `DQ_` variables do), and for the two forms of one setting
+    ///   given together.
+    package init(reader: ConfigReader) async throws {
+        let read = Read(reader: reader)
+        server = try await read.text("server")
+        database = try await read.text("database")
+        databasePasswordFile = try await read.text("database_password_file", "must be a string (a file holding the password)")
+        durability = try await read.choice("durability", #"must be "full" or "normal""#) { DataQueue.Durability(rawValue: $0) }
+        idempotent = try await read.idempotence()
+        maxResourceBytes = try await read.wholeNumber("max_resource_bytes", Self.maxResourceBytesError)
+        extraResourceTypes = try await read.list("extra_resource_types", "must be a list of resource type names")
+        timeoutSeconds = try await read.number("timeout_seconds")
+        connectTimeoutSeconds = try await read.number("connect_timeout_seconds")
+        settleSeconds = try await read.number("settle_seconds")
+        leaseSeconds = try await read.number("lease_seconds")
+        batchSize = try await read.wholeNumber("batch_size", Self.batchSizeError)
+        batchMaxBytes = try await read.wholeNumber("batch_max_bytes", Self.batchMaxBytesError)
+        readyMaxAgeSeconds = try await read.number("ready_max_age_seconds", "must be a number of seconds")
+        logFormat = try await read.choice("log_format", #"must be "text" or "json""#) { LogFormat(rawValue: $0.lowercased()) }
+        logLevel = try await read.choice("log_level", "must be one of \(SettingKey.logLevels)") { Logger.Level(rawValue: $0.lowercased()) }
+        metricsAddress = try await read.text("metrics_address", "must be a string (HOST:PORT, or a port)")
+        pollIntervalSeconds = try await read.number("poll_interval_seconds", "must be a number of seconds")
+        drainTimeoutSeconds = try await read.number("drain_timeout_seconds", "must be a number of seconds")
+        journalRetentionDays = try await read.number("journal_retention_days", "must be a number of days")
+        var retry = Retry()
+        retry.initialSeconds = try await read.number("retry.initial_seconds")
+        retry.maximumSeconds = try await read.number("retry.maximum_seconds")
+        retry.jitter = try await read.number("retry.jitter")
+        self.retry = read.found(["retry"]) ? retry : nil
+        caBundle = try await read.text("ca_bundle")
+        proxy = try await read.text("proxy", "must be a string (http://host:port)")
+        proxyFile = try await read.text("proxy_file", "must be a string (a file holding the proxy URL)")
+        try read.exclusive("proxy_file", "proxy")
+        noProxy = try await read.text("no_proxy", "must be a string (a comma-separated list of hosts)")
+        var tls = TLS()
+        tls.clientCertificate = try await read.text("tls.client_certificate", "must be a string (a PEM file)")
+        tls.clientKey = try await read.text("tls.client_key", "must be a string (a PEM file)")
+        tls.caBundle = try await read.text("tls.ca_bundle", "must be a string (a PEM file)")
+        tls.caBundleOnly = try await read.flag("tls.ca_bundle_only")
+        self.tls = read.found(["tls"]) ? tls : nil
+        auth = try await Self.readAuth(read)
+        encryption = try await Self.readEncryption(read)
+        var atRest = AtRest()
+        atRest.keyFile = try await read.text("at_rest.key_file", "must be a string (a key file)")
+        atRest.oldKeyFiles = try await read.list("at_rest.old_key_files", "must be a list of key files")
+        self.atRest = read.found(["at_rest"]) ? atRest : nil
+    }
+
+    private static func readAuth(_ read: Read) async throws -> Auth? {
+        var auth = Auth()
+        auth.bearerToken = try await read.text("auth.bearer_token")
+        auth.clientID = try await read.text("auth.client_id")
+        auth.clientSecret = try await read.text("auth.client_secret")
+        auth.bearerTokenFile = try await read.text("auth.bearer_token_file")
+        auth.clientSecretFile = try await read.text("auth.client_secret_file")
+        try read.exclusive("auth.bearer_token_file", "bearer_token")
+        try read.exclusive("auth.client_secret_file", "client_secret")
+        auth.authorizeURI = try await read.text("auth.authorize_uri")
+        auth.tokenURI = try await read.text("auth.token_uri")
+        auth.authorizeType = try await read.choice("auth.authorize_type", SettingKey.authorizeTypeError) {
+            Auth.AuthorizeType(rawValue: $0)
+        }
+        auth.issuer = try await read.text("auth.issuer")
+        auth.revocationURI = try await read.text("auth.revocation_uri")
+        auth.registrationURI = try await read.text("auth.registration_uri")
+        auth.clientName = try await read.text("auth.client_name")
+        auth.scope = try await read.text("auth.scope")
+        auth.tokenEndpointAuthMethod = try await read.choice("auth.token_endpoint_auth_method", SettingKey.authMethodError) {
+            OAuth2Configuration.TokenEndpointAuthMethod(rawValue: $0)
+        }
+        auth.privateKey = try await read.text("auth.private_key")
+        auth.keyID = try await read.text("auth.key_id")
+        auth.keyAlgorithm = try await read.choice("auth.key_alg", SettingKey.keyAlgorithmError) {
+            OAuth2Configuration.ClientAssertionKey.Algorithm(rawValue: $0.uppercased())
+        }
+        auth.registrationFields = try await read.object("auth.registration_fields", "must be an object")
+        if let headers: [String: Auth.FieldValue] = try await read.object("auth.registration_headers", "must be an object of strings") {
+            auth.registrationHeaders = try headers.mapValues {
+                guard case .string(let text) = $0 else { throw configError("\"auth.registration_headers\" must be an object of strings") }
+                return text
+            }
+        }
+        auth.credentialsDirectory = try await read.text("auth.credentials_dir")
+        return read.found(["auth"]) ? auth : nil
+    }
+
+    private static func readEncryption(_ read: Read) async throws -> Encryption? {
+        var encryption = Encryption()
+        let text = "must be a non-empty string"
+        encryption.endpoint = try await read.text("encryption.endpoint", text)
+        encryption.certificate = try await read.text("encryption.certificate", text)
+        encryption.keyID = try await read.text("encryption.key_id", text)
+        encryption.fhirVersion = try await read.text("encryption.fhir_version", text)
+        encryption.resourceTypes = try await read.list("encryption.resource_types", "must be a non-empty list of resource type names")
+        encryption.mode = try await read.choice("encryption.mode", #"must be "c3pro" or "authenticated""#) {
+            EnvelopeSealer.Format(rawValue: $0)
+        }
+        encryption.inFlight = try await read.wholeNumber("encryption.in_flight", inFlightError)
+        return read.found(["encryption"]) ? encryption : nil
+    }
+
+    /// Reads typed values, naming the key of one of the wrong type, and remembers which keys were found.
+    private final class Read: Sendable {
+        let reader: ConfigReader
+        private let keys = Mutex<Set<String>>([])
+
+        init(reader: ConfigReader) { self.reader = reader }
+
+        /// Whether a key of one of `objects` (`auth`, …) was found.
+        func found(_ objects: [String]) -> Bool {
+            keys.withLock { keys in keys.contains { objects.contains(String($0.prefix { $0 != "." })) } }
+        }
+
+        /// Throws when both `key` and its other form `other` (a key of the same object) were found.
+        func exclusive(_ key: String, _ other: String) throws {
+            let prefix = key.contains(".") ? String(key.prefix { $0 != "." }) + "." : ""
+            if keys.withLock({ $0.contains(key) && $0.contains(prefix + other) }) {
+                throw configError("\"\(key)\" and \(other) exclude each other")
+            }
+        }
+
+        private func value<T>(_ key: String, _ what: String, _ fetch: (ConfigKey, Bool) async throws -> T?) async throws -> T? {
+            let value: T?
+            do {
+                value = try await fetch(ConfigKey(key), SettingKey.byName[key]?.isSecret ?? false)
+            } catch let error as DataQueueError {
+                throw error
+            } catch {
+                throw configError("\"\(key)\" \(what)")
+            }
+            if value != nil { _ = keys.withLock { $0.insert(key) } }
+            return value
+        }
+
+        func text(_ key: String, _ what: String = "must be a string") async throws -> String? {
+            try await value(key, what) { try await reader.fetchString(forKey: $0, isSecret: $1) }
+        }
+
+        func number(_ key: String, _ what: String = "must be a number") async throws -> Double? {
+            try await value(key, what) { try await reader.fetchDouble(forKey: $0, isSecret: $1) }
+        }
+
+        func flag(_ key: String) async throws -> Bool? {
+            try await value(key, "must be true or false") { try await reader.fetchBool(forKey: $0, isSecret: $1) }
+        }
+
+        func list(_ key: String, _ what: String) async throws -> [String]? {
+            try await value(key, what) { try await reader.fetchStringArray(forKey: $0, isSecret: $1) }
+        }
+
+        /// A whole number, written `1000` or `1000.0`; `error` (which says the range) when it is not one.
+        func wholeNumber(_ key: String, _ error: DataQueueError) async throws -> Int? {
+            guard let number = try await number(key) else { return nil }
+            guard number.isFinite, number.rounded() == number, abs(number) < 1e15 else { throw error }
+            return Int(number)
+        }
+
+        /// A value from a set (`parse` gives nil for any other), refused saying which was given (never a secret).
+        func choice<T>(_ key: String, _ what: String, _ parse: (String) -> T?) async throws -> T? {
+            guard let text = try await text(key, what) else { return nil }
+            guard let parsed = parse(text) else { throw configError("\"\(key)\" \(what), not \"\(text.prefix(40))\"") }
+            return parsed
+        }
+
+        /// `idempotent`: `true`, `false` or `"auto"` (a variable's `1` and `0` too).
+        func idempotence() async throws -> DataQueue.Idempotence? {
+            let what = #"must be true, false or "auto""#
+            let text: String?
+            do {
+                text = try await reader.fetchString(forKey: "idempotent")
+            } catch let error as DataQueueError {
+                throw error
+            } catch {
+                text = nil  // a boolean, from a reader that keeps it as one
+            }
+            if let text {
+                _ = keys.withLock { $0.insert("idempotent") }
+                switch text.lowercased() {
+                case "auto": return .automatic
+                case "true", "1": return .always
+                case "false", "0": return .never
+                default: throw configError("\"idempotent\" \(what)")
+                }
+            }
+            let flag = try await value("idempotent", what) { try await reader.fetchBool(forKey: $0, isSecret: $1) }
+            return flag.map { DataQueue.Idempotence($0) }
+        }
+
+        /// An object of strings or booleans, given as JSON text (see ``SettingsFile``).
+        func object(_ key: String, _ what: String) async throws -> [String: Auth.FieldValue]? {
+            guard let text = try await text(key, what) else { return nil }
+            guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any] else {
+                throw configError("\"\(key)\" \(what)")
+            }
+            var fields: [String: Auth.FieldValue] = [:]
+            for (name, value) in object.sorted(by: { $0.key < $1.key }) {
+                guard let member = try? JSONSerialization.data(withJSONObject: [value]),
+                    let field = try? JSONDecoder().decode([Auth.FieldValue].self, from: member).first
+                else { throw configError("\"\(key).\(name)\" must be a string or a boolean") }
+                fields[name] = field
+            }
+            return fields
+        }
+    }
+
+    /// The journal retention in seconds (`journal_retention_days`, 90 by default); nil keeps every line.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a negative or non-finite number of days.
+    package func journalRetention() throws -> TimeInterval? {
+        let days = journalRetentionDays ?? 90
+        guard days.isFinite, days >= 0, days <= 36_500 else {
+            throw Self.configError("\"journal_retention_days\" must be a number of days from 0 (keep every line) to 36500")
+        }
+        return days == 0 ? nil : days * 86_400
     }
 
     static var maxResourceBytesError: DataQueueError {
@@ -409,214 +456,7 @@ public struct DataQueueSettings: Sendable, Decodable {
         configError("\"batch_max_bytes\" must be a whole number of bytes from 1024 to \(256 << 20)")
     }
 
-    private static let retryVariables: [(name: String, key: any WritableKeyPath<Retry, Double?> & Sendable)] = [
-        ("DQ_RETRY_INITIAL_SECONDS", \.initialSeconds), ("DQ_RETRY_MAXIMUM_SECONDS", \.maximumSeconds), ("DQ_RETRY_JITTER", \.jitter),
-    ]
-
-    /// The `auth` settings that are text and no secret (secrets come as `DQ_TOKEN`, `DQ_CLIENT_SECRET`,
-    /// `DQ_BEARER_TOKEN_FILE` or `DQ_CLIENT_SECRET_FILE`), each with its variable: `DQ_` and the key, upper-case.
-    private static let authTextVariables: [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable)] = [
-        ("DQ_CLIENT_ID", \.clientID), ("DQ_TOKEN_URI", \.tokenURI), ("DQ_SCOPE", \.scope), ("DQ_ISSUER", \.issuer),
-        ("DQ_AUTHORIZE_URI", \.authorizeURI), ("DQ_REVOCATION_URI", \.revocationURI),
-        ("DQ_REGISTRATION_URI", \.registrationURI), ("DQ_CLIENT_NAME", \.clientName),
-        ("DQ_PRIVATE_KEY", \.privateKey), ("DQ_KEY_ID", \.keyID), ("DQ_CREDENTIALS_DIR", \.credentialsDirectory),
-    ]
-
-    /// The `encryption` settings that are text, each with its variable: `DQ_ENCRYPTION_` and the key, upper-case.
-    private static let encryptionTextVariables: [(name: String, key: any WritableKeyPath<Encryption, String?> & Sendable)] = [
-        ("DQ_ENCRYPTION_ENDPOINT", \.endpoint), ("DQ_ENCRYPTION_CERTIFICATE", \.certificate), ("DQ_ENCRYPTION_KEY_ID", \.keyID),
-        ("DQ_ENCRYPTION_FHIR_VERSION", \.fhirVersion),
-    ]
-
-    /// The secret variables: each sets one form of a secret (the value, or the file holding it) and clears the
-    /// other. In this order, so that with both forms in the environment the value itself wins.
-    private static let authSecretVariables:
-        [(name: String, key: any WritableKeyPath<Auth, String?> & Sendable, other: any WritableKeyPath<Auth, String?> & Sendable)] = [
-            ("DQ_BEARER_TOKEN_FILE", \.bearerTokenFile, \.bearerToken),
-            ("DQ_CLIENT_SECRET_FILE", \.clientSecretFile, \.clientSecret),
-            ("DQ_TOKEN", \.bearerToken, \.bearerTokenFile),
-            ("DQ_CLIENT_SECRET", \.clientSecret, \.clientSecretFile),
-        ]
-
-    private mutating func applyNumbers(environment: [String: String]) throws {
-        func number(_ name: String) throws -> Double? {
-            guard let text = environment[name] else { return nil }
-            guard let value = Double(text.trimmingCharacters(in: .whitespaces)), value.isFinite else {
-                throw Self.configError("\(name) must be a number")
-            }
-            return value
-        }
-        for (name, key) in Self.numberVariables {
-            if let value = try number(name) { self[keyPath: key] = value }
-        }
-        // Whole numbers: their range is checked as the file's is, when the settings are resolved.
-        for (name, key) in Self.wholeNumberVariables {
-            guard let text = environment[name] else { continue }
-            guard let value = Int(text.trimmingCharacters(in: .whitespaces)) else {
-                throw Self.configError("\(name) must be a whole number")
-            }
-            self[keyPath: key] = value
-        }
-        for (name, key) in Self.retryVariables {
-            if let value = try number(name) {
-                retry = retry ?? Retry()
-                retry?[keyPath: key] = value
-            }
-        }
-        if let text = environment["DQ_ENCRYPTION_IN_FLIGHT"] {
-            guard let value = Int(text.trimmingCharacters(in: .whitespaces)) else {
-                throw Self.configError("DQ_ENCRYPTION_IN_FLIGHT must be a whole number")
-            }
-            encryption = encryption ?? Encryption()
-            encryption?.inFlight = value
-        }
-    }
-
-    /// The `auth` and `encryption` settings that name one of a set of values, from their variables.
-    private mutating func applyChoices(environment: [String: String]) throws {
-        func choice<T>(_ name: String, _ what: String, _ parse: (String) -> T?) throws -> T? {
-            try Self.choice(environment, name, what, parse)
-        }
-        if let value = try choice("DQ_AUTHORIZE_TYPE", Self.authorizeTypeError, Auth.AuthorizeType.init(rawValue:)) {
-            auth = auth ?? Auth()
-            auth?.authorizeType = value
-        }
-        if let value = try choice(
-            "DQ_TOKEN_ENDPOINT_AUTH_METHOD", Self.authMethodError, OAuth2Configuration.TokenEndpointAuthMethod.init(rawValue:))
-        {
-            auth = auth ?? Auth()
-            auth?.tokenEndpointAuthMethod = value
-        }
-        if let value = try choice(
-            "DQ_KEY_ALG", Self.keyAlgorithmError, { OAuth2Configuration.ClientAssertionKey.Algorithm(rawValue: $0.uppercased()) })
-        {
-            auth = auth ?? Auth()
-            auth?.keyAlgorithm = value
-        }
-        if let value = try choice("DQ_ENCRYPTION_MODE", "must be \"c3pro\" or \"authenticated\"", EnvelopeSealer.Format.init(rawValue:)) {
-            encryption = encryption ?? Encryption()
-            encryption?.mode = value
-        }
-    }
-
-    /// The value of variable `name` as `parse` reads it (nil when unset); a value it does not read is an error
-    /// saying the variable `what`.
-    private static func choice<T>(_ environment: [String: String], _ name: String, _ what: String, _ parse: (String) -> T?) throws
-        -> T?
-    {
-        guard let text = environment[name] else { return nil }
-        guard let value = parse(text) else { throw configError("\(name) \(what)") }
-        return value
-    }
-
-    static let authorizeTypeError = "must be \"client_credentials\" or \"authorization_code\""
-    static let authMethodError = "must be client_secret_basic, client_secret_post, none or private_key_jwt"
-    static let keyAlgorithmError = "must be RS256, RS384, ES256 or ES384"
     static var inFlightError: DataQueueError { configError("\"encryption.in_flight\" must be a whole number from 1 to 64") }
-
-    /// The names of a comma list in a variable, trimmed, empty ones left out.
-    private static func commaList(_ text: String) -> [String] {
-        text.split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
-    }
-
-    /// The journal retention in seconds (`journal_retention_days`, 90 by default); nil keeps every line.
-    ///
-    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a negative or non-finite number of days.
-    package func journalRetention() throws -> TimeInterval? {
-        let days = journalRetentionDays ?? 90
-        guard days.isFinite, days >= 0, days <= 36_500 else {
-            throw Self.configError("\"journal_retention_days\" must be a number of days from 0 (keep every line) to 36500")
-        }
-        return days == 0 ? nil : days * 86_400
-    }
-
-    /// Every `DQ_…` environment variable dq reads (the library's and the command line's).
-    package static let environmentVariables: Set<String> = Set(
-        [
-            "DQ_SERVER", "DQ_DATABASE", "DQ_DURABILITY", "DQ_IDEMPOTENT", "DQ_CA_BUNDLE", "DQ_PROXY",
-            "DQ_CLIENT_CERTIFICATE", "DQ_CLIENT_KEY", "DQ_BATCH_SIZE", "DQ_TOKEN",
-            "DQ_CLIENT_SECRET", "DQ_CONFIG", "DQ_LOG_LEVEL", "DQ_LOG_FORMAT", "DQ_AT_REST_KEY_FILE",
-            "DQ_AT_REST_OLD_KEY_FILES", "DQ_NO_PROXY", "DQ_CA_BUNDLE_ONLY", "DQ_PROXY_FILE", "DQ_BEARER_TOKEN_FILE",
-            "DQ_CLIENT_SECRET_FILE", "DQ_DATABASE_PASSWORD_FILE", "DQ_ENCRYPTION_RESOURCE_TYPES", "DQ_ENCRYPTION_IN_FLIGHT",
-            "DQ_METRICS_ADDRESS", "DQ_REGISTRATION_FIELDS", "DQ_REGISTRATION_HEADERS", "DQ_AUTHORIZE_TYPE",
-            "DQ_TOKEN_ENDPOINT_AUTH_METHOD", "DQ_KEY_ALG", "DQ_ENCRYPTION_MODE", "DQ_EXTRA_RESOURCE_TYPES",
-        ] + numberVariables.map(\.name) + wholeNumberVariables.map(\.name) + retryVariables.map(\.name) + authTextVariables.map(\.name)
-            + encryptionTextVariables.map(\.name))
-
-    /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
-    /// `DQ_TEST_…`): not dq settings, and not misspellings of one.
-    package static let toolingVariables: Set<String> = [
-        "DQ_BIN", "DQ_GATEWAY_BIN", "DQ_BENCH_BIN", "DQ_REQUIRE_PEERS", "DQ_SANITIZER", "DQ_PEERS_VENV", "DQ_GENERATOR_VENV",
-    ]
-
-    /// The `DQ_…` names in `environment` that dq does not read (a misspelt `DQ_SEVER` would otherwise be
-    /// ignored without a word), sorted, each with the known name it most likely meant, if one is close.
-    package static func unknownEnvironmentVariables(in environment: [String: String]) -> [(name: String, suggestion: String?)] {
-        environment.keys.filter {
-            $0.hasPrefix("DQ_") && !environmentVariables.contains($0) && !toolingVariables.contains($0) && !$0.hasPrefix("DQ_TEST_")
-        }.sorted().map { name in
-            let nearest = environmentVariables.map { ($0, editDistance(name, $0)) }.min { ($0.1, $0.0) < ($1.1, $1.0) }
-            return (name, nearest.flatMap { $0.1 <= 2 ? $0.0 : nil })
-        }
-    }
-
-    /// Levenshtein distance between two short ASCII names.
-    private static func editDistance(_ a: String, _ b: String) -> Int {
-        let a = Array(a.utf8), b = Array(b.utf8)
-        var row = Array(0...b.count)
-        for i in 1...max(a.count, 1) where !a.isEmpty {
-            var previous = row[0]
-            row[0] = i
-            for j in 1...max(b.count, 1) where !b.isEmpty {
-                let substitution = previous + (a[i - 1] == b[j - 1] ? 0 : 1)
-                previous = row[j]
-                row[j] = min(substitution, row[j] + 1, row[j - 1] + 1)
-            }
-        }
-        return row[b.count]
-    }
-
-    /// Reads a settings file with `decode` and records where it came from: its directory (relative paths in
-    /// it are relative to that), its path, and whether it holds a secret. The one reading of a settings file,
-    /// for ``load(contentsOf:)`` and the command line.
-    package static func load(contentsOf path: String, decode: (Data) throws -> DataQueueSettings) throws -> DataQueueSettings {
-        guard let data = FileManager.default.contents(atPath: path) else {
-            throw configError("cannot read the config file \(path)")
-        }
-        var settings = try decode(data)
-        // The directory of the file as named from the working directory (`dq.json` alone names no directory, and
-        // its relative paths would otherwise be read from `/`).
-        let absolute = path.hasPrefix("/") ? path : FileManager.default.currentDirectoryPath + "/" + path
-        settings.baseDirectory = QueuePaths.directory(of: absolute)
-        settings.sourcePath = path
-        settings.fileHoldsSecret =
-            settings.auth?.bearerToken != nil || settings.auth?.clientSecret != nil
-            || settings.database.flatMap { URLComponents(string: $0)?.password } != nil
-            || settings.proxy.flatMap { NetworkConfiguration.components($0)?.password } != nil
-        return settings
-    }
-
-    /// The settings of one `dq` run: the config file (`config`, else `$DQ_CONFIG`, else the first of
-    /// ``configSearchPath(environment:)`` that exists, read with `decode`) with its `…_file` secrets, then the `DQ_*` environment variables, then the `--server` and `--database` flags.
-    package static func load(
-        config: String?, server: String?, database: String?, environment: [String: String],
-        decode: (Data, String) throws -> DataQueueSettings
-    ) throws -> DataQueueSettings {
-        let configPath =
-            config ?? environment["DQ_CONFIG"]
-            ?? configSearchPath(environment: environment).first {
-                FileManager.default.fileExists(atPath: $0)
-            }
-        var settings = try configPath.map { path in try load(contentsOf: path) { try decode($0, path) } } ?? DataQueueSettings()
-        // The environment first: a `DQ_…_FILE` names a file to read, and a `DQ_TOKEN` replaces the file's one.
-        try settings.apply(environment: environment)
-        try settings.readSecretFiles(environment: environment)
-        settings.noteExposedKeyFiles(environment: environment)
-        if let server { settings.server = server }
-        if let database { settings.database = database }
-        try settings.applyDatabasePassword()
-        return settings
-    }
 
     /// Where dq looks for its config file when neither `--config` nor `$DQ_CONFIG` names one, in order:
     /// `./dq.json`, `$XDG_CONFIG_HOME/dq/dq.json` (else `~/.config/dq/dq.json`), `/etc/dq/dq.json`.
@@ -770,6 +610,12 @@ public struct DataQueueSettings: Sendable, Decodable {
             throw Self.configError(error.message)
         }
         var values = CheckedValues(server: serverURL, queueName: queueName)
+        try checkOptions(&values)
+        return values
+    }
+
+    /// Checks the values other than the server (see ``checkedValues()``).
+    func checkOptions(_ values: inout CheckedValues) throws {
         if let database {
             try Self.checked { try SettingLimits.checkDatabasePath(database, name: "\"database\"") }
             values.database = database
@@ -831,7 +677,6 @@ public struct DataQueueSettings: Sendable, Decodable {
             values.caBundlePath = path
         }
         values.network = try checkedNetwork(caBundle: values.caBundlePath)
-        return values
     }
 
     /// The network settings: the environment's proxies, then `proxy` and `no_proxy`; `tls`.
@@ -907,291 +752,4 @@ public struct DataQueueSettings: Sendable, Decodable {
         return value
     }
 
-    // MARK: - Decoding
-
-    private enum CodingKeys: String, CodingKey, CaseIterable {
-        case server, database, durability, idempotent, retry, auth, encryption
-        case databasePasswordFile = "database_password_file"
-        case atRest = "at_rest"
-        case maxResourceBytes = "max_resource_bytes"
-        case extraResourceTypes = "extra_resource_types"
-        case timeoutSeconds = "timeout_seconds"
-        case connectTimeoutSeconds = "connect_timeout_seconds"
-        case settleSeconds = "settle_seconds"
-        case leaseSeconds = "lease_seconds"
-        case caBundle = "ca_bundle"
-        case proxy, tls
-        case noProxy = "no_proxy"
-        case proxyFile = "proxy_file"
-        case batchSize = "batch_size"
-        case batchMaxBytes = "batch_max_bytes"
-        case readyMaxAgeSeconds = "ready_max_age_seconds"
-        case logFormat = "log_format"
-        case logLevel = "log_level"
-        case metricsAddress = "metrics_address"
-        case pollIntervalSeconds = "poll_interval_seconds"
-        case drainTimeoutSeconds = "drain_timeout_seconds"
-        case journalRetentionDays = "journal_retention_days"
-    }
-
-    /// Decodes the file's object, refusing unknown keys and naming the key of a wrong type.
-    public init(from decoder: any Decoder) throws {
-        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
-        let container = try decoder.container(keyedBy: CodingKeys.self)
-        server = try SettingsKeys.value(container, .server, "must be a string")
-        database = try SettingsKeys.value(container, .database, "must be a string")
-        databasePasswordFile = try SettingsKeys.value(container, .databasePasswordFile, "must be a string (a file holding the password)")
-        durability = try SettingsKeys.choice(container, .durability, "must be \"full\" or \"normal\"") {
-            DataQueue.Durability(rawValue: $0)
-        }
-        if let flag: Bool = try? container.decodeIfPresent(Bool.self, forKey: .idempotent) {
-            idempotent = DataQueue.Idempotence(flag)
-        } else {
-            idempotent = try SettingsKeys.choice(container, .idempotent, "must be true, false or \"auto\"") {
-                $0.lowercased() == "auto" ? .automatic : nil
-            }
-        }
-        maxResourceBytes = try SettingsKeys.wholeNumber(container, .maxResourceBytes, Self.maxResourceBytesError)
-        extraResourceTypes = try SettingsKeys.value(container, .extraResourceTypes, "must be a list of resource type names")
-        timeoutSeconds = try SettingsKeys.value(container, .timeoutSeconds, "must be a number")
-        connectTimeoutSeconds = try SettingsKeys.value(container, .connectTimeoutSeconds, "must be a number")
-        settleSeconds = try SettingsKeys.value(container, .settleSeconds, "must be a number")
-        leaseSeconds = try SettingsKeys.value(container, .leaseSeconds, "must be a number")
-        batchSize = try SettingsKeys.wholeNumber(container, .batchSize, Self.batchSizeError)
-        batchMaxBytes = try SettingsKeys.wholeNumber(container, .batchMaxBytes, Self.batchMaxBytesError)
-        readyMaxAgeSeconds = try SettingsKeys.value(container, .readyMaxAgeSeconds, "must be a number of seconds")
-        logFormat = try SettingsKeys.choice(container, .logFormat, "must be \"text\" or \"json\"") {
-            LogFormat(rawValue: $0.lowercased())
-        }
-        logLevel = try SettingsKeys.choice(container, .logLevel, "must be one of \(Self.logLevels)") {
-            Logger.Level(rawValue: $0.lowercased())
-        }
-        metricsAddress = try SettingsKeys.value(container, .metricsAddress, "must be a string (HOST:PORT, or a port)")
-        pollIntervalSeconds = try SettingsKeys.value(container, .pollIntervalSeconds, "must be a number of seconds")
-        drainTimeoutSeconds = try SettingsKeys.value(container, .drainTimeoutSeconds, "must be a number of seconds")
-        journalRetentionDays = try SettingsKeys.value(container, .journalRetentionDays, "must be a number of days")
-        retry = try SettingsKeys.value(container, .retry, "must be an object")
-        caBundle = try SettingsKeys.value(container, .caBundle, "must be a string")
-        proxy = try SettingsKeys.value(container, .proxy, "must be a string (http://host:port)")
-        proxyFile = try SettingsKeys.value(container, .proxyFile, "must be a string (a file holding the proxy URL)")
-        if proxy != nil && proxyFile != nil {
-            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.proxyFile], "and proxy exclude each other")
-        }
-        noProxy = try SettingsKeys.value(container, .noProxy, "must be a string (a comma-separated list of hosts)")
-        tls = try SettingsKeys.value(container, .tls, "must be an object")
-        auth = try SettingsKeys.value(container, .auth, "must be an object")
-        encryption = try SettingsKeys.value(container, .encryption, "must be an object")
-        atRest = try SettingsKeys.value(container, .atRest, "must be an object")
-    }
-}
-
-extension DataQueueSettings.AtRest {
-    private enum CodingKeys: String, CodingKey, CaseIterable {
-        case keyFile = "key_file"
-        case oldKeyFiles = "old_key_files"
-    }
-
-    /// Decodes the `at_rest` object, refusing unknown keys.
-    public init(from decoder: any Decoder) throws {
-        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
-        let container = try decoder.container(keyedBy: CodingKeys.self)
-        keyFile = try SettingsKeys.value(container, .keyFile, "must be a string (a key file)")
-        oldKeyFiles = try SettingsKeys.value(container, .oldKeyFiles, "must be a list of key files")
-    }
-}
-
-extension DataQueueSettings.Retry {
-    private enum CodingKeys: String, CodingKey, CaseIterable {
-        case initialSeconds = "initial_seconds"
-        case maximumSeconds = "maximum_seconds"
-        case jitter
-    }
-
-    /// Decodes the `retry` object, refusing unknown keys.
-    public init(from decoder: any Decoder) throws {
-        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
-        let container = try decoder.container(keyedBy: CodingKeys.self)
-        initialSeconds = try SettingsKeys.value(container, .initialSeconds, "must be a number")
-        maximumSeconds = try SettingsKeys.value(container, .maximumSeconds, "must be a number")
-        jitter = try SettingsKeys.value(container, .jitter, "must be a number")
-    }
-}
-
-extension DataQueueSettings.Auth {
-    private enum CodingKeys: String, CodingKey, CaseIterable {
-        case scope
-        case bearerToken = "bearer_token"
-        case clientID = "client_id"
-        case clientSecret = "client_secret"
-        case bearerTokenFile = "bearer_token_file"
-        case clientSecretFile = "client_secret_file"
-        case authorizeURI = "authorize_uri"
-        case tokenURI = "token_uri"
-        case authorizeType = "authorize_type"
-        case issuer
-        case revocationURI = "revocation_uri"
-        case registrationURI = "registration_uri"
-        case clientName = "client_name"
-        case tokenEndpointAuthMethod = "token_endpoint_auth_method"
-        case privateKey = "private_key"
-        case keyID = "key_id"
-        case keyAlgorithm = "key_alg"
-        case registrationFields = "registration_fields"
-        case registrationHeaders = "registration_headers"
-        case credentialsDirectory = "credentials_dir"
-    }
-
-    /// Decodes the `auth` object, refusing unknown keys.
-    public init(from decoder: any Decoder) throws {
-        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
-        let container = try decoder.container(keyedBy: CodingKeys.self)
-        let string = "must be a string"
-        bearerToken = try SettingsKeys.value(container, .bearerToken, string)
-        clientID = try SettingsKeys.value(container, .clientID, string)
-        clientSecret = try SettingsKeys.value(container, .clientSecret, string)
-        bearerTokenFile = try SettingsKeys.value(container, .bearerTokenFile, string)
-        clientSecretFile = try SettingsKeys.value(container, .clientSecretFile, string)
-        if bearerToken != nil && bearerTokenFile != nil {
-            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.bearerTokenFile], "and bearer_token exclude each other")
-        }
-        if clientSecret != nil && clientSecretFile != nil {
-            throw SettingsKeys.typeError(decoder.codingPath + [CodingKeys.clientSecretFile], "and client_secret exclude each other")
-        }
-        authorizeURI = try SettingsKeys.value(container, .authorizeURI, string)
-        tokenURI = try SettingsKeys.value(container, .tokenURI, string)
-        authorizeType = try SettingsKeys.choice(container, .authorizeType, DataQueueSettings.authorizeTypeError) {
-            AuthorizeType(rawValue: $0)
-        }
-        issuer = try SettingsKeys.value(container, .issuer, string)
-        revocationURI = try SettingsKeys.value(container, .revocationURI, string)
-        registrationURI = try SettingsKeys.value(container, .registrationURI, string)
-        clientName = try SettingsKeys.value(container, .clientName, string)
-        scope = try SettingsKeys.value(container, .scope, string)
-        tokenEndpointAuthMethod = try SettingsKeys.choice(container, .tokenEndpointAuthMethod, DataQueueSettings.authMethodError) {
-            OAuth2Configuration.TokenEndpointAuthMethod(rawValue: $0)
-        }
-        privateKey = try SettingsKeys.value(container, .privateKey, string)
-        keyID = try SettingsKeys.value(container, .keyID, string)
-        keyAlgorithm = try SettingsKeys.choice(container, .keyAlgorithm, DataQueueSettings.keyAlgorithmError) {
-            OAuth2Configuration.ClientAssertionKey.Algorithm(rawValue: $0.uppercased())
-        }
-        registrationFields = try SettingsKeys.value(container, .registrationFields, "must be an object")
-        registrationHeaders = try SettingsKeys.value(container, .registrationHeaders, "must be an object of strings")
-        credentialsDirectory = try SettingsKeys.value(container, .credentialsDirectory, string)
-    }
-}
-
-extension DataQueueSettings.TLS {
-    private enum CodingKeys: String, CodingKey, CaseIterable {
-        case clientCertificate = "client_certificate"
-        case clientKey = "client_key"
-        case caBundle = "ca_bundle"
-        case caBundleOnly = "ca_bundle_only"
-    }
-
-    /// Decodes the `tls` object, refusing unknown keys.
-    public init(from decoder: any Decoder) throws {
-        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
-        let container = try decoder.container(keyedBy: CodingKeys.self)
-        clientCertificate = try SettingsKeys.value(container, .clientCertificate, "must be a string (a PEM file)")
-        clientKey = try SettingsKeys.value(container, .clientKey, "must be a string (a PEM file)")
-        caBundle = try SettingsKeys.value(container, .caBundle, "must be a string (a PEM file)")
-        caBundleOnly = try SettingsKeys.value(container, .caBundleOnly, "must be true or false")
-    }
-}
-
-extension DataQueueSettings.Encryption {
-    private enum CodingKeys: String, CodingKey, CaseIterable {
-        case endpoint, certificate, mode
-        case inFlight = "in_flight"
-        case keyID = "key_id"
-        case fhirVersion = "fhir_version"
-        case resourceTypes = "resource_types"
-    }
-
-    /// Decodes the `encryption` object, refusing unknown keys.
-    public init(from decoder: any Decoder) throws {
-        try SettingsKeys.refuseUnknown(decoder, CodingKeys.self)
-        let container = try decoder.container(keyedBy: CodingKeys.self)
-        let string = "must be a non-empty string"
-        endpoint = try SettingsKeys.value(container, .endpoint, string)
-        certificate = try SettingsKeys.value(container, .certificate, string)
-        keyID = try SettingsKeys.value(container, .keyID, string)
-        fhirVersion = try SettingsKeys.value(container, .fhirVersion, string)
-        resourceTypes = try SettingsKeys.value(
-            container, .resourceTypes, "must be a non-empty list of resource type names")
-        mode = try SettingsKeys.choice(container, .mode, "must be \"c3pro\" or \"authenticated\"") { EnvelopeSealer.Format(rawValue: $0) }
-        inFlight = try SettingsKeys.wholeNumber(container, .inFlight, DataQueueSettings.inFlightError)
-    }
-}
-
-/// Decoding helpers that name keys the way the file writes them (`"retry.initial_seconds"`).
-package enum SettingsKeys {
-    struct AnyKey: CodingKey {
-        var stringValue: String
-        var intValue: Int? { nil }
-        init(stringValue: String) { self.stringValue = stringValue }
-        init?(intValue: Int) { nil }
-    }
-
-    /// The dotted name of a coding path.
-    package static func name(_ path: [any CodingKey]) -> String {
-        "\"" + path.filter { $0.intValue == nil }.map(\.stringValue).joined(separator: ".") + "\""
-    }
-
-    static func typeError(_ path: [any CodingKey], _ what: String) -> DataQueueError {
-        DataQueueSettings.configError("\(name(path)) \(what)")
-    }
-
-    /// Throws for the first key of the object that `Keys` does not name.
-    static func refuseUnknown<Keys: CodingKey & CaseIterable>(_ decoder: any Decoder, _ keys: Keys.Type) throws {
-        let container: KeyedDecodingContainer<AnyKey>
-        do {
-            container = try decoder.container(keyedBy: AnyKey.self)
-        } catch {
-            let path = decoder.codingPath
-            if path.isEmpty { throw error }
-            throw typeError(path, "must be an object")
-        }
-        let known = Set(Keys.allCases.map(\.stringValue))
-        for key in container.allKeys.sorted(by: { $0.stringValue < $1.stringValue }) where !known.contains(key.stringValue) {
-            throw DataQueueSettings.configError("unknown key \(name(decoder.codingPath + [key]))")
-        }
-    }
-
-    /// Decodes an optional member that names one of a set of values (`parse` gives nil for any other), naming it
-    /// with `what` when it is not one of them.
-    static func choice<T, Keys: CodingKey>(
-        _ container: KeyedDecodingContainer<Keys>, _ key: Keys, _ what: String, _ parse: (String) -> T?
-    ) throws -> T? {
-        guard let text: String = try value(container, key, what) else { return nil }
-        guard let parsed = parse(text) else {
-            // The value is a name from a short list, never a secret: saying which one was given helps.
-            throw typeError(container.codingPath + [key], "\(what), not \"\(text.prefix(40))\"")
-        }
-        return parsed
-    }
-
-    /// Decodes an optional member that must be a whole number (written as `1000` or `1000.0`), throwing `error`
-    /// (which says the range) when it is not one.
-    static func wholeNumber<Keys: CodingKey>(
-        _ container: KeyedDecodingContainer<Keys>, _ key: Keys, _ error: DataQueueError
-    ) throws -> Int? {
-        guard let number: Double = try value(container, key, "must be a number") else { return nil }
-        guard number.isFinite, number.rounded() == number, abs(number) < 1e15 else { throw error }
-        return Int(number)
-    }
-
-    /// Decodes an optional member, naming it with `what` when its type is wrong.
-    static func value<T: Decodable, Keys: CodingKey>(
-        _ container: KeyedDecodingContainer<Keys>, _ key: Keys, _ what: String
-    ) throws -> T? {
-        do {
-            return try container.decodeIfPresent(T.self, forKey: key)
-        } catch let error as DataQueueError {
-            throw error
-        } catch {
-            throw typeError(container.codingPath + [key], what)
-        }
-    }
 }
