@@ -2,7 +2,7 @@
 SWIFT ?= swift
 APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv systemd postgresql pgbouncer squid nginx-light
 export DQ_BIN := $(CURDIR)/.build/debug/dq
-export DQ_GATEWAY_BIN := $(CURDIR)/Examples/Gateway/.build/debug/Gateway
+export DQ_GATEWAY_BIN := $(CURDIR)/.build/debug/Gateway
 
 BENCH_APT := apache2-utils
 .PHONY: all build gateway release install install-files uninstall deb deps peers test unit demo bench torture sanitize lint man docs clean
@@ -25,10 +25,9 @@ deps:
 build: deps
 	$(SWIFT) build --build-tests
 
-# Examples/Gateway, a Hummingbird service that embeds dq: its own package (so dq's users do not fetch
-# Hummingbird), built here because an integration test drives it.
-gateway: deps
-	$(SWIFT) build --package-path Examples/Gateway
+# Examples/Gateway, a Hummingbird service that embeds dq: a target of this package (`swift build --build-tests`
+# builds it), which an integration test drives.
+gateway: build
 
 # A release dq that links the Swift runtime and Foundation statically: it runs on machines without a Swift
 # toolchain and starts about a third faster (no symbol lookups in a dozen shared libraries).
@@ -155,4 +154,4 @@ lint:
 	$(SWIFT) format lint --strict -r Sources Tests Benchmarks Examples/Gateway/Sources
 
 clean:
-	rm -rf .build .peers Examples/Gateway/.build
+	rm -rf .build .peers

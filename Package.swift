@@ -6,6 +6,7 @@ let package = Package(
     platforms: [.macOS(.v15)],
     products: [
         .library(name: "FHIRDataQueue", targets: ["FHIRDataQueue"]),
+        .library(name: "FHIRDataQueueServer", targets: ["FHIRDataQueueServer"]),
         .executable(name: "dq", targets: ["dq"]),
     ],
     dependencies: [
@@ -22,18 +23,34 @@ let package = Package(
         .package(url: "https://github.com/swift-server/swift-prometheus", from: "2.4.1"),
         .package(url: "https://github.com/vapor/jwt-kit", from: "5.8.0"),
         .package(url: "https://github.com/vapor/postgres-nio", from: "1.33.2"),
+        .package(url: "https://github.com/apple/swift-configuration", from: "1.4.0"),
+        .package(url: "https://github.com/hummingbird-project/hummingbird", from: "2.28.1"),
+        .package(url: "https://github.com/swiftlang/swift-subprocess", from: "1.0.2"),
+        // FilePath and FileDescriptor of swift-subprocess's API on Linux (macOS has them in its System framework).
+        .package(url: "https://github.com/apple/swift-system", from: "1.8.1"),
         // `make docs`: the DocC catalog in Sources/FHIRDataQueue/FHIRDataQueue.docc.
         .package(url: "https://github.com/swiftlang/swift-docc-plugin", from: "1.5.0"),
     ],
     targets: [
         .systemLibrary(name: "CSQLite"),
-        // Two GNU extensions of posix_spawn that Swift's Glibc module hides (Support/SpawnedProcess.swift).
-        .target(name: "CSpawn"),
+        // The HTTP side shared by `dq run`, `dq serve` and hosts that embed dq: Hummingbird routes for health,
+        // readiness and metrics, the FHIR request-to-resource mapping, and the C3-PRO receiver.
+        .target(
+            name: "FHIRDataQueueServer",
+            dependencies: [
+                "FHIRDataQueue",
+                .product(name: "Hummingbird", package: "hummingbird"),
+                .product(name: "NIOCore", package: "swift-nio"),
+                .product(name: "Logging", package: "swift-log"),
+                .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
+                .product(name: "Metrics", package: "swift-metrics"),
+                .product(name: "Prometheus", package: "swift-prometheus"),
+            ]
+        ),
         .target(
             name: "FHIRDataQueue",
             dependencies: [
                 "CSQLite",
-                "CSpawn",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "AsyncHTTPClient", package: "async-http-client"),
                 .product(name: "NIOCore", package: "swift-nio"),
@@ -51,6 +68,7 @@ let package = Package(
                 .product(name: "Metrics", package: "swift-metrics"),
                 .product(name: "JWTKit", package: "jwt-kit"),
                 .product(name: "PostgresNIO", package: "postgres-nio"),
+                .product(name: "Configuration", package: "swift-configuration"),
             ]
         ),
         // `dq`, the command line: parses, calls the library, maps errors to exit codes.
@@ -58,6 +76,10 @@ let package = Package(
             name: "dq",
             dependencies: [
                 "FHIRDataQueue",
+                "FHIRDataQueueServer",
+                .product(name: "Configuration", package: "swift-configuration"),
+                .product(name: "Hummingbird", package: "hummingbird"),
+                .product(name: "Subprocess", package: "swift-subprocess"),
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
@@ -69,6 +91,30 @@ let package = Package(
                 .product(name: "NIOHTTP1", package: "swift-nio"),
             ]
         ),
+        // An example service that embeds dq: a Hummingbird 2 server that accepts FHIR Observations over HTTP and
+        // hands them to a DataQueue, with DataQueueService delivering in the background in the same ServiceGroup.
+        .executableTarget(
+            name: "Gateway",
+            dependencies: [
+                "FHIRDataQueue",
+                "FHIRDataQueueServer",
+                .product(name: "Hummingbird", package: "hummingbird"),
+                .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
+                .product(name: "Metrics", package: "swift-metrics"),
+                .product(name: "Prometheus", package: "swift-prometheus"),
+                .product(name: "Logging", package: "swift-log"),
+            ],
+            path: "Examples/Gateway/Sources/Gateway"
+        ),
+        // Test helpers shared by the test targets: child processes on swift-subprocess.
+        .target(
+            name: "DQTestSupport",
+            dependencies: [
+                .product(name: "Subprocess", package: "swift-subprocess"),
+                .product(name: "SystemPackage", package: "swift-system", condition: .when(platforms: [.linux])),
+            ],
+            path: "Tests/DQTestSupport"
+        ),
         .executableTarget(
             name: "dq-bench",
             dependencies: ["FHIRDataQueue"],
@@ -78,6 +124,7 @@ let package = Package(
             name: "FHIRDataQueueTests",
             dependencies: [
                 "FHIRDataQueue",
+                "DQTestSupport",
                 "CSQLite",
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "Crypto", package: "swift-crypto"),
@@ -96,6 +143,7 @@ let package = Package(
             name: "IntegrationTests",
             dependencies: [
                 "FHIRDataQueue",
+                "DQTestSupport",
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "GRDB", package: "GRDB.swift"),
                 .product(name: "AsyncHTTPClient", package: "async-http-client"),

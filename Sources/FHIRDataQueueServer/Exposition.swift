@@ -6,11 +6,11 @@ import Prometheus
 ///
 /// The library records through swift-metrics, whose factory registers every family without help text; the
 /// registry refuses a second, different help text for a family it knows, so the text is added here.
-enum Exposition {
+package enum Exposition {
     /// The backend for `registry`: request durations in buckets up to a day, the longest request timeout dq
     /// takes (so that every request's duration, however long its timeout, falls in a bucket of its own below
     /// `+Inf`), Bundle sizes up to 1,000 entries.
-    static func factory(_ registry: PrometheusCollectorRegistry) -> PrometheusMetricsFactory {
+    package static func factory(_ registry: PrometheusCollectorRegistry) -> PrometheusMetricsFactory {
         var factory = PrometheusMetricsFactory(registry: registry)
         factory.durationHistogramBuckets["dq_request_duration_seconds"] = requestDurationBuckets
         factory.valueHistogramBuckets["dq_bundle_size"] = [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000]
@@ -18,13 +18,13 @@ enum Exposition {
     }
 
     /// Request duration buckets, fine where requests usually end and coarse up to the longest timeout (a day).
-    static let requestDurationBuckets: [Duration] = [
+    package static let requestDurationBuckets: [Duration] = [
         .milliseconds(5), .milliseconds(10), .milliseconds(25), .milliseconds(50), .milliseconds(100), .milliseconds(250),
         .milliseconds(500), .seconds(1), .milliseconds(2500), .seconds(5), .seconds(10), .seconds(30), .seconds(60),
         .seconds(120), .seconds(300), .seconds(900), .seconds(3600), .seconds(86_400),
     ]
 
-    static let texts: [String: String] = [
+    package static let texts: [String: String] = [
         "dq_items_enqueued_total": "Items this process queued.",
         "dq_items_delivered_total": "Items this process delivered (the server accepted them).",
         "dq_items_parked_total": "Items this process parked (the server rejected them for good).",
@@ -43,7 +43,7 @@ enum Exposition {
     ]
 
     /// The registry's text with a `# HELP` line before each `# TYPE` line of a family that has none.
-    static func emit(_ registry: PrometheusCollectorRegistry) -> [UInt8] {
+    package static func emit(_ registry: PrometheusCollectorRegistry) -> [UInt8] {
         let text = String(decoding: registry.emitToBuffer(), as: UTF8.self)
         var lines: [Substring] = []
         var previous: Substring = ""

@@ -2,6 +2,7 @@ import ArgumentParser
 import FHIRDataQueue
 import Foundation
 import Logging
+import Subprocess
 
 #if canImport(Glibc)
     import Glibc
@@ -106,13 +107,14 @@ extension DQ {
             }
         }
 
-        /// Starts `xdg-open` when there is a display and it is installed; stays quiet otherwise.
+        /// Starts `xdg-open` when there is a display and it is installed (found on `PATH`); stays quiet otherwise.
+        /// Not awaited: an opener may stay until the browser closes, and the sign-in goes on meanwhile.
         private func openBrowser(_ url: URL) {
             let environment = ProcessInfo.processInfo.environment
             guard environment["DISPLAY"] != nil || environment["WAYLAND_DISPLAY"] != nil else { return }
-            let paths = (environment["PATH"] ?? "/usr/bin:/bin").split(separator: ":").map { String($0) + "/xdg-open" }
-            guard let opener = paths.first(where: { FileManager.default.isExecutableFile(atPath: $0) }) else { return }
-            _ = try? SpawnedProcess(opener, [url.absoluteString], stdout: .null, stderr: .null)
+            Task {
+                _ = try? await Subprocess.run(.name("xdg-open"), arguments: [url.absoluteString], output: .discarded, error: .discarded)
+            }
         }
     }
 
@@ -152,7 +154,7 @@ func withSignInClient(_ options: QueueOptions, _ body: (AuthorizationCodeClient,
     let logger: Logger
     let client: AuthorizationCodeClient
     do {
-        let settings = try DataQueueSettings.load(options: options)
+        let settings = try await DataQueueSettings.load(options: options)
         try bootstrapLogging(options, settings)
         logger = Logger(label: "dq")
         warnAboutExposure(settings)

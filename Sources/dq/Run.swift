@@ -1,5 +1,6 @@
 import ArgumentParser
 import FHIRDataQueue
+import FHIRDataQueueServer
 import Foundation
 import Logging
 import Metrics

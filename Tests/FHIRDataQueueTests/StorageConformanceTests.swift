@@ -1,3 +1,4 @@
+import DQTestSupport
 import Foundation
 import Logging
 import PostgresNIO
@@ -595,7 +596,7 @@ struct StorageConformanceTests {
         // Another session reads dq_server_state in a transaction that stays open (a report, a backup's
         // snapshot): ALTER TABLE ... ADD COLUMN IF NOT EXISTS would wait for it even with nothing to add.
         let components = try #require(URLComponents(string: url))
-        let holder = try SpawnedProcess(
+        let holder = try BackgroundProcess(
             "/usr/bin/psql",
             [
                 "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",

@@ -1,3 +1,4 @@
+import DQTestSupport
 import Foundation
 import Logging
 import NIOCore
@@ -434,7 +435,7 @@ struct TransportTests {
 /// `openssl s_server` with its standard input a pipe kept open: the server waits on it and never answers. What
 /// it receives from its client goes to the file `output`.
 final class OpenSSLServer: Sendable {
-    let process: SpawnedProcess
+    let process: BackgroundProcess
     let stdinWriter: Int32
     let output: String
     private let terminated = Mutex(false)
@@ -442,13 +443,13 @@ final class OpenSSLServer: Sendable {
     init(_ arguments: [String], output: String) throws {
         self.output = output
         let outputFile = open(output, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
-        guard outputFile >= 0 else { throw SpawnedProcess.SpawnError(executable: output, code: errno) }
+        guard outputFile >= 0 else { throw BackgroundProcess.StartError(executable: output, code: errno) }
         defer { close(outputFile) }
-        let ends = try SpawnedProcess.pipe()
+        let ends = try BackgroundProcess.pipe()
         defer { close(ends.read) }
         stdinWriter = ends.write
         do {
-            process = try SpawnedProcess(
+            process = try BackgroundProcess(
                 "/usr/bin/openssl", arguments, stdin: .descriptor(ends.read), stdout: .descriptor(outputFile), stderr: .null)
         } catch {
             close(ends.write)

@@ -1,3 +1,4 @@
+import DQTestSupport
 import FHIRDataQueue
 import Foundation
 import Logging
@@ -534,7 +535,7 @@ struct ServiceTests {
         let files = ["", "-wal"].map { work.file("queue.sqlite") + $0 }.filter { FileManager.default.fileExists(atPath: $0) }
         #expect(try await ChildProcess("/usr/bin/chattr", ["+i"] + files).wait().status == 0)
         // On a thrown error only (the files are made writable again below): not awaited, a defer cannot.
-        defer { _ = try? SpawnedProcess("/usr/bin/chattr", ["-i"] + files, stdout: .null, stderr: .null) }
+        defer { _ = try? BackgroundProcess("/usr/bin/chattr", ["-i"] + files, stdout: .null, stderr: .null) }
         try await server.start()
         #expect(try await eventually { await ready() == 503 }, "not ready while writes fail: \(log()), running: \(run.isRunning)")
         // Counted by kind, for an alert: dq_flush_errors_total{kind="storage"} (or storage_full).

@@ -1,4 +1,5 @@
 import AsyncHTTPClient
+import DQTestSupport
 import FHIRDataQueue
 import Foundation
 import NIOCore
@@ -112,9 +113,9 @@ struct ProcessResult: Sendable {
     var stderr: String
 }
 
-/// A child process with its output in files (``SpawnedProcess``, not Foundation's `Process`: see there why).
+/// A child process with its output in files (``BackgroundProcess``, not Foundation's `Process`: see there why).
 final class ChildProcess: Sendable {
-    let child: SpawnedProcess
+    let child: BackgroundProcess
     let executable: String
     let arguments: [String]
     let stdoutPath: String
@@ -144,10 +145,10 @@ final class ChildProcess: Sendable {
         }
         let out = try create(stdoutPath, O_WRONLY | O_CREAT | O_TRUNC)
         let err = try create(stderrPath, O_WRONLY | O_CREAT | O_TRUNC)
-        var input = SpawnedProcess.Stream.null
+        var input = BackgroundProcess.Stream.null
         var writer: Int32?
         if keepStdinOpen {
-            let ends = try SpawnedProcess.pipe()
+            let ends = try BackgroundProcess.pipe()
             opened.append(ends.read)
             writer = ends.write
             input = .descriptor(ends.read)
@@ -163,7 +164,7 @@ final class ChildProcess: Sendable {
         }
         stdinWriter = Mutex(writer)
         do {
-            child = try SpawnedProcess(
+            child = try BackgroundProcess(
                 executable, arguments, environment: env, directory: directory, stdin: input, stdout: .descriptor(out),
                 stderr: .descriptor(err))
         } catch {
@@ -179,9 +180,10 @@ final class ChildProcess: Sendable {
         try? FileManager.default.removeItem(atPath: stderrPath)
     }
 
-    var pid: Int32 { child.pid }
+    /// The process ID, once it has started; `nil` when it could not be started.
+    var pid: Int32? { get async { await child.pid } }
 
-    /// Whether the process still runs.
+    /// Whether the process still starts or runs.
     var isRunning: Bool { child.isRunning }
 
     /// What the process wrote to standard output so far.
@@ -227,7 +229,7 @@ final class ChildProcess: Sendable {
     /// (another test's `dq run`, under a parallel suite): that one is never signalled.
     func kill(_ signal: Int32 = SIGKILL) { child.signal(signal) }
 
-    /// Kills the process (SIGKILL); its reaper thread collects it. For a peer's deinit, which cannot await.
+    /// Kills the process (SIGKILL); the task that started it collects it. For a peer's deinit, which cannot await.
     func killInBackground() { kill(SIGKILL) }
 
     /// Kills the process if it still runs (a peer that never became ready) and returns its output.
@@ -247,7 +249,8 @@ final class ChildProcess: Sendable {
         let ending = await child.wait()
         watchdog.cancel()
         let out = (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? ""
-        let err = (try? String(contentsOfFile: stderrPath, encoding: .utf8)) ?? ""
+        var err = (try? String(contentsOfFile: stderrPath, encoding: .utf8)) ?? ""
+        if case .failed(let reason) = ending { err += "\(executable) did not run: \(reason)\n" }
         try? FileManager.default.removeItem(atPath: stdoutPath)
         try? FileManager.default.removeItem(atPath: stderrPath)
         return ProcessResult(status: ending.status, stdout: out, stderr: err)

@@ -1,4 +1,5 @@
 import FHIRDataQueue
+import FHIRDataQueueServer
 import Foundation
 import Hummingbird
 import Logging
@@ -13,7 +14,8 @@ import ServiceLifecycle
 /// Answers: `201 Created` with the FHIR server's `Location` when the server took it during the request,
 /// `202 Accepted` with the queued item's id when it is safely queued for later, `422` when the server rejected
 /// it for good (dq parked it for an operator), `400` for anything that is not one JSON Observation.
-/// `GET /metrics` serves dq's metrics (and Hummingbird's) as Prometheus text; `GET /healthz` answers `ok`.
+/// `GET /metrics` serves dq's metrics (and Hummingbird's) as Prometheus text, `GET /healthz` and `GET /readyz`
+/// the delivery's liveness and readiness (``OperationsEndpoints``).
 ///
 /// Usage: `Gateway [--host 127.0.0.1] [--port 8080] [--config dq.json] [--poll-interval 1]`; dq's settings come
 /// from the config file and `DQ_*` environment variables, as for the `dq` command. `--port 0` takes a free
@@ -34,22 +36,26 @@ struct Gateway {
         let registry = PrometheusCollectorRegistry()
         MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
 
-        var settings = try options.configPath.map(DataQueueSettings.load(contentsOf:)) ?? DataQueueSettings()
-        try settings.apply(environment: ProcessInfo.processInfo.environment)
+        let settings = try await DataQueueSettings.load(config: options.configPath, environment: ProcessInfo.processInfo.environment)
         let queue = try await settings.makeQueue(logger: logger)
-
-        let router = Router()
-        router.add(middleware: MetricsMiddleware())
-        router.post("Observation") { request, _ in try await receive(request, into: queue) }
-        router.get("metrics") { _, _ in
-            Response(
-                status: .ok, headers: [.contentType: "text/plain; version=0.0.4; charset=utf-8"],
-                body: .init(byteBuffer: ByteBuffer(bytes: registry.emitToBuffer())))
-        }
-        router.get("healthz") { _, _ in "ok\n" }
 
         let delivery = DataQueueService(
             queues: [queue], configuration: .init(pollInterval: options.pollInterval), logger: logger)
+        let router = Router()
+        router.add(middleware: MetricsMiddleware())
+        router.post("Observation") { request, _ in
+            do {
+                let resource = try await FHIRExchange.resource(from: request, maximumBytes: 1 << 20, types: ["Observation"])
+                return try await FHIRExchange.create(resource, in: queue)
+            } catch let refusal as FHIRExchange.Refusal {
+                return refusal.response
+            }
+        }
+        OperationsEndpoints(
+            metrics: { registry.emitToBuffer() }, readiness: { await delivery.readiness() },
+            liveness: { delivery.liveness() }
+        ).addRoutes(to: router)
+
         let app = Application(
             router: router,
             configuration: .init(address: .hostname(options.host, port: options.port), serverName: "dq-gateway"),
@@ -63,50 +69,6 @@ struct Gateway {
         // gracefully on SIGTERM or SIGINT: the request on the wire finishes, the journal is committed.
         try await app.runService()
         try await queue.shutdown()
-    }
-
-    /// Takes one Observation: queued durably before the answer, delivered now when the server is there.
-    static func receive(_ request: Request, into queue: DataQueue) async throws -> Response {
-        var request = request
-        let body = try await request.collectBody(upTo: 1 << 20)
-        let resource: FHIRResource
-        do {
-            resource = try FHIRResource(json: Data(buffer: body))
-        } catch {
-            return outcome(.badRequest, "invalid", "\(error)")
-        }
-        guard resource.resourceType == "Observation" else {
-            return outcome(.badRequest, "not-supported", "this endpoint takes Observations, not \(resource.resourceType)")
-        }
-        do {
-            switch try await queue.create(resource) {
-            case .delivered(let record):
-                var headers = HTTPFields()
-                if let location = record.location { headers[.location] = location }
-                return Response(status: .created, headers: headers)
-            case .queued(let item, _):
-                return Response(
-                    status: .accepted, headers: [.contentType: "application/json"],
-                    body: .init(byteBuffer: ByteBuffer(string: #"{"queued":"\#(item.id.uuidString.lowercased())"}"#)))
-            case .parked(_, let reason):
-                return outcome(.unprocessableContent, "processing", "the FHIR server rejected it: \(reason)")
-            }
-        } catch let error as DataQueueError where error.code == .invalidResource {
-            return outcome(.badRequest, "invalid", error.message)
-        } catch let error as DataQueueError where error.code == .authentication {
-            // Queued durably before the server refused the credentials; an operator must fix them.
-            return outcome(.accepted, "security", "queued; the FHIR server refused dq's credentials")
-        }
-    }
-
-    /// A FHIR OperationOutcome answer (the messages carry no resource content).
-    static func outcome(_ status: HTTPResponse.Status, _ code: String, _ message: String) -> Response {
-        let issue: [String: Any] = ["severity": "error", "code": code, "diagnostics": message]
-        let json = try? JSONSerialization.data(
-            withJSONObject: ["resourceType": "OperationOutcome", "issue": [issue]], options: [.sortedKeys])
-        return Response(
-            status: status, headers: [.contentType: "application/fhir+json"],
-            body: .init(byteBuffer: ByteBuffer(bytes: json ?? Data())))
     }
 }
 

@@ -53,6 +53,17 @@ extension PostgresQueueStore {
         CREATE TABLE IF NOT EXISTS dq_seal_key (
           key_id text PRIMARY KEY, index_key bytea NOT NULL, added_at double precision NOT NULL)
         """,
+        // A receiver's registered clients and the bearer tokens issued to them (see ``ClientRegistry``): hashes only.
+        """
+        CREATE TABLE IF NOT EXISTS dq_clients (
+          client_id text PRIMARY KEY, secret_hash text NOT NULL, created_at double precision NOT NULL)
+        """,
+        """
+        CREATE TABLE IF NOT EXISTS dq_tokens (
+          token_hash text PRIMARY KEY, client_id text NOT NULL REFERENCES dq_clients (client_id) ON DELETE CASCADE,
+          expires_at double precision NOT NULL)
+        """,
+        "CREATE INDEX IF NOT EXISTS dq_tokens_by_expiry ON dq_tokens (expires_at)",
         // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
         // that a start does not rewrite the catalog and two dq versions sharing a database each call their own.
         """
@@ -109,6 +120,8 @@ extension PostgresQueueStore {
            AND to_regclass('dq_delivery_by_queue') IS NOT NULL AND to_regclass('dq_delivery_by_uuid') IS NOT NULL
            AND to_regclass('dq_delivery_by_full_url') IS NOT NULL AND to_regclass('dq_lease') IS NOT NULL
            AND to_regclass('dq_note') IS NOT NULL AND to_regclass('dq_seal_key') IS NOT NULL
+           AND to_regclass('dq_clients') IS NOT NULL AND to_regclass('dq_tokens') IS NOT NULL
+           AND to_regclass('dq_tokens_by_expiry') IS NOT NULL
            AND to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NOT NULL
            AND to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_server_state')

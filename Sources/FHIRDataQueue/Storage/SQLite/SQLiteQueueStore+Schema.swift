@@ -256,6 +256,24 @@ extension SQLiteQueueStore {
                     )
                     """)
         }
+        migrator.registerMigration("v7") { db in
+            // A receiver's registered clients and the bearer tokens issued to them (see ``ClientRegistry``): hashes
+            // only, not sealed (not PHI).
+            try db.execute(
+                sql: """
+                    CREATE TABLE dq_clients (
+                      client_id TEXT PRIMARY KEY,
+                      secret_hash TEXT NOT NULL,
+                      created_at REAL NOT NULL
+                    );
+                    CREATE TABLE dq_tokens (
+                      token_hash TEXT PRIMARY KEY,
+                      client_id TEXT NOT NULL REFERENCES dq_clients(client_id) ON DELETE CASCADE,
+                      expires_at REAL NOT NULL
+                    );
+                    CREATE INDEX dq_tokens_by_expiry ON dq_tokens(expires_at);
+                    """)
+        }
         return migrator
     }
 

@@ -1,0 +1,76 @@
+import Foundation
+
+/// Clients registered with a receiver (`dq serve`) and the bearer tokens issued to them, kept in the queue's database
+/// so that a token is valid across a restart and on every receiver sharing one PostgreSQL database until it expires.
+///
+/// The registry stores hashes only: a client's secret as ``ClientSecrets/hash(secret:)`` made it (slow and salted),
+/// a token as ``ClientSecrets/tokenHash(_:)`` (SHA-256: a token is random enough that a fast hash is right). Neither
+/// is PHI, so neither is sealed at rest. Times are the caller's clock, stored as the queue stores its other times.
+///
+/// ```swift
+/// let registry = queue.clientRegistry
+/// let id = ClientSecrets.newClientID(), secret = ClientSecrets.newSecret()
+/// try await registry.register(clientID: id, secretHash: try ClientSecrets.hash(secret: secret), at: .now)
+/// let token = ClientSecrets.newToken()
+/// try await registry.issueToken(tokenHash: ClientSecrets.tokenHash(token), clientID: id, expiresAt: .now + 1800)
+/// try await registry.client(tokenHash: ClientSecrets.tokenHash(token), now: .now)  // id
+/// ```
+package protocol ClientRegistry: Sendable {
+    /// Stores a new client.
+    ///
+    /// - Throws: ``DataQueueError`` (`.storage`) when `clientID` is registered already, or the database fails.
+    func register(clientID: String, secretHash: String, at: Date) async throws
+
+    /// The stored secret hash of a client, or nil when unknown.
+    func secretHash(clientID: String) async throws -> String?
+
+    /// Replaces a client's hash if it is still `old` (for re-hashing a legacy hash on first use); returns whether it did.
+    ///
+    /// A compare-and-swap: of two receivers re-hashing one client at once, one replaces it and the other finds it
+    /// changed (and its own new hash unused, which is harmless: both verify the same secret).
+    func replaceSecretHash(clientID: String, old: String, new: String) async throws -> Bool
+
+    /// Stores an issued token by its hash.
+    ///
+    /// - Throws: ``DataQueueError`` (`.storage`) when `clientID` is not registered, or the database fails.
+    func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws
+
+    /// The client of a token that has not expired at `now` (its expiry is later than `now`), or nil.
+    func client(tokenHash: String, now: Date) async throws -> String?
+
+    /// Removes tokens that expired before `cutoff`; returns how many.
+    func pruneTokens(before cutoff: Date) async throws -> Int
+}
+
+extension DataQueue {
+    /// The clients and tokens of a receiver, in this queue's own database (SQLite or PostgreSQL).
+    package var clientRegistry: any ClientRegistry {
+        // The sealing wrapper leaves clients alone: their hashes are not PHI.
+        let base = (store as? SealedStorage)?.inner ?? store
+        return base as? any ClientRegistry ?? NoClientRegistry()
+    }
+}
+
+extension DataQueueError {
+    /// ``ClientRegistry/register(clientID:secretHash:at:)`` with an id that is taken.
+    static func clientAlreadyRegistered(_ clientID: String) -> DataQueueError {
+        DataQueueError(.storage, "cannot register client \(clientID): a client with this id is registered already")
+    }
+
+    /// ``ClientRegistry/issueToken(tokenHash:clientID:expiresAt:)`` for a client that is not registered.
+    static func clientNotRegistered(_ clientID: String) -> DataQueueError {
+        DataQueueError(.storage, "cannot store a token for client \(clientID): no such client is registered")
+    }
+}
+
+/// The registry of a store that keeps no clients (a test's own store): every call throws.
+private struct NoClientRegistry: ClientRegistry {
+    private var refusal: DataQueueError { DataQueueError(.storage, "this queue's store cannot keep registered clients") }
+
+    func register(clientID: String, secretHash: String, at: Date) async throws { throw refusal }
+    func secretHash(clientID: String) async throws -> String? { throw refusal }
+    func replaceSecretHash(clientID: String, old: String, new: String) async throws -> Bool { throw refusal }
+    func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws { throw refusal }
+    func client(tokenHash: String, now: Date) async throws -> String? { throw refusal }
+    func pruneTokens(before cutoff: Date) async throws -> Int { throw refusal }
+}

@@ -1,0 +1,78 @@
+import Foundation
+import PostgresNIO
+
+// A receiver's clients and tokens (``ClientRegistry``), shared by every receiver on the database: tables
+// `dq_clients` and `dq_tokens` (see ``schema``). Times are seconds since 1970, as the queue's other times; a
+// token's expiry is compared with the caller's `now`, not the database's clock.
+extension PostgresQueueStore: ClientRegistry {
+    func register(clientID: String, secretHash: String, at: Date) async throws {
+        let added = try await run("register a client") { [self] in
+            try await !client.query(
+                """
+                INSERT INTO dq_clients (client_id, secret_hash, created_at) VALUES (\(clientID), \(secretHash), \(at.timeIntervalSince1970))
+                ON CONFLICT (client_id) DO NOTHING RETURNING client_id
+                """, logger: logger
+            ).collect().isEmpty
+        }
+        guard added else { throw DataQueueError.clientAlreadyRegistered(clientID) }
+    }
+
+    func secretHash(clientID: String) async throws -> String? {
+        try await run("read a client") { [self] in
+            for try await hash in try await client.query(
+                "SELECT secret_hash FROM dq_clients WHERE client_id = \(clientID)", logger: logger
+            ).decode(String.self) {
+                return hash
+            }
+            return nil
+        }
+    }
+
+    func replaceSecretHash(clientID: String, old: String, new: String) async throws -> Bool {
+        try await run("replace a client's secret hash") { [self] in
+            try await !client.query(
+                """
+                UPDATE dq_clients SET secret_hash = \(new) WHERE client_id = \(clientID) AND secret_hash = \(old) RETURNING client_id
+                """, logger: logger
+            ).collect().isEmpty
+        }
+    }
+
+    func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws {
+        // Inserted only for a registered client: a missing one is named, not a foreign-key violation.
+        let stored = try await run("store a token") { [self] in
+            try await !client.query(
+                """
+                INSERT INTO dq_tokens (token_hash, client_id, expires_at)
+                SELECT \(tokenHash), client_id, \(expiresAt.timeIntervalSince1970) FROM dq_clients WHERE client_id = \(clientID)
+                RETURNING token_hash
+                """, logger: logger
+            ).collect().isEmpty
+        }
+        guard stored else { throw DataQueueError.clientNotRegistered(clientID) }
+    }
+
+    func client(tokenHash: String, now: Date) async throws -> String? {
+        try await run("read a token") { [self] in
+            for try await id in try await client.query(
+                "SELECT client_id FROM dq_tokens WHERE token_hash = \(tokenHash) AND expires_at > \(now.timeIntervalSince1970)",
+                logger: logger
+            ).decode(String.self) {
+                return id
+            }
+            return nil
+        }
+    }
+
+    func pruneTokens(before cutoff: Date) async throws -> Int {
+        try await run("remove expired tokens") { [self] in
+            var removed = 0
+            for try await _ in try await client.query(
+                "DELETE FROM dq_tokens WHERE expires_at < \(cutoff.timeIntervalSince1970) RETURNING 1", logger: logger
+            ) {
+                removed += 1
+            }
+            return removed
+        }
+    }
+}

@@ -1,0 +1,59 @@
+import Foundation
+import GRDB
+
+// A receiver's clients and tokens (``ClientRegistry``), in the queue's file: tables `dq_clients` and `dq_tokens`
+// (migration v7). Times are seconds since 1970, as the queue's other times.
+extension SQLiteQueueStore: ClientRegistry {
+    func register(clientID: String, secretHash: String, at: Date) async throws {
+        let added = try await immediate("register a client") { db in
+            try db.execute(
+                sql: "INSERT INTO dq_clients (client_id, secret_hash, created_at) VALUES (?, ?, ?) ON CONFLICT (client_id) DO NOTHING",
+                arguments: [clientID, secretHash, at.timeIntervalSince1970])
+            return db.changesCount == 1
+        }
+        guard added else { throw DataQueueError.clientAlreadyRegistered(clientID) }
+    }
+
+    func secretHash(clientID: String) async throws -> String? {
+        try await read("read a client") { db in
+            try String.fetchOne(db, sql: "SELECT secret_hash FROM dq_clients WHERE client_id = ?", arguments: [clientID])
+        }
+    }
+
+    func replaceSecretHash(clientID: String, old: String, new: String) async throws -> Bool {
+        try await immediate("replace a client's secret hash") { db in
+            try db.execute(
+                sql: "UPDATE dq_clients SET secret_hash = ? WHERE client_id = ? AND secret_hash = ?", arguments: [new, clientID, old])
+            return db.changesCount == 1
+        }
+    }
+
+    func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws {
+        // Inserted only for a registered client: a missing one is named, not a foreign-key violation.
+        let stored = try await immediate("store a token") { db in
+            try db.execute(
+                sql: """
+                    INSERT INTO dq_tokens (token_hash, client_id, expires_at)
+                    SELECT ?, client_id, ? FROM dq_clients WHERE client_id = ?
+                    """,
+                arguments: [tokenHash, expiresAt.timeIntervalSince1970, clientID])
+            return db.changesCount == 1
+        }
+        guard stored else { throw DataQueueError.clientNotRegistered(clientID) }
+    }
+
+    func client(tokenHash: String, now: Date) async throws -> String? {
+        try await read("read a token") { db in
+            try String.fetchOne(
+                db, sql: "SELECT client_id FROM dq_tokens WHERE token_hash = ? AND expires_at > ?",
+                arguments: [tokenHash, now.timeIntervalSince1970])
+        }
+    }
+
+    func pruneTokens(before cutoff: Date) async throws -> Int {
+        try await immediate("remove expired tokens") { db in
+            try db.execute(sql: "DELETE FROM dq_tokens WHERE expires_at < ?", arguments: [cutoff.timeIntervalSince1970])
+            return db.changesCount
+        }
+    }
+}
