@@ -25,7 +25,7 @@ struct DQ: AsyncParsableCommand {
         version: DQVersion.current,
         subcommands: [
             Enqueue.self, Send.self, Flush.self, Run.self, Status.self, List.self, Show.self, Retry.self, Resolve.self, Drop.self, Log.self,
-            Prune.self, Rekey.self,
+            Prune.self, Rekey.self, Quarantine.self, Serve.self,
             Doctor.self, ShowConfig.self, Decrypt.self, Keygen.self, Register.self, Login.self, Logout.self, Migrate.self, Version.self,
         ])
 
@@ -263,7 +263,7 @@ func withQueue<T>(
     let settings: DataQueueSettings
     let logger: Logger
     do {
-        var loaded = try DataQueueSettings.load(options: options, sending: sending)
+        var loaded = try await DataQueueSettings.load(options: options, sending: sending)
         try adjust(&loaded)
         settings = loaded
         try bootstrapLogging(options, settings)

@@ -129,7 +129,13 @@ public struct EnvelopeSealer: Sendable {
 
 /// Opens envelopes with the receiver's private key, in either format (what `dq decrypt` does).
 public struct EnvelopeOpener: Sendable {
-    private let privateKeyPEM: String
+    /// The parsed key, kept (parsing it for each envelope would cost a good part of an RSA operation).
+    private final class ParsedKey: @unchecked Sendable {  // unchecked: immutable after init; BoringSSL's RSA decrypt takes a const key and locks its own blinding cache
+        let key: _RSA.Encryption.PrivateKey
+        init(_ key: _RSA.Encryption.PrivateKey) { self.key = key }
+    }
+    private let parsed: ParsedKey
+    private var key: _RSA.Encryption.PrivateKey { parsed.key }
     /// The key size in bits.
     public let keySizeInBits: Int
 
@@ -137,12 +143,22 @@ public struct EnvelopeOpener: Sendable {
     /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when it is not a readable RSA private key.
     public init(privateKeyPEM: String) throws {
         do {
-            let key = try _RSA.Encryption.PrivateKey(unsafePEMRepresentation: privateKeyPEM)
-            self.keySizeInBits = key.keySizeInBits
+            parsed = ParsedKey(try _RSA.Encryption.PrivateKey(unsafePEMRepresentation: privateKeyPEM))
         } catch {
             throw DataQueueError(.invalidConfiguration, "the private key is not a readable RSA private key (PEM)")
         }
-        self.privateKeyPEM = privateKeyPEM
+        keySizeInBits = parsed.key.keySizeInBits
+    }
+
+    /// Reads an RSA private key in DER (PKCS#8, as the C3-PRO consumer's `private-c3pro.der`, or PKCS#1).
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when it is not a readable RSA private key.
+    public init(privateKeyDER: Data) throws {
+        do {
+            parsed = ParsedKey(try _RSA.Encryption.PrivateKey(unsafeDERRepresentation: privateKeyDER))
+        } catch {
+            throw DataQueueError(.invalidConfiguration, "the private key is not a readable RSA private key (DER)")
+        }
+        keySizeInBits = parsed.key.keySizeInBits
     }
 
     /// Decrypts an envelope and returns the resource bytes.
@@ -169,7 +185,6 @@ public struct EnvelopeOpener: Sendable {
         }
         let keyBytes: Data
         do {
-            let key = try _RSA.Encryption.PrivateKey(unsafePEMRepresentation: privateKeyPEM)
             keyBytes = try key.decrypt(wrapped, padding: authenticated ? .PKCS1_OAEP_SHA256 : .PKCS1_OAEP)
         } catch {
             throw corrupt("the symmetric key cannot be unwrapped with this private key")

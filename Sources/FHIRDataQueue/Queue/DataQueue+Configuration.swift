@@ -178,6 +178,12 @@ extension DataQueue {
         /// A queue sealed once needs a key that opens it from then on; setting keys for a plain queue seals
         /// the items already there when it opens. The default is nil: items are stored as given.
         public var atRest: AtRestKeys? = nil
+        /// Opens the envelopes in the queue (``DataQueue/enqueue(_:)->QueuedItem``) with these keys when they are
+        /// sent, and sends the resource inside to the server, as a plain create: the receiving side of C3-PRO
+        /// (`dq serve`). The plaintext exists in memory only. An envelope that does not open is quarantined:
+        /// parked with a reason that begins ``DataQueue/quarantinePrefix``, never sent, holding up nothing. The
+        /// default is nil: envelopes go to the encrypted endpoint as they are.
+        public var envelopeKeyring: EnvelopeKeyring? = nil
 
         /// Creates a configuration. Every parameter has the default stated on its property.
         public init(
@@ -432,6 +438,7 @@ extension DataQueue.Configuration: RedactedDescription {
             .url("encryptedEndpoint", encryptedEndpoint),
             .plain("capabilityLifetime", capabilityLifetime), .plain("readOnly", readOnly),
             .custom("atRest", atRest.map(\.ids), shown: atRest.map(\.ids)),
+            .custom("envelopeKeyring", envelopeKeyring.map(\.directory), shown: envelopeKeyring.map(\.directory)),
         ]
     }
 }

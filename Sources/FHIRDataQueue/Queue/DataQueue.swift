@@ -359,19 +359,21 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     }
 
     /// Durably queues an envelope sealed elsewhere, unchanged, for the encrypted endpoint (an
-    /// ``EncryptedDataQueue``'s, or ``Configuration/encryptedEndpoint``), in its place in this queue's order.
+    /// ``EncryptedDataQueue``'s, or ``Configuration/encryptedEndpoint``), in its place in this queue's order; or,
+    /// with a ``Configuration/envelopeKeyring``, to be opened when it is sent and its resource sent to the server.
     ///
-    /// The queue holds no key for it: its shape was checked when the ``SealedEnvelope`` was made, and the
-    /// receiver opens it. Sealed at rest like any item when the queue is.
+    /// Its shape was checked when the ``SealedEnvelope`` was made; the receiver (or the keyring) opens it. Sealed
+    /// at rest like any item when the queue is.
     ///
     /// - Returns: the queued item (`encrypted`, posted to `{encrypted endpoint}/{resourceType}`).
-    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when the queue has no encrypted endpoint, and as
-    ///   ``enqueue(_:method:fullURL:)`` otherwise.
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when the queue has no encrypted endpoint and no
+    ///   keyring, and as ``enqueue(_:method:fullURL:)`` otherwise.
     @discardableResult
     public func enqueue(_ envelope: SealedEnvelope) async throws -> QueuedItem {
-        try checkType(envelope.resourceType)
+        // `Resource`: the sender did not say (a device posting to the bare encrypted endpoint).
+        if envelope.resourceType != SealedEnvelope.unnamedType { try checkType(envelope.resourceType) }
         do {
-            _ = try endpoint(encrypted: true)
+            if configuration.envelopeKeyring == nil { _ = try endpoint(encrypted: true) }
         } catch {
             throw DataQueueError(
                 .invalidConfiguration, "this queue has no encrypted endpoint to send envelopes to (Configuration.encryptedEndpoint)")
@@ -381,6 +383,10 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
             resourceType: envelope.resourceType, encrypted: true)
         return try await commit(NewItem(id: UUID.timeOrdered(), queue: queueName, request: request, fullURL: nil, references: []))
     }
+
+    /// How the reason of a quarantined item begins: an envelope the queue's ``Configuration/envelopeKeyring``
+    /// could not open, parked with the reason after this prefix.
+    public static let quarantinePrefix = "quarantined: "
 
     /// Durably queues several entries in one transaction: all of them or, on any error, none.
     ///

@@ -181,10 +181,36 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                     exhausted = true
                     return
                 }
+                let item = opened(item)
                 prefetched.append(item)
                 bytes += item.body.count
             }
         }
+    }
+
+    /// With the queue's keyring, an envelope as the plain create of the resource inside (opened in memory; the
+    /// stored row stays the envelope), which then travels as any plain item does; one that does not open,
+    /// quarantined: parked with the reason, nothing sent. Without a keyring, the item as it is.
+    private func opened(_ stored: StoredItem) -> StoredItem {
+        guard stored.info.encrypted, stored.unreadable == nil, let keyring = context.configuration.envelopeKeyring else {
+            return stored
+        }
+        var opened = stored
+        do {
+            let resource = try keyring.open(stored.body)
+            let info = stored.info
+            opened.info = QueuedItem(
+                sequence: info.sequence, id: info.id, queue: info.queue, method: .post, url: resource.resourceType,
+                resourceType: resource.resourceType, resourceID: nil, encrypted: false, state: info.state,
+                attempts: info.attempts, enqueuedAt: info.enqueuedAt, lastAttemptAt: info.lastAttemptAt,
+                lastStatus: info.lastStatus, lastError: info.lastError, outcome: info.outcome, size: resource.data.count)
+            opened.body = resource.data
+            opened.contentType = "application/fhir+json"
+            opened.conditionalCreate = true
+        } catch {
+            opened.unreadable = DataQueue.quarantinePrefix + error.description
+        }
+        return opened
     }
 
     /// The items of the next request, from the head of the prefetched ones: one, or a run for a Bundle.

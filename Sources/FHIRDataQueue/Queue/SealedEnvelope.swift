@@ -4,7 +4,7 @@ import Foundation
 /// for the encrypted endpoint by a queue that cannot open it.
 ///
 /// Its shape is checked without a key: a JSON object whose `key_id`, `symmetric_key`, `message` and `version` are
-/// strings, `symmetric_key` and `message` standard base64, `version` a FHIR version C3-PRO apps and dq send, and
+/// strings (`key_id` may be empty), `symmetric_key` and `message` standard base64, `version` a FHIR version C3-PRO apps and dq send, and
 /// `alg`, when present, dq's authenticated format. The bytes are stored and sent unchanged.
 ///
 /// ```swift
@@ -16,10 +16,14 @@ public struct SealedEnvelope: Sendable, Hashable {
     public let data: Data
     /// The type of the resource inside, as the sender named it (the path it is posted to: `{encrypted}/{type}`).
     public let resourceType: String
-    /// The `key_id`: which receiver key opens it.
+    /// The `key_id`: which receiver key opens it (empty: the receiver's default key).
     public let keyID: String
     /// The `version`: the FHIR version of the resource inside.
     public let version: String
+
+    /// The type an envelope is queued under when its sender did not name one (FHIR's base type, `Resource`): a
+    /// device that posts to the bare encrypted endpoint. The type inside is known once it is opened.
+    public static let unnamedType = "Resource"
 
     /// The `version`s accepted: the FHIR versions C3-PRO apps sent (DSTU2 `0.5.0`, `1.0.2`, STU3 `3.0.x`) and those
     /// dq's own sealer can be told to write (R4 `4.0.x`).
@@ -43,7 +47,8 @@ public struct SealedEnvelope: Sendable, Hashable {
         }
         var fields: [String: String] = [:]
         for field in ["key_id", "symmetric_key", "message", "version"] {
-            guard let value = object[field] as? String, !value.isEmpty else {
+            // An empty key_id is what C3-PRO apps send when they have none: the receiver's default key.
+            guard let value = object[field] as? String, !value.isEmpty || field == "key_id" else {
                 throw invalid("\"\(field)\" is missing, empty or not a string")
             }
             fields[field] = value

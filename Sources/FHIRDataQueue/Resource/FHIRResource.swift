@@ -141,7 +141,7 @@ public struct FHIRResource: Sendable, Hashable {
         String(String.UnicodeScalarView(key.unicodeScalars.prefix(40).map { $0.value < 0x20 ? "?" : $0 }))
     }
 
-    static func isValidTypeName(_ name: String) -> Bool {
+    package static func isValidTypeName(_ name: String) -> Bool {
         guard let first = name.unicodeScalars.first, ("A"..."Z").contains(first), name.count <= 64 else {
             return false
         }

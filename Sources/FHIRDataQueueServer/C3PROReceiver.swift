@@ -1,0 +1,385 @@
+import Crypto
+import FHIRDataQueue
+import Foundation
+import Hummingbird
+import Logging
+import Metrics
+import NIOCore
+import Synchronization
+
+/// The receiving half of the C3-PRO system as Hummingbird routes: what deployed C3-PRO apps post to, unchanged.
+///
+/// Under ``Configuration/pathPrefix`` (`/c3pro`):
+/// - `POST /register`: dynamic client registration behind the `Antispam` header (201 with `client_id` and
+///   `client_secret`; the secret is stored only as a slow salted hash, in the queue's database).
+/// - `POST /oauth`: client credentials for a bearer token (200; valid across restarts and on every receiver
+///   sharing the database until it expires).
+/// - `POST /encfhir`, `/encfhir/{type}`, `/fhirenc/{type}`: an encrypted envelope, checked for shape, committed
+///   unchanged, then answered 202. The queue opens it later with its ``EnvelopeKeyring`` (or forwards it as it is).
+/// - `POST /fhir/{type}`, `PUT /fhir/{type}/{id}`: a plain resource, committed, then forwarded: 201 with the
+///   server's `Location` when it is delivered at once, 202 when it stays queued.
+/// - `GET /fhir/Questionnaire/{id}`: a questionnaire from ``Configuration/questionnairesDirectory``.
+///
+/// Every answer is given after the commit: what a device was told is taken is on disk. Nothing a device sent
+/// appears in a log line or an error answer.
+public struct C3PROReceiver: Sendable {
+    /// How the receiver answers.
+    public struct Configuration: Sendable {
+        /// Where the routes are (C3-PRO's WAR context `/c3pro` by default; `""` for the root).
+        public var pathPrefix: String
+        /// The `Antispam` header values `register` accepts (compared in constant time).
+        public var antispamSecrets: [String]
+        /// How long an issued token is valid (C3-PRO: 1,800 s).
+        public var tokenLifetime: Duration
+        /// Where `GET /fhir/Questionnaire/{id}` reads `{id}.json`; nil: no questionnaires.
+        public var questionnairesDirectory: String?
+        /// The largest body taken (413 above it).
+        public var maximumBodyBytes: Int
+        /// Whether `/fhir` takes plain resources (they are PHI: the queue should seal them at rest).
+        public var acceptsPlainResources: Bool
+        /// Requests per minute one source address may make to `register` and `oauth` (429 above it).
+        public var authRequestsPerMinute: Int
+
+        /// A configuration with C3-PRO's defaults.
+        public init(
+            pathPrefix: String = "/c3pro", antispamSecrets: [String], tokenLifetime: Duration = .seconds(1800),
+            questionnairesDirectory: String? = nil, maximumBodyBytes: Int = 10 << 20, acceptsPlainResources: Bool = true,
+            authRequestsPerMinute: Int = 60
+        ) {
+            self.pathPrefix = pathPrefix
+            self.antispamSecrets = antispamSecrets
+            self.tokenLifetime = tokenLifetime
+            self.questionnairesDirectory = questionnairesDirectory
+            self.maximumBodyBytes = maximumBodyBytes
+            self.acceptsPlainResources = acceptsPlainResources
+            self.authRequestsPerMinute = authRequestsPerMinute
+        }
+    }
+
+    /// The queue envelopes and resources are committed to.
+    public let queue: DataQueue
+    /// How the receiver answers.
+    public let configuration: Configuration
+    private let registry: any ClientRegistry
+    private let limiter: RateLimiter
+    private let logger: Logger
+
+    /// A receiver that commits to `queue` (and keeps its clients and tokens in `queue`'s database).
+    public init(queue: DataQueue, configuration: Configuration, logger: Logger = Logger(label: "dq.serve")) {
+        self.queue = queue
+        self.configuration = configuration
+        self.registry = queue.clientRegistry
+        self.limiter = RateLimiter(perMinute: configuration.authRequestsPerMinute)
+        self.logger = logger
+    }
+
+    /// Adds the receiver's routes to `router`.
+    public func addRoutes<Context: RemoteAddressRequestContext>(to router: some RouterMethods<Context>) {
+        let prefix = configuration.pathPrefix.split(separator: "/").joined(separator: "/")
+        let base = RouterPath(prefix)
+        func path(_ rest: String) -> RouterPath { prefix.isEmpty ? RouterPath(rest) : RouterPath("\(prefix)/\(rest)") }
+        _ = base
+        router.post(path("register")) { request, context in
+            await measured("register") { try await register(request, from: context.remoteAddress) }
+        }
+        router.post(path("oauth")) { request, context in
+            await measured("oauth") { try await token(request, from: context.remoteAddress) }
+        }
+        for route in ["encfhir", "encfhir/{type}", "fhirenc", "fhirenc/{type}"] {
+            router.post(path(route)) { request, context in
+                await measured("encfhir") {
+                    try await envelope(request, type: context.parameters.get("type"))
+                }
+            }
+        }
+        router.post(path("fhir/{type}")) { request, context in
+            await measured("fhir") { try await plain(request, type: context.parameters.get("type") ?? "", id: nil) }
+        }
+        router.put(path("fhir/{type}/{id}")) { request, context in
+            await measured("fhir") {
+                try await plain(request, type: context.parameters.get("type") ?? "", id: context.parameters.get("id"))
+            }
+        }
+        router.get(path("fhir/Questionnaire/{id}")) { request, context in
+            await measured("questionnaire") { try await questionnaire(request, id: context.parameters.get("id") ?? "") }
+        }
+    }
+
+    // MARK: - Registration and tokens
+
+    private func register(_ request: Request, from address: SocketAddress?) async throws -> Response {
+        if let wait = limiter.refuse(address) { return tooMany(wait) }
+        let offered = request.headers[.init("Antispam")!] ?? ""
+        guard configuration.antispamSecrets.contains(where: { constantTimeEquals($0, offered) }), !offered.isEmpty else {
+            return oauthError(.unauthorized, "unauthorized_client", "the Antispam header is missing or wrong")
+        }
+        var request = request
+        let body: ByteBuffer
+        do {
+            body = try await request.collectBody(upTo: 1 << 20)
+        } catch is NIOTooManyBytesError {
+            return oauthError(.contentTooLarge, "invalid_request", "the registration is too large")
+        }
+        guard let object = (try? JSONSerialization.jsonObject(with: Data(buffer: body))) as? [String: Any] else {
+            return oauthError(.badRequest, "invalid_request", "the body is not a JSON object")
+        }
+        if let sandbox = object["sandbox"], !(sandbox is Bool) {
+            return oauthError(.badRequest, "invalid_client_metadata", "\"sandbox\" is not a boolean")
+        }
+        if let receipt = object["receipt-data"], !(receipt is String) {
+            return oauthError(.badRequest, "invalid_client_metadata", "\"receipt-data\" is not a string")
+        }
+        let clientID = ClientSecrets.newClientID()
+        let secret = ClientSecrets.newSecret()
+        try await registry.register(clientID: clientID, secretHash: ClientSecrets.hash(secret: secret), at: Date())
+        logger.info("registered a client", metadata: ["client": "\(clientID)"])
+        return json(
+            .created,
+            [
+                "client_id": clientID, "client_secret": secret, "grant_types": ["client_credentials"],
+                "token_endpoint_auth_method": "client_secret_basic",
+            ])
+    }
+
+    private func token(_ request: Request, from address: SocketAddress?) async throws -> Response {
+        if let wait = limiter.refuse(address) { return tooMany(wait) }
+        var request = request
+        let body: ByteBuffer
+        do {
+            body = try await request.collectBody(upTo: 64 << 10)
+        } catch is NIOTooManyBytesError {
+            return oauthError(.contentTooLarge, "invalid_request", "the request is too large")
+        }
+        // grant_type from the form body or the query (C3-PRO read it with getParameter: either works).
+        let form = Self.formFields(String(buffer: body))
+        let grant = form["grant_type"] ?? request.uri.queryParameters.get("grant_type")
+        guard let grant else { return oauthError(.badRequest, "invalid_request", "grant_type is missing") }
+        guard grant == "client_credentials" else {
+            return oauthError(.badRequest, "unsupported_grant_type", "only client_credentials is supported")
+        }
+        guard let (id, secret) = Self.basicCredentials(request.headers[.authorization]) else {
+            return oauthError(.unauthorized, "invalid_client", "HTTP Basic client authentication is required", challenge: true)
+        }
+        // The id and secret raw, or form-encoded before Base64 (RFC 6749 2.3.1, as p2/OAuth2 sends them).
+        var candidates = [(id, secret)]
+        if let decodedID = Self.formDecode(id), let decodedSecret = Self.formDecode(secret), (decodedID, decodedSecret) != (id, secret) {
+            candidates.append((decodedID, decodedSecret))
+        }
+        var client: String?
+        for (id, secret) in candidates {
+            guard let stored = try await registry.secretHash(clientID: id), ClientSecrets.verify(secret: secret, against: stored)
+            else { continue }
+            if ClientSecrets.isLegacy(stored) {
+                // A secret imported from the C3-PRO server's unsalted hash, re-hashed on its first use.
+                _ = try await registry.replaceSecretHash(clientID: id, old: stored, new: ClientSecrets.hash(secret: secret))
+            }
+            client = id
+            break
+        }
+        guard let client else {
+            return oauthError(.unauthorized, "invalid_client", "the client id or secret is wrong", challenge: true)
+        }
+        let token = ClientSecrets.newToken()
+        let lifetime = Int(configuration.tokenLifetime.components.seconds)
+        try await registry.issueToken(
+            tokenHash: ClientSecrets.tokenHash(token), clientID: client, expiresAt: Date().addingTimeInterval(Double(lifetime)))
+        var response = json(.ok, ["access_token": token, "token_type": "bearer", "expires_in": lifetime])
+        response.headers[.cacheControl] = "no-store"
+        return response
+    }
+
+    /// The client a request's bearer token was issued to, or the 401 to answer.
+    private func authorize(_ request: Request) async throws -> Result<String, Refused> {
+        guard let header = request.headers[.authorization] else { return .failure(Refused(response: bearerChallenge("a bearer token is required"))) }
+        let parts = header.split(separator: " ", omittingEmptySubsequences: true)
+        guard parts.count == 2, parts[0].lowercased() == "bearer" else {
+            return .failure(Refused(response: bearerChallenge("a bearer token is required")))
+        }
+        guard let client = try await registry.client(tokenHash: ClientSecrets.tokenHash(String(parts[1])), now: Date()) else {
+            return .failure(Refused(response: bearerChallenge("the token is unknown or expired", error: "invalid_token")))
+        }
+        return .success(client)
+    }
+
+    // MARK: - Envelopes and plain resources
+
+    private func envelope(_ request: Request, type: String?) async throws -> Response {
+        if case .failure(let refused) = try await authorize(request) { return refused.response }
+        var request = request
+        let body: ByteBuffer
+        do {
+            body = try await request.collectBody(upTo: configuration.maximumBodyBytes)
+        } catch is NIOTooManyBytesError {
+            return FHIRExchange.outcome(.contentTooLarge, "too-costly", "the body is larger than \(configuration.maximumBodyBytes) bytes")
+        }
+        let named = type.flatMap { FHIRResource.isValidTypeName($0) ? $0 : nil } ?? SealedEnvelope.unnamedType
+        let envelope: SealedEnvelope
+        do {
+            envelope = try SealedEnvelope(json: Data(buffer: body), resourceType: named)
+        } catch let error as DataQueueError {
+            return FHIRExchange.outcome(.badRequest, "invalid", error.message)
+        }
+        do {
+            try await queue.enqueue(envelope)
+        } catch let error as DataQueueError where error.code == .invalidResource {
+            return FHIRExchange.outcome(.badRequest, "invalid", error.message)
+        }
+        return Response(status: .accepted)
+    }
+
+    private func plain(_ request: Request, type: String, id: String?) async throws -> Response {
+        guard configuration.acceptsPlainResources else {
+            return FHIRExchange.outcome(.notFound, "not-supported", "this receiver takes encrypted envelopes only")
+        }
+        if case .failure(let refused) = try await authorize(request) { return refused.response }
+        do {
+            let resource = try await FHIRExchange.resource(
+                from: request, maximumBytes: configuration.maximumBodyBytes, types: [type])
+            guard let id else { return try await FHIRExchange.create(resource, in: queue) }
+            guard resource.id == id else {
+                return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
+            }
+            do {
+                return FHIRExchange.response(for: try await queue.update(resource))
+            } catch let error as DataQueueError where error.code == .invalidResource {
+                return FHIRExchange.outcome(.badRequest, "invalid", error.message)
+            } catch let error as DataQueueError where error.code == .authentication {
+                return FHIRExchange.outcome(.accepted, "security", "queued; the FHIR server refused dq's credentials")
+            }
+        } catch let refusal as FHIRExchange.Refusal {
+            return refusal.response
+        }
+    }
+
+    private func questionnaire(_ request: Request, id: String) async throws -> Response {
+        if case .failure(let refused) = try await authorize(request) { return refused.response }
+        let valid = !id.isEmpty && id.count <= 64 && id.allSatisfy { $0.isASCII && ($0.isLetter || $0.isNumber || $0 == "-" || $0 == ".") }
+        guard valid, id != ".", id != "..", let directory = configuration.questionnairesDirectory,
+            let data = FileManager.default.contents(atPath: directory + "/" + id + ".json")
+        else {
+            return FHIRExchange.outcome(.notFound, "not-found", "no Questionnaire with this id")
+        }
+        return Response(
+            status: .ok, headers: [.contentType: "application/fhir+json"], body: .init(byteBuffer: ByteBuffer(bytes: data)))
+    }
+
+    // MARK: - Answers
+
+    private struct Refused: Error {
+        let response: Response
+    }
+
+    /// Runs a handler, counts its answer per endpoint and status, and turns an unexpected error (storage) into a
+    /// 503 that names no input: the device keeps the resource and tries again.
+    private func measured(_ endpoint: String, _ handler: () async throws -> Response) async -> Response {
+        let start = ContinuousClock.now
+        let response: Response
+        do {
+            response = try await handler()
+        } catch {
+            logger.error(
+                "a request could not be committed", metadata: ["endpoint": "\(endpoint)", "error": "\(Self.describe(error))"])
+            response = FHIRExchange.outcome(.serviceUnavailable, "transient", "the receiver cannot store it now; try again later")
+        }
+        Counter(label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint), ("status", String(response.status.code))])
+            .increment()
+        if endpoint == "encfhir" || endpoint == "fhir" {
+            let elapsed = ContinuousClock.now - start
+            Timer(label: "dq_serve_ingest_duration_seconds", dimensions: [("endpoint", endpoint)])
+                .recordNanoseconds(elapsed.components.seconds * 1_000_000_000 + elapsed.components.attoseconds / 1_000_000_000)
+        }
+        return response
+    }
+
+    private static func describe(_ error: any Error) -> String {
+        (error as? DataQueueError).map { "\($0.code): \($0.message)" } ?? String(describing: type(of: error))
+    }
+
+    private func json(_ status: HTTPResponse.Status, _ object: [String: Any]) -> Response {
+        let data = (try? JSONSerialization.data(withJSONObject: object, options: [.sortedKeys])) ?? Data()
+        return Response(status: status, headers: [.contentType: "application/json"], body: .init(byteBuffer: ByteBuffer(bytes: data)))
+    }
+
+    /// An RFC 6749 5.2 error answer.
+    private func oauthError(_ status: HTTPResponse.Status, _ error: String, _ description: String, challenge: Bool = false) -> Response {
+        var response = json(status, ["error": error, "error_description": description])
+        if challenge { response.headers[.wwwAuthenticate] = #"Basic realm="dq""# }
+        response.headers[.cacheControl] = "no-store"
+        return response
+    }
+
+    private func bearerChallenge(_ description: String, error: String? = nil) -> Response {
+        var response = FHIRExchange.outcome(.unauthorized, "login", description)
+        response.headers[.wwwAuthenticate] = #"Bearer realm="dq""# + (error.map { #", error="\#($0)""# } ?? "")
+        return response
+    }
+
+    private func tooMany(_ wait: Int) -> Response {
+        var response = oauthError(.tooManyRequests, "slow_down", "too many requests from this address; try again later")
+        response.headers[.retryAfter] = String(wait)
+        return response
+    }
+
+    // MARK: - Parsing
+
+    /// `application/x-www-form-urlencoded` fields (the first of each name).
+    static func formFields(_ text: String) -> [String: String] {
+        var fields: [String: String] = [:]
+        for pair in text.split(separator: "&") {
+            let parts = pair.split(separator: "=", maxSplits: 1, omittingEmptySubsequences: false)
+            guard let name = formDecode(String(parts[0])), fields[name] == nil else { continue }
+            fields[name] = parts.count > 1 ? formDecode(String(parts[1])) : ""
+        }
+        return fields
+    }
+
+    /// A form-encoded value decoded (`+` is a space, `%XX` a byte); nil when it is not valid.
+    static func formDecode(_ text: String) -> String? {
+        text.replacingOccurrences(of: "+", with: " ").removingPercentEncoding
+    }
+
+    /// The id and secret of an HTTP Basic `Authorization` header (scheme in any case), as sent.
+    static func basicCredentials(_ header: String?) -> (String, String)? {
+        guard let header else { return nil }
+        let parts = header.split(separator: " ", omittingEmptySubsequences: true)
+        guard parts.count == 2, parts[0].lowercased() == "basic", let decoded = Data(base64Encoded: String(parts[1])),
+            let text = String(data: decoded, encoding: .utf8), let colon = text.firstIndex(of: ":")
+        else { return nil }
+        return (String(text[..<colon]), String(text[text.index(after: colon)...]))
+    }
+}
+
+/// Compares two strings in time that depends on their lengths only.
+func constantTimeEquals(_ a: String, _ b: String) -> Bool {
+    let x = Array(a.utf8)
+    let y = Array(b.utf8)
+    var difference = UInt8(x.count == y.count ? 0 : 1)
+    for index in 0..<max(x.count, y.count) {
+        difference |= (index < x.count ? x[index] : 0) ^ (index < y.count ? y[index] : 0)
+    }
+    return difference == 0
+}
+
+/// A fixed window per source address: at most `perMinute` requests in each minute.
+final class RateLimiter: Sendable {
+    private let perMinute: Int
+    private let windows = Mutex<[String: (start: ContinuousClock.Instant, count: Int)]>([:])
+
+    init(perMinute: Int) { self.perMinute = perMinute }
+
+    /// Nil when the request may go; else the seconds to wait.
+    func refuse(_ address: SocketAddress?) -> Int? {
+        guard perMinute > 0 else { return nil }
+        let key = address?.ipAddress ?? "unknown"
+        let now = ContinuousClock.now
+        return windows.withLock { windows in
+            if windows.count > 10_000 { windows = windows.filter { now - $0.value.start < .seconds(60) } }
+            var window = windows[key] ?? (now, 0)
+            if now - window.start >= .seconds(60) { window = (now, 0) }
+            window.count += 1
+            windows[key] = window
+            guard window.count > perMinute else { return nil }
+            return max(1, Int((window.start + .seconds(60) - now).components.seconds) + 1)
+        }
+    }
+}

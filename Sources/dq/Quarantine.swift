@@ -1,0 +1,128 @@
+import ArgumentParser
+import FHIRDataQueue
+import Foundation
+
+extension DQ {
+    /// `dq quarantine`: the envelopes `dq serve` took but could not open (an unknown `key_id`, a key that does not
+    /// unwrap, a message that does not decrypt or holds no FHIR resource). The device had its 202 and went on;
+    /// they wait here, parked, never sent, until an operator replays them (after adding the missing key) or drops
+    /// them.
+    struct Quarantine: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            commandName: "quarantine",
+            abstract: "List, show, replay or drop the envelopes dq serve could not open.",
+            subcommands: [List.self, Show.self, Replay.self, Drop.self])
+
+        /// The quarantined items of the queue, in order.
+        static func quarantined(_ queue: DataQueue, limit: Int = 100_000) async throws -> [QueuedItem] {
+            try await queue.items(state: .parked, limit: limit).filter {
+                $0.lastError?.hasPrefix(DataQueue.quarantinePrefix) == true
+            }
+        }
+
+        /// The quarantined item `reference` names; a parked item of another kind is not one.
+        static func quarantinedItem(_ queue: DataQueue, _ reference: String) async throws -> QueuedItem {
+            let (item, _) = try await queue.item(reference)
+            guard item.state == .parked, item.lastError?.hasPrefix(DataQueue.quarantinePrefix) == true else {
+                throw DataQueueError(.notFound, "item \(item.id.uuidString.lowercased()) is not quarantined (see dq show)")
+            }
+            return item
+        }
+
+        struct List: AsyncParsableCommand {
+            static let configuration = CommandConfiguration(commandName: "list", abstract: "List quarantined envelopes in order.")
+            @OptionGroup var queueOptions: QueueOptions
+            @Flag(help: "Print as JSON.") var json = false
+
+            func run() async throws {
+                try await withQueue(queueOptions, readOnly: true) { queue in
+                    let items = try await quarantined(queue)
+                    if json { try printJSON(items); return }
+                    if items.isEmpty { print("no quarantined envelopes"); return }
+                    print("SEQ\tID\tENQUEUED\tREASON")
+                    for item in items {
+                        let reason = item.lastError.map { String($0.dropFirst(DataQueue.quarantinePrefix.count)) } ?? "-"
+                        print("\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(formatDate(item.enqueuedAt))\t\(reason)")
+                    }
+                }
+            }
+        }
+
+        struct Show: AsyncParsableCommand {
+            static let configuration = CommandConfiguration(
+                commandName: "show", abstract: "Show one quarantined envelope: why, when, its key id and version (never its content).")
+            @OptionGroup var queueOptions: QueueOptions
+            @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N).") var id: String
+            @Flag(help: "Print as JSON.") var json = false
+
+            struct Shown: Encodable {
+                var item: QueuedItem
+                var reason: String
+                var keyID: String?
+                var version: String?
+            }
+
+            func run() async throws {
+                try await withQueue(queueOptions, readOnly: true) { queue in
+                    let item = try await quarantinedItem(queue, id)
+                    let (_, body) = try await queue.item(id)
+                    let envelope = (try? JSONSerialization.jsonObject(with: body)) as? [String: Any]
+                    let shown = Shown(
+                        item: item, reason: String((item.lastError ?? "").dropFirst(DataQueue.quarantinePrefix.count)),
+                        keyID: envelope?["key_id"] as? String, version: envelope?["version"] as? String)
+                    if json { try printJSON(shown); return }
+                    print("id:        \(item.id.uuidString.lowercased())")
+                    print("sequence:  \(item.sequence)")
+                    print("enqueued:  \(formatDate(item.enqueuedAt))")
+                    print("reason:    \(shown.reason)")
+                    print("key_id:    \(shown.keyID.map { $0.isEmpty ? "(empty: the default key)" : $0 } ?? "-")")
+                    print("version:   \(shown.version ?? "-")")
+                    print("size:      \(item.size) bytes")
+                }
+            }
+        }
+
+        struct Replay: AsyncParsableCommand {
+            static let configuration = CommandConfiguration(
+                commandName: "replay",
+                abstract: "Put quarantined envelopes back in line (after adding the missing key): the next flush opens them.")
+            @OptionGroup var queueOptions: QueueOptions
+            @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N).") var id: String?
+            @Flag(help: "Replay every quarantined envelope.") var all = false
+            @Flag(help: "Print what was put back as JSON.") var json = false
+
+            func validate() throws {
+                if (id == nil) == !all { throw ValidationError("give an item id or --all (not both)") }
+            }
+
+            func run() async throws {
+                try await withQueue(queueOptions) { queue in
+                    let items = all ? try await quarantined(queue) : [try await quarantinedItem(queue, id ?? "")]
+                    for item in items { _ = try await queue.retry("#\(item.sequence)", conditionalCreate: nil) }
+                    let names = items.map { $0.id.uuidString.lowercased() }
+                    if json {
+                        try printJSON(["replayed": names])
+                    } else {
+                        print("\(names.count) quarantined envelope(s) back in line")
+                    }
+                }
+            }
+        }
+
+        struct Drop: AsyncParsableCommand {
+            static let configuration = CommandConfiguration(
+                commandName: "drop", abstract: "Remove a quarantined envelope without sending it (recorded in the journal).")
+            @OptionGroup var queueOptions: QueueOptions
+            @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N).") var id: String
+            @Flag(help: "Print the dropped item as JSON.") var json = false
+
+            func run() async throws {
+                try await withQueue(queueOptions) { queue in
+                    let item = try await quarantinedItem(queue, id)
+                    _ = try await queue.drop("#\(item.sequence)")
+                    if json { try printJSON(["dropped": item.id.uuidString.lowercased()]) } else { print("dropped quarantined envelope \(item.id.uuidString.lowercased())") }
+                }
+            }
+        }
+    }
+}

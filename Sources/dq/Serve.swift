@@ -1,0 +1,233 @@
+import ArgumentParser
+import FHIRDataQueue
+import FHIRDataQueueServer
+import Foundation
+import Hummingbird
+import Logging
+import Metrics
+import NIOCore
+import Prometheus
+import ServiceLifecycle
+import Synchronization
+
+/// The `serve` object of the configuration file: `dq serve`'s own settings (the forwarding side uses the
+/// queue's `server`, `database`, `auth` and `at_rest` as `dq run` does).
+struct ServeSettings: Sendable, Equatable {
+    /// `listen`: `HOST:PORT` (default 127.0.0.1:8080).
+    var listen = "127.0.0.1:8080"
+    /// `path_prefix`: where the C3-PRO routes are (default `/c3pro`).
+    var pathPrefix = "/c3pro"
+    /// `antispam_file`: the `Antispam` secrets, one per line.
+    var antispamFile: String?
+    /// `keys_dir`: the private keys envelopes are opened with (`<key_id>/private-c3pro.der` or `<key_id>.pem`).
+    var keysDirectory: String?
+    /// `default_key_id`: the key of envelopes whose `key_id` is empty.
+    var defaultKeyID: String?
+    /// `token_lifetime_seconds` (default 1800).
+    var tokenLifetimeSeconds = 1800
+    /// `questionnaires_dir`: `GET /fhir/Questionnaire/{id}` reads `{id}.json` here.
+    var questionnairesDirectory: String?
+    /// `max_body_bytes` (default 10 MiB).
+    var maxBodyBytes = 10 << 20
+    /// `plain_fhir`: whether `/fhir` takes plain resources (default true).
+    var plainFHIR = true
+    /// `plain_at_rest`: take plain resources even though the queue does not seal them at rest.
+    var plainAtRest = false
+    /// `auth_requests_per_minute`: per source address, for `register` and `oauth` (default 60; 0: no limit).
+    var authRequestsPerMinute = 60
+
+    static let keys: Set<String> = [
+        "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
+        "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
+    ]
+
+    /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
+    static func load(from path: String?) throws -> ServeSettings {
+        var settings = ServeSettings()
+        guard let path, let data = FileManager.default.contents(atPath: path),
+            let root = (try? JSONSerialization.jsonObject(with: data)) as? [String: Any], let value = root["serve"]
+        else { return settings }
+        guard let object = value as? [String: Any] else { throw invalid("\"serve\" must be an object") }
+        if let unknown = object.keys.sorted().first(where: { !keys.contains($0) }) {
+            throw invalid("\"serve.\(unknown)\" is not a setting of dq serve (they are \(keys.sorted().joined(separator: ", ")))")
+        }
+        let base = URL(fileURLWithPath: path).deletingLastPathComponent()
+        func string(_ key: String) throws -> String? {
+            guard let value = object[key] else { return nil }
+            guard let text = value as? String, !text.isEmpty else { throw invalid("\"serve.\(key)\" must be a non-empty string") }
+            return text
+        }
+        func file(_ key: String) throws -> String? {
+            try string(key).map { $0.hasPrefix("/") ? $0 : base.appendingPathComponent($0).path }
+        }
+        func integer(_ key: String, _ range: ClosedRange<Int>) throws -> Int? {
+            guard let value = object[key] else { return nil }
+            guard let number = value as? Int, !(value is Bool), range.contains(number) else {
+                throw invalid("\"serve.\(key)\" must be a whole number in \(range.lowerBound)...\(range.upperBound)")
+            }
+            return number
+        }
+        func flag(_ key: String) throws -> Bool? {
+            guard let value = object[key] else { return nil }
+            guard let bool = value as? Bool else {
+                throw invalid("\"serve.\(key)\" must be true or false")
+            }
+            return bool
+        }
+        if let value = try string("listen") { settings.listen = value }
+        if let value = try string("path_prefix") { settings.pathPrefix = value }
+        settings.antispamFile = try file("antispam_file")
+        settings.keysDirectory = try file("keys_dir")
+        settings.defaultKeyID = try string("default_key_id")
+        if let value = try integer("token_lifetime_seconds", 60...86_400) { settings.tokenLifetimeSeconds = value }
+        settings.questionnairesDirectory = try file("questionnaires_dir")
+        if let value = try integer("max_body_bytes", 1024...(1 << 30)) { settings.maxBodyBytes = value }
+        if let value = try flag("plain_fhir") { settings.plainFHIR = value }
+        if let value = try flag("plain_at_rest") { settings.plainAtRest = value }
+        if let value = try integer("auth_requests_per_minute", 0...1_000_000) { settings.authRequestsPerMinute = value }
+        return settings
+    }
+
+    private static func invalid(_ message: String) -> DataQueueError { DataQueueError(.invalidConfiguration, message) }
+
+    /// The `Antispam` secrets: the file's non-empty lines, trimmed.
+    func antispamSecrets() throws -> [String] {
+        guard let antispamFile else {
+            throw DataQueueError(.invalidConfiguration, "\"serve.antispam_file\" is required: registration needs the Antispam secrets")
+        }
+        guard let data = FileManager.default.contents(atPath: antispamFile) else {
+            throw DataQueueError(.invalidConfiguration, "cannot read \"serve.antispam_file\" \(antispamFile)")
+        }
+        let secrets = String(decoding: data, as: UTF8.self).split(whereSeparator: \.isNewline)
+            .map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty && !$0.hasPrefix("#") }
+        guard !secrets.isEmpty else {
+            throw DataQueueError(.invalidConfiguration, "\"serve.antispam_file\" \(antispamFile) holds no secret")
+        }
+        return secrets
+    }
+}
+
+/// The context of the receiver's requests: Hummingbird's, with the source address (for the rate limit).
+struct ServeRequestContext: RequestContext, RemoteAddressRequestContext {
+    var coreContext: CoreRequestContextStorage
+    let remoteAddress: SocketAddress?
+
+    init(source: ApplicationRequestContextSource) {
+        coreContext = .init(source: source)
+        remoteAddress = source.channel.remoteAddress
+    }
+}
+
+extension DQ {
+    struct Serve: AsyncParsableCommand {
+        static let configuration = CommandConfiguration(
+            commandName: "serve",
+            abstract: "Receive from C3-PRO apps (registration, tokens, encrypted envelopes) and forward to the FHIR server.",
+            discussion: """
+                The receiving half of the C3-PRO system on dq's queue. Apps register (POST <prefix>/register with the \
+                Antispam header), get tokens (POST <prefix>/oauth), and post envelopes (POST <prefix>/encfhir/…): \
+                each is committed to the queue before it is answered 202, then opened in memory with the key its \
+                key_id names ("serve.keys_dir") and forwarded to "server" once, in order. An envelope that does not \
+                open is quarantined (dq quarantine), never bounced. /healthz, /readyz and /metrics are served on the \
+                same listener. SIGTERM or SIGINT stop it gracefully.
+                """)
+
+        @OptionGroup var queueOptions: QueueOptions
+        @OptionGroup var sending: SendingOptions
+        @Option(help: "HOST:PORT to listen on. Overrides \"serve.listen\".") var listen: String?
+        @Option(parsing: .unconditional, help: "Seconds between looks for items queued by other processes (default 1).")
+        var pollInterval: Double?
+
+        func validate() throws {
+            if let pollInterval { try checkFlagSeconds(pollInterval, name: "--poll-interval", allowZero: false) }
+            if let listen, DataQueueSettings.metricsAddress(listen) == nil {
+                throw ValidationError("--listen is \(listen): \(DataQueueSettings.metricsAddressForm)")
+            }
+        }
+
+        func run() async throws {
+            let registry = PrometheusCollectorRegistry()
+            MetricsSystem.bootstrap(Exposition.factory(registry))
+            recordBuildInfo()
+            // The keyring goes into the queue's configuration before it opens: envelopes are opened when sent.
+            let serve = Mutex<ServeSettings?>(nil)
+            try await withQueue(
+                queueOptions, sending: sending,
+                adjust: { settings in
+                    let loaded = try ServeSettings.load(from: settings.sourcePath)
+                    guard let keys = loaded.keysDirectory else {
+                        throw DataQueueError(
+                            .invalidConfiguration, "\"serve.keys_dir\" is required: the private keys envelopes are opened with")
+                    }
+                    settings.envelopeKeyring = EnvelopeKeyring(directory: keys, defaultKeyID: loaded.defaultKeyID)
+                    serve.withLock { $0 = loaded }
+                }, waitsForDatabase: true
+            ) { queue, settings in
+                let logger = Logger(label: "dq")
+                guard var options = serve.withLock({ $0 }) else { return }
+                if let listen { options.listen = listen }
+                try await run(queue: queue, settings: settings, options: options, registry: registry, logger: logger)
+            }
+        }
+
+        private func run(
+            queue: DataQueue, settings: DataQueueSettings, options: ServeSettings, registry: PrometheusCollectorRegistry,
+            logger: Logger
+        ) async throws {
+            guard let (host, port) = DataQueueSettings.metricsAddress(options.listen) else {
+                throw DataQueueError(.invalidConfiguration, "\"serve.listen\" is \(options.listen): \(DataQueueSettings.metricsAddressForm)")
+            }
+            if let keyring = queue.configuration.envelopeKeyring {
+                do {
+                    let ids = try keyring.check()
+                    if ids.isEmpty { logger.warning("no key in \"serve.keys_dir\": every envelope will be quarantined") }
+                } catch {
+                    throw DataQueueError(.invalidConfiguration, "\"serve.keys_dir\": \(error)")
+                }
+            }
+            if options.plainFHIR && queue.configuration.atRest == nil {
+                guard options.plainAtRest else {
+                    throw DataQueueError(
+                        .invalidConfiguration,
+                        "plain FHIR resources are PHI and this queue does not seal them at rest: set \"at_rest\", or \"serve.plain_fhir\": false, or (knowingly) \"serve.plain_at_rest\": true"
+                    )
+                }
+                logger.warning("plain FHIR resources will be stored readable on disk (\"serve.plain_at_rest\": true)")
+            }
+            let receiver = C3PROReceiver(
+                queue: queue,
+                configuration: .init(
+                    pathPrefix: options.pathPrefix, antispamSecrets: try options.antispamSecrets(),
+                    tokenLifetime: .seconds(options.tokenLifetimeSeconds), questionnairesDirectory: options.questionnairesDirectory,
+                    maximumBodyBytes: options.maxBodyBytes, acceptsPlainResources: options.plainFHIR,
+                    authRequestsPerMinute: options.authRequestsPerMinute),
+                logger: Logger(label: "dq.serve"))
+            let delivery = DataQueueService(
+                queues: [queue],
+                configuration: .init(
+                    pollInterval: .milliseconds(Int64((pollInterval ?? settings.pollIntervalSeconds ?? 1) * 1000)),
+                    drainTimeout: .milliseconds(Int64((settings.drainTimeoutSeconds ?? 10) * 1000)),
+                    journalRetention: try settings.journalRetention().map { .seconds($0) }),
+                logger: logger)
+            let router = Router(context: ServeRequestContext.self)
+            router.add(middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes))
+            receiver.addRoutes(to: router)
+            OperationsEndpoints(
+                metrics: { Exposition.emit(registry) }, readiness: { await delivery.readiness() },
+                liveness: { delivery.liveness() }
+            ).addRoutes(to: router)
+            let app = Application(
+                router: router,
+                configuration: .init(address: .hostname(host, port: port), serverName: nil),
+                services: [delivery],
+                onServerRunning: { channel in
+                    let bound = channel.localAddress?.port ?? port
+                    logger.notice("serving", metadata: ["address": "\(host):\(bound)", "prefix": "\(options.pathPrefix)"])
+                },
+                logger: Logger(label: "dq.http", factory: { _ in SwiftLogNoOpLogHandler() }))
+            // The application's group runs the listener and the delivery; SIGTERM or SIGINT stop both gracefully: the
+            // requests on the wire are answered, the journal committed.
+            try await app.runService()
+        }
+    }
+}
