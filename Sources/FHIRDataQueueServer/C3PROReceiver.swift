@@ -27,7 +27,8 @@ public struct C3PROReceiver: Sendable {
     public struct Configuration: Sendable {
         /// Where the routes are (C3-PRO's WAR context `/c3pro` by default; `""` for the root).
         public var pathPrefix: String
-        /// The `Antispam` header values `register` accepts (compared in constant time).
+        /// The `Antispam` header values `register` accepts at first (compared in constant time); see
+        /// ``C3PROReceiver/replaceAntispamSecrets(_:)``.
         public var antispamSecrets: [String]
         /// How long an issued token is valid (C3-PRO: 1,800 s).
         public var tokenLifetime: Duration
@@ -62,6 +63,7 @@ public struct C3PROReceiver: Sendable {
     public let configuration: Configuration
     private let registry: any ClientRegistry
     private let limiter: RateLimiter
+    private let antispam: AntispamSecrets
     private let logger: Logger
 
     /// A receiver that commits to `queue` (and keeps its clients and tokens in `queue`'s database).
@@ -70,7 +72,13 @@ public struct C3PROReceiver: Sendable {
         self.configuration = configuration
         self.registry = queue.clientRegistry
         self.limiter = RateLimiter(perMinute: configuration.authRequestsPerMinute)
+        self.antispam = AntispamSecrets(configuration.antispamSecrets)
         self.logger = logger
+    }
+
+    /// Replaces the `Antispam` values `register` accepts, while it serves (the antispam file read again on SIGHUP).
+    public func replaceAntispamSecrets(_ secrets: [String]) {
+        antispam.secrets.withLock { $0 = secrets }
     }
 
     /// Adds the receiver's routes to `router`.
@@ -110,7 +118,8 @@ public struct C3PROReceiver: Sendable {
     private func register(_ request: Request, from address: SocketAddress?) async throws -> Response {
         if let wait = limiter.refuse(address) { return tooMany(wait) }
         let offered = request.headers[.init("Antispam")!] ?? ""
-        guard configuration.antispamSecrets.contains(where: { constantTimeEquals($0, offered) }), !offered.isEmpty else {
+        let accepted = antispam.secrets.withLock { $0 }
+        guard accepted.contains(where: { constantTimeEquals($0, offered) }), !offered.isEmpty else {
             return oauthError(.unauthorized, "unauthorized_client", "the Antispam header is missing or wrong")
         }
         var request = request
@@ -190,7 +199,9 @@ public struct C3PROReceiver: Sendable {
 
     /// The client a request's bearer token was issued to, or the 401 to answer.
     private func authorize(_ request: Request) async throws -> Result<String, Refused> {
-        guard let header = request.headers[.authorization] else { return .failure(Refused(response: bearerChallenge("a bearer token is required"))) }
+        guard let header = request.headers[.authorization] else {
+            return .failure(Refused(response: bearerChallenge("a bearer token is required")))
+        }
         let parts = header.split(separator: " ", omittingEmptySubsequences: true)
         guard parts.count == 2, parts[0].lowercased() == "bearer" else {
             return .failure(Refused(response: bearerChallenge("a bearer token is required")))
@@ -232,23 +243,41 @@ public struct C3PROReceiver: Sendable {
             return FHIRExchange.outcome(.notFound, "not-supported", "this receiver takes encrypted envelopes only")
         }
         if case .failure(let refused) = try await authorize(request) { return refused.response }
+        let resource: FHIRResource
         do {
-            let resource = try await FHIRExchange.resource(
-                from: request, maximumBytes: configuration.maximumBodyBytes, types: [type])
-            guard let id else { return try await FHIRExchange.create(resource, in: queue) }
-            guard resource.id == id else {
-                return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
-            }
-            do {
-                return FHIRExchange.response(for: try await queue.update(resource))
-            } catch let error as DataQueueError where error.code == .invalidResource {
-                return FHIRExchange.outcome(.badRequest, "invalid", error.message)
-            } catch let error as DataQueueError where error.code == .authentication {
-                return FHIRExchange.outcome(.accepted, "security", "queued; the FHIR server refused dq's credentials")
-            }
+            resource = try await FHIRExchange.resource(from: request, maximumBytes: configuration.maximumBodyBytes, types: [type])
         } catch let refusal as FHIRExchange.Refusal {
             return refusal.response
         }
+        if let id, resource.id != id {
+            return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
+        }
+        let outcome: SendOutcome
+        do {
+            outcome = try await queue.send(resource, method: id == nil ? .post : .put)
+        } catch let error as DataQueueError where error.code == .invalidResource {
+            return FHIRExchange.outcome(.badRequest, "invalid", error.message)
+        } catch let error as DataQueueError where error.code == .authentication {
+            return FHIRExchange.outcome(.accepted, "security", "queued; the FHIR server refused dq's credentials")
+        }
+        guard case .parked = outcome else { return FHIRExchange.response(for: outcome) }
+        // Committed, and parked for an operator (dq list --parked): the device is told it is taken. A refusal would
+        // make it send the resource again and again (each copy parked again), and its queue, which stops at its
+        // first error, would never move past it.
+        return Self.takenButParked()
+    }
+
+    /// 202 with an OperationOutcome warning (a body C3-PRO apps read as success): taken, parked for an operator.
+    private static func takenButParked() -> Response {
+        let issue: [String: Any] = [
+            "severity": "warning", "code": "processing",
+            "diagnostics": "taken; the FHIR server rejected it, and it waits for an operator",
+        ]
+        let json =
+            (try? JSONSerialization.data(
+                withJSONObject: ["resourceType": "OperationOutcome", "issue": [issue]], options: [.sortedKeys])) ?? Data()
+        return Response(
+            status: .accepted, headers: [.contentType: "application/fhir+json"], body: .init(byteBuffer: ByteBuffer(bytes: json)))
     }
 
     private func questionnaire(_ request: Request, id: String) async throws -> Response {
@@ -358,6 +387,13 @@ func constantTimeEquals(_ a: String, _ b: String) -> Bool {
         difference |= (index < x.count ? x[index] : 0) ^ (index < y.count ? y[index] : 0)
     }
     return difference == 0
+}
+
+/// The `Antispam` values `register` accepts, replaceable while the receiver serves.
+final class AntispamSecrets: Sendable {
+    let secrets: Mutex<[String]>
+
+    init(_ secrets: [String]) { self.secrets = Mutex(secrets) }
 }
 
 /// A fixed window per source address: at most `perMinute` requests in each minute.

@@ -120,7 +120,11 @@ extension DQ {
                 try await withQueue(queueOptions) { queue in
                     let item = try await quarantinedItem(queue, id)
                     _ = try await queue.drop("#\(item.sequence)")
-                    if json { try printJSON(["dropped": item.id.uuidString.lowercased()]) } else { print("dropped quarantined envelope \(item.id.uuidString.lowercased())") }
+                    if json {
+                        try printJSON(["dropped": item.id.uuidString.lowercased()])
+                    } else {
+                        print("dropped quarantined envelope \(item.id.uuidString.lowercased())")
+                    }
                 }
             }
         }

@@ -9,6 +9,11 @@ import NIOCore
 import Prometheus
 import ServiceLifecycle
 import Synchronization
+import UnixSignals
+
+#if canImport(Glibc)
+    import Glibc
+#endif
 
 /// The `serve` object of the configuration file: `dq serve`'s own settings (the forwarding side uses the
 /// queue's `server`, `database`, `auth` and `at_rest` as `dq run` does).
@@ -146,6 +151,10 @@ extension DQ {
         }
 
         func run() async throws {
+            // SIGHUP's default action would end dq serve: it is trapped for the whole run, before the queue opens, and
+            // reads the antispam file and the keys again (ServeReload).
+            signal(SIGHUP, SIG_IGN)
+            let hangups = await UnixSignalsSequence(trapping: .sighup)
             let registry = PrometheusCollectorRegistry()
             MetricsSystem.bootstrap(Exposition.factory(registry))
             recordBuildInfo()
@@ -164,18 +173,22 @@ extension DQ {
                 }, waitsForDatabase: true
             ) { queue, settings in
                 let logger = Logger(label: "dq")
-                guard var options = serve.withLock({ $0 }) else { return }
+                guard let loaded = serve.withLock({ $0 }) else { return }
+                var options = loaded
                 if let listen { options.listen = listen }
-                try await run(queue: queue, settings: settings, options: options, registry: registry, logger: logger)
+                try await run(
+                    queue: queue, settings: settings, loaded: loaded, options: options, hangups: hangups, registry: registry,
+                    logger: logger)
             }
         }
 
         private func run(
-            queue: DataQueue, settings: DataQueueSettings, options: ServeSettings, registry: PrometheusCollectorRegistry,
-            logger: Logger
+            queue: DataQueue, settings: DataQueueSettings, loaded: ServeSettings, options: ServeSettings,
+            hangups: UnixSignalsSequence, registry: PrometheusCollectorRegistry, logger: Logger
         ) async throws {
             guard let (host, port) = DataQueueSettings.metricsAddress(options.listen) else {
-                throw DataQueueError(.invalidConfiguration, "\"serve.listen\" is \(options.listen): \(DataQueueSettings.metricsAddressForm)")
+                throw DataQueueError(
+                    .invalidConfiguration, "\"serve.listen\" is \(options.listen): \(DataQueueSettings.metricsAddressForm)")
             }
             if let keyring = queue.configuration.envelopeKeyring {
                 do {
@@ -219,7 +232,12 @@ extension DQ {
             let app = Application(
                 router: router,
                 configuration: .init(address: .hostname(host, port: port), serverName: nil),
-                services: [delivery],
+                services: [
+                    delivery,
+                    ServeReload(
+                        hangups: hangups, configPath: settings.sourcePath, running: loaded, receiver: receiver,
+                        keyring: queue.configuration.envelopeKeyring, logger: logger),
+                ],
                 onServerRunning: { channel in
                     let bound = channel.localAddress?.port ?? port
                     logger.notice("serving", metadata: ["address": "\(host):\(bound)", "prefix": "\(options.pathPrefix)"])
@@ -229,5 +247,59 @@ extension DQ {
             // requests on the wire are answered, the journal committed.
             try await app.runService()
         }
+    }
+}
+
+/// Reads the `serve` object's secrets again on SIGHUP, while dq serve goes on serving: the antispam file (a new
+/// secret is taken, a removed one refused from then on) and the keys (a key file replaced at its path is read
+/// when an envelope next names it; a key added is read on demand anyway). A file that does not read is logged, and
+/// the running secrets stay. The other settings take effect at the next start; those that changed are logged by
+/// name, never by value.
+struct ServeReload: Service {
+    let hangups: UnixSignalsSequence
+    let configPath: String?
+    /// The `serve` object the running receiver was started with (before `--listen`).
+    let running: ServeSettings
+    let receiver: C3PROReceiver
+    let keyring: EnvelopeKeyring?
+    let logger: Logger
+
+    func run() async throws {
+        for await _ in hangups.cancelOnGracefulShutdown() {
+            do {
+                let loaded = try ServeSettings.load(from: configPath)
+                let secrets = try loaded.antispamSecrets()
+                receiver.replaceAntispamSecrets(secrets)
+                keyring?.forgetKeys()
+                let later = Self.changes(running, loaded).filter { $0 != "antispam_file" }
+                logger.notice(
+                    "configuration reloaded: the antispam secrets and the keys are read again",
+                    metadata: ["at the next start": "\(later.isEmpty ? "nothing" : later.joined(separator: ","))"])
+                if let keyring {
+                    do {
+                        try keyring.check()
+                    } catch {
+                        logger.warning("\"serve.keys_dir\": \(error)")
+                    }
+                }
+            } catch {
+                logger.error(
+                    "reload refused; the running antispam secrets and keys stay",
+                    metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
+            }
+        }
+    }
+
+    /// The `serve` settings that differ, by name.
+    static func changes(_ old: ServeSettings, _ new: ServeSettings) -> [String] {
+        let fields: [(String, (ServeSettings) -> String)] = [
+            ("listen", { $0.listen }), ("path_prefix", { $0.pathPrefix }), ("antispam_file", { $0.antispamFile ?? "" }),
+            ("keys_dir", { $0.keysDirectory ?? "" }), ("default_key_id", { $0.defaultKeyID ?? "" }),
+            ("token_lifetime_seconds", { "\($0.tokenLifetimeSeconds)" }),
+            ("questionnaires_dir", { $0.questionnairesDirectory ?? "" }), ("max_body_bytes", { "\($0.maxBodyBytes)" }),
+            ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
+            ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
+        ]
+        return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)
     }
 }

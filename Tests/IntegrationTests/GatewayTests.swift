@@ -13,10 +13,10 @@ struct GatewayTests {
 
     init() throws { work = try TemporaryDirectory() }
 
-    /// The gateway binary `make test` builds (`Examples/Gateway`, its own package).
+    /// The gateway binary `swift build` builds (`Examples/Gateway`, a target of this package).
     static var binary: String {
         Peers.environment["DQ_GATEWAY_BIN"]
-            ?? Peers.packageRoot.appendingPathComponent("Examples/Gateway/.build/debug/Gateway").path
+            ?? Peers.packageRoot.appendingPathComponent(".build/debug/Gateway").path
     }
 
     @Test(

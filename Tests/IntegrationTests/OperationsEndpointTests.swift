@@ -71,7 +71,9 @@ struct OperationsEndpointTests {
         let lines = answers.stdout.split(separator: "\n").map(String.init)
         #expect(lines.count == 12, "\(answers.stdout)")
         // Every answer on the one socket the client opened first.
-        let onFirstSocket = lines.filter { $0.hasPrefix("GET ") || $0.hasPrefix("HEAD ") || $0.hasPrefix("POST ") || $0.hasPrefix("DELETE ") }
+        let onFirstSocket = lines.filter {
+            $0.hasPrefix("GET ") || $0.hasPrefix("HEAD ") || $0.hasPrefix("POST ") || $0.hasPrefix("DELETE ")
+        }
         #expect(onFirstSocket.count == 9 && onFirstSocket.allSatisfy { $0.hasSuffix(" True") }, "\(answers.stdout)")
         #expect(lines.contains("metrics text True"), "\(answers.stdout)")
         // HEAD: the status and the length a GET would have, and no body.

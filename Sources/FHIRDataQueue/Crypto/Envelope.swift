@@ -130,7 +130,8 @@ public struct EnvelopeSealer: Sendable {
 /// Opens envelopes with the receiver's private key, in either format (what `dq decrypt` does).
 public struct EnvelopeOpener: Sendable {
     /// The parsed key, kept (parsing it for each envelope would cost a good part of an RSA operation).
-    private final class ParsedKey: @unchecked Sendable {  // unchecked: immutable after init; BoringSSL's RSA decrypt takes a const key and locks its own blinding cache
+    // unchecked: immutable after init; BoringSSL's RSA decrypt takes a const key and locks its own blinding cache.
+    private final class ParsedKey: @unchecked Sendable {
         let key: _RSA.Encryption.PrivateKey
         init(_ key: _RSA.Encryption.PrivateKey) { self.key = key }
     }

@@ -71,6 +71,12 @@ public final class EnvelopeKeyring: Sendable {
         return ids
     }
 
+    /// Forgets the keys read so far: each is read again from the directory when an envelope next names it (a key
+    /// file replaced at its path; `dq serve` calls this on SIGHUP).
+    public func forgetKeys() {
+        loaded.withLock { $0 = [:] }
+    }
+
     /// The resource inside `envelope`, opened in memory with the key its `key_id` names.
     public func open(_ envelope: Data) throws(Failure) -> FHIRResource {
         guard let object = (try? JSONSerialization.jsonObject(with: envelope)) as? [String: Any] else {

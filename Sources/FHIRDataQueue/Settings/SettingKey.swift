@@ -1,3 +1,4 @@
+import Foundation
 import Logging
 
 #if canImport(FoundationEssentials)
@@ -138,6 +139,19 @@ package struct SettingKey: Sendable {
     /// Objects of the file that a command reads and checks itself: `serve` (`dq serve`).
     package static let commandObjects: Set<String> = ["serve"]
 
+    /// What is wrong with a JSON value's type for a kind that swift-configuration's JSON reading would accept
+    /// leniently: `true` where a number goes (read as 1), a number where `true` or `false` goes.
+    static func jsonTypeProblem(_ value: Any?, kind: Kind?) -> String? {
+        guard let number = value as? NSNumber, let kind else { return nil }
+        // JSONSerialization gives true and false as NSNumbers of the C type char.
+        let isBoolean = String(cString: number.objCType) == "c"
+        switch kind {
+        case .number, .wholeNumber: return isBoolean ? "must be a number, not true or false" : nil
+        case .flag: return isBoolean ? nil : "must be true or false"
+        default: return nil
+        }
+    }
+
     /// Refuses the first key of the file's object that dq does not read (with the known key it most likely
     /// meant), and an object key whose value is no object: swift-configuration reads the keys it is asked for
     /// and ignores the others.
@@ -156,6 +170,8 @@ package struct SettingKey: Sendable {
                     throw configError("unknown key \"\(key)\"" + (nearest(key, in: known).map { " (did you mean \"\($0)\"?)" } ?? ""))
                 } else if case .object = byName[key]?.kind, !(object[name] is [String: Any]) {
                     throw configError("\"\(key)\" must be an object")
+                } else if let problem = jsonTypeProblem(object[name], kind: byName[key]?.kind) {
+                    throw configError("\"\(key)\" \(problem)")
                 }
             }
         }
