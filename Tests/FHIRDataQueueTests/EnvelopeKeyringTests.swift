@@ -1,0 +1,156 @@
+import Foundation
+import Testing
+
+@testable import FHIRDataQueue
+
+/// The receiving side's keyring, on envelopes made by the openssl command line (AES-256-CBC with a zero IV, the
+/// key RSA-OAEP-SHA1 wrapped, as C3-PRO apps make them): independent of dq's own sealer.
+@Suite("Envelope keyring: opening by key_id, and quarantine in the queue")
+struct EnvelopeKeyringTests {
+    let scratch: Scratch
+    var directory: String { scratch.url.path }
+    var keys: String { scratch.url.appendingPathComponent("keys").path }
+
+    init() throws {
+        scratch = try Scratch("dq-keyring")
+        try FileManager.default.createDirectory(atPath: scratch.url.appendingPathComponent("keys").path, withIntermediateDirectories: true)
+    }
+
+    private func openssl(_ arguments: [String]) async throws {
+        let status = try await runToExit("/usr/bin/openssl", arguments)
+        #expect(status == 0, "openssl \(arguments.joined(separator: " "))")
+    }
+
+    /// Makes an RSA key; returns the paths of its private PEM and public PEM (outside the keys directory).
+    private func makeKey(_ name: String) async throws -> (privatePEM: String, publicPEM: String) {
+        let privatePEM = directory + "/\(name).key.pem"
+        let publicPEM = directory + "/\(name).pub.pem"
+        try await openssl(["genrsa", "-out", privatePEM, "2048"])
+        try await openssl(["rsa", "-in", privatePEM, "-pubout", "-out", publicPEM])
+        return (privatePEM, publicPEM)
+    }
+
+    /// An envelope as a C3-PRO app makes it, made with the openssl command line.
+    private func envelope(_ plaintext: Data, for publicPEM: String, keyID: String) async throws -> Data {
+        let name = UUID().uuidString
+        let plainFile = directory + "/\(name).plain"
+        let keyFile = directory + "/\(name).aes"
+        try plaintext.write(to: URL(fileURLWithPath: plainFile))
+        let aesKey = Data((0..<32).map { _ in UInt8.random(in: 0...255) })
+        try aesKey.write(to: URL(fileURLWithPath: keyFile))
+        let hex = aesKey.map { String(format: "%02x", $0) }.joined()
+        try await openssl([
+            "enc", "-aes-256-cbc", "-K", hex, "-iv", String(repeating: "0", count: 32), "-in", plainFile, "-out", plainFile + ".enc",
+        ])
+        try await openssl([
+            "pkeyutl", "-encrypt", "-pubin", "-inkey", publicPEM, "-pkeyopt", "rsa_padding_mode:oaep", "-in", keyFile, "-out",
+            keyFile + ".wrapped",
+        ])
+        let message = try Data(contentsOf: URL(fileURLWithPath: plainFile + ".enc"))
+        let wrapped = try Data(contentsOf: URL(fileURLWithPath: keyFile + ".wrapped"))
+        let object: [String: String] = [
+            "key_id": keyID, "symmetric_key": wrapped.base64EncodedString(), "message": message.base64EncodedString(),
+            "version": "3.0.0",
+        ]
+        return try JSONSerialization.data(withJSONObject: object, options: [.sortedKeys])
+    }
+
+    private func observation(_ marker: String) -> Data {
+        Data(
+            #"{"resourceType":"Observation","status":"final","code":{"text":"steps"},"valueString":"\#(marker)"}"#.utf8)
+    }
+
+    @Test("opens by key_id from a .pem and from the C3-PRO consumer's <key_id>/private-c3pro.der; trims the id; empty means the default")
+    func opensBothLayouts() async throws {
+        let pem = try await makeKey("pem")
+        let der = try await makeKey("der")
+        try FileManager.default.copyItem(atPath: pem.privatePEM, toPath: keys + "/k-pem.pem")
+        try FileManager.default.createDirectory(atPath: keys + "/k-der", withIntermediateDirectories: true)
+        try await openssl([
+            "pkcs8", "-topk8", "-nocrypt", "-in", der.privatePEM, "-outform", "DER", "-out", keys + "/k-der/private-c3pro.der",
+        ])
+        let keyring = EnvelopeKeyring(directory: keys, defaultKeyID: "k-der")
+        #expect(try keyring.check() == ["k-der", "k-pem"])
+
+        let first = try keyring.open(try await envelope(observation("one"), for: pem.publicPEM, keyID: " k-pem "))
+        #expect(first.resourceType == "Observation")
+        #expect(String(decoding: first.data, as: UTF8.self).contains("\"one\""))
+        let second = try keyring.open(try await envelope(observation("two"), for: der.publicPEM, keyID: "k-der"))
+        #expect(String(decoding: second.data, as: UTF8.self).contains("\"two\""))
+        let byDefault = try keyring.open(try await envelope(observation("three"), for: der.publicPEM, keyID: ""))
+        #expect(String(decoding: byDefault.data, as: UTF8.self).contains("\"three\""))
+    }
+
+    @Test("each failure has its reason: unknown key_id, a key that does not open it, no resource inside, a path for a key id")
+    func failures() async throws {
+        let right = try await makeKey("right")
+        let other = try await makeKey("other")
+        try FileManager.default.copyItem(atPath: right.privatePEM, toPath: keys + "/k1.pem")
+        let keyring = EnvelopeKeyring(directory: keys)
+
+        let unknown = try await envelope(observation("x"), for: right.publicPEM, keyID: "k9")
+        #expect(throws: EnvelopeKeyring.Failure.unknownKey("k9")) { try keyring.open(unknown) }
+        let empty = try await envelope(observation("x"), for: right.publicPEM, keyID: "")
+        #expect(throws: EnvelopeKeyring.Failure.unknownKey("")) { try keyring.open(empty) }
+        let path = try await envelope(observation("x"), for: right.publicPEM, keyID: "../k1")
+        #expect(throws: EnvelopeKeyring.Failure.unknownKey("../k1")) { try keyring.open(path) }
+        // Wrapped for another key than the one its key_id names.
+        let wrongKey = try await envelope(observation("x"), for: other.publicPEM, keyID: "k1")
+        #expect(throws: EnvelopeKeyring.Failure.doesNotOpen("k1")) { try keyring.open(wrongKey) }
+        let notResource = try await envelope(Data("just text".utf8), for: right.publicPEM, keyID: "k1")
+        do {
+            _ = try keyring.open(notResource)
+            Issue.record("opened something that is not a resource")
+        } catch {
+            guard case .notAResource = error else { Issue.record("wrong reason: \(error)"); return }
+            #expect(!error.description.contains("just text"), "the reason holds no plaintext")
+        }
+    }
+
+    @Test(
+        "a queue with a keyring sends what is inside its envelopes, in order, as plain creates; one it cannot open is quarantined and the next goes; replayed after its key is added, it goes"
+    )
+    func queueOpensAndQuarantines() async throws {
+        let k1 = try await makeKey("k1")
+        let k2 = try await makeKey("k2")
+        try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
+        let server = try await ScriptedServer { request in
+            .respond(.created(location: "Observation/o\(request.body.count)/_history/1"))
+        }
+        var configuration = DataQueue.Configuration(databasePath: directory + "/queue.sqlite", idempotent: .init(false))
+        configuration.batchSize = 1
+        configuration.envelopeKeyring = EnvelopeKeyring(directory: keys)
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+
+        for (marker, key, id) in [("first", k1, "k1"), ("second", k2, "k2"), ("third", k1, "k1")] {
+            let data = try await envelope(observation(marker), for: key.publicPEM, keyID: id)
+            try await queue.enqueue(try SealedEnvelope(json: data, resourceType: SealedEnvelope.unnamedType))
+        }
+        let report = try await queue.flush()
+        #expect(report.delivered == 2)
+        #expect(report.parked == 1)
+        let sent = server.requests
+        #expect(sent.count == 2)
+        #expect(sent.map(\.method) == ["POST", "POST"])
+        #expect(sent.map(\.path) == ["/fhir/Observation", "/fhir/Observation"])
+        #expect(sent.map { $0.bodyText.contains("\"first\"") } == [true, false])
+        #expect(sent.map { $0.bodyText.contains("\"third\"") } == [false, true])
+        #expect(!sent.contains { $0.bodyText.contains("symmetric_key") }, "no envelope went to the server")
+
+        let parked = try await queue.items(state: .parked)
+        #expect(parked.count == 1)
+        let reason = try #require(parked.first?.lastError)
+        #expect(reason.hasPrefix(DataQueue.quarantinePrefix) && reason.contains("k2"), "\(reason)")
+        #expect(parked.first?.encrypted == true, "the stored row is still the envelope")
+
+        try FileManager.default.copyItem(atPath: k2.privatePEM, toPath: keys + "/k2.pem")
+        _ = try await queue.retry("#\(try #require(parked.first).sequence)")
+        let replay = try await queue.flush()
+        #expect(replay.delivered == 1)
+        #expect(server.requests.count == 3)
+        #expect(server.requests.last?.bodyText.contains("\"second\"") == true)
+        #expect(try await queue.items().isEmpty)
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+}
