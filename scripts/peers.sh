@@ -18,11 +18,11 @@ free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)
 # sekmet-fhir and the Python checks of the tests (all that `make demo` needs).
 install_fhir() {
   mkdir -p "$peers"
-  if [ ! -f "$venv/.installed-v5" ]; then
+  if [ ! -f "$venv/.installed-v6" ]; then
     "$PY" -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check "sekmet-fhir==0.1.1" "cryptography==50.0.2" "PyJWT==2.15.1" \
-      "fhirkit-rs==0.1.0" "prometheus_client==0.21.1"
-    touch "$venv/.installed-v5"
+      "fhirkit-rs==0.1.0" "prometheus_client==0.21.1" "requests==2.34.2"
+    touch "$venv/.installed-v6"
   fi
 }
 
