@@ -140,7 +140,8 @@ public struct C3PROReceiver: Sendable {
         }
         let clientID = ClientSecrets.newClientID()
         let secret = ClientSecrets.newSecret()
-        try await registry.register(clientID: clientID, secretHash: ClientSecrets.hash(secret: secret), at: Date())
+        let hash = try await ClientSecrets.hashOffPool(secret: secret)
+        try await registry.register(clientID: clientID, secretHash: hash, at: Date())
         logger.info("registered a client", metadata: ["client": "\(clientID)"])
         return json(
             .created,
@@ -176,11 +177,12 @@ public struct C3PROReceiver: Sendable {
         }
         var client: String?
         for (id, secret) in candidates {
-            guard let stored = try await registry.secretHash(clientID: id), ClientSecrets.verify(secret: secret, against: stored)
-            else { continue }
+            let stored = try await registry.secretHash(clientID: id)
+            guard try await ClientSecrets.verifyOffPool(secret: secret, against: stored), let stored else { continue }
             if ClientSecrets.isLegacy(stored) {
                 // A secret imported from the C3-PRO server's unsalted hash, re-hashed on its first use.
-                _ = try await registry.replaceSecretHash(clientID: id, old: stored, new: ClientSecrets.hash(secret: secret))
+                _ = try await registry.replaceSecretHash(
+                    clientID: id, old: stored, new: try await ClientSecrets.hashOffPool(secret: secret))
             }
             client = id
             break

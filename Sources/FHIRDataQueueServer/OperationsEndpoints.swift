@@ -86,38 +86,62 @@ public struct OperationsEndpoints: Sendable {
     }
 }
 
-/// Refuses a request whose body is larger than a limit with `413 Content Too Large` (and closes the connection,
-/// so that the rest of the body is not read), before any route sees it; a body within the limit is collected
-/// for the route.
+/// Refuses a request whose body is larger than a limit with `413 Content Too Large`, before any route sees it, and
+/// one whose body does not arrive within a deadline with `408 Request Timeout` (a client that sends a byte a second
+/// holds one connection, not the receiver); a body within both is collected for the route.
 public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
     /// The largest body taken, in bytes.
     public let maximumBytes: Int
+    /// How long the whole body may take to arrive; nil: no limit.
+    public let deadline: Duration?
 
-    /// Refuses bodies larger than `maximumBytes`.
-    public init(maximumBytes: Int) {
+    /// Refuses bodies larger than `maximumBytes`, or slower than `deadline`.
+    public init(maximumBytes: Int, deadline: Duration? = nil) {
         self.maximumBytes = maximumBytes
+        self.deadline = deadline
     }
 
-    /// Answers 413 to a body over the limit, declared or sent; passes others on with the body collected.
+    /// Answers 413 to a body over the limit, declared or sent, and 408 to one that takes too long; passes others on
+    /// with the body collected.
     public func handle(
         _ request: Request, context: Context, next: (Request, Context) async throws -> Response
     ) async throws -> Response {
         if let declared = request.headers[.contentLength].flatMap({ Int($0) }), declared > maximumBytes {
-            return tooLarge()
+            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes")
         }
         var request = request
         do {
-            _ = try await request.collectBody(upTo: maximumBytes)
+            guard let deadline else {
+                _ = try await request.collectBody(upTo: maximumBytes)
+                return try await next(request, context)
+            }
+            let reading = request
+            let maximum = maximumBytes
+            let body: ByteBuffer? = try await withThrowingTaskGroup(of: ByteBuffer?.self) { group in
+                group.addTask {
+                    var request = reading
+                    return try await request.collectBody(upTo: maximum)
+                }
+                group.addTask {
+                    try await Task.sleep(for: deadline)
+                    return nil
+                }
+                defer { group.cancelAll() }
+                return try await group.next() ?? nil
+            }
+            guard let body else {
+                return refusal(.requestTimeout, "the request body did not arrive within \(deadline.components.seconds) s")
+            }
+            request.body = .init(buffer: body)
         } catch is NIOTooManyBytesError {
-            return tooLarge()
+            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes")
         }
         return try await next(request, context)
     }
 
-    private func tooLarge() -> Response {
+    private func refusal(_ status: HTTPResponse.Status, _ text: String) -> Response {
         Response(
-            status: .contentTooLarge,
-            headers: [.contentType: "text/plain; charset=utf-8", .connection: "close"],
-            body: .init(byteBuffer: ByteBuffer(string: "the request body is larger than \(maximumBytes) bytes\n")))
+            status: status, headers: [.contentType: "text/plain; charset=utf-8", .connection: "close"],
+            body: .init(byteBuffer: ByteBuffer(string: text + "\n")))
     }
 }

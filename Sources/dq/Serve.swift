@@ -223,7 +223,7 @@ extension DQ {
                     journalRetention: try settings.journalRetention().map { .seconds($0) }),
                 logger: logger)
             let router = Router(context: ServeRequestContext.self)
-            router.add(middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes))
+            router.add(middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes, deadline: .seconds(60)))
             receiver.addRoutes(to: router)
             OperationsEndpoints(
                 metrics: { Exposition.emit(registry) }, readiness: { await delivery.readiness() },

@@ -1,5 +1,6 @@
 import Crypto
 import Foundation
+import NIOPosix
 import _CryptoExtras
 
 /// The client ids, secrets and bearer tokens a receiver (`dq serve`) hands out, and the hashes of them that a
@@ -122,6 +123,27 @@ package enum ClientSecrets {
             return false
         }
     }
+
+    /// ``hash(secret:)`` on NIO's thread pool: a slow hash (tens to hundreds of milliseconds) must not hold one of
+    /// the cooperative pool's few threads, which every other request of the receiver needs.
+    package static func hashOffPool(secret: String) async throws -> String {
+        try await NIOThreadPool.singleton.runIfActive { try hash(secret: secret) }
+    }
+
+    /// ``verify(secret:against:)`` on NIO's thread pool; with no stored hash (an unknown client id) it spends the
+    /// same time on a hash of nothing and answers false, so the answer's timing does not tell which ids exist.
+    package static func verifyOffPool(secret: String, against stored: String?) async throws -> Bool {
+        try await NIOThreadPool.singleton.runIfActive {
+            guard let stored else {
+                _ = verify(secret: secret, against: unknownClientHash)
+                return false
+            }
+            return verify(secret: secret, against: stored)
+        }
+    }
+
+    /// A hash no secret is checked against for real (made once, of random bytes).
+    private static let unknownClientHash: String = (try? hash(secret: newSecret())) ?? ""
 
     /// Whether `hash` is C3-PRO's unsalted SHA-1 (`sha1b64$…`), to be replaced by ``hash(secret:)`` once the secret
     /// has been verified against it.
