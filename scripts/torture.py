@@ -244,6 +244,115 @@ def crash_loop(work, iterations, rng, batch, at_rest=False):
     fhir.kill()
 
 
+def c3pro_envelope(public_key, key_id, resource):
+    """An envelope as a C3-PRO app makes it: AES-256-CBC, zero IV, PKCS#7; the key RSA-OAEP-SHA1 wrapped."""
+    import base64
+    from cryptography.hazmat.primitives import hashes, padding
+    from cryptography.hazmat.primitives.asymmetric import padding as asymmetric
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    key = os.urandom(32)
+    padder = padding.PKCS7(128).padder()
+    data = padder.update(resource.encode()) + padder.finalize()
+    encryptor = Cipher(algorithms.AES(key), modes.CBC(b"\0" * 16)).encryptor()
+    message = encryptor.update(data) + encryptor.finalize()
+    wrapped = public_key.encrypt(key, asymmetric.OAEP(mgf=asymmetric.MGF1(hashes.SHA1()), algorithm=hashes.SHA1(), label=None))
+    return json.dumps({"key_id": key_id, "symmetric_key": base64.b64encode(wrapped).decode(),
+                       "message": base64.b64encode(message).decode(), "version": "3.0.0"})
+
+
+def serve_crash(work, iterations, rng):
+    """dq serve SIGKILLed while a device posts envelopes: every envelope answered 202 reaches the server once,
+    in the order it was acknowledged, across the restarts; one token serves across all of them."""
+    import base64
+    from cryptography.hazmat.primitives import serialization
+    print("serve crash loop: %d runs of dq serve SIGKILLed while a device posts envelopes" % iterations, flush=True)
+    fhir = FHIR(work)
+    keys = os.path.join(work, "serve-keys")
+    os.makedirs(keys, exist_ok=True)
+    subprocess.run(["openssl", "genrsa", "-out", os.path.join(keys, "k1.pem"), "2048"], check=True, capture_output=True)
+    with open(os.path.join(keys, "k1.pem"), "rb") as f:
+        public_key = serialization.load_pem_private_key(f.read(), password=None).public_key()
+    env = env_for(work, fhir.base, "serve.sqlite", idempotent=None)
+    at_rest = os.path.join(work, "serve-at-rest.key")
+    if dq(["keygen", "--at-rest", "--out", at_rest], env).returncode != 0:
+        raise SystemExit("dq keygen --at-rest failed")
+    with open(os.path.join(work, "antispam"), "w") as f:
+        f.write("torture-antispam\n")
+    port = free_port()
+    config = os.path.join(work, "serve.json")
+    with open(config, "w") as f:
+        json.dump({"server": fhir.base, "database": os.path.join(work, "serve.sqlite"), "at_rest": {"key_file": at_rest},
+                   "serve": {"listen": "127.0.0.1:%d" % port, "antispam_file": os.path.join(work, "antispam"),
+                             "keys_dir": keys, "default_key_id": "k1"}}, f)
+    base = "http://127.0.0.1:%d" % port
+    log = open(os.path.join(work, "serve.log"), "ab")
+
+    def start():
+        process = spawn([DQ, "serve", "--config", config, "--poll-interval", "0.1"], env=env, stdout=log, stderr=log)
+        wait_http(base + "/readyz")
+        return process
+
+    def post(path, body, headers):
+        request = urllib.request.Request(base + path, data=body.encode(), headers=headers, method="POST")
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read()
+
+    server = start()
+    status, body = post("/c3pro/register", json.dumps({"sandbox": False, "receipt-data": "NO-APP-RECEIPT"}),
+                        {"Antispam": "torture-antispam", "Content-Type": "application/json"})
+    client = json.loads(body)
+    basic = base64.b64encode(("%s:%s" % (client["client_id"], client["client_secret"])).encode()).decode()
+    status, body = post("/c3pro/oauth", "grant_type=client_credentials",
+                        {"Authorization": "Basic " + basic, "Content-Type": "application/x-www-form-urlencoded"})
+    token = json.loads(body)["access_token"]
+    system = "urn:torture:serve:%d" % rng.randrange(1 << 30)
+    acknowledged, uncertain, kills, refused = [], [], 0, 0
+    for iteration in range(iterations):
+        if server is None:
+            server = start()
+        values = ["%05d-%d" % (iteration, i) for i in range(rng.randint(1, 8))]
+        envelopes = [c3pro_envelope(public_key, "k1", observation(system, v)) for v in values]
+
+        def device():
+            nonlocal refused
+            for value, envelope in zip(values, envelopes):
+                try:
+                    status, _ = post("/c3pro/encfhir/Observation", envelope,
+                                     {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+                    (acknowledged if status == 202 else uncertain).append(value)
+                    refused += status != 202
+                except Exception:
+                    # Killed mid-request: never acknowledged; the device would send it again (not here).
+                    uncertain.append(value)
+                    return
+        thread = threading.Thread(target=device)
+        thread.start()
+        time.sleep(rng.uniform(0, 0.15))
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        kills += 1
+        server = None
+        thread.join()
+        for value in values:
+            if value not in acknowledged and value not in uncertain:
+                uncertain.append(value)
+    server = start()
+    deadline = time.time() + 120
+    while time.time() < deadline and not set(acknowledged) <= set(fhir.values("Observation", system)):
+        time.sleep(0.5)
+    server.send_signal(signal.SIGTERM)
+    stopped = server.wait(timeout=60) == 0
+    actual = fhir.values("Observation", system)
+    expected = sorted(acknowledged + uncertain)
+    quarantined = dq(["quarantine", "list", "--json", "--config", config], env)
+    clean = quarantined.returncode == 0 and json.loads(quarantined.stdout) == []
+    check("serve crash loop (SIGKILL after 202s)", iterations, kills, 0, expected, actual,
+          stopped and clean and refused == 0 and integrity(os.path.join(work, "serve.sqlite")),
+          "%d acknowledged, %d unanswered; one token across every restart; integrity_check ok; nothing quarantined"
+          % (len(acknowledged), len(uncertain)), may_miss=uncertain)
+    fhir.kill()
+
+
 def held_answers(work, iterations, rng):
     """Exactly once with default settings (issue 42, item 5): 60 resources queued at a time, and each flush
     SIGKILLed after the server committed its transaction Bundle and before dq journaled it. Every other
@@ -1008,7 +1117,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", type=lambda text: text.split(","), default=[],
                         help="comma-separated runs: crash, held, network, concurrency, daemon, writes, token, shared, failover, "
-                             "exhaustion, bad-input, security")
+                             "exhaustion, bad-input, security, serve")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="dq-torture-")
@@ -1030,6 +1139,7 @@ def main():
             ("exhaustion", lambda: exhaustion(work)),
             ("bad-input", lambda: bad_inputs(work, rng, 60 if args.quick else 600, 5 if args.quick else 60)),
             ("security", lambda: security(work)),
+            ("serve", lambda: serve_crash(work, 10 if args.quick else 60, rng)),
         ]
         unknown = set(args.only) - {name for name, _ in runs}
         if unknown:
