@@ -260,71 +260,96 @@ def c3pro_envelope(public_key, key_id, resource):
                        "message": base64.b64encode(message).decode(), "version": "3.0.0"})
 
 
-def serve_crash(work, iterations, rng):
-    """dq serve SIGKILLed while a device posts envelopes: every envelope answered 202 reaches the server once,
-    in the order it was acknowledged, across the restarts; one token serves across all of them."""
-    import base64
-    from cryptography.hazmat.primitives import serialization
-    print("serve crash loop: %d runs of dq serve SIGKILLed while a device posts envelopes" % iterations, flush=True)
-    fhir = FHIR(work)
-    keys = os.path.join(work, "serve-keys")
-    os.makedirs(keys, exist_ok=True)
-    subprocess.run(["openssl", "genrsa", "-out", os.path.join(keys, "k1.pem"), "2048"], check=True, capture_output=True)
-    with open(os.path.join(keys, "k1.pem"), "rb") as f:
-        public_key = serialization.load_pem_private_key(f.read(), password=None).public_key()
-    env = env_for(work, fhir.base, "serve.sqlite", idempotent=None)
-    at_rest = os.path.join(work, "serve-at-rest.key")
-    if dq(["keygen", "--at-rest", "--out", at_rest], env).returncode != 0:
-        raise SystemExit("dq keygen --at-rest failed")
-    with open(os.path.join(work, "antispam"), "w") as f:
-        f.write("torture-antispam\n")
-    port = free_port()
-    config = os.path.join(work, "serve.json")
-    with open(config, "w") as f:
-        json.dump({"server": fhir.base, "database": os.path.join(work, "serve.sqlite"), "at_rest": {"key_file": at_rest},
-                   "serve": {"listen": "127.0.0.1:%d" % port, "antispam_file": os.path.join(work, "antispam"),
-                             "keys_dir": keys, "default_key_id": "k1"}}, f)
-    base = "http://127.0.0.1:%d" % port
-    log = open(os.path.join(work, "serve.log"), "ab")
+class ServeRig:
+    """dq serve's surroundings for a run: a key pair, the Antispam secret, an at-rest key, a config file; start()
+    runs a receiver on a port; register() and token() speak as a C3-PRO app."""
 
-    def start():
-        process = spawn([DQ, "serve", "--config", config, "--poll-interval", "0.1"], env=env, stdout=log, stderr=log)
-        wait_http(base + "/readyz")
+    def __init__(self, work, name, fhir, database_env=None):
+        from cryptography.hazmat.primitives import serialization
+        self.keys = os.path.join(work, name + "-keys")
+        os.makedirs(self.keys, exist_ok=True)
+        subprocess.run(["openssl", "genrsa", "-out", os.path.join(self.keys, "k1.pem"), "2048"], check=True, capture_output=True)
+        with open(os.path.join(self.keys, "k1.pem"), "rb") as f:
+            self.public_key = serialization.load_pem_private_key(f.read(), password=None).public_key()
+        self.env = env_for(work, fhir.base, name + ".sqlite", idempotent=None)
+        self.env.update(database_env or {})
+        at_rest = os.path.join(work, name + "-at-rest.key")
+        if dq(["keygen", "--at-rest", "--out", at_rest], self.env).returncode != 0:
+            raise SystemExit("dq keygen --at-rest failed")
+        with open(os.path.join(work, name + "-antispam"), "w") as f:
+            f.write("torture-antispam\n")
+        self.config = os.path.join(work, name + ".json")
+        with open(self.config, "w") as f:
+            json.dump({"server": fhir.base, "at_rest": {"key_file": at_rest},
+                       "serve": {"antispam_file": os.path.join(work, name + "-antispam"), "keys_dir": self.keys,
+                                 "default_key_id": "k1"}}, f)
+        self.log = open(os.path.join(work, name + ".log"), "ab")
+
+    def start(self, port):
+        process = spawn([DQ, "serve", "--config", self.config, "--listen", "127.0.0.1:%d" % port, "--poll-interval", "0.1"],
+                        env=self.env, stdout=self.log, stderr=self.log)
+        wait_http("http://127.0.0.1:%d/readyz" % port)
         return process
 
-    def post(path, body, headers):
-        request = urllib.request.Request(base + path, data=body.encode(), headers=headers, method="POST")
+    @staticmethod
+    def post(port, path, body, headers):
+        request = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=body.encode(), headers=headers,
+                                         method="POST")
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, answer.read()
 
-    server = start()
-    status, body = post("/c3pro/register", json.dumps({"sandbox": False, "receipt-data": "NO-APP-RECEIPT"}),
-                        {"Antispam": "torture-antispam", "Content-Type": "application/json"})
-    client = json.loads(body)
-    basic = base64.b64encode(("%s:%s" % (client["client_id"], client["client_secret"])).encode()).decode()
-    status, body = post("/c3pro/oauth", "grant_type=client_credentials",
-                        {"Authorization": "Basic " + basic, "Content-Type": "application/x-www-form-urlencoded"})
-    token = json.loads(body)["access_token"]
+    def register_and_token(self, register_port, token_port):
+        import base64
+        _, body = self.post(register_port, "/c3pro/register", json.dumps({"sandbox": False, "receipt-data": "NO-APP-RECEIPT"}),
+                            {"Antispam": "torture-antispam", "Content-Type": "application/json"})
+        client = json.loads(body)
+        basic = base64.b64encode(("%s:%s" % (client["client_id"], client["client_secret"])).encode()).decode()
+        _, body = self.post(token_port, "/c3pro/oauth", "grant_type=client_credentials",
+                            {"Authorization": "Basic " + basic, "Content-Type": "application/x-www-form-urlencoded"})
+        return json.loads(body)["access_token"]
+
+    def send(self, port, token, envelope):
+        """True when the envelope was answered 202; False when not answered (the receiver died) or refused."""
+        try:
+            status, _ = self.post(port, "/c3pro/encfhir/Observation", envelope,
+                                  {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+            return status == 202
+        except Exception:
+            return False
+
+    def quarantined(self):
+        listed = dq(["quarantine", "list", "--json", "--config", self.config], self.env)
+        return json.loads(listed.stdout) if listed.returncode == 0 else None
+
+
+def wait_delivered(fhir, system, acknowledged, seconds=120):
+    deadline = time.time() + seconds
+    while time.time() < deadline and not set(acknowledged) <= set(fhir.values("Observation", system)):
+        time.sleep(0.5)
+
+
+def serve_crash(work, iterations, rng):
+    """dq serve SIGKILLed while a device posts envelopes: every envelope answered 202 reaches the server once,
+    in the order it was acknowledged, across the restarts; one token serves across all of them."""
+    print("serve crash loop: %d runs of dq serve SIGKILLed while a device posts envelopes" % iterations, flush=True)
+    fhir = FHIR(work)
+    rig = ServeRig(work, "serve", fhir)
+    port = free_port()
+    server = rig.start(port)
+    token = rig.register_and_token(port, port)
     system = "urn:torture:serve:%d" % rng.randrange(1 << 30)
-    acknowledged, uncertain, kills, refused = [], [], 0, 0
+    acknowledged, uncertain, kills = [], [], 0
     for iteration in range(iterations):
         if server is None:
-            server = start()
+            server = rig.start(port)
         values = ["%05d-%d" % (iteration, i) for i in range(rng.randint(1, 8))]
-        envelopes = [c3pro_envelope(public_key, "k1", observation(system, v)) for v in values]
+        envelopes = [c3pro_envelope(rig.public_key, "k1", observation(system, v)) for v in values]
 
         def device():
-            nonlocal refused
             for value, envelope in zip(values, envelopes):
-                try:
-                    status, _ = post("/c3pro/encfhir/Observation", envelope,
-                                     {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
-                    (acknowledged if status == 202 else uncertain).append(value)
-                    refused += status != 202
-                except Exception:
-                    # Killed mid-request: never acknowledged; the device would send it again (not here).
-                    uncertain.append(value)
-                    return
+                if not rig.send(port, token, envelope):
+                    return  # killed mid-request: never acknowledged (a device would send it again; not here)
+                acknowledged.append(value)
         thread = threading.Thread(target=device)
         thread.start()
         time.sleep(rng.uniform(0, 0.15))
@@ -333,24 +358,73 @@ def serve_crash(work, iterations, rng):
         kills += 1
         server = None
         thread.join()
-        for value in values:
-            if value not in acknowledged and value not in uncertain:
-                uncertain.append(value)
-    server = start()
-    deadline = time.time() + 120
-    while time.time() < deadline and not set(acknowledged) <= set(fhir.values("Observation", system)):
-        time.sleep(0.5)
+        uncertain.extend(v for v in values if v not in acknowledged)
+    server = rig.start(port)
+    wait_delivered(fhir, system, acknowledged)
     server.send_signal(signal.SIGTERM)
     stopped = server.wait(timeout=60) == 0
     actual = fhir.values("Observation", system)
-    expected = sorted(acknowledged + uncertain)
-    quarantined = dq(["quarantine", "list", "--json", "--config", config], env)
-    clean = quarantined.returncode == 0 and json.loads(quarantined.stdout) == []
-    check("serve crash loop (SIGKILL after 202s)", iterations, kills, 0, expected, actual,
-          stopped and clean and refused == 0 and integrity(os.path.join(work, "serve.sqlite")),
+    check("serve crash loop (SIGKILL after 202s)", iterations, kills, 0, sorted(acknowledged + uncertain), actual,
+          stopped and rig.quarantined() == [] and integrity(os.path.join(work, "serve.sqlite")),
           "%d acknowledged, %d unanswered; one token across every restart; integrity_check ok; nothing quarantined"
           % (len(acknowledged), len(uncertain)), may_miss=uncertain)
     fhir.kill()
+
+
+def serve_shared(work, count, rng):
+    """Two dq serve on one PostgreSQL queue, a device alternating between them with one token (registered at one,
+    its token from the other); one receiver SIGKILLed mid-stream and started again: every envelope answered 202
+    reaches the server once, in the device's order."""
+    print("serve shared (PostgreSQL): 2 receivers, %d envelopes, receivers killed mid-stream" % count, flush=True)
+    fhir = FHIR(work)
+    root = tempfile.mkdtemp(prefix="dq-torture-pg-")
+    os.chmod(root, 0o755)
+    pg_dir = os.path.join(root, "cluster")
+    url = postgres_start(pg_dir, free_port())
+    with open(os.path.join(pg_dir, "password")) as f:
+        password = f.read().strip()
+    rig = ServeRig(work, "serve-shared", fhir,
+                   {"DQ_DATABASE": url + "?sslmode=disable", "PGPASSWORD": password, "DQ_LEASE_SECONDS": "3"})
+    ports = [free_port(), free_port()]
+    receivers = [rig.start(port) for port in ports]
+    token = rig.register_and_token(ports[0], ports[1])
+    system = "urn:torture:serve-shared:%d" % rng.randrange(1 << 30)
+    acknowledged, uncertain, kills = [], [], 0
+    for index in range(count):
+        value = "%05d" % index
+        which = index % 2
+        if rng.random() < 0.08:
+            # One receiver dies (with whatever it was doing); the other goes on taking the device's envelopes.
+            victim = rng.randrange(2)
+            receivers[victim].send_signal(signal.SIGKILL)
+            receivers[victim].wait()
+            kills += 1
+            receivers[victim] = None
+        if receivers[which] is None:
+            if rng.random() < 0.5:
+                receivers[which] = rig.start(ports[which])
+            else:
+                which = 1 - which
+                if receivers[which] is None:
+                    receivers[which] = rig.start(ports[which])
+        envelope = c3pro_envelope(rig.public_key, "k1", observation(system, value))
+        (acknowledged if rig.send(ports[which], token, envelope) else uncertain).append(value)
+    for index, process in enumerate(receivers):
+        if process is None:
+            receivers[index] = rig.start(ports[index])
+    wait_delivered(fhir, system, acknowledged)
+    stopped = True
+    for process in receivers:
+        process.send_signal(signal.SIGTERM)
+        stopped = process.wait(timeout=60) == 0 and stopped
+    actual = fhir.values("Observation", system)
+    check("serve shared (2 receivers, PostgreSQL)", count, kills, 0, acknowledged + uncertain, actual,
+          stopped and rig.quarantined() == [] and not uncertain,
+          "%d acknowledged, %d unanswered; one token at both receivers; nothing quarantined" % (len(acknowledged), len(uncertain)),
+          may_miss=uncertain)
+    fhir.kill()
+    postgres_stop(pg_dir)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def held_answers(work, iterations, rng):
@@ -1117,7 +1191,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", type=lambda text: text.split(","), default=[],
                         help="comma-separated runs: crash, held, network, concurrency, daemon, writes, token, shared, failover, "
-                             "exhaustion, bad-input, security, serve")
+                             "exhaustion, bad-input, security, serve, serve-shared")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="dq-torture-")
@@ -1140,6 +1214,7 @@ def main():
             ("bad-input", lambda: bad_inputs(work, rng, 60 if args.quick else 600, 5 if args.quick else 60)),
             ("security", lambda: security(work)),
             ("serve", lambda: serve_crash(work, 10 if args.quick else 60, rng)),
+            ("serve-shared", lambda: serve_shared(work, 60 if args.quick else 400, rng)),
         ]
         unknown = set(args.only) - {name for name, _ in runs}
         if unknown:
