@@ -40,6 +40,11 @@ package enum Exposition {
         "dq_flush_errors_total":
             "Flushes that ended with an error of dq's own (storage, storage_full, damaged, configuration, other).",
         "dq_build_info": "The dq version (always 1).",
+        "dq_envelopes_opened_total": "Envelopes opened with the receiver's keys (dq serve), by key id.",
+        "dq_envelopes_quarantined_total":
+            "Envelopes that could not be opened and were quarantined, by key id (unknown: not in keys_dir) and reason.",
+        "dq_serve_requests_total": "Requests dq serve answered, by endpoint and status.",
+        "dq_serve_ingest_duration_seconds": "Time from a request's arrival to its answer after the commit (dq serve).",
     ]
 
     /// The registry's text with a `# HELP` line before each `# TYPE` line of a family that has none.

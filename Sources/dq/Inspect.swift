@@ -211,6 +211,7 @@ extension DQ {
             if let settings {
                 let checked = Self.settingsFindings(settings)
                 findings += checked.findings
+                findings += Self.serveFindings(settings)
                 do {
                     let problems = try await QueueAdministration.integrityCheck(databasePath: database)
                     if problems == ["ok"] {

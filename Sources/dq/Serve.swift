@@ -40,6 +40,8 @@ struct ServeSettings: Sendable, Equatable {
     var plainAtRest = false
     /// `auth_requests_per_minute`: per source address, for `register` and `oauth` (default 60; 0: no limit).
     var authRequestsPerMinute = 60
+    /// Whether the file has a `serve` object at all.
+    var present = false
 
     static let keys: Set<String> = [
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
@@ -53,6 +55,7 @@ struct ServeSettings: Sendable, Equatable {
             let root = (try? JSONSerialization.jsonObject(with: data)) as? [String: Any], let value = root["serve"]
         else { return settings }
         guard let object = value as? [String: Any] else { throw invalid("\"serve\" must be an object") }
+        settings.present = true
         if let unknown = object.keys.sorted().first(where: { !keys.contains($0) }) {
             throw invalid("\"serve.\(unknown)\" is not a setting of dq serve (they are \(keys.sorted().joined(separator: ", ")))")
         }

@@ -1,4 +1,5 @@
 import Foundation
+import Metrics
 import Synchronization
 
 /// The private keys a receiver opens envelopes with, chosen by each envelope's `key_id`, read from a directory:
@@ -78,7 +79,29 @@ public final class EnvelopeKeyring: Sendable {
     }
 
     /// The resource inside `envelope`, opened in memory with the key its `key_id` names.
+    ///
+    /// Counts `dq_envelopes_opened_total{key_id}` and `dq_envelopes_quarantined_total{key_id,reason}` (a key id
+    /// the directory does not hold is counted as `unknown`: what a sender writes there is not a label).
     public func open(_ envelope: Data) throws(Failure) -> FHIRResource {
+        do {
+            let (resource, id) = try openCounted(envelope)
+            Counter(label: "dq_envelopes_opened_total", dimensions: [("key_id", id)]).increment()
+            return resource
+        } catch {
+            let (id, reason): (String, String) =
+                switch error {
+                case .unknownKey: ("unknown", "unknown_key")
+                case .unreadableKey(let id): (id, "unreadable_key")
+                case .malformed: ("unknown", "malformed")
+                case .doesNotOpen(let id): (id, "does_not_open")
+                case .notAResource(_): ("unknown", "not_a_resource")
+                }
+            Counter(label: "dq_envelopes_quarantined_total", dimensions: [("key_id", id), ("reason", reason)]).increment()
+            throw error
+        }
+    }
+
+    private func openCounted(_ envelope: Data) throws(Failure) -> (FHIRResource, String) {
         guard let object = (try? JSONSerialization.jsonObject(with: envelope)) as? [String: Any] else {
             throw .malformed("not a JSON object")
         }
@@ -93,7 +116,7 @@ public final class EnvelopeKeyring: Sendable {
             throw .doesNotOpen(id)
         }
         do {
-            return try FHIRResource(json: plaintext)
+            return (try FHIRResource(json: plaintext), id)
         } catch let error as DataQueueError {
             throw .notAResource(error.message)
         } catch {

@@ -1,0 +1,56 @@
+import Foundation
+import Testing
+
+/// `dq doctor` on `dq serve`'s settings: what would stop it, found before it starts.
+@Suite("dq doctor checks the serve settings", .serialized, .enabled(if: Peers.enabled))
+struct ServeDoctorTests {
+    let work: TemporaryDirectory
+
+    init() throws { work = try TemporaryDirectory() }
+
+    private func serveFindings(_ config: String) async throws -> (status: Int32, problems: [String]) {
+        let result = try await dq(["doctor", "--offline", "--json", "--config", config], ["HOME": work.path])
+        let report = try #require(try JSONSerialization.jsonObject(with: Data(result.stdout.utf8)) as? [String: Any], "\(result.stderr)")
+        let findings = try #require(report["findings"] as? [[String: Any]])
+        return (result.status, findings.filter { $0["about"] as? String == "serve" }.compactMap { $0["problem"] as? String })
+    }
+
+    @Test(
+        "a missing Antispam file, a keys directory with no key, plain resources unsealed and a listen address in use are each named; a good serve object gives none"
+    )
+    func findings() async throws {
+        try FileManager.default.createDirectory(atPath: work.file("keys"), withIntermediateDirectories: true)
+        let port = Peers.freePort()
+        let config = try work.write(
+            "bad.json",
+            #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("q.sqlite"))", "serve": {"listen": "127.0.0.1:\#(port)", "keys_dir": "keys", "antispam_file": "missing"}}"#
+        )
+        // Something listens on the address.
+        let holder = try ChildProcess(
+            "/usr/bin/env",
+            [
+                "python3", "-c",
+                "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', \(port))); s.listen(); print('up', flush=True); sys.stdin.readline()",
+            ], keepStdinOpen: true)
+        #expect(try await eventually { holder.outputSoFar.contains("up") })
+        let bad = try await serveFindings(config)
+        holder.closeStdin()
+        _ = await holder.wait(timeout: .seconds(10))
+        #expect(bad.status == 78)
+        #expect(bad.problems.count == 4, "\(bad.problems)")
+        #expect(bad.problems.contains { $0.contains("serve.antispam_file") }, "\(bad.problems)")
+        #expect(bad.problems.contains { $0.contains("holds no key") }, "\(bad.problems)")
+        #expect(bad.problems.contains { $0.contains("plain FHIR resources") }, "\(bad.problems)")
+        #expect(bad.problems.contains { $0.contains("address is in use") }, "\(bad.problems)")
+
+        // The same with what dq serve needs: no serve finding.
+        let openssl = await (try ChildProcess("/usr/bin/openssl", ["genrsa", "-out", work.file("keys/k1.pem"), "2048"])).wait()
+        #expect(openssl.status == 0)
+        _ = try work.write("antispam", "secret\n")
+        let good = try work.write(
+            "good.json",
+            #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("q.sqlite"))", "serve": {"listen": "127.0.0.1:\#(port)", "keys_dir": "keys", "antispam_file": "antispam", "plain_fhir": false}}"#
+        )
+        #expect(try await serveFindings(good).problems == [])
+    }
+}
