@@ -49,7 +49,7 @@ install: release
 INSTALL_BIN ?= .build/release/dq
 ZSH_COMPLETIONS ?= $(PREFIX)/share/zsh/site-functions
 SYSTEMD_UNITS ?= $(PREFIX)/lib/systemd/system
-UNITS := dq.service dq-flush.service dq-flush.timer
+UNITS := dq.service dq-serve.service dq-flush.service dq-flush.timer
 install-files:
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/bash-completion/completions \
 	  $(DESTDIR)$(ZSH_COMPLETIONS) $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d $(DESTDIR)$(SYSTEMD_UNITS)

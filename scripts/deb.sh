@@ -70,6 +70,8 @@ Edit /etc/dq/dq.json (root:dq, 0640: it may hold a token), then either
   systemctl enable --now dq.service          # dq run: delivers continuously
 or
   systemctl enable --now dq-flush.timer      # the cron mode: dq flush every 5 minutes
+To receive from C3-PRO apps, write /etc/dq/serve.json (see the README: "serve", "at_rest") and
+  systemctl enable --now dq-serve.service    # dq serve: receives, then forwards
 The queue is /var/lib/dq/queue.sqlite. /var/lib/dq is dq:dq 2770 (setgid, group-writable), so dq makes the
 queue's files 0660 there: a producer of another user enqueues once it is in the dq group
 (adduser alice dq; then, as alice: dq enqueue FILE). Removing the package keeps /var/lib/dq: it may hold
@@ -123,7 +125,7 @@ EOF
 #!/bin/sh
 set -e
 if [ -d /run/systemd/system ] && [ "$1" = remove ]; then
-    systemctl stop dq.service dq-flush.timer dq-flush.service 2>/dev/null || true
+    systemctl stop dq.service dq-serve.service dq-flush.timer dq-flush.service 2>/dev/null || true
 fi
 EOF
     cat > "$stage/DEBIAN/postrm" <<'EOF'
@@ -176,7 +178,7 @@ test_package() {
         "grep -q '^ExecStart=/usr/bin/dq run' /lib/systemd/system/dq.service && grep -q '^User=dq$' /lib/systemd/system/dq.service && ! grep -q DynamicUser /lib/systemd/system/dq-flush.service"
     if command -v systemd-analyze >/dev/null; then
         check "systemd-analyze verify accepts the installed units" \
-            "systemd-analyze verify /lib/systemd/system/dq.service /lib/systemd/system/dq-flush.service /lib/systemd/system/dq-flush.timer"
+            "systemd-analyze verify /lib/systemd/system/dq.service /lib/systemd/system/dq-serve.service /lib/systemd/system/dq-flush.service /lib/systemd/system/dq-flush.timer"
     fi
     check "the installed dq reads the conffile" "/usr/bin/dq config | grep '/etc/dq/dq.json: server' >/dev/null"
     # A producer of another user, in the dq group, makes the queue; the service's user enqueues into it too and

@@ -244,6 +244,7 @@ extension DQ {
                 onServerRunning: { channel in
                     let bound = channel.localAddress?.port ?? port
                     logger.notice("serving", metadata: ["address": "\(host):\(bound)", "prefix": "\(options.pathPrefix)"])
+                    SystemdNotify.send("READY=1\nSTATUS=receiving on \(host):\(bound), delivering to \(queue.queueName)")
                 },
                 logger: Logger(label: "dq.http", factory: { _ in SwiftLogNoOpLogHandler() }))
             // The application's group runs the listener and the delivery; SIGTERM or SIGINT stop both gracefully: the
