@@ -13,8 +13,8 @@ import _CryptoExtras
 ///
 /// ```swift
 /// let secret = ClientSecrets.newSecret()
-/// let stored = try ClientSecrets.hash(secret: secret)
-/// ClientSecrets.verify(secret: secret, against: stored)  // true
+/// let stored = try await ClientSecrets.hashOffPool(secret: secret)   // not on the cooperative pool: it is slow
+/// try await ClientSecrets.verifyOffPool(secret: secret, against: stored)  // true
 /// ```
 ///
 /// > Important: ``hash(secret:)`` and ``verify(secret:against:)`` are slow on purpose (tens of milliseconds of CPU

@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import NIOCore
+import Synchronization
 
 /// One flush of one queue, once its lock is held: the loop that sends items in order, alone or as the entries
 /// of transaction Bundles, records what the server answered, and stops at the first transient failure.
@@ -176,25 +177,41 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 return
             }
             lastFetched = last.info.sequence
-            for item in batch {
+            for item in await Self.opened(batch, keyring: context.configuration.envelopeKeyring) {
                 if let through, item.info.sequence > through {
                     exhausted = true
                     return
                 }
-                let item = opened(item)
                 prefetched.append(item)
                 bytes += item.body.count
             }
         }
     }
 
-    /// With the queue's keyring, an envelope as the plain create of the resource inside (opened in memory; the
-    /// stored row stays the envelope), which then travels as any plain item does; one that does not open,
-    /// quarantined: parked with the reason, nothing sent. Without a keyring, the item as it is.
-    private func opened(_ stored: StoredItem) -> StoredItem {
-        guard stored.info.encrypted, stored.unreadable == nil, let keyring = context.configuration.envelopeKeyring else {
-            return stored
+    /// With the queue's keyring, the batch's envelopes opened, on every core and off the cooperative pool (an RSA
+    /// private-key operation each: a batch of them would hold one of its few threads for a good part of a second,
+    /// while a receiver's requests wait for one). Without a keyring, or without envelopes, the batch as it is.
+    private static func opened(_ batch: [StoredItem], keyring: EnvelopeKeyring?) async -> [StoredItem] {
+        guard let keyring, batch.contains(where: { $0.info.encrypted && $0.unreadable == nil }) else { return batch }
+        let results = Mutex([StoredItem?](repeating: nil, count: batch.count))
+        do {
+            try await OwnThread.run("dq-open") {
+                ParallelWork.forEach(batch.count) { index in
+                    let item = opened(batch[index], keyring: keyring)
+                    results.withLock { $0[index] = item }
+                }
+            }
+        } catch {
+            // OwnThread.run rethrows only what its body throws, and this body throws nothing.
         }
+        return results.withLock { $0 }.enumerated().map { $0.element ?? batch[$0.offset] }
+    }
+
+    /// An envelope as the plain create of the resource inside (opened in memory; the stored row stays the envelope),
+    /// which then travels as any plain item does; one that does not open, quarantined: parked with the reason,
+    /// nothing sent.
+    private static func opened(_ stored: StoredItem, keyring: EnvelopeKeyring) -> StoredItem {
+        guard stored.info.encrypted, stored.unreadable == nil else { return stored }
         var opened = stored
         do {
             let resource = try keyring.open(stored.body)
