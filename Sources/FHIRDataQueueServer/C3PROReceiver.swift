@@ -16,8 +16,9 @@ import Synchronization
 ///   sharing the database until it expires).
 /// - `POST /encfhir`, `/encfhir/{type}`, `/fhirenc/{type}`: an encrypted envelope, checked for shape, committed
 ///   unchanged, then answered 202. The queue opens it later with its ``EnvelopeKeyring`` (or forwards it as it is).
-/// - `POST /fhir/{type}`, `PUT /fhir/{type}/{id}`: a plain resource, committed, then forwarded: 201 with the
-///   server's `Location` when it is delivered at once, 202 when it stays queued.
+/// - `POST /fhir/{type}`, `PUT /fhir/{type}/{id}`: a plain resource, committed, then forwarded by the queue's
+///   delivery (a `DataQueueService` beside the routes): 201 with the server's `Location` when it is delivered within
+///   ``Configuration/deliveryWait``, 202 when it is still queued then (or the server rejected it: parked).
 /// - `GET /fhir/Questionnaire/{id}`: a questionnaire from ``Configuration/questionnairesDirectory``.
 ///
 /// Every answer is given after the commit: what a device was told is taken is on disk. Nothing a device sent
@@ -40,12 +41,16 @@ public struct C3PROReceiver: Sendable {
         public var acceptsPlainResources: Bool
         /// Requests per minute one source address may make to `register` and `oauth` (429 above it).
         public var authRequestsPerMinute: Int
+        /// How long a plain resource's answer waits for the queue's delivery to send it (201 then; 202 after). The
+        /// wait does not grow with a backlog or a slow server: a device is answered in about this time at most. The
+        /// default is 2 s.
+        public var deliveryWait: Duration
 
         /// A configuration with C3-PRO's defaults.
         public init(
             pathPrefix: String = "/c3pro", antispamSecrets: [String], tokenLifetime: Duration = .seconds(1800),
             questionnairesDirectory: String? = nil, maximumBodyBytes: Int = 10 << 20, acceptsPlainResources: Bool = true,
-            authRequestsPerMinute: Int = 60
+            authRequestsPerMinute: Int = 60, deliveryWait: Duration = .seconds(2)
         ) {
             self.pathPrefix = pathPrefix
             self.antispamSecrets = antispamSecrets
@@ -54,6 +59,7 @@ public struct C3PROReceiver: Sendable {
             self.maximumBodyBytes = maximumBodyBytes
             self.acceptsPlainResources = acceptsPlainResources
             self.authRequestsPerMinute = authRequestsPerMinute
+            self.deliveryWait = deliveryWait
         }
     }
 
@@ -225,7 +231,12 @@ public struct C3PROReceiver: Sendable {
         } catch is NIOTooManyBytesError {
             return FHIRExchange.outcome(.contentTooLarge, "too-costly", "the body is larger than \(configuration.maximumBodyBytes) bytes")
         }
-        let named = type.flatMap { FHIRResource.isValidTypeName($0) ? $0 : nil } ?? SealedEnvelope.unnamedType
+        // The path's type is the sender's word only (the type inside counts once opened): one this queue does not
+        // take (a DSTU2 type such as DiagnosticOrder, which C3-PRO apps may name) is queued unnamed, not refused:
+        // a refusal would stop the device's queue at it for good.
+        let named =
+            type.flatMap { FHIRResource.isValidTypeName($0) && queue.configuration.resourceTypes.accepts($0) ? $0 : nil }
+            ?? SealedEnvelope.unnamedType
         let envelope: SealedEnvelope
         do {
             envelope = try SealedEnvelope(json: Data(buffer: body), resourceType: named)
@@ -254,19 +265,30 @@ public struct C3PROReceiver: Sendable {
         if let id, resource.id != id {
             return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
         }
-        let outcome: SendOutcome
+        let item: QueuedItem
         do {
-            outcome = try await queue.send(resource, method: id == nil ? .post : .put)
+            item = try await queue.enqueue(resource, method: id == nil ? .post : .put)
         } catch let error as DataQueueError where error.code == .invalidResource {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
-        } catch let error as DataQueueError where error.code == .authentication {
-            return FHIRExchange.outcome(.accepted, "security", "queued; the FHIR server refused dq's credentials")
         }
-        guard case .parked = outcome else { return FHIRExchange.response(for: outcome) }
-        // Committed, and parked for an operator (dq list --parked): the device is told it is taken. A refusal would
-        // make it send the resource again and again (each copy parked again), and its queue, which stops at its
-        // first error, would never move past it.
-        return Self.takenButParked()
+        // Committed. The queue's delivery sends it in its turn (the enqueue woke it); the answer waits a short while
+        // for that, never for a backlog or a server that is slow to answer (flushing here did: a device then waited
+        // for its request timeout, and sent the resource again).
+        let deadline = ContinuousClock.now + configuration.deliveryWait
+        while true {
+            if let record = try await queue.journalRecord(item.id.uuidString.lowercased()) {
+                switch record.event {
+                case .delivered, .alreadyPresent: return FHIRExchange.response(for: .delivered(record))
+                // Parked for an operator (dq list --parked): the device is told it is taken. A refusal would make it
+                // send the resource again and again (each copy parked again), and its queue, which stops at its
+                // first error, would never move past it.
+                case .parked: return Self.takenButParked()
+                case .dropped: return FHIRExchange.response(for: .queued(item, reason: "dropped by an operator"))
+                }
+            }
+            guard ContinuousClock.now < deadline else { return FHIRExchange.response(for: .queued(item, reason: "not sent yet")) }
+            try await Task.sleep(for: .milliseconds(20))
+        }
     }
 
     /// 202 with an OperationOutcome warning (a body C3-PRO apps read as success): taken, parked for an operator.

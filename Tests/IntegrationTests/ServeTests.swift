@@ -1,0 +1,965 @@
+import Foundation
+import Testing
+
+#if canImport(Glibc)
+    import Glibc
+#endif
+
+/// `dq serve`, the receiving half of C3-PRO, driven by a C3-PRO client written in Python (`httpx` and
+/// `cryptography`, independent of dq's Swift code) that builds envelopes as the iOS app does, with sekmet-fhir
+/// behind it: what a device is told was taken reaches the server once, in order, opened; what cannot be opened
+/// waits in quarantine; what is refused leaves nothing behind; plain resources are sealed at rest.
+@Suite("dq serve: the C3-PRO receiving half", .serialized, .enabled(if: Peers.enabled))
+struct ServeTests {
+    let work: TemporaryDirectory
+    let resources = Resources()
+    /// In the content of the resources of the at-rest test; must appear in no byte the queue stores.
+    let marker = "SRVMARK" + UUID().uuidString.prefix(8).lowercased()
+    let antispam = "spam-" + UUID().uuidString.lowercased()
+
+    init() throws { work = try TemporaryDirectory() }
+
+    // MARK: - The receiver
+
+    /// A running `dq serve` on a free loopback port.
+    final class Receiver: Sendable {
+        let process: ChildProcess
+        let port: Int
+        var base: String { "http://127.0.0.1:\(port)" }
+        var log: String { (try? String(contentsOfFile: process.stderrPath, encoding: .utf8)) ?? "" }
+
+        init(process: ChildProcess, port: Int) {
+            self.process = process
+            self.port = port
+        }
+
+        /// SIGTERM, and how it ended.
+        func stop() async -> ProcessResult {
+            process.kill(SIGTERM)
+            return await process.wait(timeout: .seconds(60))
+        }
+
+        deinit { process.killInBackground() }
+    }
+
+    /// Where each key goes in `keys_dir`: the C3-PRO consumer's `<id>/private-c3pro.der` or `<id>.pem`.
+    enum KeyLayout { case pem, der }
+
+    /// Puts the private key of `keys` into `keys_dir` as the key of `id`.
+    func install(_ keys: TestKeys, as id: String, layout: KeyLayout) async throws {
+        let directory = work.file("keys")
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        switch layout {
+        case .pem:
+            try FileManager.default.copyItem(atPath: keys.privateKey, toPath: "\(directory)/\(id).pem")
+        case .der:
+            try FileManager.default.createDirectory(atPath: "\(directory)/\(id)", withIntermediateDirectories: true)
+            try await TestKeys.openssl([
+                "pkcs8", "-topk8", "-nocrypt", "-in", keys.privateKey, "-outform", "DER", "-out", "\(directory)/\(id)/private-c3pro.der",
+            ])
+        }
+    }
+
+    /// Writes `dq.json` (and the antispam file and an at-rest key): `serve` holds the receiver's settings, the
+    /// rest the queue's; `extra` is added to `serve`, and a nil value removes a key.
+    @discardableResult
+    func configure(
+        server: String, atRest: Bool = true, serve extra: [String: Any?] = [:], name: String = "dq.json",
+        database: String = "queue.sqlite"
+    ) async throws -> String {
+        _ = try work.write("antispam.txt", "# the apps' secret\n\(antispam)\n")
+        var serve: [String: Any] = [
+            "antispam_file": "antispam.txt", "keys_dir": "keys", "default_key_id": "k1", "path_prefix": "/c3pro",
+        ]
+        for (key, value) in extra { serve[key] = value }
+        var root: [String: Any] = [
+            "server": server, "database": work.file(database), "serve": serve,
+            "retry": ["initial_seconds": 0.1, "maximum_seconds": 0.5],
+        ]
+        if atRest {
+            let key = work.file("rest.key")
+            if !FileManager.default.fileExists(atPath: key) {
+                let made = try await dq(["keygen", "--at-rest", "--out", key], ["HOME": work.path])
+                #expect(made.status == 0, "\(made.stderr)")
+            }
+            root["at_rest"] = ["key_file": key]
+        }
+        let data = try JSONSerialization.data(withJSONObject: root, options: [.sortedKeys])
+        return try work.write(name, String(decoding: data, as: UTF8.self))
+    }
+
+    /// Starts `dq serve --config <config>` and waits until its `/readyz` answers 200.
+    func start(_ config: String, environment: [String: String] = [:]) async throws -> Receiver {
+        let port = Peers.freePort()
+        let process = try ChildProcess(
+            Peers.dqBinary,
+            ["serve", "--config", config, "--listen", "127.0.0.1:\(port)", "--poll-interval", "0.1"],
+            environment: ["HOME": work.path].merging(environment) { $1 }, directory: work.path)
+        let receiver = Receiver(process: process, port: port)
+        let ready = try await eventually(timeout: .seconds(60)) {
+            guard process.isRunning else { return false }
+            return (try? await HTTP.get("http://127.0.0.1:\(port)/readyz"))?.0 == 200
+        }
+        if !ready {
+            let result = await process.stop()
+            throw TestFailure("dq serve did not become ready (\(result.status)): \(result.stderr.suffix(3000))")
+        }
+        return receiver
+    }
+
+    /// Runs `dq` on the same configuration as the receiver.
+    func dqCommand(_ arguments: [String], config: String) async throws -> ProcessResult {
+        try await dq(arguments + ["--config", config], ["HOME": work.path], directory: work.path)
+    }
+
+    func json(_ result: ProcessResult) throws -> Any {
+        try JSONSerialization.jsonObject(with: Data(result.stdout.utf8))
+    }
+
+    /// Pending, parked and delivered items of the queue.
+    func counts(_ config: String) async throws -> (pending: Int, parked: Int, delivered: Int) {
+        let status = try await dqCommand(["status", "--json"], config: config)
+        let object = try #require(try json(status) as? [String: Any], "\(status.stdout) \(status.stderr)")
+        return (object["pending"] as? Int ?? -1, object["parked"] as? Int ?? -1, object["delivered"] as? Int ?? -1)
+    }
+
+    // MARK: - The C3-PRO client
+
+    /// One request of the Python client; see `client.py` below for the fields.
+    typealias Step = [String: Any]
+
+    /// An answer: `status` (0 when the connection failed: then `error`), `body` (text), `content_type`, `json`
+    /// (whether the body is strict JSON) and `object` (the body parsed).
+    struct Answer: CustomStringConvertible {
+        let status: Int
+        let body: String
+        let contentType: String
+        let strictJSON: Bool
+        let object: [String: Any]
+        let error: String?
+        /// The `Location` and `Retry-After` headers ("" when absent).
+        let location: String
+        let retryAfter: String
+        /// Seconds from sending the request to its answer.
+        let elapsed: Double
+
+        init(_ raw: [String: Any]) {
+            elapsed = raw["elapsed"] as? Double ?? -1
+            location = raw["location"] as? String ?? ""
+            retryAfter = raw["retry_after"] as? String ?? ""
+            status = raw["status"] as? Int ?? -1
+            body = raw["body"] as? String ?? ""
+            contentType = raw["content_type"] as? String ?? ""
+            strictJSON = raw["json"] as? Bool ?? false
+            object = (try? JSONSerialization.jsonObject(with: Data(body.utf8))) as? [String: Any] ?? [:]
+            error = raw["error"] as? String
+        }
+
+        var description: String { "\(status) \(contentType) \(body.prefix(600))\(error.map { " error: \($0)" } ?? "")" }
+    }
+
+    /// Runs the steps in order with one Python process (one session, one AES key: as one iOS app run).
+    func client(_ base: String, _ steps: [Step]) async throws -> [Answer] {
+        let script = try work.write("client.py", Self.clientScript)
+        let file = work.file("steps-\(UUID().uuidString).json")
+        try JSONSerialization.data(withJSONObject: steps).write(to: URL(fileURLWithPath: file))
+        let result = try await ChildProcess(Peers.venv + "/bin/python", [script, base, file]).wait(timeout: .seconds(120))
+        guard result.status == 0, let answers = try? JSONSerialization.jsonObject(with: Data(result.stdout.utf8)) as? [[String: Any]]
+        else {
+            throw TestFailure("the Python client failed (\(result.status)): \(result.stderr.suffix(3000))")
+        }
+        return answers.map(Answer.init)
+    }
+
+    /// Registers with the antispam secret; the new client's id and secret.
+    func register(_ base: String) async throws -> (id: String, secret: String) {
+        let answer = try #require(try await client(base, [registration(antispam)]).first)
+        #expect(answer.status == 201, "\(answer)")
+        let id = try #require(answer.object["client_id"] as? String, "\(answer)")
+        let secret = try #require(answer.object["client_secret"] as? String, "\(answer)")
+        return (id, secret)
+    }
+
+    /// A token for the client (HTTP Basic with the id and secret raw, or form-encoded first).
+    func token(_ base: String, _ client: (id: String, secret: String), formEncoded: Bool = false) async throws -> String {
+        let answer = try #require(try await self.client(base, [tokenRequest(client, formEncoded: formEncoded)]).first)
+        #expect(answer.status == 200, "\(answer)")
+        return try #require(answer.object["access_token"] as? String, "\(answer)")
+    }
+
+    func registration(_ secret: String?) -> Step {
+        var step: Step = [
+            "path": "/c3pro/register",
+            "json": [
+                "sandbox": false, "receipt-data": "NO-APP-RECEIPT", "client_name": "C Tracker",
+                "grant_types": ["client_credentials"], "token_endpoint_auth_method": "client_secret_basic",
+            ],
+        ]
+        if let secret { step["headers"] = ["Antispam": secret] }
+        return step
+    }
+
+    func tokenRequest(_ client: (id: String, secret: String), formEncoded: Bool = false, grant: String = "client_credentials")
+        -> Step
+    {
+        ["path": "/c3pro/oauth", "form": "grant_type=\(grant)", "basic": ["id": client.id, "secret": client.secret, "form": formEncoded]]
+    }
+
+    /// An envelope of `resource` sealed under `certificate` with `keyID`, posted to `path`.
+    func sealed(_ path: String, _ resource: String, certificate: String, keyID: String, token: String, scheme: String = "Bearer")
+        -> Step
+    {
+        [
+            "path": path, "bearer": token, "scheme": scheme,
+            "seal": ["resource": resource, "cert": certificate, "key_id": keyID, "version": "3.0.0"],
+        ]
+    }
+
+    func plain(_ path: String, _ resource: String, token: String, scheme: String = "Bearer") -> Step {
+        ["path": path, "bearer": token, "scheme": scheme, "fhir": resource]
+    }
+
+    /// A QuestionnaireResponse with `value` under the test's identifier system (one Identifier, as R4 has it).
+    func questionnaireResponse(_ value: String, extra: String = "") -> String {
+        #"{"resourceType":"QuestionnaireResponse","status":"completed","identifier":{"system":"\#(resources.system)","value":"\#(value)"},"authored":"2026-11-28T10:00:00Z","item":[{"linkId":"q1","text":"How do you feel\#(extra)?","answer":[{"valueString":"answer \#(value)\#(extra)"}]}]}"#
+    }
+
+    func observation(_ value: String, extra: String = "") -> String {
+        #"{"resourceType":"Observation","status":"final","identifier":[{"system":"\#(resources.system)","value":"\#(value)"}],"code":{"text":"steps \#(value)\#(extra)"},"valueQuantity":{"value":42,"unit":"steps"}}"#
+    }
+
+    // MARK: - What the FHIR server holds
+
+    /// Every resource of any type on `server` with the test's identifier system, oldest first, as (value,
+    /// resource): from the server's whole history, so the order across types shows.
+    func stored(_ server: FHIRServer) async throws -> [(String, [String: Any])] {
+        var all: [(String, [String: Any])] = []
+        var offset = 0
+        while true {
+            let page = try await HTTP.json("\(server.base)/_history?_count=500&_offset=\(offset)")
+            let entries = page["entry"] as? [[String: Any]] ?? []
+            if entries.isEmpty { break }
+            for entry in entries {
+                guard let resource = entry["resource"] as? [String: Any] else { continue }
+                let identifiers =
+                    resource["identifier"] as? [[String: Any]] ?? (resource["identifier"] as? [String: Any]).map { [$0] } ?? []
+                guard let match = identifiers.first(where: { $0["system"] as? String == resources.system }),
+                    let value = match["value"] as? String
+                else { continue }
+                all.append((value, resource))
+            }
+            offset += entries.count
+        }
+        return all.reversed()
+    }
+
+    func values(_ server: FHIRServer) async throws -> [String] { try await stored(server).map(\.0) }
+
+    /// The resource as it was posted: the server's `id` and `meta` left out.
+    func content(_ resource: [String: Any]) -> NSDictionary {
+        var resource = resource
+        resource["id"] = nil
+        resource["meta"] = nil
+        return resource as NSDictionary
+    }
+
+    /// The files of the SQLite queue in which `needle` appears.
+    func found(_ needle: String, database: String = "queue.sqlite") -> [String] {
+        let path = work.file(database)
+        return [path, path + "-wal", path + "-shm", path + "-journal"].filter { file in
+            guard let data = FileManager.default.contents(atPath: file) else { return false }
+            return data.range(of: Data(needle.utf8)) != nil
+        }
+    }
+
+    // MARK: - Tests
+
+    @Test(
+        "A Python C3-PRO client registers, gets tokens (secret raw and form-encoded) and posts envelopes (encfhir, fhirenc) and plain resources: all on sekmet once, in order, opened"
+    )
+    func endToEnd() async throws {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .der)
+        try FileManager.default.createDirectory(atPath: work.file("questionnaires"), withIntermediateDirectories: true)
+        _ = try work.write(
+            "questionnaires/mood-1.json",
+            #"{"resourceType":"Questionnaire","id":"mood-1","status":"active","item":[{"linkId":"q1","type":"string","text":"How do you feel?"}]}"#
+        )
+        let config = try await configure(server: server.base, serve: ["questionnaires_dir": "questionnaires"])
+        let receiver = try await start(config)
+
+        let registered = try #require(try await client(receiver.base, [registration(antispam)]).first)
+        #expect(registered.status == 201, "\(registered)")
+        #expect(registered.strictJSON, "strict JSON (C3-PRO's had a trailing comma): \(registered.body)")
+        #expect(registered.contentType.hasPrefix("application/json"), "\(registered)")
+        let id = try #require(registered.object["client_id"] as? String, "\(registered)")
+        let secret = try #require(registered.object["client_secret"] as? String, "\(registered)")
+        #expect(!id.isEmpty && secret.count >= 32, "\(registered)")
+        #expect(registered.object["grant_types"] as? [String] == ["client_credentials"], "\(registered)")
+        #expect(registered.object["token_endpoint_auth_method"] as? String == "client_secret_basic", "\(registered)")
+
+        let tokens = try await client(
+            receiver.base, [tokenRequest((id, secret)), tokenRequest((id, secret), formEncoded: true)])
+        var bearers: [String] = []
+        for answer in tokens {
+            #expect(answer.status == 200, "\(answer)")
+            #expect(answer.strictJSON, "\(answer)")
+            // An integer (JSON 1800, not 1800.0 or "1800"), as C3-PRO answered.
+            #expect(answer.body.range(of: #""expires_in"\s*:\s*1800\s*[,}]"#, options: .regularExpression) != nil, "\(answer)")
+            #expect(answer.object["token_type"] as? String == "bearer", "\(answer)")
+            bearers.append(try #require(answer.object["access_token"] as? String, "\(answer)"))
+        }
+        #expect(bearers.count == 2 && bearers[0] != bearers[1])
+
+        // Ten resources, each with its own value: QuestionnaireResponse envelopes to encfhir, Observation envelopes
+        // to fhirenc, plain Observations; both tokens, `Bearer` and `bearer`.
+        var posted: [String] = []
+        var steps: [Step] = []
+        for index in 0..<10 {
+            let token = bearers[index % 2]
+            let scheme = index % 4 < 2 ? "Bearer" : "bearer"
+            switch index % 3 {
+            case 0:
+                posted.append(questionnaireResponse("m\(index)"))
+                steps.append(
+                    sealed(
+                        "/c3pro/encfhir/QuestionnaireResponse", posted[index], certificate: keys.certificate, keyID: "k1",
+                        token: token, scheme: scheme))
+            case 1:
+                posted.append(observation("m\(index)"))
+                steps.append(
+                    sealed(
+                        "/c3pro/fhirenc/Observation", posted[index], certificate: keys.certificate, keyID: "k1", token: token,
+                        scheme: scheme))
+            default:
+                posted.append(observation("m\(index)"))
+                steps.append(plain("/c3pro/fhir/Observation", posted[index], token: token, scheme: scheme))
+            }
+        }
+        let answers = try await client(receiver.base, steps)
+        for (index, answer) in answers.enumerated() {
+            if index % 3 == 2 {
+                // Delivered within the short wait (the server is up): 201 with the server's Location.
+                #expect(answer.status == 201 && answer.location.contains("/Observation/"), "plain \(index): \(answer)")
+            } else {
+                #expect(answer.status == 202, "envelope \(index): \(answer)")
+            }
+        }
+        let expected = (0..<10).map { "m\($0)" }
+        let arrived = try await eventually(timeout: .seconds(60)) { try await values(server).count >= 10 }
+        let onServer = try await stored(server)
+        #expect(arrived && onServer.count == 10, "\(onServer.map(\.0)) \(receiver.log.suffix(2000))")
+        #expect(onServer.map(\.0) == expected, "once each, in the order posted")
+        for (value, resource) in onServer {
+            guard let index = expected.firstIndex(of: value) else { continue }
+            let sent = try #require(try JSONSerialization.jsonObject(with: Data(posted[index].utf8)) as? [String: Any])
+            #expect(content(resource) == content(sent), "\(value) arrived opened and unchanged: \(resource)")
+        }
+        let (pending, parked, delivered) = try await counts(config)
+        #expect(pending == 0 && parked == 0 && delivered == 10, "\(pending) \(parked) \(delivered)")
+        let (metricsStatus, metricsBody) = try await HTTP.get(receiver.base + "/metrics")
+        let metrics = String(decoding: metricsBody, as: UTF8.self)
+        #expect(metricsStatus == 200)
+        for line in [
+            #"dq_serve_requests_total{endpoint="register",status="201"} 1"#, #"dq_serve_requests_total{endpoint="oauth",status="200"} 2"#,
+            #"dq_serve_requests_total{endpoint="encfhir",status="202"} 7"#, #"dq_serve_requests_total{endpoint="fhir",status="201"} 3"#,
+        ] {
+            #expect(metrics.contains(line), "\(line) in \(metrics.split(separator: "\n").filter { $0.contains("dq_serve") })")
+        }
+        // A device whose 202 was lost sends the same resource again (sealed again: a new wrapped key): taken, and
+        // on the server still once.
+        let again = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", posted[4], certificate: keys.certificate, keyID: "k1", token: bearers[0])])
+        #expect(again.first?.status == 202, "\(again)")
+        #expect(try await eventually { try await counts(config).delivered == 11 }, "\(receiver.log.suffix(2000))")
+        // A Questionnaire from questionnaires_dir, for a bearer client only.
+        let questionnaire = try await client(
+            receiver.base,
+            [
+                ["path": "/c3pro/fhir/Questionnaire/mood-1", "method": "GET", "bearer": bearers[1], "scheme": "bearer"],
+                ["path": "/c3pro/fhir/Questionnaire/mood-1", "method": "GET"],
+                ["path": "/c3pro/fhir/Questionnaire/absent", "method": "GET", "bearer": bearers[1]],
+                ["path": "/c3pro/fhir/Questionnaire/..", "method": "GET", "bearer": bearers[1]],
+            ])
+        #expect(questionnaire.map(\.status) == [200, 401, 404, 404], "\(questionnaire)")
+        #expect(questionnaire.first?.object["id"] as? String == "mood-1", "\(questionnaire)")
+        let stopped = await receiver.stop()
+        #expect(stopped.status == 0, "\(stopped.stderr.suffix(2000))")
+        #expect(try await values(server) == expected, "nothing sent again")
+    }
+
+    @Test(
+        "Refusals: wrong or missing Antispam (401), wrong secret (401), no or unknown token (401), bodies over the limit (413), not JSON (400), an unsupported grant (400); nothing stored"
+    )
+    func refusals() async throws {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let small = try await configure(server: server.base, serve: ["max_body_bytes": 65536], name: "small.json")
+        var receiver = try await start(small)
+        let base = receiver.base
+        let good = try await register(base)
+        let bearer = try await token(base, good)
+        let megabyte = 1 << 20
+
+        var steps: [Step] = [
+            registration(nil),
+            registration("wrong-" + antispam),
+            registration(antispam + "x"),
+            ["path": "/c3pro/register", "headers": ["Antispam": antispam], "raw": "sandbox=false", "content_type": "text/plain"],
+            tokenRequest((good.id, good.secret + "x")),
+            tokenRequest((good.id + "x", good.secret)),
+            ["path": "/c3pro/oauth", "form": "grant_type=client_credentials"],
+            tokenRequest(good, grant: "password"),
+            tokenRequest(good, grant: "authorization_code"),
+        ]
+        let refusedPosts: [Step] = [
+            sealed("/c3pro/encfhir/Observation", observation("x0"), certificate: keys.certificate, keyID: "k1", token: "")
+                .filter { $0.key != "bearer" },
+            sealed(
+                "/c3pro/encfhir/Observation", observation("x1"), certificate: keys.certificate, keyID: "k1",
+                token: "not-a-token-" + UUID().uuidString),
+            sealed("/c3pro/encfhir", observation("x2"), certificate: keys.certificate, keyID: "k1", token: bearer, scheme: "Basic"),
+            plain("/c3pro/fhir/Observation", observation("x3"), token: "not-a-token"),
+            ["path": "/c3pro/encfhir/Observation", "bearer": bearer, "pad_bytes": megabyte],
+            ["path": "/c3pro/fhirenc/Observation", "bearer": bearer, "pad_bytes": megabyte, "chunked": true],
+            ["path": "/c3pro/fhir/Observation", "bearer": bearer, "pad_bytes": megabyte],
+            ["path": "/c3pro/encfhir/Observation", "bearer": bearer, "raw": "this is not JSON", "content_type": "application/json"],
+            ["path": "/c3pro/fhir/Observation", "bearer": bearer, "raw": "<Observation/>", "content_type": "application/fhir+json"],
+            ["path": "/c3pro/encfhir/Observation", "bearer": bearer, "raw": #"{"key_id":"k1"}"#, "content_type": "application/json"],
+            [
+                "path": "/c3pro/fhir/Patient/other-id", "method": "PUT", "bearer": bearer,
+                "fhir": #"{"resourceType":"Patient","id":"this-id","active":true}"#,
+            ],
+            ["path": "/c3pro/fhir/Patient/this-id", "method": "PUT", "bearer": bearer, "fhir": observation("x4")],
+        ]
+        steps += refusedPosts
+        let answers = try await client(base, steps)
+        let expected: [(Int, String?)] = [
+            (401, "unauthorized_client"), (401, "unauthorized_client"), (401, "unauthorized_client"), (400, "invalid_request"),
+            (401, "invalid_client"), (401, "invalid_client"), (401, "invalid_client"), (400, "unsupported_grant_type"),
+            (400, "unsupported_grant_type"),
+            (401, nil), (401, nil), (401, nil), (401, nil), (413, nil), (413, nil), (413, nil), (400, nil), (400, nil), (400, nil),
+            (400, nil), (400, nil),
+        ]
+        #expect(answers.count == expected.count)
+        for (index, (answer, (status, error))) in zip(answers, expected).enumerated() {
+            #expect(answer.status == status, "step \(index) \(steps[index]["path"] ?? ""): \(answer)")
+            if let error {
+                #expect(answer.strictJSON && answer.object["error"] as? String == error, "step \(index): \(answer)")
+            }
+            #expect(!answer.body.contains(good.secret), "step \(index)")
+        }
+        // The receiver kept serving: one good envelope and one good plain resource.
+        let accepted = try await client(
+            base,
+            [
+                sealed("/c3pro/encfhir/Observation", observation("g0"), certificate: keys.certificate, keyID: "k1", token: bearer),
+                plain("/c3pro/fhir/Observation", observation("g1"), token: bearer),
+            ])
+        #expect(accepted.first?.status == 202, "\(accepted)")
+        #expect([201, 202].contains(accepted.last?.status ?? 0), "\(accepted)")
+        #expect(try await eventually { try await values(server).count >= 2 }, "\(receiver.log.suffix(2000))")
+
+        // 20 MB against the default limit (10 MiB), declared and chunked.
+        #expect(await receiver.stop().status == 0)
+        let standard = try await configure(server: server.base)
+        receiver = try await start(standard)
+        let huge = try await client(
+            receiver.base,
+            [
+                ["path": "/c3pro/encfhir/QuestionnaireResponse", "bearer": bearer, "pad_bytes": 20 * megabyte],
+                ["path": "/c3pro/fhir/Observation", "bearer": bearer, "pad_bytes": 20 * megabyte, "chunked": true],
+                ["path": "/c3pro/register", "headers": ["Antispam": antispam], "pad_bytes": 20 * megabyte],
+            ])
+        for answer in huge { #expect(answer.status == 413, "\(answer)") }
+        // Still serving, and the token still valid after the restart.
+        let after = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("g2"), certificate: keys.certificate, keyID: "k1", token: bearer)])
+        #expect(after.first?.status == 202, "\(after)")
+        #expect(try await eventually { try await values(server).count >= 3 }, "\(receiver.log.suffix(2000))")
+
+        #expect(try await values(server) == ["g0", "g1", "g2"], "only the good ones")
+        let (pending, parked, delivered) = try await counts(standard)
+        #expect(pending == 0 && parked == 0 && delivered == 3, "nothing else stored: \(pending) \(parked) \(delivered)")
+        let list = try await dqCommand(["list", "--json"], config: standard)
+        #expect((try json(list) as? [Any])?.count == 0, "\(list.stdout)")
+        #expect(await receiver.stop().status == 0)
+    }
+
+    @Test(
+        "What cannot be opened is taken (202) and quarantined with its reason (unknown key_id, wrong key, no resource inside); what the server rejects is taken and parked; another client's resources flow past; the key added and replayed, it is delivered; an empty key_id is the default key"
+    )
+    func quarantine() async throws {
+        let server = try await FHIRServer.start()
+        let first = try await TestKeys()
+        let second = try await TestKeys()
+        try await install(first, as: "k1", layout: .pem)
+        let config = try await configure(server: server.base)
+        let receiver = try await start(config)
+
+        // One client sends, first, what cannot be delivered: an envelope under a key the receiver lacks, one under
+        // the wrong key, one with no resource inside, and a plain and an enveloped resource the server rejects.
+        let stranger = try await register(receiver.base)
+        let strangerToken = try await token(receiver.base, stranger)
+        // The server names the element it does not know in its refusal: the marker must not reach the disk that way.
+        let invalid = resources.invalid(99).replacingOccurrences(of: "notAnElement", with: marker)
+        let held = try await client(
+            receiver.base,
+            [
+                sealed(
+                    "/c3pro/encfhir/Observation", observation("q0"), certificate: second.certificate, keyID: "k2", token: strangerToken),
+                sealed(
+                    "/c3pro/encfhir/Observation", observation("w0"), certificate: second.certificate, keyID: "k1", token: strangerToken),
+                sealed("/c3pro/encfhir/Observation", "not a resource", certificate: first.certificate, keyID: "k1", token: strangerToken),
+                plain("/c3pro/fhir/Observation", invalid, token: strangerToken),
+                sealed("/c3pro/fhirenc/Observation", invalid, certificate: first.certificate, keyID: "k1", token: strangerToken),
+            ])
+        for (index, answer) in held.enumerated() {
+            // Taken, not bounced: a device's queue stops at its first error, so a refusal would block it for good.
+            #expect((200..<300).contains(answer.status), "\(index): \(answer)")
+            #expect(answer.body.isEmpty || answer.strictJSON, "\(index): a 2xx body a C3-PRO app can read: \(answer)")
+        }
+
+        let other = try await register(receiver.base)
+        let otherToken = try await token(receiver.base, other, formEncoded: true)
+        let patientID = "serve-" + UUID().uuidString.prefix(8).lowercased()
+        let patient =
+            #"{"resourceType":"Patient","id":"\#(patientID)","identifier":[{"system":"\#(resources.system)","value":"q5"}],"active":true}"#
+        let flowing = try await client(
+            receiver.base,
+            [
+                sealed("/c3pro/encfhir/Observation", observation("q1"), certificate: first.certificate, keyID: "k1", token: otherToken),
+                sealed(
+                    "/c3pro/fhirenc/QuestionnaireResponse", questionnaireResponse("q2"), certificate: first.certificate, keyID: "",
+                    token: otherToken),
+                sealed("/c3pro/encfhir", observation("q3"), certificate: first.certificate, keyID: " k1 ", token: otherToken),
+                plain("/c3pro/fhir/Observation", observation("q4"), token: otherToken),
+                ["path": "/c3pro/fhir/Patient/\(patientID)", "method": "PUT", "bearer": otherToken, "fhir": patient],
+                // The path names a DSTU2 type (not R4): it carries no meaning, the type inside counts.
+                sealed("/c3pro/fhirenc/DiagnosticOrder", observation("q6"), certificate: first.certificate, keyID: "k1", token: otherToken),
+            ])
+        for answer in flowing { #expect([201, 202].contains(answer.status), "\(answer)") }
+        let passed = try await eventually(timeout: .seconds(60)) { try await values(server).count >= 6 }
+        let passedValues = try await values(server)
+        #expect(passed, "\(passedValues) \(receiver.log.suffix(2000))")
+        #expect(passedValues == ["q1", "q2", "q3", "q4", "q5", "q6"], "the other client's, in order; nothing of the first's")
+        let put = try await HTTP.json("\(server.base)/Patient/\(patientID)")
+        #expect(put["active"] as? Bool == true, "PUT with its id: \(put)")
+
+        let listed = try await dqCommand(["quarantine", "list", "--json"], config: config)
+        #expect(listed.status == 0, "\(listed.stderr)")
+        let quarantined = try #require(try json(listed) as? [[String: Any]], "\(listed.stdout)")
+        let reasons = quarantined.map { $0["lastError"] as? String ?? "" }
+        #expect(reasons.count == 3, "\(listed.stdout)")
+        #expect(reasons.first?.contains("key_id k2") == true, "the reason names the key id: \(reasons)")
+        #expect(reasons.dropFirst().first?.contains("does not open") == true, "\(reasons)")
+        #expect(reasons.last?.contains("no FHIR resource") == true, "\(reasons)")
+        #expect(!listed.stdout.contains("not a resource"), "no plaintext in the quarantine's reasons")
+        let (_, parkedCount, _) = try await counts(config)
+        #expect(parkedCount == 5, "3 quarantined, 2 rejected by the server: \(parkedCount)")
+        let itemID = try #require(quarantined.first?["id"] as? String)
+        let shown = try await dqCommand(["quarantine", "show", itemID, "--json"], config: config)
+        #expect(shown.status == 0, "\(shown.stderr)")
+        let detail = try #require(try json(shown) as? [String: Any], "\(shown.stdout)")
+        #expect(detail["keyID"] as? String == "k2" && detail["version"] as? String == "3.0.0", "\(shown.stdout)")
+        #expect(!shown.stdout.contains("symmetric_key") && !shown.stdout.contains("\"message\""), "\(shown.stdout)")
+        // Replayed while the key is still missing: quarantined again, nothing sent.
+        let early = try await dqCommand(["quarantine", "replay", itemID, "--json"], config: config)
+        #expect(early.status == 0, "\(early.stderr)")
+        let again = try await eventually(timeout: .seconds(30)) {
+            let list = try await dqCommand(["quarantine", "list", "--json"], config: config)
+            return (try json(list) as? [Any])?.count == 3
+        }
+        #expect(again, "still quarantined without the key")
+
+        // The key added: dq serve reads it when the envelope next names it. The other two stay where they are.
+        try await install(second, as: "k2", layout: .pem)
+        let replayed = try await dqCommand(["quarantine", "replay", "--all", "--json"], config: config)
+        #expect(replayed.status == 0, "\(replayed.stderr)")
+        #expect(((try json(replayed) as? [String: Any])?["replayed"] as? [String])?.first == itemID, "\(replayed.stdout)")
+        let delivered = try await eventually(timeout: .seconds(60)) { try await values(server).count >= 7 }
+        let deliveredValues = try await values(server)
+        #expect(delivered, "\(deliveredValues) \(receiver.log.suffix(2000))")
+        #expect(deliveredValues == ["q1", "q2", "q3", "q4", "q5", "q6", "q0"], "each once")
+        #expect(receiver.process.isRunning, "dq serve ran throughout")
+        let remaining = try await eventually(timeout: .seconds(30)) {
+            let list = try await dqCommand(["quarantine", "list", "--json"], config: config)
+            return (try json(list) as? [Any])?.count == 2
+        }
+        #expect(remaining, "the envelope under the wrong key and the one with no resource stay quarantined")
+        // Opened and quarantined per key id; a key id the directory does not hold is no label of the sender's.
+        let metrics = String(decoding: try await HTTP.get(receiver.base + "/metrics").1, as: UTF8.self).split(separator: "\n")
+        func counted(_ parts: [String]) -> Bool { metrics.contains { line in parts.allSatisfy { line.contains($0) } } }
+        #expect(counted(["dq_envelopes_opened_total{", #"key_id="k1""#]), "\(metrics.filter { $0.contains("envelopes") })")
+        #expect(counted(["dq_envelopes_opened_total{", #"key_id="k2""#]), "\(metrics.filter { $0.contains("envelopes") })")
+        for reason in ["unknown_key", "does_not_open", "not_a_resource"] {
+            #expect(counted(["dq_envelopes_quarantined_total{", #"reason="\#(reason)""#]), "\(reason)")
+        }
+        #expect(counted(["dq_envelopes_quarantined_total{", #"key_id="unknown""#, #"reason="unknown_key""#]))
+        let (pending, parked, count) = try await counts(config)
+        #expect(pending == 0 && parked == 4 && count == 7, "\(pending) \(parked) \(count)")
+        // Dropped, they are gone from the quarantine.
+        let rest = try #require(
+            try json(try await dqCommand(["quarantine", "list", "--json"], config: config)) as? [[String: Any]])
+        for item in rest {
+            let dropped = try await dqCommand(["quarantine", "drop", item["id"] as? String ?? "", "--json"], config: config)
+            #expect(dropped.status == 0, "\(dropped.stderr)")
+        }
+        let empty = try await dqCommand(["quarantine", "list", "--json"], config: config)
+        #expect((try json(empty) as? [Any])?.count == 0, "\(empty.stdout)")
+        #expect(found(marker).isEmpty, "what the server said of a rejected resource is sealed at rest too: \(found(marker))")
+        let parkedList = try await dqCommand(["list", "--parked", "--json"], config: config)
+        #expect(parkedList.stdout.contains(marker), "the server's refusal names the element (the scan above can fail)")
+        let stopped = await receiver.stop()
+        #expect(stopped.status == 0, "\(stopped.stderr.suffix(2000))")
+        #expect(!stopped.stderr.contains("not a resource") && !stopped.stderr.contains(marker), "no plaintext in the log")
+    }
+
+    @Test(
+        "With at_rest set, a marker in every plain and enveloped resource posted while the FHIR server is down is in no byte of the database or WAL, nor in dq serve's log"
+    )
+    func sealedAtRest() async throws {
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .der)
+        let down = "http://127.0.0.1:\(Peers.freePort())/fhir"
+        let config = try await configure(server: down)
+        let receiver = try await start(config, environment: ["DQ_LOG_LEVEL": "debug"])
+        let registered = try await register(receiver.base)
+        let bearer = try await token(receiver.base, registered)
+        var steps: [Step] = []
+        for index in 0..<4 {
+            steps.append(plain("/c3pro/fhir/Observation", observation("a\(index)", extra: " \(marker)"), token: bearer))
+            steps.append(
+                sealed(
+                    "/c3pro/encfhir/QuestionnaireResponse", questionnaireResponse("e\(index)", extra: " \(marker)"),
+                    certificate: keys.certificate, keyID: "k1", token: bearer))
+            steps.append(
+                sealed(
+                    "/c3pro/fhirenc/Observation", observation("f\(index)", extra: " \(marker)"), certificate: keys.certificate, keyID: "",
+                    token: bearer))
+        }
+        let answers = try await client(receiver.base, steps)
+        for answer in answers { #expect(answer.status == 202, "queued, the server being down: \(answer)") }
+        #expect(answers.allSatisfy { !$0.body.contains(marker) })
+        // Delivery is tried (and fails) meanwhile: the envelopes are opened in memory for it.
+        try await Task.sleep(for: .seconds(2))
+        let (pending, _, _) = try await counts(config)
+        #expect(pending == 12)
+        // Taking is what a receiver is ready for: a FHIR server that is down does not take it out of rotation.
+        let (ready, why) = try await HTTP.get(receiver.base + "/readyz")
+        #expect(ready == 200, "\(String(decoding: why, as: UTF8.self))")
+        let walSize = (try? FileManager.default.attributesOfItem(atPath: work.file("queue.sqlite-wal"))[.size] as? Int) ?? 0
+        #expect(walSize > 0, "dq serve holds the database open: the WAL is there to search")
+        #expect(found(marker).isEmpty, "the marker is readable in \(found(marker))")
+        #expect(!receiver.log.contains(marker), "the marker is in dq serve's log")
+        let stopped = await receiver.stop()
+        #expect(stopped.status == 0, "\(stopped.stderr.suffix(2000))")
+        #expect(!stopped.stderr.contains(marker), "the marker is in dq serve's log")
+        #expect(found(marker).isEmpty, "the marker is readable in \(found(marker))")
+    }
+
+    @Test(
+        "dq serve refuses to start (78) with plain FHIR and no at_rest unless plain_at_rest is set (then a warning, and the marker is readable: the scan can fail), and without keys_dir or antispam_file"
+    )
+    func refusesToStart() async throws {
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let down = "http://127.0.0.1:\(Peers.freePort())/fhir"
+        let cases: [(String, String, [String: Any?], String)] = [
+            ("plain.json", "plain-db.sqlite", [:], "plain_at_rest"),
+            ("nokeys.json", "nokeys-db.sqlite", ["keys_dir": nil], "serve.keys_dir"),
+            ("nospam.json", "nospam-db.sqlite", ["antispam_file": nil], "serve.antispam_file"),
+            ("missing.json", "missing-db.sqlite", ["antispam_file": "absent.txt"], "serve.antispam_file"),
+        ]
+        for (name, database, serve, named) in cases {
+            let config = try await configure(
+                server: down, atRest: name != "plain.json" ? true : false, serve: serve, name: name, database: database)
+            let port = Peers.freePort()
+            let result = try await ChildProcess(
+                Peers.dqBinary, ["serve", "--config", config, "--listen", "127.0.0.1:\(port)"], environment: ["HOME": work.path]
+            ).wait(timeout: .seconds(60))
+            #expect(result.status == 78, "\(name): \(result.status) \(result.stderr.suffix(2000))")
+            #expect(result.stderr.contains(named), "\(name): the message names \(named): \(result.stderr.suffix(2000))")
+            #expect(!Peers.isListening(port: port), "\(name): nothing left listening")
+        }
+
+        // Knowingly plain: it starts, warns, and the resource is readable on disk.
+        let config = try await configure(server: down, atRest: false, serve: ["plain_at_rest": true], name: "knowing.json")
+        let receiver = try await start(config)
+        let registered = try await register(receiver.base)
+        let bearer = try await token(receiver.base, registered)
+        let answers = try await client(
+            receiver.base, [plain("/c3pro/fhir/Observation", observation("p0", extra: " \(marker)"), token: bearer)])
+        #expect(answers.first?.status == 202, "\(answers)")
+        #expect(receiver.log.contains("plain_at_rest"), "a warning: \(receiver.log.suffix(2000))")
+        #expect(!found(marker).isEmpty, "without at_rest the marker is readable: the at-rest scan can fail")
+        #expect(await receiver.stop().status == 0)
+    }
+
+    @Test(
+        "Clients imported from C3-PRO (unsalted SHA-1 of a Base64 secret with + / =) get tokens with the secret raw or form-encoded, in either order; the hash is replaced on first use"
+    )
+    func importedClients() async throws {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: server.base)
+        let receiver = try await start(config)
+        // Two clients as C3-PRO's Users table held them, put in dq's table as an import would.
+        var imported: [(id: String, secret: String)] = []
+        var rows: [String] = []
+        for index in 0..<2 {
+            var secret = ""
+            var hash = ""
+            repeat {
+                let made = try await TestKeys.openssl(["rand", "-base64", "64"])
+                secret = made.stdout.replacingOccurrences(of: "\n", with: "")
+                // "SHA1(stdin)= <hex>"
+                let digest = try await TestKeys.openssl(["dgst", "-sha1"], stdin: Data(secret.utf8))
+                let hex = Array(digest.stdout.split(separator: " ").last?.trimmingCharacters(in: .whitespacesAndNewlines) ?? "")
+                let bytes = stride(from: 0, to: hex.count - 1, by: 2).compactMap { UInt8(String(hex[$0...$0 + 1]), radix: 16) }
+                #expect(bytes.count == 20, "\(digest.stdout)")
+                hash = Data(bytes).base64EncodedString()
+            } while !(secret.contains("+") && secret.contains("/"))
+            let id = "c3pro-\(index)-" + UUID().uuidString.lowercased()
+            imported.append((id, secret))
+            rows.append("INSERT INTO dq_clients VALUES ('\(id)', 'sha1b64$\(hash)', 0);")
+        }
+        let inserted = try await ChildProcess(
+            "/usr/bin/sqlite3", [work.file("queue.sqlite")], stdin: Data((".timeout 5000\n" + rows.joined(separator: "\n")).utf8)
+        ).wait()
+        #expect(inserted.status == 0, "\(inserted.stderr)")
+        let answers = try await client(
+            receiver.base,
+            [
+                tokenRequest(imported[0]), tokenRequest(imported[0], formEncoded: true),
+                tokenRequest(imported[1], formEncoded: true), tokenRequest(imported[1]),
+                tokenRequest((imported[0].id, imported[0].secret.replacingOccurrences(of: "+", with: " "))),
+            ])
+        #expect(answers.map(\.status) == [200, 200, 200, 200, 401], "\(answers)")
+        let hashes = try await ChildProcess(
+            "/usr/bin/sqlite3", [work.file("queue.sqlite")],
+            stdin: Data(".timeout 5000\nSELECT secret_hash FROM dq_clients WHERE client_id LIKE 'c3pro-%';\n".utf8)
+        ).wait()
+        let stored = hashes.stdout.split(separator: "\n")
+        #expect(stored.count == 2 && stored.allSatisfy { !$0.hasPrefix("sha1b64$") }, "replaced: \(stored)")
+        // The token works.
+        let token = try #require(answers.first?.object["access_token"] as? String)
+        let posted = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("i0"), certificate: keys.certificate, keyID: "k1", token: token)])
+        #expect(posted.first?.status == 202, "\(posted)")
+        #expect(try await eventually { try await values(server) == ["i0"] }, "\(receiver.log.suffix(2000))")
+        #expect(await receiver.stop().status == 0)
+    }
+
+    @Test(
+        "A plain resource is answered within a short wait while the FHIR server holds an answer (202, queued), then delivered after what was posted before it"
+    )
+    func plainAnsweredPromptly() async throws {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server)
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: proxy.base)
+        let receiver = try await start(config)
+        let registered = try await register(receiver.base)
+        let bearer = try await token(receiver.base, registered)
+        try await proxy.inject(["hold"])
+        let first = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("s0"), certificate: keys.certificate, keyID: "k1", token: bearer)])
+        #expect(first.first?.status == 202, "\(first)")
+        #expect(try await eventually { (try await proxy.stats()["holding"] as? Int) == 1 }, "the envelope's request is on the wire")
+        // The device's request is not held for the server: it is answered once committed, after a short wait.
+        let answers = try await client(
+            receiver.base,
+            [
+                plain("/c3pro/fhir/Observation", observation("s1"), token: bearer),
+                plain("/c3pro/fhir/Observation", observation("s2"), token: bearer),
+            ])
+        for answer in answers {
+            #expect(answer.status == 202 && answer.strictJSON, "\(answer)")
+            #expect(answer.elapsed < 5, "answered after \(answer.elapsed) s")
+        }
+        try await proxy.release()
+        #expect(try await eventually(timeout: .seconds(60)) { try await values(server).count >= 3 }, "\(receiver.log.suffix(2000))")
+        #expect(try await values(server) == ["s0", "s1", "s2"])
+        #expect(await receiver.stop().status == 0)
+    }
+
+    @Test(
+        "SIGHUP: dq serve goes on serving and reads the antispam file and the keys again; register and oauth are limited per address (429 with Retry-After); an expired token is refused (401)"
+    )
+    func hangupAndRateLimit() async throws {
+        let server = try await FHIRServer.start()
+        var keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: server.base)
+        var receiver = try await start(config, environment: ["DQ_LOG_LEVEL": "notice"])
+        let registered = try await register(receiver.base)
+        let bearer = try await token(receiver.base, registered)
+
+        // The antispam secret rotated, and the key of k1 replaced at its path (read when dq serve started).
+        let rotated = "rotated-" + UUID().uuidString.lowercased()
+        _ = try work.write("antispam.txt", "\(rotated)\n")
+        keys = try await TestKeys()
+        try FileManager.default.removeItem(atPath: work.file("keys/k1.pem"))
+        try await install(keys, as: "k1", layout: .pem)
+        receiver.process.kill(SIGHUP)
+        let reloaded = try await eventually { receiver.log.contains("configuration reloaded") }
+        #expect(reloaded, "\(receiver.log.suffix(2000))")
+        #expect(receiver.process.isRunning, "a SIGHUP does not end dq serve")
+        let answers = try await client(
+            receiver.base,
+            [
+                registration(antispam), registration(rotated),
+                sealed("/c3pro/encfhir/Observation", observation("h0"), certificate: keys.certificate, keyID: "k1", token: bearer),
+            ])
+        #expect(answers.map(\.status) == [401, 201, 202], "\(answers)")
+        #expect(try await eventually { try await values(server) == ["h0"] }, "opened with the new key: \(receiver.log.suffix(2000))")
+        // An antispam file that no longer reads: the reload is refused, the running secrets stay.
+        try FileManager.default.removeItem(atPath: work.file("antispam.txt"))
+        receiver.process.kill(SIGHUP)
+        #expect(try await eventually { receiver.log.contains("reload refused") }, "\(receiver.log.suffix(2000))")
+        #expect(try await client(receiver.base, [registration(rotated)]).first?.status == 201)
+        #expect(!receiver.log.contains(rotated) && !receiver.log.contains(registered.secret), "no secret in the log")
+        #expect(await receiver.stop().status == 0)
+
+        // Three auth requests a minute from one address: the fourth is refused with 429 and Retry-After.
+        _ = try work.write("antispam.txt", "\(antispam)\n")
+        let limited = try await configure(
+            server: server.base, serve: ["auth_requests_per_minute": 3, "token_lifetime_seconds": 60], name: "limited.json")
+        receiver = try await start(limited)
+        let burst = try await client(
+            receiver.base,
+            [registration(antispam), tokenRequest(registered), registration("wrong"), registration(antispam), tokenRequest(registered)])
+        #expect(burst.map(\.status) == [201, 200, 401, 429, 429], "\(burst)")
+        for answer in burst.suffix(2) {
+            let wait = Int(answer.retryAfter) ?? 0
+            #expect((1...60).contains(wait) && answer.strictJSON, "\(answer) Retry-After \(answer.retryAfter)")
+        }
+        // The limit is on registration and tokens only: a device with a token goes on posting.
+        let posted = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("h1"), certificate: keys.certificate, keyID: "k1", token: bearer)])
+        #expect(posted.first?.status == 202, "\(posted)")
+        #expect(try await eventually { try await values(server) == ["h0", "h1"] }, "\(receiver.log.suffix(2000))")
+
+        // A token of this receiver lives 60 s: taken until then, 401 after.
+        let issued = ContinuousClock.now
+        let short = try #require(burst[1].object["access_token"] as? String, "\(burst[1])")
+        #expect(burst[1].body.contains(#""expires_in":60"#), "\(burst[1])")
+        let fresh = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("h2"), certificate: keys.certificate, keyID: "k1", token: short)])
+        #expect(fresh.first?.status == 202, "\(fresh)")
+        try await Task.sleep(until: issued + .seconds(62))
+        let expired = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("h3"), certificate: keys.certificate, keyID: "k1", token: short)])
+        #expect(expired.first?.status == 401, "expired: \(expired)")
+        #expect(try await eventually { try await values(server) == ["h0", "h1", "h2"] }, "\(receiver.log.suffix(2000))")
+        #expect(await receiver.stop().status == 0)
+    }
+
+    // MARK: - The client program
+
+    /// A C3-PRO client as the iOS app (C3PRO's `EncryptedDataQueue`, p2/OAuth2) behaves, written with Python
+    /// `httpx` and `cryptography` alone (the peers' venv has no `requests`): AES-256-CBC with a zero IV and PKCS#7 padding, one AES key per run,
+    /// the key wrapped with RSA-OAEP (SHA-1, MGF1-SHA-1) under the receiver's certificate.
+    ///
+    /// `client.py BASE STEPS.json` runs the steps in order and prints a JSON list of answers. A step: `path`;
+    /// `headers`; `basic` {id, secret, form} (form: id and secret form-encoded before Base64, RFC 6749 2.3.1);
+    /// `bearer` and `scheme`; one body: `json`, `form`, `fhir` (a resource as text), `raw` with `content_type`,
+    /// `seal` {resource, cert, key_id, version}, or `pad_bytes` (a JSON body of that size; `chunked` sends it
+    /// without a length).
+    static let clientScript = #"""
+        import base64, json, os, sys, urllib.parse
+        import httpx
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, padding
+        from cryptography.hazmat.primitives.asymmetric import padding as asym
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        AES_KEY = os.urandom(32)  # one per EncryptedDataQueue instance, as on iOS
+
+        def seal(spec):
+            with open(spec["cert"], "rb") as f:
+                public_key = x509.load_pem_x509_certificate(f.read()).public_key()
+            padder = padding.PKCS7(128).padder()
+            padded = padder.update(spec["resource"].encode()) + padder.finalize()
+            encryptor = Cipher(algorithms.AES(AES_KEY), modes.CBC(b"\0" * 16)).encryptor()
+            message = encryptor.update(padded) + encryptor.finalize()
+            wrapped = public_key.encrypt(
+                AES_KEY, asym.OAEP(mgf=asym.MGF1(algorithm=hashes.SHA1()), algorithm=hashes.SHA1(), label=None))
+            return json.dumps({
+                "key_id": spec["key_id"],
+                "symmetric_key": base64.b64encode(wrapped).decode(),
+                "message": base64.b64encode(message).decode(),
+                "version": spec.get("version", "3.0.0"),
+            }).encode()
+
+        def chunks(data, size=65536):
+            for start in range(0, len(data), size):
+                yield data[start:start + size]
+
+        def run(session, base, step):
+            headers = dict(step.get("headers", {}))
+            if "basic" in step:
+                b = step["basic"]
+                ident, secret = b["id"], b["secret"]
+                if b.get("form"):
+                    ident, secret = urllib.parse.quote_plus(ident), urllib.parse.quote_plus(secret)
+                headers["Authorization"] = "Basic " + base64.b64encode((ident + ":" + secret).encode()).decode()
+            if "bearer" in step:
+                headers["Authorization"] = step.get("scheme", "Bearer") + " " + step["bearer"]
+            body = None
+            if "seal" in step:
+                body, headers["Content-Type"] = seal(step["seal"]), "application/json"
+            elif "json" in step:
+                body, headers["Content-Type"] = json.dumps(step["json"]).encode(), "application/json"
+            elif "form" in step:
+                body, headers["Content-Type"] = step["form"].encode(), "application/x-www-form-urlencoded"
+            elif "fhir" in step:
+                body, headers["Content-Type"] = step["fhir"].encode(), "application/fhir+json"
+            elif "raw" in step:
+                body, headers["Content-Type"] = step["raw"].encode(), step.get("content_type", "text/plain")
+            elif "pad_bytes" in step:
+                n = step["pad_bytes"]
+                body = b'{"pad":"' + b"x" * (n - 10) + b'"}'
+                headers["Content-Type"] = "application/json"
+                if step.get("chunked"):
+                    body = chunks(body)
+            try:
+                r = session.request(step.get("method", "POST"), base + step["path"], content=body, headers=headers, timeout=60)
+            except httpx.HTTPError as error:
+                return {"status": 0, "body": "", "content_type": "", "json": False, "error": repr(error)}
+            try:
+                json.loads(r.text)
+                strict = True
+            except ValueError:
+                strict = False
+            return {"status": r.status_code, "body": r.text, "content_type": r.headers.get("Content-Type", ""), "json": strict,
+                    "location": r.headers.get("Location", ""), "retry_after": r.headers.get("Retry-After", ""),
+                    "elapsed": r.elapsed.total_seconds()}
+
+        def main():
+            base = sys.argv[1]
+            with open(sys.argv[2]) as f:
+                steps = json.load(f)
+            session = httpx.Client()
+            answers = []
+            for step in steps:
+                answers.append(run(session, base, step))
+                if answers[-1]["status"] == 0:
+                    session = httpx.Client()
+            json.dump(answers, sys.stdout)
+
+        main()
+        """#
+}
