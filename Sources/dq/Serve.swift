@@ -40,12 +40,15 @@ struct ServeSettings: Sendable, Equatable {
     var plainAtRest = false
     /// `auth_requests_per_minute`: per source address, for `register` and `oauth` (default 60; 0: no limit).
     var authRequestsPerMinute = 60
+    /// `body_timeout_seconds`: how long a request's body may take to arrive (default 60; 408 after it).
+    var bodyTimeoutSeconds = 60
     /// Whether the file has a `serve` object at all.
     var present = false
 
     static let keys: Set<String> = [
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
         "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
+        "body_timeout_seconds",
     ]
 
     /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
@@ -93,6 +96,7 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try flag("plain_fhir") { settings.plainFHIR = value }
         if let value = try flag("plain_at_rest") { settings.plainAtRest = value }
         if let value = try integer("auth_requests_per_minute", 0...1_000_000) { settings.authRequestsPerMinute = value }
+        if let value = try integer("body_timeout_seconds", 1...3600) { settings.bodyTimeoutSeconds = value }
         return settings
     }
 
@@ -226,7 +230,7 @@ extension DQ {
                     journalRetention: try settings.journalRetention().map { .seconds($0) }),
                 logger: logger)
             let router = Router(context: ServeRequestContext.self)
-            router.add(middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes, deadline: .seconds(60)))
+            router.add(middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes, deadline: .seconds(options.bodyTimeoutSeconds)))
             receiver.addRoutes(to: router)
             OperationsEndpoints(
                 metrics: { Exposition.emit(registry) }, readiness: { await delivery.readiness() },
@@ -303,6 +307,7 @@ struct ServeReload: Service {
             ("questionnaires_dir", { $0.questionnairesDirectory ?? "" }), ("max_body_bytes", { "\($0.maxBodyBytes)" }),
             ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
             ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
+            ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }),
         ]
         return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)
     }
