@@ -194,6 +194,12 @@ test_package() {
         "(for f in /var/lib/dq/queue.sqlite*; do [ \"\$(stat -c '%G %a' \$f)\" = 'dq 660' ] || { stat -c '%n %U:%G %a' \$f; exit 1; }; done)"
     check "the dq user enqueues into the producer's queue and sees both items" \
         "as dq sh -c \"/usr/bin/dq enqueue '$out/r.json' && /usr/bin/dq status --json\" | grep '\"pending\" *: *2' >/dev/null"
+    # The delivery loop runs: the server refuses, the two items stay queued, and SIGTERM ends it with 0. With the
+    # release build (`scripts/deb.sh test .build/release/dq`) this is the check that Swift 6.3.1's optimizer has not
+    # broken it again: it built a dq that died with SIGSEGV at its first flush (TaskLocal.withValue of an optional
+    # closure, Heartbeat.current), which no debug build showed.
+    check "the installed dq run flushes and stops on SIGTERM with 0" \
+        "as dq sh -c '/usr/bin/dq run --server http://127.0.0.1:9/fhir --poll-interval 0.2 2>/dev/null & p=\$!; sleep 3; kill -TERM \$p; wait \$p' && as dq /usr/bin/dq status --json | grep '\"pending\" *: *2' >/dev/null"
     echo '{"server": "https://fhir.edited.example/r4", "database": "/var/lib/dq/queue.sqlite"}' > /etc/dq/dq.json
     dpkg -i "$deb" >/dev/null
     check "a reinstall keeps an edited conffile" "grep -q fhir.edited.example /etc/dq/dq.json && [ -x /usr/bin/dq ]"

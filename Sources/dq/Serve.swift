@@ -73,14 +73,16 @@ struct ServeSettings: Sendable, Equatable {
         }
         func integer(_ key: String, _ range: ClosedRange<Int>) throws -> Int? {
             guard let value = object[key] else { return nil }
-            guard let number = value as? Int, !(value is Bool), range.contains(number) else {
+            guard let number = value as? Int, !isBoolean(value), range.contains(number) else {
                 throw invalid("\"serve.\(key)\" must be a whole number in \(range.lowerBound)...\(range.upperBound)")
             }
             return number
         }
+        // JSONSerialization gives true and false as NSNumbers of the C type char (`0 is Bool` holds on Linux).
+        func isBoolean(_ value: Any) -> Bool { (value as? NSNumber).map { String(cString: $0.objCType) == "c" } ?? false }
         func flag(_ key: String) throws -> Bool? {
             guard let value = object[key] else { return nil }
-            guard let bool = value as? Bool else {
+            guard isBoolean(value), let bool = value as? Bool else {
                 throw invalid("\"serve.\(key)\" must be true or false")
             }
             return bool

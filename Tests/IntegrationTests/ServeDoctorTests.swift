@@ -12,7 +12,13 @@ struct ServeDoctorTests {
         let result = try await dq(["doctor", "--offline", "--json", "--config", config], ["HOME": work.path])
         let report = try #require(try JSONSerialization.jsonObject(with: Data(result.stdout.utf8)) as? [String: Any], "\(result.stderr)")
         let findings = try #require(report["findings"] as? [[String: Any]])
-        return (result.status, findings.filter { $0["about"] as? String == "serve" }.compactMap { $0["problem"] as? String })
+        return (
+            result.status,
+            findings.filter {
+                // The serve object's own findings, and a setting of it that cannot be read.
+                $0["about"] as? String == "serve" || ($0["problem"] as? String)?.contains("\"serve.") == true
+            }.compactMap { $0["problem"] as? String }
+        )
     }
 
     @Test(
@@ -49,8 +55,15 @@ struct ServeDoctorTests {
         _ = try work.write("antispam", "secret\n")
         let good = try work.write(
             "good.json",
-            #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("q.sqlite"))", "serve": {"listen": "127.0.0.1:\#(port)", "keys_dir": "keys", "antispam_file": "antispam", "plain_fhir": false}}"#
+            #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("q.sqlite"))", "serve": {"listen": "127.0.0.1:\#(port)", "keys_dir": "keys", "antispam_file": "antispam", "plain_fhir": false, "auth_requests_per_minute": 0}}"#
         )
+        // 0 is a number (no limit), not false: JSONSerialization gives both as NSNumbers.
         #expect(try await serveFindings(good).problems == [])
+        let numberForFlag = try work.write(
+            "flag.json",
+            #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("q.sqlite"))", "serve": {"keys_dir": "keys", "antispam_file": "antispam", "plain_fhir": 0}}"#
+        )
+        let refused = try await dq(["doctor", "--offline", "--config", numberForFlag], ["HOME": work.path])
+        #expect(refused.status == 78 && refused.stderr.contains("\"serve.plain_fhir\" must be true or false"), "\(refused.stderr)")
     }
 }

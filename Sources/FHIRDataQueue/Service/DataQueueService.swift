@@ -395,7 +395,7 @@ public struct DataQueueService: Service {
         // Each request and each long step of the flush beats too (see Heartbeat). The flush is an unstructured
         // task because graceful shutdown may leave it behind after the drain timeout (a request on the wire may
         // take the whole request timeout), which a child task cannot be: its group would wait for it.
-        let flush = Heartbeat.$current.withValue({ [self] in beat(queue) }) {
+        let flush = Heartbeat.$current.withValue(Heartbeat.Beat(call: { [self] in beat(queue) })) {
             Task { () -> Result<FlushReport, any Error> in
                 do {
                     return .success(try await queue.flush(progress: progress))

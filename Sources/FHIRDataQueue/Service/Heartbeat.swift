@@ -4,8 +4,13 @@
 /// pruned. A loop busy with many of them is then not taken for a stuck one by ``DataQueueService/liveness()``.
 package enum Heartbeat {
     /// The loop's beat; nil outside a delivery loop (a one-shot `dq flush`, a producer).
-    @TaskLocal package static var current: (@Sendable () -> Void)?
+    @TaskLocal package static var current: Beat?
+
+    package struct Beat: Sendable {
+        package let call: @Sendable () -> Void
+        package init(call: @escaping @Sendable () -> Void) { self.call = call }
+    }
 
     /// Says "alive" for the loop this task works for, if any.
-    package static func beat() { current?() }
+    package static func beat() { current?.call() }
 }
