@@ -4,7 +4,7 @@ APT_PACKAGES := libsqlite3-dev libssl-dev sqlite3 curl openssl python3-venv syst
 export DQ_BIN := $(CURDIR)/.build/debug/dq
 export DQ_GATEWAY_BIN := $(CURDIR)/.build/debug/Gateway
 
-BENCH_APT := apache2-utils
+BENCH_APT := apache2-utils wrk
 .PHONY: all build gateway release install install-files uninstall deb deps peers test unit demo bench torture sanitize lint man docs clean
 
 all: build

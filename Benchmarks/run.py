@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -721,20 +722,362 @@ def case_at_rest(args, work):
         server.wait()
 
 
+SERVE_PEERS = os.path.join(ROOT, "Benchmarks", "serve_peers.py")
+WRK_SCRIPT = """wrk.method = "POST"
+local f = io.open("%s", "rb")
+wrk.body = f:read("*a")
+f:close()
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %s"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('{"requests": %%d, "duration_us": %%d, "status_errors": %%d, "socket_errors": %%d, '
+    .. '"p50_us": %%d, "p99_us": %%d}\\n', summary.requests, summary.duration, e.status,
+    e.connect + e.read + e.write + e.timeout, latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def wait_url(url, seconds=30):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except Exception:
+            time.sleep(0.05)
+    raise SystemExit("no answer from %s" % url)
+
+
+def stop(process):
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class ServeBench:
+    """dq serve's surroundings for case 14 (as scripts/torture.py's ServeRig): a key pair, the Antispam secret, a
+    config file per FHIR server; start() runs a receiver on a database, token() speaks as a C3-PRO app."""
+
+    def __init__(self, args, work):
+        self.args, self.work = args, work
+        self.keys = os.path.join(work, "serve-keys")
+        os.makedirs(self.keys, exist_ok=True)
+        self.key = os.path.join(self.keys, "k1.pem")
+        run(["openssl", "genrsa", "-out", self.key, "2048"])
+        self.antispam = os.path.join(work, "serve-antispam")
+        with open(self.antispam, "w") as f:
+            f.write("bench-antispam\n")
+
+    def envelopes(self, name, count):
+        """count envelopes of about 2 KiB (1,200-byte Observations inside), one a line: (envelopes path, NDJSON path)."""
+        lines = os.path.join(self.work, name + ".ndjson")
+        write_ndjson(lines, count, 1200)
+        out = os.path.join(self.work, name + ".envelopes")
+        run([os.path.join(ROOT, ".peers", "venv", "bin", "python"), SERVE_PEERS, "envelopes", self.key, lines, out])
+        return out, lines
+
+    def start(self, server, database, port, batch=None, extra_env=None):
+        config = os.path.join(self.work, "serve-%f.json" % time.time())
+        settings = {"server": server, "serve": {"antispam_file": self.antispam, "keys_dir": self.keys, "default_key_id": "k1",
+                                                "plain_fhir": False, "auth_requests_per_minute": 1000000}}
+        if batch:
+            settings["batch_size"] = batch
+        with open(config, "w") as f:
+            json.dump(settings, f)
+        env = dict(dq_env(self.work, server), DQ_DATABASE=database, **(extra_env or {}))
+        log_path = os.path.join(self.work, "serve.log")
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen([self.args.dq, "serve", "--config", config, "--listen", "127.0.0.1:%d" % port,
+                                        "--poll-interval", "0.1"], env=env, stdout=log, stderr=log)
+        try:
+            wait_url("http://127.0.0.1:%d/healthz" % port)
+        except SystemExit as error:
+            stop(process)
+            with open(log_path) as f:
+                raise SystemExit("%s; dq serve said:\n%s" % (error, f.read()[-2000:]))
+        return process
+
+    @staticmethod
+    def post(port, path, body, headers):
+        request = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=body.encode(), headers=headers,
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.read()
+
+    def token(self, port):
+        import base64
+        client = json.loads(self.post(port, "/c3pro/register", json.dumps({"sandbox": False, "receipt-data": "NO-APP-RECEIPT"}),
+                                      {"Antispam": "bench-antispam", "Content-Type": "application/json"}))
+        basic = base64.b64encode(("%s:%s" % (client["client_id"], client["client_secret"])).encode()).decode()
+        answer = self.post(port, "/c3pro/oauth", "grant_type=client_credentials",
+                           {"Authorization": "Basic " + basic, "Content-Type": "application/x-www-form-urlencoded"})
+        return json.loads(answer)["access_token"]
+
+    def fill(self, server, database, envelopes):
+        """Queues every envelope of the file through dq serve for `server`, which is down meanwhile (nothing listens
+        on its port), over 8 keep-alive connections; then stops dq serve: the backlog of a drain."""
+        import http.client
+        import threading
+        port = free_port()
+        process = self.start(server, database, port)
+        try:
+            token = self.token(port)
+            with open(envelopes) as f:
+                bodies = [line.rstrip("\n") for line in f if line.strip()]
+            failures = []
+
+            def post(part):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                for body in part:
+                    connection.request("POST", "/c3pro/encfhir/Observation", body,
+                                       {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+                    answer = connection.getresponse()
+                    answer.read()
+                    if answer.status != 202:
+                        failures.append(answer.status)
+                connection.close()
+
+            # Eight slices in order: the backlog's order does not matter to a drain.
+            threads = [threading.Thread(target=post, args=(bodies[i::8],)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if failures:
+                raise SystemExit("dq serve refused %d envelopes (%s)" % (len(failures), failures[:3]))
+        finally:
+            stop(process)
+        return len(bodies)
+
+    def drain(self, server, backlog, count, batch):
+        """Copies the queued backlog to a new database, starts dq serve on it with `server` up, and times the drain
+        from its first delivery (read from /metrics) to its last: (items/s, envelopes opened)."""
+        database = os.path.join(self.work, "drain-%f.sqlite" % time.time())
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(backlog + suffix):
+                shutil.copyfile(backlog + suffix, database + suffix)
+        port = free_port()
+        process = self.start(server, database, port, batch=batch)
+        try:
+            first, deadline = None, time.time() + 600
+            while time.time() < deadline:
+                delivered, opened = self.metrics(port)
+                now = time.perf_counter()
+                if delivered and first is None:
+                    first = (now, delivered)
+                if delivered >= count:
+                    break
+                time.sleep(0.01)
+            else:
+                raise SystemExit("the drain did not finish: %d of %d delivered" % (delivered, count))
+        finally:
+            stop(process)
+        if first[1] >= count:
+            raise SystemExit("the drain was over before it could be timed: more items needed")
+        return (count - first[1]) / (now - first[0]), opened
+
+    @staticmethod
+    def metrics(port):
+        """dq_items_delivered_total and dq_envelopes_opened_total, summed over their labels."""
+        text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10).read().decode()
+        sums = {"dq_items_delivered_total": 0.0, "dq_envelopes_opened_total": 0.0}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in sums:
+                sums[name] += float(line.rsplit(" ", 1)[1])
+        return sums["dq_items_delivered_total"], sums["dq_envelopes_opened_total"]
+
+
+def wrk_run(args, work, port, body_path, token, seconds, connections=64):
+    """wrk, 2 threads and `connections` keep-alive connections posting the same envelope for `seconds`: its figures."""
+    script = os.path.join(work, "wrk-%f.lua" % time.time())
+    with open(script, "w") as f:
+        f.write(WRK_SCRIPT % (body_path, token))
+    out = run(["wrk", "-t2", "-c%d" % connections, "-d%ds" % seconds, "--timeout", "10s", "-s", script,
+               "http://127.0.0.1:%d/c3pro/encfhir/Observation" % port]).stdout
+    result = json.loads([line for line in out.splitlines() if line.startswith('{"requests"')][-1])
+    if result["status_errors"] or result["socket_errors"]:
+        raise SystemExit("wrk: %d answers not 2xx, %d socket errors\n%s"
+                         % (result["status_errors"], result["socket_errors"], out))
+    return {"per_second": result["requests"] / (result["duration_us"] / 1e6), "p50_ms": result["p50_us"] / 1000,
+            "p99_ms": result["p99_us"] / 1000, "requests": result["requests"]}
+
+
+def start_nginx_202(work):
+    """nginx (both cores, as dq's event loops) answering 202 to every request, keeping nothing: (process, port)."""
+    port = free_port()
+    folder = os.path.join(work, "nginx-202")
+    os.makedirs(folder, exist_ok=True)
+    conf = os.path.join(folder, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write("""daemon off; worker_processes auto; pid %s/nginx.pid; error_log %s/error.log;
+events { worker_connections 1024; }
+http { access_log off; client_body_temp_path %s; client_max_body_size 10m; keepalive_requests 1000000;
+  server { listen 127.0.0.1:%d; location / { return 202; } } }
+""" % (folder, folder, folder, port))
+    process = subprocess.Popen(["nginx", "-c", conf, "-p", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_url("http://127.0.0.1:%d/" % port)
+    return process, port
+
+
+def serve_postgres(args, work, dq_ingest, on_sqlite, python):
+    """14a on a PostgreSQL queue (scripts/postgres.sh), beside the SQLite figures of the same run."""
+    folder = tempfile.mkdtemp(prefix="dq-bench-pg-")
+    os.chmod(folder, 0o755)  # the server runs as nobody when make runs as root
+    cluster = os.path.join(folder, "cluster")
+    try:
+        url = run([os.path.join(ROOT, "scripts", "postgres.sh"), "start", cluster, str(free_port())]).stdout.strip()
+    except SystemExit as error:
+        print("  14a on PostgreSQL skipped: %s" % str(error).splitlines()[0])
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    try:
+        with open(os.path.join(cluster, "password")) as f:
+            password = f.read().strip()
+        env = dict(os.environ, PGPASSWORD=password)
+        host, port = url.split("@", 1)[1].split("/", 1)[0].split(":")
+        results = []
+        for index in range(args.repeat):
+            name = "serve_%d_%d" % (os.getpid(), index)
+            run(["psql", "-h", host, "-p", port, "-U", "dq", "-d", "dq", "-qc", "CREATE DATABASE " + name], env=env)
+            database = "postgres://dq@%s:%s/%s?sslmode=disable" % (host, port, name)
+            results.append(dq_ingest(store_env={"PGPASSWORD": password}, database=database))
+        value = statistics.median(r["per_second"] for r in results)
+        case = "14a dq serve ingest, PostgreSQL store (items/s)"
+        row(case, value, "items/s", "the same on SQLite (above)", on_sqlite, "report")
+        row(case, value, "items/s", "Python receiver (above)", python, "report",
+            "(p50 %.1f ms, p99 %.1f ms)" % (statistics.median(r["p50_ms"] for r in results),
+                                             statistics.median(r["p99_ms"] for r in results)))
+    finally:
+        run([os.path.join(ROOT, "scripts", "postgres.sh"), "stop", cluster], check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def case_serve(args, work):
+    """14: dq serve, the C3-PRO receiver: durable ingest against a Python receiver and nginx, envelopes opened per
+    second against openssl's RSA private-key operations, and a backlog forwarded to sekmet-fhir against its own
+    ingest of the same resources as Bundles."""
+    print("14. dq serve (C3-PRO receiver)", flush=True)
+    missing = [tool for tool in ("wrk", "nginx") if not shutil.which(tool)]
+    if missing:
+        print("  skipped: %s not installed (make bench installs them)" % ", ".join(missing))
+        return
+    bench_python = os.path.join(ROOT, ".peers", "bench", "bin", "python")
+    rig = ServeBench(args, work)
+    one, _ = rig.envelopes("serve-one", 1)
+    body = os.path.join(work, "serve-envelope.json")
+    with open(one) as f, open(body, "w") as out:
+        out.write(f.readline().rstrip("\n"))
+    size = os.path.getsize(body)
+    seconds = 3 if args.quick else 10
+    down = "http://127.0.0.1:%d/fhir" % free_port()  # nothing listens there: every envelope stays queued
+
+    # 14a: durable ingest from 64 keep-alive connections, dq, the Python receiver and nginx in turns.
+    def dq_ingest(store_env=None, database=None):
+        port = free_port()
+        process = rig.start(down, database or os.path.join(work, "ingest-%f.sqlite" % time.time()), port,
+                            extra_env=store_env)
+        try:
+            token = rig.token(port)
+            result = wrk_run(args, work, port, body, token, seconds)
+            result["opened"] = rig.metrics(port)[1]
+            return result
+        finally:
+            stop(process)
+
+    def python_ingest():
+        port = free_port()
+        token = "bench-token-%d" % port
+        process = subprocess.Popen([bench_python, SERVE_PEERS, "receiver", os.path.join(work, "py-%f.sqlite" % time.time()),
+                                    str(port), token], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_url("http://127.0.0.1:%d/" % port)
+            return wrk_run(args, work, port, body, token, seconds)
+        finally:
+            stop(process)
+
+    nginx, nginx_port = start_nginx_202(work)
+    try:
+        rounds = [[dq_ingest(), python_ingest(), wrk_run(args, work, nginx_port, body, "none", seconds)]
+                  for _ in range(args.repeat)]
+    finally:
+        stop(nginx)
+
+    def med(index, key):
+        return statistics.median(r[index][key] for r in rounds)
+
+    case = "14a dq serve ingest, %d B envelopes, 64 conns (items/s)" % size
+    row(case, med(0, "per_second"), "items/s", "Python receiver: uvicorn + sqlite3, 1 commit/request",
+        med(1, "per_second"), ">= 3", "(lowest round %.2f)" % min(r[0]["per_second"] / r[1]["per_second"] for r in rounds))
+    row(case, med(0, "per_second"), "items/s", "nginx answering 202, keeping nothing", med(2, "per_second"), ">= 0.3")
+    for key, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
+        row("14a dq serve ingest, %s latency (ms)" % label, med(0, key), "ms", "Python receiver %s" % label, med(1, key), "-")
+        row("14a dq serve ingest, %s latency (ms)" % label, med(0, key), "ms", "nginx 202 %s" % label, med(2, key), "-")
+    print("    (envelopes opened by dq during the ingest, server down: %s)" % [r[0]["opened"] for r in rounds], flush=True)
+    serve_postgres(args, work, dq_ingest, med(0, "per_second"), med(1, "per_second"))
+
+    # 14b: opening. A backlog drained into a sink that costs nothing, in Bundles of 500: opening is the cost.
+    n = max(2000, args.scale(5000))  # the first Bundle's 500 are not timed
+    envelopes, _ = rig.envelopes("serve-open", n)
+    sink_port = free_port()
+    sink_server = "http://127.0.0.1:%d/fhir" % sink_port
+    backlog = os.path.join(work, "open-backlog.sqlite")
+    rig.fill(sink_server, backlog, envelopes)
+    sink = subprocess.Popen([sys.executable, SERVE_PEERS, "sink", str(sink_port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_url(sink_server + "/metadata")
+        drains = [rig.drain(sink_server, backlog, n, 500) for _ in range(args.repeat)]
+    finally:
+        stop(sink)
+    out = run(["openssl", "speed", "-seconds", "3" if args.quick else "5", "rsa2048"]).stdout
+    sign = float(re.search(r"rsa 2048 bits\s+[\d.]+s\s+[\d.]+s\s+([\d.]+)", out).group(1))
+    opened = statistics.median(d[0] for d in drains)
+    row("14b dq serve opens a backlog of %d into a sink (env/s)" % n, opened, "env/s",
+        "openssl speed rsa2048 private-key ops/s", sign, ">= 0.8", "(opened: %s)" % [int(d[1]) for d in drains])
+
+    # 14c: forwarding. A backlog drained to sekmet-fhir in Bundles of 100, against sekmet's own ingest of the same
+    # resources as Bundles of 100 (case 10's reference), in turns.
+    n = max(1000, args.scale(5000))
+    envelopes, lines = rig.envelopes("serve-forward", n)
+    fhir_port = free_port()
+    fhir_base = "http://127.0.0.1:%d/fhir" % fhir_port
+    backlog = os.path.join(work, "forward-backlog.sqlite")
+    rig.fill(fhir_base, backlog, envelopes)
+    server, _, _ = start_sekmet(work, "serve-fhir", port=fhir_port)
+    try:
+
+        def python_bundles():
+            out = run([bench_python, os.path.join(ROOT, "Benchmarks", "peers_bundles.py"), fhir_base, lines, "100"]).stdout
+            return float(out.strip().splitlines()[-1])
+
+        forwarded, ingest = interleaved([lambda: rig.drain(fhir_base, backlog, n, 100)[0], python_bundles], args.repeat)
+    finally:
+        stop(server)
+    row("14c dq serve forwards a backlog of %d to sekmet-fhir (items/s)" % n, forwarded, "items/s",
+        "server ingest: Python Bundles of 100", ingest, ">= 0.8")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dq", default=os.path.join(ROOT, ".build", "release", "dq"))
     parser.add_argument("--bench", default=os.path.join(ROOT, ".build", "release", "dq-bench"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
-    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10,11,12,13")
+    parser.add_argument("--cases", default="1,4,5,6,7,8,9,10,11,12,13,14")
     parser.add_argument("--out", default=os.path.join(ROOT, "Benchmarks", "results.md"))
     args = parser.parse_args()
     factor = 0.1 if args.quick else 1.0
     args.scale = lambda n: max(1, int(n * factor))
     cases = {"1": case_enqueue, "4": case_flush_sink, "5": case_flush_fhir, "6": case_seal, "7": case_memory,
              "8": case_startup, "9": case_peers, "10": case_drain_latency,
-             "11": case_service, "12": case_postgres, "13": case_at_rest}
+             "11": case_service, "12": case_postgres, "13": case_at_rest, "14": case_serve}
     work = tempfile.mkdtemp(prefix="dq-bench-")
     try:
         for key in args.cases.split(","):
@@ -742,6 +1085,8 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine = "%s, %d cores, %s" % (platform.machine(), os.cpu_count(), platform.platform())
+    if os.path.realpath(args.dq) != os.path.realpath(os.path.join(ROOT, ".build", "release", "dq")):
+        machine += "; dq: %s" % args.dq
     lines = ["# dq benchmarks", "", "Machine: %s. Command: `make bench` (release build, median of %d runs, %d for cases 1 "
              "and 9%s)." % (machine, args.repeat, serial_rounds(args), ", --quick" if args.quick else ""), "",
              "| case | dq | unit | reference | reference value | ratio | target |", "|---|---:|---|---|---:|---:|---|"]

@@ -2,7 +2,7 @@
 # Installs and runs the real servers dq is tested against, on free loopback ports.
 #
 #   scripts/peers.sh install          create .peers/venv (sekmet-fhir, cryptography, fhirkit-rs) and .peers/canaille (idempotent)
-#   scripts/peers.sh bench            also .peers/bench with the benchmark peers (fhirclient, fhirpy, queues)
+#   scripts/peers.sh bench            also .peers/bench with the benchmark peers (fhirclient, fhirpy, queues, uvicorn)
 #   scripts/peers.sh start            start a shared sekmet-fhir, a PostgreSQL server and PgBouncer in front of it (scripts/postgres.sh);
 #                                     writes .peers/env (DQ_TEST_FHIR_BASE, DQ_TEST_POSTGRES_URL, ...)
 #   scripts/peers.sh stop             stop exactly the processes `start` started
@@ -62,12 +62,12 @@ wait_ready() { # URL
 
 bench() {
   install
-  if [ ! -f "$peers/bench/.installed-v2" ]; then
+  if [ ! -f "$peers/bench/.installed-v3" ]; then
     "$PY" -m venv "$peers/bench"
     "$peers/bench/bin/pip" install --quiet --disable-pip-version-check \
       "fhirclient==4.4.0" "fhirpy==2.3.1" "requests==2.34.2" "persist-queue==1.1.0" "litequeue==0.9" \
-      "pgqueuer==1.6.0" "asyncpg==0.32.0"
-    touch "$peers/bench/.installed-v2"
+      "pgqueuer==1.6.0" "asyncpg==0.32.0" "uvicorn==0.54.0"
+    touch "$peers/bench/.installed-v3"
   fi
 }
 
