@@ -393,9 +393,10 @@ def serve_shared(work, count, rng):
     for index in range(count):
         value = "%05d" % index
         which = index % 2
-        if rng.random() < 0.08:
+        running = [i for i, process in enumerate(receivers) if process is not None]
+        if len(running) == 2 and rng.random() < 0.08:
             # One receiver dies (with whatever it was doing); the other goes on taking the device's envelopes.
-            victim = rng.randrange(2)
+            victim = rng.choice(running)
             receivers[victim].send_signal(signal.SIGKILL)
             receivers[victim].wait()
             kills += 1
