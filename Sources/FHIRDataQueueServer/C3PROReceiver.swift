@@ -90,9 +90,7 @@ public struct C3PROReceiver: Sendable {
     /// Adds the receiver's routes to `router`.
     public func addRoutes<Context: RemoteAddressRequestContext>(to router: some RouterMethods<Context>) {
         let prefix = configuration.pathPrefix.split(separator: "/").joined(separator: "/")
-        let base = RouterPath(prefix)
         func path(_ rest: String) -> RouterPath { prefix.isEmpty ? RouterPath(rest) : RouterPath("\(prefix)/\(rest)") }
-        _ = base
         router.post(path("register")) { request, context in
             await measured("register") { try await register(request, from: context.remoteAddress) }
         }
