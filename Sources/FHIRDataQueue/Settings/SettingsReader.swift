@@ -52,7 +52,7 @@ package enum SettingsReader {
 /// The `DQ_` variables as a provider: each key read under its own variable (`auth.client_id` as `DQ_CLIENT_ID`,
 /// see ``SettingKey``) through swift-configuration's `EnvironmentVariablesProvider`; a value that is not one of
 /// the key's is refused naming the variable.
-package struct SettingsEnvironmentProvider: ConfigProvider {
+package struct SettingsEnvironmentProvider: StaticSettingsProvider {
     private let upstream: EnvironmentVariablesProvider
     private let variables: [String: String]
     private let hidden: Set<String>
@@ -94,33 +94,13 @@ package struct SettingsEnvironmentProvider: ConfigProvider {
         let kept = items.filter { !$0.isEmpty }
         return LookupResult(encodedKey: name, value: ConfigValue(.stringArray(kept), isSecret: setting.isSecret))
     }
-
-    package func fetchValue(forKey key: AbsoluteConfigKey, type: ConfigType) async throws -> LookupResult {
-        try value(forKey: key, type: type)
-    }
-
-    nonisolated(nonsending) package func watchValue<Return: ~Copyable>(
-        forKey key: AbsoluteConfigKey, type: ConfigType,
-        updatesHandler:
-            nonisolated(nonsending) (_ updates: ConfigUpdatesAsyncSequence<Result<LookupResult, any Error>, Never>) async throws -> Return
-    ) async throws -> Return {
-        try await watchValueFromValue(forKey: key, type: type, updatesHandler: updatesHandler)
-    }
-
-    package func snapshot() -> any ConfigSnapshot { SettingsSnapshot(provider: self) }
-
-    nonisolated(nonsending) package func watchSnapshot<Return: ~Copyable>(
-        updatesHandler: nonisolated(nonsending) (_ updates: ConfigUpdatesAsyncSequence<any ConfigSnapshot, Never>) async throws -> Return
-    ) async throws -> Return {
-        try await watchSnapshotFromSnapshot(updatesHandler: updatesHandler)
-    }
 }
 
 /// A `dq.json` file as a provider: swift-configuration's `JSONSnapshot` of its bytes, once they pass the checks
 /// `JSONSnapshot` does not make (strict JSON as resource files follow it, no byte order mark, no unknown key).
 /// `auth.registration_fields` and `auth.registration_headers`, objects whose names are the user's, are answered
 /// as JSON text, as their variables give them.
-package struct SettingsFile: ConfigProvider {
+package struct SettingsFile: StaticSettingsProvider {
     private let json: JSONSnapshot
     private let objects: [String: String]
     /// Keys a source over the file gave (see ``SettingsReader/make(flags:environment:file:accessReporter:)``).
@@ -188,7 +168,15 @@ package struct SettingsFile: ConfigProvider {
         }
         return try json.value(forKey: key, type: type)
     }
+}
 
+/// A provider whose values do not change under a reader (the environment, a file read once): everything
+/// `ConfigProvider` asks besides its synchronous lookup is that lookup.
+package protocol StaticSettingsProvider: ConfigProvider {
+    func value(forKey key: AbsoluteConfigKey, type: ConfigType) throws -> LookupResult
+}
+
+extension StaticSettingsProvider {
     package func fetchValue(forKey key: AbsoluteConfigKey, type: ConfigType) async throws -> LookupResult {
         try value(forKey: key, type: type)
     }
