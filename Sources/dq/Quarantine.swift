@@ -20,13 +20,18 @@ extension DQ {
             }
         }
 
+        /// Why an item is quarantined: its last error after the quarantine prefix.
+        static func reason(_ item: QueuedItem) -> String? {
+            item.lastError.map { String($0.dropFirst(DataQueue.quarantinePrefix.count)) }
+        }
+
         /// The quarantined item `reference` names; a parked item of another kind is not one.
-        static func quarantinedItem(_ queue: DataQueue, _ reference: String) async throws -> QueuedItem {
-            let (item, _) = try await queue.item(reference)
+        static func quarantinedItem(_ queue: DataQueue, _ reference: String) async throws -> (QueuedItem, Data) {
+            let (item, body) = try await queue.item(reference)
             guard item.state == .parked, item.lastError?.hasPrefix(DataQueue.quarantinePrefix) == true else {
                 throw DataQueueError(.notFound, "item \(item.id.uuidString.lowercased()) is not quarantined (see dq show)")
             }
-            return item
+            return (item, body)
         }
 
         struct List: AsyncParsableCommand {
@@ -41,7 +46,7 @@ extension DQ {
                     if items.isEmpty { print("no quarantined envelopes"); return }
                     print("SEQ\tID\tENQUEUED\tREASON")
                     for item in items {
-                        let reason = item.lastError.map { String($0.dropFirst(DataQueue.quarantinePrefix.count)) } ?? "-"
+                        let reason = Quarantine.reason(item) ?? "-"
                         print("\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(formatDate(item.enqueuedAt))\t\(reason)")
                     }
                 }
@@ -64,11 +69,10 @@ extension DQ {
 
             func run() async throws {
                 try await withQueue(queueOptions, readOnly: true) { queue in
-                    let item = try await quarantinedItem(queue, id)
-                    let (_, body) = try await queue.item(id)
+                    let (item, body) = try await quarantinedItem(queue, id)
                     let envelope = (try? JSONSerialization.jsonObject(with: body)) as? [String: Any]
                     let shown = Shown(
-                        item: item, reason: String((item.lastError ?? "").dropFirst(DataQueue.quarantinePrefix.count)),
+                        item: item, reason: Quarantine.reason(item) ?? "",
                         keyID: envelope?["key_id"] as? String, version: envelope?["version"] as? String)
                     if json { try printJSON(shown); return }
                     print("id:        \(item.id.uuidString.lowercased())")
@@ -97,7 +101,7 @@ extension DQ {
 
             func run() async throws {
                 try await withQueue(queueOptions) { queue in
-                    let items = all ? try await quarantined(queue) : [try await quarantinedItem(queue, id ?? "")]
+                    let items = all ? try await quarantined(queue) : [try await quarantinedItem(queue, id ?? "").0]
                     for item in items { _ = try await queue.retry("#\(item.sequence)", conditionalCreate: nil) }
                     let names = items.map { $0.id.uuidString.lowercased() }
                     if json {
@@ -118,7 +122,7 @@ extension DQ {
 
             func run() async throws {
                 try await withQueue(queueOptions) { queue in
-                    let item = try await quarantinedItem(queue, id)
+                    let (item, _) = try await quarantinedItem(queue, id)
                     _ = try await queue.drop("#\(item.sequence)")
                     if json {
                         try printJSON(["dropped": item.id.uuidString.lowercased()])
