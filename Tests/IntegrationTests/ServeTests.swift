@@ -338,10 +338,16 @@ struct ServeTests {
             }
         }
         let answers = try await client(receiver.base, steps)
+        // A plain resource is answered 201 with the server's Location when the queue delivered it within the receiver's
+        // short wait, else 202 (queued): which one depends on how busy this machine is (a busy one gave 202), so both
+        // are taken here, counted, and the metrics must count the same; sekmet's copies are checked below either way.
+        var plainAnswers: [Int: Int] = [:]
         for (index, answer) in answers.enumerated() {
             if index % 3 == 2 {
-                // Delivered within the short wait (the server is up): 201 with the server's Location.
-                #expect(answer.status == 201 && answer.location.contains("/Observation/"), "plain \(index): \(answer)")
+                #expect(
+                    (answer.status == 201 && answer.location.contains("/Observation/")) || answer.status == 202,
+                    "plain \(index): \(answer)")
+                plainAnswers[answer.status, default: 0] += 1
             } else {
                 #expect(answer.status == 202, "envelope \(index): \(answer)")
             }
@@ -359,12 +365,13 @@ struct ServeTests {
         let (pending, parked, delivered) = try await counts(config)
         #expect(pending == 0 && parked == 0 && delivered == 10, "\(pending) \(parked) \(delivered)")
         let (metricsStatus, metricsBody) = try await HTTP.get(receiver.base + "/metrics")
+        #expect(plainAnswers.values.reduce(0, +) == 3, "\(plainAnswers)")
         let metrics = String(decoding: metricsBody, as: UTF8.self)
         #expect(metricsStatus == 200)
         for line in [
             #"dq_serve_requests_total{endpoint="register",status="201"} 1"#, #"dq_serve_requests_total{endpoint="oauth",status="200"} 2"#,
-            #"dq_serve_requests_total{endpoint="encfhir",status="202"} 7"#, #"dq_serve_requests_total{endpoint="fhir",status="201"} 3"#,
-        ] {
+            #"dq_serve_requests_total{endpoint="encfhir",status="202"} 7"#,
+        ] + plainAnswers.map({ #"dq_serve_requests_total{endpoint="fhir",status="\#($0.key)"} \#($0.value)"# }) {
             #expect(metrics.contains(line), "\(line) in \(metrics.split(separator: "\n").filter { $0.contains("dq_serve") })")
         }
         // A device whose 202 was lost sends the same resource again (sealed again: a new wrapped key): taken, and
