@@ -45,6 +45,10 @@ public struct C3PROReceiver: Sendable {
         /// wait does not grow with a backlog or a slow server: a device is answered in about this time at most. The
         /// default is 2 s.
         public var deliveryWait: Duration
+        /// Clients that authenticate to `oauth` with a signed assertion (SMART Backend Services, `private_key_jwt`)
+        /// instead of a secret: client id → its public key set (JWKS JSON). Edges forwarding to a decrypting
+        /// receiver are such clients. Empty by default.
+        public var clientKeySets: [String: String] = [:]
 
         /// A configuration with C3-PRO's defaults.
         public init(
@@ -70,10 +74,18 @@ public struct C3PROReceiver: Sendable {
     private let registry: any ClientRegistry
     private let limiter: RateLimiter
     private let antispam: AntispamSecrets
+    private let assertions: ClientAssertionVerifier
     private let logger: Logger
 
     /// A receiver that commits to `queue` (and keeps its clients and tokens in `queue`'s database).
-    public init(queue: DataQueue, configuration: Configuration, logger: Logger = Logger(label: "dq.serve")) {
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when a key set of
+    ///   ``Configuration/clientKeySets`` is not a JWKS with a signing key.
+    public init(queue: DataQueue, configuration: Configuration, logger: Logger = Logger(label: "dq.serve")) throws {
+        do {
+            self.assertions = try ClientAssertionVerifier(keySets: configuration.clientKeySets)
+        } catch {
+            throw DataQueueError(.invalidConfiguration, error.description)
+        }
         self.queue = queue
         self.configuration = configuration
         self.registry = queue.clientRegistry
@@ -171,6 +183,9 @@ public struct C3PROReceiver: Sendable {
         guard grant == "client_credentials" else {
             return oauthError(.badRequest, "unsupported_grant_type", "only client_credentials is supported")
         }
+        if form["client_assertion"] != nil || form["client_assertion_type"] != nil {
+            return try await tokenForAssertion(form, path: request.uri.path)
+        }
         guard let (id, secret) = Self.basicCredentials(request.headers[.authorization]) else {
             return oauthError(.unauthorized, "invalid_client", "HTTP Basic client authentication is required", challenge: true)
         }
@@ -194,6 +209,38 @@ public struct C3PROReceiver: Sendable {
         guard let client else {
             return oauthError(.unauthorized, "invalid_client", "the client id or secret is wrong", challenge: true)
         }
+        return try await issueToken(to: client)
+    }
+
+    /// A token for a client with a key set (SMART Backend Services): the form's signed assertion instead of a secret.
+    private func tokenForAssertion(_ form: [String: String], path: String) async throws -> Response {
+        guard form["client_assertion_type"] == ClientAssertionVerifier.assertionType, let assertion = form["client_assertion"] else {
+            return oauthError(
+                .badRequest, "invalid_request",
+                "client_assertion and client_assertion_type (\(ClientAssertionVerifier.assertionType)) go together")
+        }
+        let client: String
+        switch await assertions.verify(assertion, tokenPath: path) {
+        case .success(let id): client = id
+        case .failure(let refusal):
+            logger.notice("a client assertion was refused", metadata: ["reason": "\(refusal.description)"])
+            return oauthError(.unauthorized, "invalid_client", refusal.description)
+        }
+        // Tokens belong to a registered client: one with a key set gets a row whose hash no secret matches.
+        if try await registry.secretHash(clientID: client) == nil {
+            do {
+                try await registry.register(clientID: client, secretHash: Self.keySetOnly, at: Date())
+            } catch {
+                // Another request (or receiver) registered it first, or the store is down: the token's insert says.
+            }
+        }
+        return try await issueToken(to: client)
+    }
+
+    /// The stored "hash" of a client that authenticates with its key set only: no secret verifies against it.
+    static let keySetOnly = "private_key_jwt"
+
+    private func issueToken(to client: String) async throws -> Response {
         let token = ClientSecrets.newToken()
         let lifetime = Int(configuration.tokenLifetime.components.seconds)
         try await registry.issueToken(
@@ -265,7 +312,9 @@ public struct C3PROReceiver: Sendable {
         }
         let item: QueuedItem
         do {
-            item = try await queue.enqueue(resource, method: id == nil ? .post : .put)
+            // A queue that seals what it takes (an edge's) posts every envelope: the update is the opener's to make.
+            let sealing = queue is EncryptedDataQueue && queue.defaultMethod(for: resource) == .post
+            item = try await queue.enqueue(resource, method: id == nil || sealing ? .post : .put)
         } catch let error as DataQueueError where error.code == .invalidResource {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }

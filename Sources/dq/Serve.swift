@@ -42,13 +42,25 @@ struct ServeSettings: Sendable, Equatable {
     var authRequestsPerMinute = 60
     /// `body_timeout_seconds`: how long a request's body may take to arrive (default 60; 408 after it).
     var bodyTimeoutSeconds = 60
+    /// `role`: what this receiver is (`all`, the default: one process that holds the keys; `edge`: public-facing,
+    /// holds no key, forwards envelopes to `forward_to`; `decrypt`: the inside receiver edges forward to).
+    var role = ServeRole.all
+    /// `forward_to` (`edge`): the base URL of the inside receiver's routes, e.g. `https://inside.example/c3pro`.
+    var forwardTo: String?
+    /// `forward_certificate` (`edge`): the inside receiver's X.509 certificate; plain resources are sealed for it.
+    var forwardCertificate: String?
+    /// `forward_key_id` (`edge`): the inside receiver's name for that certificate's key (its `keys_dir` entry).
+    var forwardKeyID: String?
+    /// `edges` (`decrypt`): clients that authenticate with a signed assertion (SMART Backend Services) instead of a
+    /// secret: client id → the file of its public JWKS (`dq keygen` prints it).
+    var edges: [String: String] = [:]
     /// Whether the file has a `serve` object at all.
     var present = false
 
     static let keys: Set<String> = [
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
         "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
-        "body_timeout_seconds",
+        "body_timeout_seconds", "role", "forward_to", "forward_certificate", "forward_key_id", "edges",
     ]
 
     /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
@@ -99,10 +111,33 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try flag("plain_at_rest") { settings.plainAtRest = value }
         if let value = try integer("auth_requests_per_minute", 0...1_000_000) { settings.authRequestsPerMinute = value }
         if let value = try integer("body_timeout_seconds", 1...3600) { settings.bodyTimeoutSeconds = value }
+        if let value = try string("role") {
+            guard let role = ServeRole(rawValue: value) else { throw invalid("\"serve.role\" must be \(ServeRole.choices)") }
+            settings.role = role
+        }
+        settings.forwardTo = try string("forward_to")
+        settings.forwardCertificate = try file("forward_certificate")
+        settings.forwardKeyID = try string("forward_key_id")
+        if let value = object["edges"] {
+            guard let edges = value as? [String: Any],
+                let files = edges.mapValues({ $0 as? String }) as? [String: String], !files.values.contains("")
+            else { throw invalid("\"serve.edges\" must be an object of client id → JWKS file") }
+            settings.edges = files.mapValues { $0.hasPrefix("/") ? $0 : base.appendingPathComponent($0).path }
+        }
         return settings
     }
 
     private static func invalid(_ message: String) -> DataQueueError { DataQueueError(.invalidConfiguration, message) }
+
+    /// The key sets of `edges`, read: client id → JWKS JSON.
+    func edgeKeySets() throws -> [String: String] {
+        try edges.mapValues { file in
+            guard let data = FileManager.default.contents(atPath: file) else {
+                throw DataQueueError(.invalidConfiguration, "cannot read \"serve.edges\" key set \(file)")
+            }
+            return String(decoding: data, as: UTF8.self)
+        }
+    }
 
     /// The `Antispam` secrets: the file's non-empty lines, trimmed.
     func antispamSecrets() throws -> [String] {
@@ -119,6 +154,19 @@ struct ServeSettings: Sendable, Equatable {
         }
         return secrets
     }
+}
+
+/// What a `dq serve` process is in a deployment (`serve.role`, `--role`).
+enum ServeRole: String, Sendable, CaseIterable, ExpressibleByArgument {
+    /// One process: takes what devices send, holds the keys, opens and forwards to the FHIR server.
+    case all
+    /// Public-facing: holds no private key; queues envelopes as they are (plain resources sealed at ingest for the
+    /// inside's certificate) and forwards them to the inside receiver (`serve.forward_to`).
+    case edge
+    /// Inside: takes envelopes from edges (its registered clients), opens them and forwards to the FHIR server.
+    case decrypt
+
+    static let choices = #""all", "edge" or "decrypt""#
 }
 
 /// The context of the receiver's requests: Hummingbird's, with the source address (for the rate limit).
@@ -151,6 +199,11 @@ extension DQ {
         @Option(help: "HOST:PORT to listen on. Overrides \"serve.listen\".") var listen: String?
         @Option(parsing: .unconditional, help: "Seconds between looks for items queued by other processes (default 1).")
         var pollInterval: Double?
+        @Option(
+            help:
+                "all (one process with the keys), edge (holds no key; forwards to \"serve.forward_to\") or decrypt. Overrides \"serve.role\"."
+        )
+        var role: ServeRole?
 
         func validate() throws {
             if let pollInterval { try checkFlagSeconds(pollInterval, name: "--poll-interval", allowZero: false) }
@@ -172,12 +225,17 @@ extension DQ {
             try await withQueue(
                 queueOptions, sending: sending,
                 adjust: { settings in
-                    let loaded = try ServeSettings.load(from: settings.sourcePath)
-                    guard let keys = loaded.keysDirectory else {
-                        throw DataQueueError(
-                            .invalidConfiguration, "\"serve.keys_dir\" is required: the private keys envelopes are opened with")
+                    var loaded = try ServeSettings.load(from: settings.sourcePath)
+                    if let role { loaded.role = role }
+                    if loaded.role == .edge {
+                        try Self.forwardingToInside(&settings, loaded)
+                    } else {
+                        guard let keys = loaded.keysDirectory else {
+                            throw DataQueueError(
+                                .invalidConfiguration, "\"serve.keys_dir\" is required: the private keys envelopes are opened with")
+                        }
+                        settings.envelopeKeyring = EnvelopeKeyring(directory: keys, defaultKeyID: loaded.defaultKeyID)
                     }
-                    settings.envelopeKeyring = EnvelopeKeyring(directory: keys, defaultKeyID: loaded.defaultKeyID)
                     serve.withLock { $0 = loaded }
                 }, waitsForDatabase: true
             ) { queue, settings in
@@ -189,6 +247,45 @@ extension DQ {
                     queue: queue, settings: settings, loaded: loaded, options: options, hangups: hangups, registry: registry,
                     logger: logger)
             }
+        }
+
+        /// An edge's queue: every item goes to the inside receiver's encrypted endpoint, envelopes as they came and
+        /// plain resources sealed at ingest for the inside's certificate (dq's authenticated format unless
+        /// `encryption.mode` says otherwise), so the edge keeps no plaintext and holds no private key.
+        static func forwardingToInside(_ settings: inout DataQueueSettings, _ serve: ServeSettings) throws {
+            func refuse(_ message: String) -> DataQueueError { DataQueueError(.invalidConfiguration, message) }
+            guard serve.keysDirectory == nil else {
+                throw refuse(
+                    "an edge (role edge) holds no private key: remove \"serve.keys_dir\" (the keys belong on the decrypting receiver)")
+            }
+            guard let forward = serve.forwardTo else {
+                throw refuse(
+                    "\"serve.forward_to\" is required with role edge: the inside receiver's base URL, e.g. https://inside.example/c3pro")
+            }
+            guard let url = URL(string: forward), ["http", "https"].contains(url.scheme?.lowercased() ?? ""), url.host != nil,
+                url.query == nil
+            else {
+                throw refuse("\"serve.forward_to\" must be an http(s) URL with a host (the inside receiver's routes)")
+            }
+            guard let certificate = serve.forwardCertificate, let keyID = serve.forwardKeyID else {
+                throw refuse(
+                    "\"serve.forward_certificate\" and \"serve.forward_key_id\" are required with role edge: plain resources are sealed for the inside receiver's key"
+                )
+            }
+            guard settings.server == nil, settings.encryption?.endpoint == nil else {
+                throw refuse(
+                    "an edge forwards everything to \"serve.forward_to\": remove \"server\" and \"encryption.endpoint\" (they belong to the decrypting receiver)"
+                )
+            }
+            let base = forward.hasSuffix("/") ? String(forward.dropLast()) : forward
+            settings.server = base + "/fhir"
+            var encryption = settings.encryption ?? .init()
+            encryption.endpoint = base + "/encfhir"
+            encryption.certificate = certificate
+            encryption.keyID = keyID
+            encryption.resourceTypes = nil
+            if encryption.mode == nil { encryption.mode = .authenticated }
+            settings.encryption = encryption
         }
 
         private func run(
@@ -207,7 +304,7 @@ extension DQ {
                     throw DataQueueError(.invalidConfiguration, "\"serve.keys_dir\": \(error)")
                 }
             }
-            if options.plainFHIR && queue.configuration.atRest == nil {
+            if options.plainFHIR && queue.configuration.atRest == nil && options.role != .edge {
                 guard options.plainAtRest else {
                     throw DataQueueError(
                         .invalidConfiguration,
@@ -216,14 +313,16 @@ extension DQ {
                 }
                 logger.warning("plain FHIR resources will be stored readable on disk (\"serve.plain_at_rest\": true)")
             }
-            let receiver = C3PROReceiver(
-                queue: queue,
-                configuration: .init(
-                    pathPrefix: options.pathPrefix, antispamSecrets: try options.antispamSecrets(),
-                    tokenLifetime: .seconds(options.tokenLifetimeSeconds), questionnairesDirectory: options.questionnairesDirectory,
-                    maximumBodyBytes: options.maxBodyBytes, acceptsPlainResources: options.plainFHIR,
-                    authRequestsPerMinute: options.authRequestsPerMinute),
-                logger: Logger(label: "dq.serve"))
+            var receiving = C3PROReceiver.Configuration(
+                pathPrefix: options.pathPrefix, antispamSecrets: try options.antispamSecrets(),
+                tokenLifetime: .seconds(options.tokenLifetimeSeconds), questionnairesDirectory: options.questionnairesDirectory,
+                maximumBodyBytes: options.maxBodyBytes, acceptsPlainResources: options.plainFHIR,
+                authRequestsPerMinute: options.authRequestsPerMinute,
+                // An edge's delivery reaches the inside receiver, not the FHIR server: its answer says nothing a
+                // device reads (no Location), so a plain resource is answered 202 once it is committed.
+                deliveryWait: options.role == .edge ? .zero : .seconds(2))
+            receiving.clientKeySets = try options.edgeKeySets()
+            let receiver = try C3PROReceiver(queue: queue, configuration: receiving, logger: Logger(label: "dq.serve"))
             let delivery = DataQueueService(
                 queues: [queue],
                 configuration: .init(
@@ -309,7 +408,9 @@ struct ServeReload: Service {
             ("questionnaires_dir", { $0.questionnairesDirectory ?? "" }), ("max_body_bytes", { "\($0.maxBodyBytes)" }),
             ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
             ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
-            ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }),
+            ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }), ("role", { $0.role.rawValue }),
+            ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
+            ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),
         ]
         return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)
     }

@@ -88,9 +88,9 @@ struct ServeTests {
         return try work.write(name, String(decoding: data, as: UTF8.self))
     }
 
-    /// Starts `dq serve --config <config>` and waits until its `/readyz` answers 200.
-    func start(_ config: String, environment: [String: String] = [:]) async throws -> Receiver {
-        let port = Peers.freePort()
+    /// Starts `dq serve --config <config>` (on `port`, else a free one) and waits until its `/readyz` answers 200.
+    func start(_ config: String, environment: [String: String] = [:], port fixed: Int? = nil) async throws -> Receiver {
+        let port = fixed ?? Peers.freePort()
         let process = try ChildProcess(
             Peers.dqBinary,
             ["serve", "--config", config, "--listen", "127.0.0.1:\(port)", "--poll-interval", "0.1"],
@@ -119,7 +119,11 @@ struct ServeTests {
     /// Pending, parked and delivered items of the queue.
     func counts(_ config: String) async throws -> (pending: Int, parked: Int, delivered: Int) {
         let status = try await dqCommand(["status", "--json"], config: config)
-        let object = try #require(try json(status) as? [String: Any], "\(status.stdout) \(status.stderr)")
+        // Without `server` (an edge's settings), status lists the database's queues: an edge has one.
+        let parsed = try json(status)
+        let object = try #require(
+            parsed as? [String: Any] ?? ((parsed as? [[String: Any]]).flatMap { $0.count == 1 ? $0[0] : nil }),
+            "\(status.stdout) \(status.stderr)")
         return (object["pending"] as? Int ?? -1, object["parked"] as? Int ?? -1, object["delivered"] as? Int ?? -1)
     }
 

@@ -1,0 +1,124 @@
+import Foundation
+import JWTKit
+import Synchronization
+
+/// Checks the signed client assertions (SMART Backend Services, RFC 7523 `private_key_jwt`) that clients with a
+/// key set of their own (edges forwarding to a decrypting receiver) authenticate to the token endpoint with.
+///
+/// An assertion is taken when it is signed by a key in its client's JWKS (RS256/384, ES256/384, PS256/384), its
+/// `iss` and `sub` are the client's id, its `aud` is the token endpoint (its path is enough: the receiver does not
+/// know the name it is reached by behind a proxy), it expires within five minutes (`exp`), and its `jti` was not
+/// seen before it expires. The `jti`s seen are kept by this process: a replay on another receiver sharing the
+/// database within those five minutes is not caught (the assertion only buys a short-lived token there, too).
+final class ClientAssertionVerifier: Sendable {
+    /// Why an assertion was refused: said to the client as `invalid_client`; never names the assertion.
+    struct Refusal: Error, CustomStringConvertible {
+        let description: String
+    }
+
+    struct Claims: JWTPayload {
+        var iss: String
+        var sub: String
+        var aud: AudienceClaim
+        var exp: ExpirationClaim
+        var jti: String?
+
+        /// The checks are made by ``ClientAssertionVerifier`` one by one, each with its own reason.
+        func verify(using algorithm: some JWTAlgorithm) async throws {}
+    }
+
+    static let assertionType = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+    static let algorithms: Set<String> = ["RS256", "RS384", "ES256", "ES384", "PS256", "PS384"]
+    /// The longest life an assertion may claim (SMART: no more than five minutes), and the clock skew allowed.
+    static let maximumLifetime: TimeInterval = 300
+    static let leeway: TimeInterval = 60
+
+    private let keySets: [String: [JWK]]
+    private let collections = Mutex<[String: JWTKeyCollection]>([:])
+    private let seen = Mutex<[String: Date]>([:])
+
+    /// A verifier for the clients in `keySets` (client id → the JWKS JSON).
+    /// - Throws: ``Refusal`` naming the client whose key set is not a JWKS or holds no signing key.
+    init(keySets: [String: String]) throws(Refusal) {
+        var parsed: [String: [JWK]] = [:]
+        for (client, text) in keySets {
+            guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any],
+                let list = object["keys"] as? [[String: Any]]
+            else { throw Refusal(description: "the key set of client \(client) is not a JWKS ({\"keys\": [...]})") }
+            var jwks: [JWK] = []
+            for (index, var entry) in list.enumerated() where (entry["use"] as? String ?? "sig") == "sig" {
+                // A key without kid (legal in a one-key set) gets a name of its own.
+                entry["kid"] = entry["kid"] as? String ?? "dq-unnamed-key-\(index)"
+                guard let json = try? JSONSerialization.data(withJSONObject: entry),
+                    let jwk = try? JSONDecoder().decode(JWK.self, from: json)
+                else { continue }
+                jwks.append(jwk)
+            }
+            guard !jwks.isEmpty else { throw Refusal(description: "the key set of client \(client) holds no signing key") }
+            parsed[client] = jwks
+        }
+        self.keySets = parsed
+    }
+
+    /// Whether `client` authenticates with a key set here.
+    func knows(_ client: String) -> Bool { keySets[client] != nil }
+
+    /// The client's keys for jwt-kit, made on first use.
+    private func collection(for client: String) async -> JWTKeyCollection? {
+        if let made = collections.withLock({ $0[client] }) { return made }
+        guard let jwks = keySets[client] else { return nil }
+        let collection = JWTKeyCollection()
+        for jwk in jwks { _ = try? await collection.add(jwk: jwk) }
+        collections.withLock { $0[client] = collection }
+        return collection
+    }
+
+    /// The client id an assertion authenticates, or why it is refused.
+    func verify(_ assertion: String, tokenPath: String, now: Date = Date()) async -> Result<String, Refusal> {
+        let parts = assertion.split(separator: ".", omittingEmptySubsequences: false)
+        guard parts.count == 3, let headerData = Self.base64URLDecode(String(parts[0])),
+            let header = try? JSONSerialization.jsonObject(with: headerData) as? [String: Any],
+            let payloadData = Self.base64URLDecode(String(parts[1])),
+            let payload = try? JSONSerialization.jsonObject(with: payloadData) as? [String: Any]
+        else { return .failure(Refusal(description: "the client assertion is not a signed JWT")) }
+        guard let alg = header["alg"] as? String, Self.algorithms.contains(alg) else {
+            return .failure(Refusal(description: "the client assertion's algorithm is not accepted"))
+        }
+        guard let issuer = payload["iss"] as? String, let collection = await collection(for: issuer) else {
+            return .failure(Refusal(description: "the client assertion's issuer has no key set here"))
+        }
+        let claims: Claims
+        do {
+            claims = try await collection.verify(assertion, as: Claims.self, iteratingKeys: header["kid"] == nil)
+        } catch {
+            return .failure(Refusal(description: "the client assertion's signature does not verify with the client's keys"))
+        }
+        guard claims.sub == claims.iss else { return .failure(Refusal(description: "the client assertion's sub is not its iss")) }
+        let audiences = claims.aud.value.compactMap { URL(string: $0)?.path }
+        guard audiences.contains(where: { $0 == tokenPath || $0 == tokenPath + "/" }) else {
+            return .failure(Refusal(description: "the client assertion is meant for another token endpoint (aud)"))
+        }
+        let expiry = claims.exp.value
+        guard expiry.addingTimeInterval(Self.leeway) > now else {
+            return .failure(Refusal(description: "the client assertion has expired (exp)"))
+        }
+        guard expiry <= now.addingTimeInterval(Self.maximumLifetime + Self.leeway) else {
+            return .failure(Refusal(description: "the client assertion lives longer than five minutes (exp)"))
+        }
+        guard let jti = claims.jti, !jti.isEmpty else {
+            return .failure(Refusal(description: "the client assertion has no jti"))
+        }
+        let fresh = seen.withLock { seen in
+            seen = seen.filter { $0.value.addingTimeInterval(Self.leeway) > now }
+            return seen.updateValue(expiry, forKey: issuer + " " + jti) == nil
+        }
+        guard fresh else { return .failure(Refusal(description: "the client assertion was used before (jti)")) }
+        return .success(issuer)
+    }
+
+    static func base64URLDecode(_ text: String) -> Data? {
+        var base64 = text.replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
+        base64 += String(repeating: "=", count: (4 - base64.count % 4) % 4)
+        return Data(base64Encoded: base64)
+    }
+}

@@ -1,0 +1,194 @@
+import Foundation
+import Testing
+
+#if canImport(Glibc)
+    import Glibc
+#endif
+
+/// Split trust: a public-facing `dq serve --role edge` that holds no private key, forwarding through its own queue
+/// to an inside `dq serve --role decrypt` that opens and forwards to sekmet.
+extension ServeTests {
+    /// The edge's `dq.json`: no `server`, no key, no `at_rest`; its queue's `auth` is the client it registered as
+    /// at the inside receiver.
+    func configureEdge(
+        inside: String, certificate: String, client: (id: String, secret: String), serve extra: [String: Any] = [:]
+    ) throws -> String {
+        var serve: [String: Any] = [
+            "role": "edge", "antispam_file": "antispam.txt", "forward_to": inside + "/c3pro", "forward_certificate": certificate,
+            "forward_key_id": "k1",
+        ]
+        for (key, value) in extra { serve[key] = value }
+        let root: [String: Any] = [
+            "database": work.file("edge.sqlite"), "serve": serve,
+            "auth": ["client_id": client.id, "client_secret": client.secret, "token_uri": inside + "/c3pro/oauth"],
+            "retry": ["initial_seconds": 0.1, "maximum_seconds": 0.5],
+        ]
+        let data = try JSONSerialization.data(withJSONObject: root, options: [.sortedKeys])
+        return try work.write("edge.json", String(decoding: data, as: UTF8.self))
+    }
+
+    /// Every file of the edge's queue and its log, searched for `needle`.
+    func edgeFiles(containing needle: String, log: String) -> [String] {
+        var found = found(needle, database: "edge.sqlite")
+        if log.contains(needle) { found.append("the edge's log") }
+        return found
+    }
+
+    @Test(
+        "Split trust: a device posts envelopes and plain resources to an edge that holds no key; the inside opens them; all on sekmet once, in order; no plaintext on the edge; the edge killed and restarted while the inside is down loses nothing"
+    )
+    func edgeAndDecrypt() async throws {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let insideConfig = try await configure(
+            server: server.base, serve: ["role": "decrypt", "plain_fhir": false], name: "inside.json", database: "inside.sqlite")
+        let insidePort = Peers.freePort()
+        var inside = try await start(insideConfig, port: insidePort)
+        // The edge is a client of the inside receiver, registered as a device would be.
+        let edgeClient = try await register(inside.base)
+        let edgeConfig = try configureEdge(inside: inside.base, certificate: keys.certificate, client: edgeClient)
+        var edge = try await start(edgeConfig)
+
+        let device = try await register(edge.base)
+        let token = try await self.token(edge.base, device)
+        var posted: [String] = []
+        func steps(_ range: Range<Int>) -> [Step] {
+            range.map { index in
+                let value = "s\(index)-\(marker)"
+                switch index % 3 {
+                case 0:
+                    posted.append(questionnaireResponse(value))
+                    return sealed(
+                        "/c3pro/encfhir/QuestionnaireResponse", posted[index], certificate: keys.certificate, keyID: "k1", token: token)
+                case 1:
+                    posted.append(observation(value))
+                    return sealed("/c3pro/fhirenc/Observation", posted[index], certificate: keys.certificate, keyID: "", token: token)
+                default:
+                    posted.append(observation(value, extra: " plain"))
+                    return plain("/c3pro/fhir/Observation", posted[index], token: token)
+                }
+            }
+        }
+        let first = try await client(edge.base, steps(0..<9))
+        #expect(first.count == 9 && first.allSatisfy { $0.status == 202 }, "\(first)")
+        let expected = { (count: Int) in (0..<count).map { "s\($0)-\(marker)" } }
+        #expect(try await eventually(timeout: .seconds(60)) { try await values(server).count >= 9 }, "\(inside.log.suffix(2000))")
+        #expect(try await values(server) == expected(9), "once each, in the order posted")
+        #expect(try await eventually { try await counts(edgeConfig).delivered == 9 }, "\(edge.log.suffix(2000))")
+
+        // The inside goes down; the device goes on posting to the edge, which is then killed and started again.
+        let insideStopped = await inside.stop()
+        #expect(insideStopped.status == 0, "\(insideStopped.stderr.suffix(2000))")
+        let second = try await client(edge.base, steps(9..<15))
+        #expect(second.count == 6 && second.allSatisfy { $0.status == 202 }, "\(second)")
+        edge.process.kill(SIGKILL)
+        _ = await edge.process.wait(timeout: .seconds(30))
+        edge = try await start(edgeConfig)
+        let third = try await client(edge.base, steps(15..<18))
+        #expect(third.count == 3 && third.allSatisfy { $0.status == 202 }, "\(third)")
+        #expect(try await counts(edgeConfig).pending == 9, "waiting on the edge while the inside is down")
+        inside = try await start(insideConfig, port: insidePort)
+        #expect(try await eventually(timeout: .seconds(60)) { try await values(server).count >= 18 }, "\(edge.log.suffix(2000))")
+        let onServer = try await stored(server)
+        #expect(onServer.map(\.0) == expected(18), "once each, in the order posted, across the edge's kill")
+        for (value, resource) in onServer {
+            guard let index = expected(18).firstIndex(of: value) else { continue }
+            let sent = try #require(try JSONSerialization.jsonObject(with: Data(posted[index].utf8)) as? [String: Any])
+            #expect(content(resource) == content(sent), "\(value) arrived opened and unchanged")
+        }
+        #expect(try await eventually { try await counts(edgeConfig).delivered == 18 }, "\(edge.log.suffix(2000))")
+
+        // The edge never held a readable resource: no marker in its database, WAL or log (the inside opened them).
+        let edgeStopped = await edge.stop()
+        #expect(edgeStopped.status == 0, "\(edgeStopped.stderr.suffix(2000))")
+        #expect(edgeFiles(containing: marker, log: edgeStopped.stderr).isEmpty)
+        _ = await inside.stop()
+    }
+
+    @Test(
+        "An edge authenticates to the decrypting receiver with a SMART Backend Services key (its JWKS in serve.edges); a bad assertion is refused"
+    )
+    func edgeWithKeySet() async throws {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .der)
+        let made = try await dq(["keygen", "--out", work.file("edge-key.pem"), "--kid", "edge-1-key"], ["HOME": work.path])
+        #expect(made.status == 0, "\(made.stderr)")
+        _ = try work.write("edge-1.jwks.json", made.stdout)
+        let insideConfig = try await configure(
+            server: server.base, serve: ["role": "decrypt", "plain_fhir": false, "edges": ["edge-1": "edge-1.jwks.json"]],
+            name: "inside.json", database: "inside.sqlite")
+        let inside = try await start(insideConfig)
+        var edgeConfig = try configureEdge(inside: inside.base, certificate: keys.certificate, client: ("edge-1", "unused"))
+        var root = try #require(
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: edgeConfig))) as? [String: Any])
+        root["auth"] = [
+            "client_id": "edge-1", "token_uri": inside.base + "/c3pro/oauth", "private_key": work.file("edge-key.pem"),
+            "key_id": "edge-1-key", "token_endpoint_auth_method": "private_key_jwt",
+        ]
+        edgeConfig = try work.write("edge.json", String(decoding: try JSONSerialization.data(withJSONObject: root), as: UTF8.self))
+        let edge = try await start(edgeConfig)
+        let device = try await register(edge.base)
+        let token = try await self.token(edge.base, device)
+        let answers = try await client(
+            edge.base,
+            (0..<3).map {
+                sealed(
+                    "/c3pro/encfhir/QuestionnaireResponse", questionnaireResponse("j\($0)"), certificate: keys.certificate, keyID: "k1",
+                    token: token)
+            })
+        #expect(answers.map(\.status) == [202, 202, 202], "\(answers)")
+        #expect(
+            try await eventually(timeout: .seconds(60)) { try await values(server).count >= 3 },
+            "\(edge.log.suffix(2000)) \(inside.log.suffix(2000))")
+        #expect(try await values(server) == ["j0", "j1", "j2"])
+        // An assertion that is not a signed JWT, and one without its type: refused, no token.
+        let refused = try await client(
+            inside.base,
+            [
+                [
+                    "path": "/c3pro/oauth",
+                    "form":
+                        "grant_type=client_credentials&client_assertion_type=urn%3Aietf%3Aparams%3Aoauth%3Aclient-assertion-type%3Ajwt-bearer&client_assertion=e30.e30.AAAA",
+                ],
+                ["path": "/c3pro/oauth", "form": "grant_type=client_credentials&client_assertion=e30.e30.AAAA"],
+            ])
+        #expect(refused.map(\.status) == [401, 400], "\(refused)")
+        #expect(refused.allSatisfy { $0.object["access_token"] == nil }, "\(refused)")
+        // The edge's client has no secret: Basic with any secret is refused.
+        let basic = try await client(inside.base, [tokenRequest(("edge-1", Self.keySetOnlyHash))])
+        #expect(basic.first?.status == 401, "\(basic)")
+        _ = await edge.stop()
+        _ = await inside.stop()
+    }
+
+    /// What the receiver stores as the secret hash of a client with a key set; it must verify no secret.
+    static let keySetOnlyHash = "private_key_jwt"
+
+    @Test("An edge refuses to start with a private key, without forward_to, or with its own server; decrypt and all need keys_dir")
+    func edgeRefusals() async throws {
+        let keys = try await TestKeys()
+        let client = (id: "edge", secret: "edge-secret")
+        var config = try configureEdge(
+            inside: "http://127.0.0.1:9", certificate: keys.certificate, client: client, serve: ["keys_dir": "keys"])
+        try FileManager.default.createDirectory(atPath: work.file("keys"), withIntermediateDirectories: true)
+        _ = try work.write("antispam.txt", "\(antispam)\n")
+        var result = try await dqCommand(["serve"], config: config)
+        #expect(result.status != 0 && result.stderr.contains("holds no private key"), "\(result.stderr)")
+        config = try configureEdge(
+            inside: "http://127.0.0.1:9", certificate: keys.certificate, client: client, serve: ["forward_to": "ftp://x"])
+        result = try await dqCommand(["serve"], config: config)
+        #expect(result.status != 0 && result.stderr.contains("\"serve.forward_to\" must be an http(s) URL"), "\(result.stderr)")
+        config = try configureEdge(inside: "http://127.0.0.1:9", certificate: keys.certificate, client: client, serve: ["role": "nothing"])
+        result = try await dqCommand(["serve"], config: config)
+        #expect(result.status != 0 && result.stderr.contains("\"serve.role\" must be"), "\(result.stderr)")
+        // The flag overrides the file: the edge's file run as the decrypting receiver lacks keys_dir.
+        config = try configureEdge(inside: "http://127.0.0.1:9", certificate: keys.certificate, client: client)
+        result = try await dqCommand(["serve", "--role", "decrypt"], config: config)
+        #expect(result.status != 0 && result.stderr.contains("\"serve.keys_dir\" is required"), "\(result.stderr)")
+        let inside = try await configure(server: "http://127.0.0.1:9/fhir", name: "inside.json")
+        result = try await dqCommand(["serve", "--role", "edge"], config: inside)
+        #expect(result.status != 0 && result.stderr.contains("holds no private key"), "\(result.stderr)")
+    }
+}
