@@ -782,15 +782,24 @@ class ServeBench:
         run([os.path.join(ROOT, ".peers", "venv", "bin", "python"), SERVE_PEERS, "envelopes", self.key, lines, out])
         return out, lines
 
-    def start(self, server, database, port, batch=None, extra_env=None):
+    def start(self, server, database, port, batch=None, extra_env=None, edge=None):
+        """dq serve on `database`; with `edge` (inside base URL, client id, secret) a --role edge forwarding there."""
         config = os.path.join(self.work, "serve-%f.json" % time.time())
         settings = {"server": server, "serve": {"antispam_file": self.antispam, "keys_dir": self.keys, "default_key_id": "k1",
                                                 "plain_fhir": False, "auth_requests_per_minute": 1000000}}
+        if edge:
+            inside, client_id, secret = edge
+            settings = {"serve": {"role": "edge", "antispam_file": self.antispam, "forward_to": inside + "/c3pro",
+                                  "forward_certificate": self.certificate(), "forward_key_id": "k1", "plain_fhir": False,
+                                  "auth_requests_per_minute": 1000000},
+                        "auth": {"client_id": client_id, "client_secret": secret, "token_uri": inside + "/c3pro/oauth"}}
         if batch:
             settings["batch_size"] = batch
         with open(config, "w") as f:
             json.dump(settings, f)
-        env = dict(dq_env(self.work, server), DQ_DATABASE=database, **(extra_env or {}))
+        env = dict(dq_env(self.work, server or "unused"), DQ_DATABASE=database, **(extra_env or {}))
+        if edge:
+            del env["DQ_SERVER"]  # an edge has no server of its own
         log_path = os.path.join(self.work, "serve.log")
         with open(log_path, "ab") as log:
             process = subprocess.Popen([self.args.dq, "serve", "--config", config, "--listen", "127.0.0.1:%d" % port,
@@ -802,6 +811,19 @@ class ServeBench:
             with open(log_path) as f:
                 raise SystemExit("%s; dq serve said:\n%s" % (error, f.read()[-2000:]))
         return process
+
+    def certificate(self):
+        """The certificate of the receiver's key k1 (an edge seals plain resources for it)."""
+        path = os.path.join(self.work, "serve-k1.crt")
+        if not os.path.exists(path):
+            run(["openssl", "req", "-x509", "-new", "-key", self.key, "-subj", "/CN=dq-bench", "-days", "30", "-out", path])
+        return path
+
+    def register(self, port):
+        """A client registered with the Antispam secret: (id, secret)."""
+        client = json.loads(self.post(port, "/c3pro/register", json.dumps({"sandbox": False, "receipt-data": "NO-APP-RECEIPT"}),
+                                      {"Antispam": "bench-antispam", "Content-Type": "application/json"}))
+        return client["client_id"], client["client_secret"]
 
     @staticmethod
     def post(port, path, body, headers):
@@ -819,13 +841,14 @@ class ServeBench:
                            {"Authorization": "Basic " + basic, "Content-Type": "application/x-www-form-urlencoded"})
         return json.loads(answer)["access_token"]
 
-    def fill(self, server, database, envelopes):
-        """Queues every envelope of the file through dq serve for `server`, which is down meanwhile (nothing listens
-        on its port), over 8 keep-alive connections; then stops dq serve: the backlog of a drain."""
+    def fill(self, server, database, envelopes, edge=None):
+        """Queues every envelope of the file through dq serve for `server` (or an edge for its inside receiver), which
+        is down meanwhile (nothing listens on its port), over 8 keep-alive connections; then stops dq serve: the
+        backlog of a drain."""
         import http.client
         import threading
         port = free_port()
-        process = self.start(server, database, port)
+        process = self.start(server, database, port, edge=edge)
         try:
             token = self.token(port)
             with open(envelopes) as f:
@@ -855,21 +878,36 @@ class ServeBench:
             stop(process)
         return len(bodies)
 
-    def drain(self, server, backlog, count, batch):
+    def drain(self, server, backlog, count, batch, split=None):
         """Copies the queued backlog to a new database, starts dq serve on it with `server` up, and times the drain
-        from its first delivery (read from /metrics) to its last: (items/s, envelopes opened)."""
-        database = os.path.join(self.work, "drain-%f.sqlite" % time.time())
-        for suffix in ("", "-wal", "-shm"):
-            if os.path.exists(backlog + suffix):
-                shutil.copyfile(backlog + suffix, database + suffix)
-        port = free_port()
-        process = self.start(server, database, port, batch=batch)
+        from its first delivery (read from /metrics) to its last: (items/s, envelopes opened). With `split` (the
+        inside's database with the edge's client, its port, the client id and secret), the backlog is an edge's: the
+        inside receiver (--role decrypt) starts on a copy of its database, then the edge; timed from the edge's first
+        delivery to the inside's last."""
+        def copy(source):
+            database = os.path.join(self.work, "drain-%f.sqlite" % time.time())
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(source + suffix):
+                    shutil.copyfile(source + suffix, database + suffix)
+            return database
+        database = copy(backlog)
+        inside = None
+        if split:
+            inside_database, inside_port, client_id, secret = split
+            inside = self.start(server, copy(inside_database), inside_port, batch=batch)
+            port = free_port()
+            process = self.start(server, database, port, edge=("http://127.0.0.1:%d" % inside_port, client_id, secret))
+        else:
+            port = free_port()
+            process = self.start(server, database, port, batch=batch)
         try:
             first, deadline = None, time.time() + 600
             while time.time() < deadline:
-                delivered, opened = self.metrics(port)
+                delivered, opened = self.metrics(inside_port if split else port)
+                # Split: timed from the edge's first delivery (to the inside), counted at the inside (to sekmet).
+                started = self.metrics(port)[0] if split and first is None else delivered
                 now = time.perf_counter()
-                if delivered and first is None:
+                if started and first is None:
                     first = (now, delivered)
                 if delivered >= count:
                     break
@@ -878,6 +916,8 @@ class ServeBench:
                 raise SystemExit("the drain did not finish: %d of %d delivered" % (delivered, count))
         finally:
             stop(process)
+            if inside:
+                stop(inside)
         if first[1] >= count:
             raise SystemExit("the drain was over before it could be timed: more items needed")
         return (count - first[1]) / (now - first[0]), opened
@@ -991,6 +1031,16 @@ def case_serve(args, work):
         finally:
             stop(process)
 
+    def edge_ingest():
+        """14a on an edge (--role edge, no key), its inside receiver down: every envelope stays on the edge."""
+        port = free_port()
+        process = rig.start(None, os.path.join(work, "edge-ingest-%f.sqlite" % time.time()), port,
+                            edge=("http://127.0.0.1:%d" % free_port(), "edge", "unused"))
+        try:
+            return wrk_run(args, work, port, body, rig.token(port), seconds)
+        finally:
+            stop(process)
+
     def python_ingest():
         port = free_port()
         token = "bench-token-%d" % port
@@ -1004,7 +1054,7 @@ def case_serve(args, work):
 
     nginx, nginx_port = start_nginx_202(work)
     try:
-        rounds = [[dq_ingest(), python_ingest(), wrk_run(args, work, nginx_port, body, "none", seconds)]
+        rounds = [[dq_ingest(), python_ingest(), wrk_run(args, work, nginx_port, body, "none", seconds), edge_ingest()]
                   for _ in range(args.repeat)]
     finally:
         stop(nginx)
@@ -1019,6 +1069,10 @@ def case_serve(args, work):
     for key, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
         row("14a dq serve ingest, %s latency (ms)" % label, med(0, key), "ms", "Python receiver %s" % label, med(1, key), "-")
         row("14a dq serve ingest, %s latency (ms)" % label, med(0, key), "ms", "nginx 202 %s" % label, med(2, key), "-")
+    row("14a edge (--role edge, no key) ingest (items/s)", med(3, "per_second"), "items/s",
+        "Python receiver (above)", med(1, "per_second"), ">= 3", "(p50 %.1f ms, p99 %.1f ms)" % (med(3, "p50_ms"), med(3, "p99_ms")))
+    row("14a edge (--role edge, no key) ingest (items/s)", med(3, "per_second"), "items/s", "one dq serve (above)",
+        med(0, "per_second"), "report")
     print("    (envelopes opened by dq during the ingest, server down: %s)" % [r[0]["opened"] for r in rounds], flush=True)
     serve_postgres(args, work, dq_ingest, med(0, "per_second"), med(1, "per_second"))
 
@@ -1062,6 +1116,27 @@ def case_serve(args, work):
         stop(server)
     row("14c dq serve forwards a backlog of %d to sekmet-fhir (items/s)" % n, forwarded, "items/s",
         "server ingest: Python Bundles of 100", ingest, ">= 0.8")
+
+    # 14d: split trust. The same backlog queued on an edge (no key) while its inside receiver is down, then drained
+    # edge -> inside (--role decrypt) -> sekmet-fhir, against the single process's drain of it, in turns.
+    inside_port = free_port()
+    inside_database = os.path.join(work, "inside.sqlite")
+    inside = rig.start(fhir_base, inside_database, inside_port)
+    try:
+        client_id, secret = rig.register(inside_port)
+    finally:
+        stop(inside)
+    edge_backlog = os.path.join(work, "edge-backlog.sqlite")
+    rig.fill(None, edge_backlog, envelopes, edge=("http://127.0.0.1:%d" % inside_port, client_id, secret))
+    server, _, _ = start_sekmet(work, "serve-fhir-split", port=fhir_port)
+    try:
+        inside_split = (inside_database, inside_port, client_id, secret)
+        single, split = interleaved([lambda: rig.drain(fhir_base, backlog, n, 100)[0],
+                                     lambda: rig.drain(fhir_base, edge_backlog, n, 100, split=inside_split)[0]], args.repeat)
+    finally:
+        stop(server)
+    row("14d edge -> decrypt -> sekmet-fhir, backlog of %d (items/s)" % n, split, "items/s",
+        "one dq serve (14c's drain, same run)", single, ">= 0.7")
 
 
 def main():
