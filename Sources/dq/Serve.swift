@@ -192,7 +192,8 @@ extension DQ {
                 key_id names ("serve.keys_dir") and forwarded to "server" once, in order. An envelope that does not \
                 open is quarantined (dq quarantine), never bounced. /healthz, /readyz and /metrics are served on the \
                 same listener. SIGTERM or SIGINT stop it gracefully.
-                """)
+                """,
+            subcommands: [ImportCredentials.self])
 
         @OptionGroup var queueOptions: QueueOptions
         @OptionGroup var sending: SendingOptions

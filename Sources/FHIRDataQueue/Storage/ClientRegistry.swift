@@ -21,6 +21,15 @@ package protocol ClientRegistry: Sendable {
     /// - Throws: ``DataQueueError`` (`.storage`) when `clientID` is registered already, or the database fails.
     func register(clientID: String, secretHash: String, at: Date) async throws
 
+    /// Stores each client whose id is not registered yet, in one transaction, and leaves a registered one as it is
+    /// (never overwritten: an import run twice takes nothing the second time).
+    ///
+    /// - Parameter clients: client id to secret hash (`dq serve import-credentials` gives C3-PRO's hashes as
+    ///   ``ClientSecrets/legacyHash(sha1Base64:)`` makes them).
+    /// - Returns: the ids it stored.
+    /// - Throws: ``DataQueueError`` (`.storage`) when the database fails; then none is stored.
+    func registerAbsent(_ clients: [String: String], at: Date) async throws -> Set<String>
+
     /// The stored secret hash of a client, or nil when unknown.
     func secretHash(clientID: String) async throws -> String?
 
@@ -68,6 +77,7 @@ private struct NoClientRegistry: ClientRegistry {
     private var refusal: DataQueueError { DataQueueError(.storage, "this queue's store cannot keep registered clients") }
 
     func register(clientID: String, secretHash: String, at: Date) async throws { throw refusal }
+    func registerAbsent(_ clients: [String: String], at: Date) async throws -> Set<String> { throw refusal }
     func secretHash(clientID: String) async throws -> String? { throw refusal }
     func replaceSecretHash(clientID: String, old: String, new: String) async throws -> Bool { throw refusal }
     func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws { throw refusal }

@@ -17,6 +17,24 @@ extension PostgresQueueStore: ClientRegistry {
         guard added else { throw DataQueueError.clientAlreadyRegistered(clientID) }
     }
 
+    func registerAbsent(_ clients: [String: String], at: Date) async throws -> Set<String> {
+        let ids = Array(clients.keys)
+        let hashes = ids.map { clients[$0] ?? "" }
+        return try await run("import clients") { [self] in
+            var added: Set<String> = []
+            for try await id in try await client.query(
+                """
+                INSERT INTO dq_clients (client_id, secret_hash, created_at)
+                SELECT id, hash, \(at.timeIntervalSince1970) FROM unnest(\(ids)::text[], \(hashes)::text[]) AS imported (id, hash)
+                ON CONFLICT (client_id) DO NOTHING RETURNING client_id
+                """, logger: logger
+            ).decode(String.self) {
+                added.insert(id)
+            }
+            return added
+        }
+    }
+
     func secretHash(clientID: String) async throws -> String? {
         try await run("read a client") { [self] in
             for try await hash in try await client.query(

@@ -14,6 +14,19 @@ extension SQLiteQueueStore: ClientRegistry {
         guard added else { throw DataQueueError.clientAlreadyRegistered(clientID) }
     }
 
+    func registerAbsent(_ clients: [String: String], at: Date) async throws -> Set<String> {
+        try await immediate("import clients") { db in
+            var added: Set<String> = []
+            let statement = try db.makeStatement(
+                sql: "INSERT INTO dq_clients (client_id, secret_hash, created_at) VALUES (?, ?, ?) ON CONFLICT (client_id) DO NOTHING")
+            for (clientID, secretHash) in clients {
+                try statement.execute(arguments: [clientID, secretHash, at.timeIntervalSince1970])
+                if db.changesCount == 1 { added.insert(clientID) }
+            }
+            return added
+        }
+    }
+
     func secretHash(clientID: String) async throws -> String? {
         try await read("read a client") { db in
             try String.fetchOne(db, sql: "SELECT secret_hash FROM dq_clients WHERE client_id = ?", arguments: [clientID])
