@@ -212,9 +212,9 @@ var standardErrorIsTerminal: Bool { isatty(2) == 1 }
 /// Sets up the log once the settings are read: the level (`-v` is debug, else `log_level` or `DQ_LOG_LEVEL`,
 /// else warning) and the format (`--log-format`, else `log_format` or `DQ_LOG_FORMAT`), for the logger's lines
 /// and dq's own.
-func bootstrapLogging(_ options: QueueOptions, _ settings: DataQueueSettings) throws {
-    let level = options.verbose ? .debug : settings.logLevel ?? .warning
-    let format = try DQLogHandler.Format.named(options.logFormat ?? settings.logFormat?.rawValue)
+func bootstrapLogging(_ options: QueueOptions, _ daemon: DaemonSettings) throws {
+    let level = options.verbose ? .debug : daemon.logLevel ?? .warning
+    let format = try DQLogHandler.Format.named(options.logFormat ?? daemon.logFormat?.rawValue)
     StandardError.format.withLock { $0 = format }
     LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format) }
 }
@@ -250,23 +250,37 @@ private func openQueue(
     }
 }
 
-/// ``withQueue(_:sending:readOnly:_:)`` for a command that also reads settings of its own (`dq run`).
+/// ``withQueue(_:sending:readOnly:_:)`` for a command that also reads the settings (`dq flush`).
 func withQueue<T>(
     _ options: QueueOptions, sending: SendingOptions? = nil, readOnly: Bool = false,
     adjust: (inout DataQueueSettings) throws -> Void = { _ in },
     waitsForDatabase: Bool = false,
     _ body: (DataQueue, DataQueueSettings) async throws -> T
 ) async throws -> T {
+    try await withQueue(options, sending: sending, readOnly: readOnly, adjust: adjust, waitsForDatabase: waitsForDatabase) {
+        queue, settings, _ in try await body(queue, settings)
+    }
+}
+
+/// ``withQueue(_:sending:readOnly:_:)`` for a command that also reads the settings and dq's own (`dq run`).
+func withQueue<T>(
+    _ options: QueueOptions, sending: SendingOptions? = nil, readOnly: Bool = false,
+    adjust: (inout DataQueueSettings) throws -> Void = { _ in },
+    waitsForDatabase: Bool = false,
+    _ body: (DataQueue, DataQueueSettings, DaemonSettings) async throws -> T
+) async throws -> T {
     // Past a file-size limit, writes must fail with EFBIG (reported as "full"), not kill the process.
     signal(SIGXFSZ, SIG_IGN)
     let queue: DataQueue
     let settings: DataQueueSettings
+    let daemon: DaemonSettings
     let logger: Logger
     do {
-        var loaded = try await DataQueueSettings.load(options: options, sending: sending)
+        var loaded: DataQueueSettings
+        (loaded, daemon) = try await DaemonSettings.load(options: options, sending: sending)
         try adjust(&loaded)
         settings = loaded
-        try bootstrapLogging(options, settings)
+        try bootstrapLogging(options, daemon)
         logger = Logger(label: "dq")
         warnAboutExposure(settings)
         queue = try await openQueue(settings, readOnly: readOnly, waitsForDatabase: waitsForDatabase, logger: logger)
@@ -275,7 +289,7 @@ func withQueue<T>(
         throw ExitCode(Exit.code(for: error))
     }
     do {
-        let result = try await body(queue, settings)
+        let result = try await body(queue, settings, daemon)
         try? await queue.shutdown()
         return result
     } catch let error as DataQueueError {

@@ -14,10 +14,12 @@ import UnixSignals
 
 /// The configuration a SIGHUP loaded and checked, for the next round of `dq run`.
 final class ReloadRequest: Sendable {
-    private let next = Mutex<(DataQueue, DataQueueSettings)?>(nil)
+    private let next = Mutex<(DataQueue, DataQueueSettings, DaemonSettings)?>(nil)
 
-    func set(_ queue: DataQueue, _ settings: DataQueueSettings) { next.withLock { $0 = (queue, settings) } }
-    func take() -> (DataQueue, DataQueueSettings)? {
+    func set(_ queue: DataQueue, _ settings: DataQueueSettings, _ daemon: DaemonSettings) {
+        next.withLock { $0 = (queue, settings, daemon) }
+    }
+    func take() -> (DataQueue, DataQueueSettings, DaemonSettings)? {
         next.withLock { next in
             defer { next = nil }; return next
         }
@@ -30,6 +32,8 @@ final class ReloadRequest: Sendable {
 /// logged by name, never by value.
 struct ReloadOnHangup: Service {
     let current: DataQueueSettings
+    /// The running configuration's own `dq` settings (log, poll interval, …).
+    let currentDaemon: DaemonSettings
     /// The running configuration's TLS files as they were when its round began (see ``DataQueueSettings/tlsFiles()``).
     let currentTLSFiles: [Int64]
     let options: QueueOptions
@@ -50,7 +54,7 @@ struct ReloadOnHangup: Service {
     private func listen() async throws -> Bool {
         while await hangups.next() {
             do {
-                let settings = try await DataQueueSettings.load(options: options, sending: sending)
+                let (settings, daemon) = try await DaemonSettings.load(options: options, sending: sending)
                 _ = try settings.journalRetention()
                 let queue = try await settings.makeQueue(readOnly: false, logger: logger)
                 // A SIGTERM came while the queue opened (which does not stop for it): stop, do not start a round.
@@ -62,12 +66,14 @@ struct ReloadOnHangup: Service {
                 // The log and the metrics endpoint are set up once per process: they change at the next start.
                 let once = ["log_level", "log_format", "metrics_address"]
                 let changed =
-                    Self.changes(current, settings).map { once.contains($0) ? $0 + " (at the next start)" : $0 }
+                    (Self.changes(current, settings) + daemon.changes(since: currentDaemon)).map {
+                        once.contains($0) ? $0 + " (at the next start)" : $0
+                    }
                     + (settings.tlsFiles() != currentTLSFiles ? ["tls files"] : [])
                 logger.notice(
                     "configuration reloaded; delivery restarts with it",
                     metadata: ["changed": "\(changed.isEmpty ? "nothing" : changed.joined(separator: ","))"])
-                request.set(queue, settings)
+                request.set(queue, settings, daemon)
                 SystemdNotify.send("RELOADING=1")
                 return true
             } catch is CancellationError {

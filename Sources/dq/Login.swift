@@ -154,8 +154,8 @@ func withSignInClient(_ options: QueueOptions, _ body: (AuthorizationCodeClient,
     let logger: Logger
     let client: AuthorizationCodeClient
     do {
-        let settings = try await DataQueueSettings.load(options: options)
-        try bootstrapLogging(options, settings)
+        let (settings, daemon) = try await DaemonSettings.load(options: options)
+        try bootstrapLogging(options, daemon)
         logger = Logger(label: "dq")
         warnAboutExposure(settings)
         guard let found = try settings.resolve().authorization as? AuthorizationCodeClient else {

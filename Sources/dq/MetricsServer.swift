@@ -17,7 +17,7 @@ final class MetricsServer: Sendable {
     private let running: Task<Void, any Error>
 
     /// `HOST:PORT`, `[IPv6]:PORT` or a bare `PORT` (then loopback).
-    static func parse(_ text: String) -> (host: String, port: Int)? { DataQueueSettings.metricsAddress(text) }
+    static func parse(_ text: String) -> (host: String, port: Int)? { ListenAddress.parse(text) }
 
     /// The largest request body taken (the endpoints take none): a larger one gets 413.
     static let maximumBodyBytes = 64 * 1024

@@ -20,8 +20,8 @@ extension DQ {
 
         func run() async throws {
             do {
-                let settings = try await DataQueueSettings.load(options: queueOptions)
-                try bootstrapLogging(queueOptions, settings)
+                let (settings, daemon) = try await DaemonSettings.load(options: queueOptions)
+                try bootstrapLogging(queueOptions, daemon)
                 let logger = Logger(label: "dq")
                 warnAboutCommandLineSecrets(database: to, proxy: nil, flag: "--to")
                 let source = settings.database ?? DataQueue.defaultDatabasePath()

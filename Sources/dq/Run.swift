@@ -57,7 +57,7 @@ extension DQ {
             if let drainTimeout { try checkFlagSeconds(drainTimeout, name: "--drain-timeout", allowZero: true) }
             if let readyMaxAge { try checkFlagSeconds(readyMaxAge, name: "--ready-max-age", allowZero: false) }
             if let metricsAddress, MetricsServer.parse(metricsAddress) == nil {
-                throw ValidationError("--metrics-address is \(metricsAddress): \(DataQueueSettings.metricsAddressForm)")
+                throw ValidationError("--metrics-address is \(metricsAddress): \(ListenAddress.form)")
             }
         }
 
@@ -85,33 +85,34 @@ extension DQ {
             MetricsSystem.bootstrap(Exposition.factory(registry))
             recordBuildInfo()
             let work = Task { [queueOptions, sending] in
-                try await withQueue(queueOptions, sending: sending, waitsForDatabase: true) { first, firstSettings in
+                try await withQueue(queueOptions, sending: sending, waitsForDatabase: true) { first, firstSettings, firstDaemon in
                     // The metrics endpoint outlives the rounds: a reload swaps the service it reports on and keeps
                     // the listening socket and its clients' connections (its address changes at the next start).
                     let round = CurrentRound()
-                    let metrics = try await serveMetrics(settings: firstSettings, registry: registry, round: round)
+                    let metrics = try await serveMetrics(daemon: firstDaemon, registry: registry, round: round)
                     // Closed on every path, awaited.
                     do {
                         // SIGHUP: a configuration that validates replaces the running one once the group has drained
                         // (the request on the wire answered, the journal committed); one that does not is refused.
-                        var (queue, settings) = (first, firstSettings)
+                        var (queue, settings, daemon) = (first, firstSettings, firstDaemon)
                         while stops.beginRound() {
                             let reload = ReloadRequest()
                             defer { stops.endRound() }
                             try await deliver(
-                                queue: queue, settings: settings, round: round, reload: reload, hangups: hangups, stops: stops)
+                                queue: queue, settings: settings, daemon: daemon, round: round, reload: reload, hangups: hangups,
+                                stops: stops)
                             let next = reload.take()
                             if stops.requested {
                                 // A reload had ended the round (so no STOPPING=1 was sent): the stop came as it drained.
-                                if let (unused, _) = next {
+                                if let (unused, _, _) = next {
                                     SystemdNotify.send("STOPPING=1")
                                     try? await unused.shutdown()
                                 }
                                 break
                             }
-                            guard let (nextQueue, nextSettings) = next else { break }
+                            guard let (nextQueue, nextSettings, nextDaemon) = next else { break }
                             if queue !== first { try? await queue.shutdown() }
-                            (queue, settings) = (nextQueue, nextSettings)
+                            (queue, settings, daemon) = (nextQueue, nextSettings, nextDaemon)
                         }
                         if queue !== first { try? await queue.shutdown() }
                     } catch {
@@ -137,9 +138,9 @@ extension DQ {
         /// The metrics endpoint (`--metrics-address`, else `metrics_address`), listening before the first round's
         /// group runs (an address in use fails the start); nil when none is asked for.
         private func serveMetrics(
-            settings: DataQueueSettings, registry: PrometheusCollectorRegistry, round: CurrentRound
+            daemon: DaemonSettings, registry: PrometheusCollectorRegistry, round: CurrentRound
         ) async throws -> MetricsServer? {
-            guard let address = metricsAddress ?? settings.metricsAddress, let (host, port) = MetricsServer.parse(address)
+            guard let address = metricsAddress ?? daemon.metricsAddress, let (host, port) = MetricsServer.parse(address)
             else { return nil }
             let started = try await MetricsServer.start(
                 host: host, port: port, registry: registry, readiness: { await round.readiness() },
@@ -150,19 +151,19 @@ extension DQ {
 
         /// One configuration's service group: delivery, readiness, systemd notifications, reload.
         private func deliver(
-            queue: DataQueue, settings: DataQueueSettings, round: CurrentRound, reload: ReloadRequest,
+            queue: DataQueue, settings: DataQueueSettings, daemon: DaemonSettings, round: CurrentRound, reload: ReloadRequest,
             hangups: HangupSignals, stops: StopSignals
         ) async throws {
             let logger = Logger(label: "dq")
-            let maximumAge = readyMaxAge ?? settings.readyMaxAgeSeconds
+            let maximumAge = readyMaxAge ?? daemon.readyMaxAgeSeconds
             if let maximumAge {
                 try DataQueue.Configuration.checkSeconds(maximumAge, name: "\"ready_max_age_seconds\"", allowZero: false)
             }
             let service = DataQueueService(
                 queues: [queue],
                 configuration: .init(
-                    pollInterval: .milliseconds(Int64((pollInterval ?? settings.pollIntervalSeconds ?? 1) * 1000)),
-                    drainTimeout: .milliseconds(Int64((drainTimeout ?? settings.drainTimeoutSeconds ?? 10) * 1000)),
+                    pollInterval: .milliseconds(Int64((pollInterval ?? daemon.pollIntervalSeconds ?? 1) * 1000)),
+                    drainTimeout: .milliseconds(Int64((drainTimeout ?? daemon.drainTimeoutSeconds ?? 10) * 1000)),
                     readyMaximumAge: maximumAge.map { .milliseconds(Int64($0 * 1000)) },
                     journalRetention: try settings.journalRetention().map { .seconds($0) },
                     watchdog: SystemdNotify.watchdog()),
@@ -178,7 +179,8 @@ extension DQ {
             services.append(
                 .init(
                     service: ReloadOnHangup(
-                        current: settings, currentTLSFiles: settings.tlsFiles(), options: queueOptions, sending: sending,
+                        current: settings, currentDaemon: daemon, currentTLSFiles: settings.tlsFiles(), options: queueOptions,
+                        sending: sending,
                         request: reload, hangups: hangups, shutdown: shutdown, logger: logger),
                     successTerminationBehavior: .gracefullyShutdownGroup))
             // SIGTERM or SIGINT (trapped for the whole run) ends this group gracefully; at once if one came before.

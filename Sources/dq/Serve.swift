@@ -208,8 +208,8 @@ extension DQ {
 
         func validate() throws {
             if let pollInterval { try checkFlagSeconds(pollInterval, name: "--poll-interval", allowZero: false) }
-            if let listen, DataQueueSettings.metricsAddress(listen) == nil {
-                throw ValidationError("--listen is \(listen): \(DataQueueSettings.metricsAddressForm)")
+            if let listen, ListenAddress.parse(listen) == nil {
+                throw ValidationError("--listen is \(listen): \(ListenAddress.form)")
             }
         }
 
@@ -239,14 +239,14 @@ extension DQ {
                     }
                     serve.withLock { $0 = loaded }
                 }, waitsForDatabase: true
-            ) { queue, settings in
+            ) { queue, settings, daemon in
                 let logger = Logger(label: "dq")
                 guard let loaded = serve.withLock({ $0 }) else { return }
                 var options = loaded
                 if let listen { options.listen = listen }
                 try await run(
-                    queue: queue, settings: settings, loaded: loaded, options: options, hangups: hangups, registry: registry,
-                    logger: logger)
+                    queue: queue, settings: settings, daemon: daemon, loaded: loaded, options: options, hangups: hangups,
+                    registry: registry, logger: logger)
             }
         }
 
@@ -290,12 +290,12 @@ extension DQ {
         }
 
         private func run(
-            queue: DataQueue, settings: DataQueueSettings, loaded: ServeSettings, options: ServeSettings,
+            queue: DataQueue, settings: DataQueueSettings, daemon: DaemonSettings, loaded: ServeSettings, options: ServeSettings,
             hangups: UnixSignalsSequence, registry: PrometheusCollectorRegistry, logger: Logger
         ) async throws {
-            guard let (host, port) = DataQueueSettings.metricsAddress(options.listen) else {
+            guard let (host, port) = ListenAddress.parse(options.listen) else {
                 throw DataQueueError(
-                    .invalidConfiguration, "\"serve.listen\" is \(options.listen): \(DataQueueSettings.metricsAddressForm)")
+                    .invalidConfiguration, "\"serve.listen\" is \(options.listen): \(ListenAddress.form)")
             }
             if let keyring = queue.configuration.envelopeKeyring {
                 do {
@@ -327,8 +327,8 @@ extension DQ {
             let delivery = DataQueueService(
                 queues: [queue],
                 configuration: .init(
-                    pollInterval: .milliseconds(Int64((pollInterval ?? settings.pollIntervalSeconds ?? 1) * 1000)),
-                    drainTimeout: .milliseconds(Int64((settings.drainTimeoutSeconds ?? 10) * 1000)),
+                    pollInterval: .milliseconds(Int64((pollInterval ?? daemon.pollIntervalSeconds ?? 1) * 1000)),
+                    drainTimeout: .milliseconds(Int64((daemon.drainTimeoutSeconds ?? 10) * 1000)),
                     journalRetention: try settings.journalRetention().map { .seconds($0) }),
                 logger: logger)
             let router = Router(context: ServeRequestContext.self)

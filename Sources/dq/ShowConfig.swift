@@ -61,7 +61,7 @@ struct ShowConfig: AsyncParsableCommand {
     /// of the reader that gave the value, as the reader reported it.
     static func entries(options: QueueOptions, environment: [String: String]) async throws -> [Entry] {
         let recorder = OriginRecorder()
-        let settings = try await DataQueueSettings.load(options: options, environment: environment, accessReporter: recorder)
+        let (settings, daemon) = try await DaemonSettings.load(options: options, environment: environment, accessReporter: recorder)
         let resolved = try settings.resolve()
         let configuration = resolved.configuration
         let flags = ["server": "--server", "database": "--database", "proxy": "--proxy"]
@@ -146,20 +146,20 @@ struct ShowConfig: AsyncParsableCommand {
             "journal_retention_days", (try settings.journalRetention()).map { number($0 / 86_400) } ?? "0 (keep every line)",
             origin("journal_retention_days"))
         add(
-            "ready_max_age_seconds", settings.readyMaxAgeSeconds.map(number) ?? "none",
+            "ready_max_age_seconds", daemon.readyMaxAgeSeconds.map(number) ?? "none",
             origin("ready_max_age_seconds"))
         add(
-            "log_format", options.logFormat ?? settings.logFormat?.rawValue ?? "text",
+            "log_format", options.logFormat ?? daemon.logFormat?.rawValue ?? "text",
             options.logFormat != nil ? "flag --log-format" : origin("log_format"))
         add(
-            "log_level", options.verbose ? "debug" : settings.logLevel?.rawValue ?? "warning",
+            "log_level", options.verbose ? "debug" : daemon.logLevel?.rawValue ?? "warning",
             options.verbose ? "flag -v" : origin("log_level"))
-        add("metrics_address", settings.metricsAddress ?? "none (dq run)", origin("metrics_address"))
+        add("metrics_address", daemon.metricsAddress ?? "none (dq run)", origin("metrics_address"))
         add(
-            "poll_interval_seconds", number(settings.pollIntervalSeconds ?? 1),
+            "poll_interval_seconds", number(daemon.pollIntervalSeconds ?? 1),
             origin("poll_interval_seconds"))
         add(
-            "drain_timeout_seconds", number(settings.drainTimeoutSeconds ?? 10),
+            "drain_timeout_seconds", number(daemon.drainTimeoutSeconds ?? 10),
             origin("drain_timeout_seconds"))
         let authText: [(String, String?)] = [
             ("authorize_type", auth?.authorizeType?.rawValue ?? (auth == nil ? nil : "client_credentials")),

@@ -32,19 +32,19 @@ struct SettingsTests {
     @Test("Settings that are a choice or a whole number are typed so, from the file and from the environment")
     func typedFields() async throws {
         let json = #"""
-            {"server": "http://127.0.0.1:9/fhir", "durability": "normal", "log_format": "JSON", "log_level": "Info", "batch_size": 20.0,
+            {"server": "http://127.0.0.1:9/fhir", "durability": "normal", "batch_size": 20.0,
              "batch_max_bytes": 4096, "max_resource_bytes": 65536}
             """#
         var settings = try await DataQueueSettings.decode(Data(json.utf8))
-        #expect(settings.durability == .normal && settings.logFormat == .json && settings.logLevel == .info)
+        #expect(settings.durability == .normal)
         #expect(settings.batchSize == 20 && settings.batchMaxBytes == 4096 && settings.maxResourceBytes == 65_536)
         settings = try await DataQueueSettings.decode(
             Data(json.utf8),
             environment: [
-                "DQ_DURABILITY": "full", "DQ_LOG_FORMAT": "text", "DQ_LOG_LEVEL": "trace", "DQ_BATCH_SIZE": "7",
+                "DQ_DURABILITY": "full", "DQ_BATCH_SIZE": "7",
                 "DQ_BATCH_MAX_BYTES": "2048", "DQ_MAX_RESOURCE_BYTES": "128",
             ])
-        #expect(settings.durability == .full && settings.logFormat == .text && settings.logLevel == .trace)
+        #expect(settings.durability == .full)
         #expect(settings.batchSize == 7 && settings.batchMaxBytes == 2048 && settings.maxResourceBytes == 128)
         // Set in code, out of range: refused where the file's value would be.
         settings.batchSize = 0
@@ -53,7 +53,7 @@ struct SettingsTests {
         for (text, message) in [
             (#"{"batch_size": 2.5}"#, #""batch_size" must be a whole number from 1 to"#),
             (#"{"batch_max_bytes": "big"}"#, #""batch_max_bytes" must be a number"#),
-            (#"{"log_level": "loud"}"#, #""log_level" must be one of trace"#),
+            (#"{"journal_retention_days": "long"}"#, #""journal_retention_days" must be a number of days"#),
             (#"{"durability": "sometimes"}"#, #""durability" must be "full" or "normal""#),
         ] {
             let error = await #expect(throws: DataQueueError.self) { try await DataQueueSettings.decode(Data(text.utf8)) }
@@ -308,7 +308,7 @@ struct SettingsTests {
             "DQ_AUTHORIZE_URI", "DQ_KEY_ALG", "DQ_CREDENTIALS_DIR", "DQ_ENCRYPTION_ENDPOINT", "DQ_ENCRYPTION_RESOURCE_TYPES",
             "DQ_ENCRYPTION_IN_FLIGHT", "DQ_DATABASE_PASSWORD_FILE",
         ]
-        #expect(SettingKey.unknownEnvironmentVariables(in: Dictionary(uniqueKeysWithValues: names.map { ($0, "x") })).isEmpty)
+        #expect(SettingKeys.library.unknownEnvironmentVariables(in: Dictionary(uniqueKeysWithValues: names.map { ($0, "x") })).isEmpty)
         await #expect(throws: DataQueueError.self) {
             try await DataQueueSettings.decode(Data("{}".utf8), environment: ["DQ_ENCRYPTION_IN_FLIGHT": "many"])
         }
@@ -353,7 +353,7 @@ struct SettingsTests {
             Data(file.utf8),
             environment: [
                 "DQ_MAX_RESOURCE_BYTES": "4096", "DQ_TIMEOUT_SECONDS": "12.5", "DQ_CONNECT_TIMEOUT_SECONDS": "3",
-                "DQ_SETTLE_SECONDS": "2", "DQ_BATCH_MAX_BYTES": "65536", "DQ_READY_MAX_AGE_SECONDS": "600",
+                "DQ_SETTLE_SECONDS": "2", "DQ_BATCH_MAX_BYTES": "65536",
                 "DQ_JOURNAL_RETENTION_DAYS": "7",
                 "DQ_RETRY_INITIAL_SECONDS": "0.5", "DQ_RETRY_MAXIMUM_SECONDS": "60", "DQ_RETRY_JITTER": "0",
                 "DQ_NO_PROXY": "localhost,.internal", "DQ_CA_BUNDLE_ONLY": "false", "DQ_CLIENT_ID": "env-id", "DQ_SCOPE": "system/*.write",
@@ -365,7 +365,6 @@ struct SettingsTests {
         #expect(configuration.requestTimeout == 12.5 && configuration.connectTimeout == 3 && configuration.settleDelay == 2)
         #expect(configuration.batchMaxBytes == 65536 && configuration.leaseDuration == 7)
         #expect(try settings.journalRetention() == 7 * 86_400)
-        #expect(settings.readyMaxAgeSeconds == 600)
         #expect(configuration.retryPolicy.initialDelay == 0.5 && configuration.retryPolicy.maximumDelay == 60)
         #expect(configuration.retryPolicy.jitter == 0)
         #expect(configuration.network.noProxy == "localhost,.internal" && !configuration.network.caBundleOnly)
@@ -377,7 +376,7 @@ struct SettingsTests {
             }
             #expect(error.message.contains(name), "\(error.message)")
         }
-        #expect(SettingKey.unknownEnvironmentVariables(in: ["DQ_RETRY_JITTER": "0", "DQ_NO_PROXY": ""]).isEmpty)
+        #expect(SettingKeys.library.unknownEnvironmentVariables(in: ["DQ_RETRY_JITTER": "0", "DQ_NO_PROXY": ""]).isEmpty)
     }
 
     @Test("A bad DQ_DURABILITY or DQ_BATCH_SIZE is named by the variable, not the file's key")
@@ -391,13 +390,16 @@ struct SettingsTests {
         #expect(batch?.message.contains("DQ_BATCH_SIZE") == true, "\(batch?.message ?? "")")
     }
 
-    @Test("Every DQ_ variable the sources read is a known name, and an unknown one is reported with the name it likely meant")
+    @Test(
+        "Every DQ_ variable the library's sources read is a known name, and an unknown one is reported with the name it likely meant, of the library's keys and of those a command adds"
+    )
     func unknownEnvironmentVariables() async throws {
-        // The list must follow the code: a variable read but not listed would be warned about as unknown.
+        // The list must follow the code: a variable read but not listed would be warned about as unknown (the dq
+        // command's own variables: CLIHardeningTests.daemonKeys).
         let sources = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("../../Sources")
         var read = Set<String>()
         let files = try #require(FileManager.default.enumerator(atPath: sources.path)).compactMap { $0 as? String }
-        for file in files where file.hasSuffix(".swift") {
+        for file in files where file.hasSuffix(".swift") && !file.hasPrefix("dq/") {
             let text = try String(contentsOf: sources.appendingPathComponent(file), encoding: .utf8)
             let regex = try NSRegularExpression(pattern: "\"(DQ_[A-Z_]+)\"")
             for match in regex.matches(in: text, range: NSRange(text.startIndex..., in: text)) {
@@ -405,14 +407,20 @@ struct SettingsTests {
             }
         }
         #expect(read.count >= 12, "the scan found the variables: \(read.sorted())")
-        let unlisted = read.subtracting(SettingKey.environmentVariables).subtracting(SettingKey.toolingVariables)
+        let unlisted = read.subtracting(SettingKeys.library.environmentVariables).subtracting(SettingKey.toolingVariables)
         #expect(unlisted.subtracting(["DQ_TEST_"]).isEmpty, "\(unlisted)")
-        let unknown = SettingKey.unknownEnvironmentVariables(in: [
+        let environment = [
             "DQ_SEVER": "x", "DQ_SERVER": "y", "DQ_FROBNICATE": "z", "PATH": "/bin", "DQ_LOG_LEVL": "debug",
-            "DQ_BIN": "/x/dq", "DQ_TEST_FHIR_BASE": "http://t",
-        ])
-        #expect(unknown.map(\.name) == ["DQ_FROBNICATE", "DQ_LOG_LEVL", "DQ_SEVER"])
-        #expect(unknown.map(\.suggestion) == [nil, "DQ_LOG_LEVEL", "DQ_SERVER"])
+            "DQ_BIN": "/x/dq", "DQ_TEST_FHIR_BASE": "http://t", "DQ_LOG_LEVEL": "info",
+        ]
+        let unknown = SettingKeys.library.unknownEnvironmentVariables(in: environment)
+        #expect(unknown.map(\.name) == ["DQ_FROBNICATE", "DQ_LOG_LEVEL", "DQ_LOG_LEVL", "DQ_SEVER"])
+        #expect(unknown.map(\.suggestion) == [nil, nil, nil, "DQ_SERVER"], "the library has no log keys")
+        // A command's table: its own variables are known, and a misspelling of one gets its suggestion.
+        let command = SettingKeys.library.adding([SettingKey("log_level", "DQ_LOG_LEVEL")])
+        let unknownToCommand = command.unknownEnvironmentVariables(in: environment)
+        #expect(unknownToCommand.map(\.name) == ["DQ_FROBNICATE", "DQ_LOG_LEVL", "DQ_SEVER"])
+        #expect(unknownToCommand.map(\.suggestion) == [nil, "DQ_LOG_LEVEL", "DQ_SERVER"])
     }
 
     @Test("auth.client_secret_file: read from $CREDENTIALS_DIRECTORY (a relative name), without its newline; not a secret in the file")
@@ -562,6 +570,45 @@ struct SettingsTests {
     func unknownKeySuggestion(json: String, message: String) async throws {
         let error = #expect(throws: DataQueueError.self) { try SettingsFile(data: Data(json.utf8), source: "dq.json") }
         #expect(error?.message.hasSuffix(message) == true, "\(error?.message ?? "")")
+    }
+
+    @Test(
+        "A command adds its keys to the library's table: they are read through the same reader with their origin, a misspelling of one gets its suggestion, the library alone refuses them; an object the command reads itself is only checked to be one"
+    )
+    func commandKeys() async throws {
+        let command = SettingKeys.library.adding([SettingKey("log_level", "DQ_LOG_LEVEL")], objects: ["serve"])
+        let file = try SettingsFile(
+            data: Data(#"{"log_level": "info", "timeout_seconds": 5, "serve": {"listen": "8080"}}"#.utf8), source: "dq.json", keys: command)
+        let recorder = OriginRecorder()
+        var read = DataQueueSettings.Read(
+            reader: SettingsReader.make(environment: [:], file: file, keys: command, accessReporter: recorder), keys: command)
+        #expect(try await read.text("log_level") == "info")
+        #expect(recorder.origin(of: "log_level").map { [$0.provider, $0.encodedKey] } == [SettingsReader.fileName, "log_level"])
+        read = DataQueueSettings.Read(
+            reader: SettingsReader.make(environment: ["DQ_LOG_LEVEL": "debug"], file: file, keys: command, accessReporter: recorder),
+            keys: command)
+        #expect(try await read.text("log_level") == "debug")
+        let reader = SettingsReader.make(environment: ["DQ_LOG_LEVEL": "debug"], file: file, keys: command)
+        #expect(try await DataQueueSettings(reader: reader).timeoutSeconds == 5, "the library's keys from the same reader")
+
+        for (json, keys, message) in [
+            (#"{"log_levl": "info"}"#, command, #"unknown key "log_levl" (did you mean "log_level"?)"#),
+            (#"{"log_level": "info"}"#, SettingKeys.library, #"unknown key "log_level""#),
+            (#"{"serve": {"listen": "8080"}}"#, SettingKeys.library, #"unknown key "serve" (did you mean "server"?)"#),
+            (#"{"serve": 8080}"#, command, #""serve" must be an object"#),
+        ] {
+            let error = #expect(throws: DataQueueError.self) { try SettingsFile(data: Data(json.utf8), source: "dq.json", keys: keys) }
+            #expect(error?.message.hasSuffix(message) == true, "\(json): \(error?.message ?? "")")
+        }
+        let choice = SettingKeys.library.adding([
+            SettingKey("log_level", "DQ_LOG_LEVEL", .choice(["info", "debug"], "must be info or debug"))
+        ])
+        let variable = await #expect(throws: DataQueueError.self) {
+            try await DataQueueSettings.Read(
+                reader: SettingsReader.make(environment: ["DQ_LOG_LEVEL": "loud"], file: nil, keys: choice), keys: choice
+            ).text("log_level")
+        }
+        #expect(variable?.message == "configuration: DQ_LOG_LEVEL must be info or debug", "\(variable?.message ?? "")")
     }
 
     @Test("The default database: $STATE_DIRECTORY (systemd), else $XDG_DATA_HOME, else ~/.local/share")

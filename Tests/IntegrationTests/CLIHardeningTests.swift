@@ -1,3 +1,4 @@
+import FHIRDataQueue
 import Foundation
 import Testing
 
@@ -143,5 +144,82 @@ struct CLIHardeningTests {
         try Data([0xEF, 0xBB, 0xBF] + Array(#"{"resourceType":"Patient"}"#.utf8)).write(to: URL(fileURLWithPath: bom))
         let bomResult = try await dq(["enqueue", bom], env)
         #expect(bomResult.status == 65 && bomResult.stderr.contains("byte order mark"), "\(bomResult.stderr)")
+    }
+
+    @Test(
+        "dq's own keys (log, metrics, poll, drain, readiness) come from the file, their DQ_ variables or a flag, each shown with its origin by dq config; a misspelt one is refused (file) or warned about (variable) with the name it likely meant"
+    )
+    func daemonKeys() async throws {
+        // Every DQ_ variable dq's own sources read beside the library's, each with a value it takes and the key it sets.
+        let variables = [
+            "DQ_LOG_FORMAT": ("log_format", "json"), "DQ_LOG_LEVEL": ("log_level", "info"),
+            "DQ_METRICS_ADDRESS": ("metrics_address", "127.0.0.1:9464"), "DQ_POLL_INTERVAL_SECONDS": ("poll_interval_seconds", "5"),
+            "DQ_DRAIN_TIMEOUT_SECONDS": ("drain_timeout_seconds", "3"), "DQ_READY_MAX_AGE_SECONDS": ("ready_max_age_seconds", "600"),
+        ]
+        let sources = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("../../Sources/dq")
+        var read = Set<String>()
+        for file in try FileManager.default.contentsOfDirectory(atPath: sources.path) where file.hasSuffix(".swift") {
+            let text = try String(contentsOf: sources.appendingPathComponent(file), encoding: .utf8)
+            let regex = try NSRegularExpression(pattern: "\"(DQ_[A-Z_]+)\"")
+            for match in regex.matches(in: text, range: NSRange(text.startIndex..., in: text)) {
+                read.insert(String(text[Range(match.range(at: 1), in: text)!]))
+            }
+        }
+        #expect(read.subtracting(SettingKeys.library.environmentVariables) == Set(variables.keys), "\(read.sorted())")
+        func shown(_ result: ProcessResult) throws -> [String: [String: String]] {
+            #expect(result.status == 0, "\(result.stderr)")
+            return try #require(try JSONSerialization.jsonObject(with: Data(result.stdout.utf8)) as? [String: [String: String]])
+        }
+
+        // From the variables: each read, shown with its variable, none warned about as unknown.
+        let fromVariables = try await dq(["config", "--json"], env.merging(variables.mapValues(\.1)) { $1 })
+        let byVariable = try shown(fromVariables)
+        for (variable, (key, value)) in variables {
+            #expect(byVariable[key] == ["value": value, "origin": "env \(variable)"], "\(key): \(fromVariables.stdout)")
+        }
+        #expect(!fromVariables.stderr.contains("not a dq setting"), "\(fromVariables.stderr)")
+
+        // From the file (beside a serve object, which dq serve reads itself); a variable over the file; the flag over both.
+        let config = try work.write(
+            "dq.json",
+            #"""
+            {"log_format": "json", "log_level": "notice", "metrics_address": "9464", "poll_interval_seconds": 2,
+             "drain_timeout_seconds": 0, "ready_max_age_seconds": 30, "serve": {"listen": "127.0.0.1:0"}}
+            """#)
+        let byFile = try shown(try await dq(["config", "--config", config, "--json"], env))
+        for (key, value) in [
+            ("log_format", "json"), ("log_level", "notice"), ("metrics_address", "9464"), ("poll_interval_seconds", "2"),
+            ("drain_timeout_seconds", "0"), ("ready_max_age_seconds", "30"),
+        ] {
+            #expect(byFile[key] == ["value": value, "origin": "\(config): \(key)"], "\(key): \(byFile)")
+        }
+        let over = try shown(
+            try await dq(
+                ["config", "--config", config, "--json", "--log-format", "text"], env.merging(["DQ_POLL_INTERVAL_SECONDS": "7"]) { $1 }))
+        #expect(over["log_format"] == ["value": "text", "origin": "flag --log-format"], "\(over)")
+        #expect(over["poll_interval_seconds"] == ["value": "7", "origin": "env DQ_POLL_INTERVAL_SECONDS"], "\(over)")
+        #expect(over["log_level"] == ["value": "notice", "origin": "\(config): log_level"], "\(over)")
+
+        // Misspelt: a file's key is refused (78) naming the key it likely meant; a variable is warned about.
+        let typo = try await dq(["config", "--config", try work.write("typo.json", #"{"log_levl": "info"}"#)], env)
+        #expect(typo.status == 78, "\(typo.stderr)")
+        #expect(typo.stderr.contains(#"unknown key "log_levl" (did you mean "log_level"?)"#), "\(typo.stderr)")
+        let variableTypo = try await dq(["config"], env.merging(["DQ_POLL_INTERVAL_SECOND": "1"]) { $1 })
+        #expect(variableTypo.status == 0, "\(variableTypo.stderr)")
+        let warning = "DQ_POLL_INTERVAL_SECOND is not a dq setting and is ignored (did you mean DQ_POLL_INTERVAL_SECONDS?)"
+        #expect(variableTypo.stderr.contains(warning), "\(variableTypo.stderr)")
+        // A bad value is named by its key or variable (78), at every command, not only dq run.
+        for (json, variable, named) in [
+            (#"{"log_level": "loud"}"#, [:], #""log_level" must be one of trace"#),
+            (#"{"poll_interval_seconds": 0}"#, [:], #""poll_interval_seconds" must be a number of seconds from more than 0"#),
+            (#"{"metrics_address": "here"}"#, [:], #""metrics_address" is here: it must be HOST:PORT"#),
+            ("{}", ["DQ_READY_MAX_AGE_SECONDS": "soon"], "DQ_READY_MAX_AGE_SECONDS must be a number"),
+        ] {
+            let bad = try work.write("bad.json", json)
+            for command in [["config", "--config", bad], ["enqueue", "--config", bad, try patient()]] {
+                let result = try await dq(command, env.merging(variable) { $1 })
+                #expect(result.status == 78 && result.stderr.contains(named), "\(command) \(json): \(result.status) \(result.stderr)")
+            }
+        }
     }
 }

@@ -459,9 +459,13 @@ struct ServiceTests {
         #expect(try await eventually { client.outputSoFar.contains("first 200") }, "\(client.outputSoFar)")
         let listening = try #require(Self.listeningSocket(port: port), "no socket listens on \(port)")
 
-        try Data(#"{"server": "\#(server.base)", "batch_size": 7}"#.utf8).write(to: URL(fileURLWithPath: config))
+        // dq's own keys are reported too: one that applies at the next round (the flag keeps the interval), one
+        // that applies at the next start.
+        try Data(#"{"server": "\#(server.base)", "batch_size": 7, "poll_interval_seconds": 0.5, "log_format": "text"}"#.utf8)
+            .write(to: URL(fileURLWithPath: config))
         run.kill(SIGHUP)
-        #expect(try await eventually { log().contains("changed=batch_size") }, "\(log())")
+        #expect(
+            try await eventually { log().contains("changed=batch_size,log_format (at the next start),poll_interval_seconds") }, "\(log())")
         // The new round runs (ready again), then the old connection asks.
         #expect(try await eventually { (try? await HTTP.get("http://127.0.0.1:\(port)/readyz"))?.0 == 200 }, "\(log())")
         #expect(Self.listeningSocket(port: port) == listening, "the listening socket is the one from before the reload")

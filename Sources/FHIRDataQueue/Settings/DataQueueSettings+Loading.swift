@@ -16,25 +16,30 @@ extension DataQueueSettings {
         config: String?, flags: [String: ConfigContent] = [:], environment: [String: String],
         accessReporter: (any AccessReporter)? = nil
     ) async throws -> DataQueueSettings {
-        let path =
-            config ?? environment["DQ_CONFIG"]
-            ?? configSearchPath(environment: environment).first { FileManager.default.fileExists(atPath: $0) }
-        let file = try path.map(SettingsFile.init(contentsOf:))
-        let reader = SettingsReader.make(flags: flags, environment: environment, file: file, accessReporter: accessReporter)
-        var settings = try await DataQueueSettings(reader: reader)
-        if let path {
+        let (reader, file) = try SettingsReader.make(
+            config: config, flags: flags, environment: environment, accessReporter: accessReporter)
+        return try await DataQueueSettings(reader: reader, file: file, environment: environment)
+    }
+
+    /// The settings `reader` gives, as a run uses them: paths relative to `file`'s directory, the `…_file`
+    /// secrets read, the proxy variables of `environment` noted and the database password put into a PostgreSQL URL.
+    ///
+    /// - Parameter file: the config file `reader` reads (see ``SettingsReader/make(config:flags:environment:keys:accessReporter:)``).
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the key or variable of the first bad value.
+    package init(reader: ConfigReader, file: SettingsFile?, environment: [String: String]) async throws {
+        self = try await DataQueueSettings(reader: reader)
+        if let path = file?.path {
             // The directory of the file as named from the working directory (`dq.json` alone names no directory,
             // and its relative paths would otherwise be read from `/`).
             let absolute = path.hasPrefix("/") ? path : FileManager.default.currentDirectoryPath + "/" + path
-            settings.baseDirectory = QueuePaths.directory(of: absolute)
-            settings.sourcePath = path
-            settings.fileHoldsSecret = file?.holdsSecret ?? false
+            baseDirectory = QueuePaths.directory(of: absolute)
+            sourcePath = path
+            fileHoldsSecret = file?.holdsSecret ?? false
         }
-        settings.environmentNetwork.apply(environment: environment)
-        try settings.readSecretFiles(environment: environment)
-        settings.noteExposedKeyFiles(environment: environment)
-        try settings.applyDatabasePassword()
-        return settings
+        environmentNetwork.apply(environment: environment)
+        try readSecretFiles(environment: environment)
+        noteExposedKeyFiles(environment: environment)
+        try applyDatabasePassword()
     }
 
     /// Reads a settings file (with no variable or secret file); relative paths in it are relative to its directory.
@@ -173,6 +178,7 @@ extension DataQueueSettings {
         }
         configuration.atRest = try resolveAtRest()
         configuration.envelopeKeyring = envelopeKeyring
+        if let duplicateWindow { configuration.duplicateWindow = duplicateWindow }
         return Resolved(
             server: serverURL, configuration: configuration, authorization: authorization,
             encryption: try encryption.map(resolveEncryption))
@@ -187,6 +193,7 @@ extension DataQueueSettings {
         var configuration = try queueConfiguration(values)
         configuration.atRest = try resolveAtRest()
         configuration.envelopeKeyring = envelopeKeyring
+        if let duplicateWindow { configuration.duplicateWindow = duplicateWindow }
         return configuration
     }
 

@@ -1,6 +1,5 @@
 import Configuration
 import Foundation
-import Logging
 import Synchronization
 
 /// The settings of `dq.json`, its `DQ_` variables and the command line's flags, as one `ConfigReader` gives them
@@ -39,18 +38,6 @@ package struct DataQueueSettings: Sendable {
     package var batchSize: Int?
     /// `batch_max_bytes`: the most body bytes per Bundle.
     package var batchMaxBytes: Int?
-    /// `ready_max_age_seconds` (`dq run`): `/readyz` fails while a pending item is older than this.
-    package var readyMaxAgeSeconds: Double?
-    /// `log_format` (the command line): `text` (the default) or `json`.
-    package var logFormat: LogFormat?
-    /// `log_level` (the command line): the least level logged; the default is `warning`.
-    package var logLevel: Logger.Level?
-    /// `metrics_address` (`dq run`): where `/metrics`, `/healthz` and `/readyz` are served. The default is none.
-    package var metricsAddress: String?
-    /// `poll_interval_seconds` (`dq run`): how often it looks for items queued by other processes. The default is 1.
-    package var pollIntervalSeconds: Double?
-    /// `drain_timeout_seconds` (`dq run`): how long a graceful stop waits for the request on the wire. The default is 10.
-    package var drainTimeoutSeconds: Double?
     /// `journal_retention_days`: delivery journal lines older than this are deleted. The default is 90; 0 keeps every line.
     package var journalRetentionDays: Double?
     /// `retry`: the backoff after failures.
@@ -75,6 +62,9 @@ package struct DataQueueSettings: Sendable {
     package var atRest: AtRest?
     /// The keys `dq serve` opens envelopes with (from `serve.keys_dir`; see ``DataQueue/Configuration/envelopeKeyring``).
     package var envelopeKeyring: EnvelopeKeyring?
+    /// How long `dq serve` recognises repeats (from `serve.dedupe_window_days`; see
+    /// ``DataQueue/Configuration/duplicateWindow``); nil: the default.
+    package var duplicateWindow: TimeInterval?
     /// The directory that relative paths (keys, certificates, credentials) are relative to: the settings file's.
     package var baseDirectory: String?
     /// The file the settings were read from, if any.
@@ -213,18 +203,10 @@ package struct DataQueueSettings: Sendable {
         package init() {}
     }
 
-    /// How the command line writes its log lines (`log_format`).
-    package enum LogFormat: String, Sendable, CaseIterable {
-        /// Plain lines (the default); under systemd's journal each starts with its syslog priority.
-        case text
-        /// One JSON object a line, for log shippers.
-        case json
-    }
-
     /// Empty settings (every key unset).
     package init() {}
 
-    /// Reads every key from `reader` (see ``SettingKey/all``), each with its type; a secret is read as one, so
+    /// Reads every key of the library from `reader` (see ``SettingKey/library``), each with its type; a secret is read as one, so
     /// that access reporters redact it. Values are checked by ``resolve()``.
     ///
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) naming the key of a value of the wrong type (a
@@ -245,12 +227,6 @@ package struct DataQueueSettings: Sendable {
         leaseSeconds = try await read.number("lease_seconds")
         batchSize = try await read.wholeNumber("batch_size", Self.batchSizeError)
         batchMaxBytes = try await read.wholeNumber("batch_max_bytes", Self.batchMaxBytesError)
-        readyMaxAgeSeconds = try await read.number("ready_max_age_seconds", "must be a number of seconds")
-        logFormat = try await read.choice("log_format", #"must be "text" or "json""#) { LogFormat(rawValue: $0.lowercased()) }
-        logLevel = try await read.choice("log_level", "must be one of \(SettingKey.logLevels)") { Logger.Level(rawValue: $0.lowercased()) }
-        metricsAddress = try await read.text("metrics_address", "must be a string (HOST:PORT, or a port)")
-        pollIntervalSeconds = try await read.number("poll_interval_seconds", "must be a number of seconds")
-        drainTimeoutSeconds = try await read.number("drain_timeout_seconds", "must be a number of seconds")
         journalRetentionDays = try await read.number("journal_retention_days", "must be a number of days")
         var retry = Retry()
         retry.initialSeconds = try await read.number("retry.initial_seconds")
@@ -329,12 +305,18 @@ package struct DataQueueSettings: Sendable {
         return read.found(["encryption"]) ? encryption : nil
     }
 
-    /// Reads typed values, naming the key of one of the wrong type, and remembers which keys were found.
-    private final class Read: Sendable {
+    /// Reads typed values, naming the key of one of the wrong type, and remembers which keys were found; a
+    /// command reads its own keys (``SettingKeys/adding(_:objects:)``) with it too.
+    package final class Read: Sendable {
         let reader: ConfigReader
+        private let table: SettingKeys
         private let keys = Mutex<Set<String>>([])
 
-        init(reader: ConfigReader) { self.reader = reader }
+        /// Reads from `reader` the keys of `table` (which says which are secrets).
+        package init(reader: ConfigReader, keys table: SettingKeys = .library) {
+            self.reader = reader
+            self.table = table
+        }
 
         /// Whether a key of one of `objects` (`auth`, …) was found.
         func found(_ objects: [String]) -> Bool {
@@ -352,7 +334,7 @@ package struct DataQueueSettings: Sendable {
         private func value<T>(_ key: String, _ what: String, _ fetch: (ConfigKey, Bool) async throws -> T?) async throws -> T? {
             let value: T?
             do {
-                value = try await fetch(ConfigKey(key), SettingKey.byName[key]?.isSecret ?? false)
+                value = try await fetch(ConfigKey(key), table.byName[key]?.isSecret ?? false)
             } catch let error as DataQueueError {
                 throw error
             } catch {
@@ -362,11 +344,13 @@ package struct DataQueueSettings: Sendable {
             return value
         }
 
-        func text(_ key: String, _ what: String = "must be a string") async throws -> String? {
+        /// Text; `what` (`must be …`) follows the key in the error for a value of another type.
+        package func text(_ key: String, _ what: String = "must be a string") async throws -> String? {
             try await value(key, what) { try await reader.fetchString(forKey: $0, isSecret: $1) }
         }
 
-        func number(_ key: String, _ what: String = "must be a number") async throws -> Double? {
+        /// A number; `what` follows the key in the error for a value of another type.
+        package func number(_ key: String, _ what: String = "must be a number") async throws -> Double? {
             try await value(key, what) { try await reader.fetchDouble(forKey: $0, isSecret: $1) }
         }
 
@@ -386,7 +370,7 @@ package struct DataQueueSettings: Sendable {
         }
 
         /// A value from a set (`parse` gives nil for any other), refused saying which was given (never a secret).
-        func choice<T>(_ key: String, _ what: String, _ parse: (String) -> T?) async throws -> T? {
+        package func choice<T>(_ key: String, _ what: String, _ parse: (String) -> T?) async throws -> T? {
             guard let text = try await text(key, what) else { return nil }
             guard let parsed = parse(text) else { throw configError("\"\(key)\" \(what), not \"\(text.prefix(40))\"") }
             return parsed
@@ -641,12 +625,6 @@ package struct DataQueueSettings: Sendable {
             values.leaseDuration = value
         }
         values.settleDelay = try Self.seconds(settleSeconds, "settle_seconds", allowZero: true)
-        _ = try Self.seconds(pollIntervalSeconds, "poll_interval_seconds", allowZero: false)
-        _ = try Self.seconds(drainTimeoutSeconds, "drain_timeout_seconds", allowZero: true)
-        _ = try Self.seconds(readyMaxAgeSeconds, "ready_max_age_seconds", allowZero: false)
-        if let metricsAddress, Self.metricsAddress(metricsAddress) == nil {
-            throw Self.configError("\"metrics_address\" is \(metricsAddress): \(Self.metricsAddressForm)")
-        }
         if let retry {
             values.retryInitialDelay = try Self.seconds(retry.initialSeconds, "retry.initial_seconds", allowZero: true)
             values.retryMaximumDelay = try Self.seconds(retry.maximumSeconds, "retry.maximum_seconds", allowZero: true)
@@ -710,22 +688,6 @@ package struct DataQueueSettings: Sendable {
             throw Self.configError("\"tls.client_certificate\" and \"tls.client_key\" go together")
         }
         return network
-    }
-
-    /// What `metrics_address` and `--metrics-address` take, for their errors.
-    package static let metricsAddressForm =
-        "it must be HOST:PORT, [IPv6]:PORT or PORT, the port a whole number from 0 to 65535 (0: any free port)"
-
-    /// `HOST:PORT` (`[v6]:PORT`) or a bare port (on loopback) as `metrics_address` and `--metrics-address` take
-    /// it; nil when it is neither.
-    package static func metricsAddress(_ text: String) -> (host: String, port: Int)? {
-        if let port = Int(text), (0...65535).contains(port) { return ("127.0.0.1", port) }
-        guard let colon = text.lastIndex(of: ":"), let port = Int(text[text.index(after: colon)...]),
-            (0...65535).contains(port)
-        else { return nil }
-        var host = String(text[..<colon])
-        if host.hasPrefix("[") && host.hasSuffix("]") { host = String(host.dropFirst().dropLast()) }
-        return host.isEmpty ? nil : (host, port)
     }
 
     /// `path`, relative to the settings file's directory when it is relative.

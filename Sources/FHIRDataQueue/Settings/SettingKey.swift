@@ -1,5 +1,4 @@
 import Foundation
-import Logging
 
 #if canImport(FoundationEssentials)
     import FoundationEssentials
@@ -8,7 +7,8 @@ import Logging
 #endif
 
 /// One key of `dq.json`: its dotted name, the `DQ_` variable that sets it, what its value is, and whether it is a
-/// secret. The one list the reader's keys, the variables, the unknown-key check and `dq config` follow.
+/// secret. A ``SettingKeys`` table of them is what the reader's keys, the variables, the unknown-key check and
+/// `dq config` follow.
 package struct SettingKey: Sendable {
     /// What a value is, as a variable's text is checked (the reader checks the file's types).
     package enum Kind: Sendable {
@@ -39,15 +39,16 @@ package struct SettingKey: Sendable {
     /// Whether the value is a secret (a token, or a URL that may hold a password): redacted by access reporters.
     package let isSecret: Bool
 
-    init(_ name: String, _ variable: String?, _ kind: Kind = .text, secret: Bool = false) {
+    /// A key named `name`, set by `variable` too when given.
+    package init(_ name: String, _ variable: String?, _ kind: Kind = .text, secret: Bool = false) {
         self.name = name
         self.variable = variable
         self.kind = kind
         self.isSecret = secret
     }
 
-    /// Every key, in the README's order.
-    package static let all: [SettingKey] = [
+    /// The library's keys, in the README's order (a command adds its own: ``SettingKeys/adding(_:objects:)``).
+    package static let library: [SettingKey] = [
         .init("server", "DQ_SERVER", secret: true), .init("database", "DQ_DATABASE", secret: true),
         .init("database_password_file", "DQ_DATABASE_PASSWORD_FILE"),
         .init("durability", "DQ_DURABILITY", .choice(["full", "normal"], #"must be "full" or "normal""#)),
@@ -59,12 +60,6 @@ package struct SettingKey: Sendable {
         .init("settle_seconds", "DQ_SETTLE_SECONDS", .number), .init("lease_seconds", "DQ_LEASE_SECONDS", .number),
         .init("batch_size", "DQ_BATCH_SIZE", .wholeNumber(1...SettingLimits.maximumBatchSize)),
         .init("batch_max_bytes", "DQ_BATCH_MAX_BYTES", .wholeNumber(nil)),
-        .init("ready_max_age_seconds", "DQ_READY_MAX_AGE_SECONDS", .number),
-        .init("log_format", "DQ_LOG_FORMAT", .choice(["text", "json"], #"must be "text" or "json""#)),
-        .init("log_level", "DQ_LOG_LEVEL", .choice(Logger.Level.allCases.map(\.rawValue), "must be one of \(logLevels)")),
-        .init("metrics_address", "DQ_METRICS_ADDRESS"),
-        .init("poll_interval_seconds", "DQ_POLL_INTERVAL_SECONDS", .number),
-        .init("drain_timeout_seconds", "DQ_DRAIN_TIMEOUT_SECONDS", .number),
         .init("journal_retention_days", "DQ_JOURNAL_RETENTION_DAYS", .number),
         .init("retry.initial_seconds", "DQ_RETRY_INITIAL_SECONDS", .number),
         .init("retry.maximum_seconds", "DQ_RETRY_MAXIMUM_SECONDS", .number), .init("retry.jitter", "DQ_RETRY_JITTER", .number),
@@ -95,12 +90,6 @@ package struct SettingKey: Sendable {
         .init("at_rest.key_file", "DQ_AT_REST_KEY_FILE"), .init("at_rest.old_key_files", "DQ_AT_REST_OLD_KEY_FILES", .list),
     ]
 
-    /// The keys by name.
-    package static let byName = Dictionary(uniqueKeysWithValues: all.map { ($0.name, $0) })
-
-    /// The objects of the file: each key's part before the dot.
-    static let objects = Set(all.compactMap { $0.name.split(separator: ".").count == 2 ? String($0.name.split(separator: ".")[0]) : nil })
-
     /// The pairs of keys that are one setting in two forms (a secret or the file holding it; the CA bundle's two
     /// names): a source that gives either form hides both forms in the sources under it.
     package static let pairs = [
@@ -108,7 +97,6 @@ package struct SettingKey: Sendable {
         ["proxy", "proxy_file"], ["tls.ca_bundle", "ca_bundle"],
     ]
 
-    static let logLevels = Logger.Level.allCases.map(\.rawValue).joined(separator: ", ")
     static let authorizeTypeError = #"must be "client_credentials" or "authorization_code""#
     static let authMethodError = "must be client_secret_basic, client_secret_post, none or private_key_jwt"
     static let keyAlgorithmError = "must be RS256, RS384, ES256 or ES384"
@@ -134,10 +122,11 @@ package struct SettingKey: Sendable {
         }
     }
 
-    // MARK: - Unknown keys and variables
-
-    /// Objects of the file that a command reads and checks itself: `serve` (`dq serve`).
-    package static let commandObjects: Set<String> = ["serve"]
+    /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
+    /// `DQ_TEST_…`): not dq settings, and not misspellings of one.
+    package static let toolingVariables: Set<String> = [
+        "DQ_BIN", "DQ_GATEWAY_BIN", "DQ_BENCH_BIN", "DQ_REQUIRE_PEERS", "DQ_SANITIZER", "DQ_PEERS_VENV", "DQ_GENERATOR_VENV",
+    ]
 
     /// What is wrong with a JSON value's type for a kind that swift-configuration's JSON reading would accept
     /// leniently: `true` where a number goes (read as 1), a number where `true` or `false` goes.
@@ -152,51 +141,8 @@ package struct SettingKey: Sendable {
         }
     }
 
-    /// Refuses the first key of the file's object that dq does not read (with the known key it most likely
-    /// meant), and an object key whose value is no object: swift-configuration reads the keys it is asked for
-    /// and ignores the others.
-    package static func refuseUnknown(_ object: [String: Any]) throws {
-        func check(_ object: [String: Any], prefix: String) throws {
-            for name in object.keys.sorted() {
-                let key = prefix.isEmpty ? name : prefix + "." + name
-                if prefix.isEmpty && commandObjects.contains(name) {
-                    // Read and checked by the command it belongs to (`dq serve`).
-                    guard object[name] is [String: Any] else { throw configError("\"\(key)\" must be an object") }
-                } else if prefix.isEmpty && objects.contains(name) {
-                    guard let inner = object[name] as? [String: Any] else { throw configError("\"\(key)\" must be an object") }
-                    try check(inner, prefix: name)
-                } else if byName[key] == nil {
-                    let known = all.map(\.name).filter { $0.hasPrefix(prefix) }
-                    throw configError("unknown key \"\(key)\"" + (nearest(key, in: known).map { " (did you mean \"\($0)\"?)" } ?? ""))
-                } else if case .object = byName[key]?.kind, !(object[name] is [String: Any]) {
-                    throw configError("\"\(key)\" must be an object")
-                } else if let problem = jsonTypeProblem(object[name], kind: byName[key]?.kind) {
-                    throw configError("\"\(key)\" \(problem)")
-                }
-            }
-        }
-        try check(object, prefix: "")
-    }
-
-    /// Every `DQ_…` environment variable dq reads (the library's and the command line's).
-    package static let environmentVariables = Set(all.compactMap(\.variable) + ["DQ_CONFIG"])
-
-    /// `DQ_…` names that dq's own make targets and scripts export for its tests, torture and benchmarks (and
-    /// `DQ_TEST_…`): not dq settings, and not misspellings of one.
-    package static let toolingVariables: Set<String> = [
-        "DQ_BIN", "DQ_GATEWAY_BIN", "DQ_BENCH_BIN", "DQ_REQUIRE_PEERS", "DQ_SANITIZER", "DQ_PEERS_VENV", "DQ_GENERATOR_VENV",
-    ]
-
-    /// The `DQ_…` names in `environment` that dq does not read (a misspelt `DQ_SEVER` would otherwise be
-    /// ignored without a word), sorted, each with the known name it most likely meant, if one is close.
-    package static func unknownEnvironmentVariables(in environment: [String: String]) -> [(name: String, suggestion: String?)] {
-        environment.keys.filter {
-            $0.hasPrefix("DQ_") && !environmentVariables.contains($0) && !toolingVariables.contains($0) && !$0.hasPrefix("DQ_TEST_")
-        }.sorted().map { ($0, nearest($0, in: environmentVariables)) }
-    }
-
     /// The name of `names` closest to `name`, when at most two edits away.
-    private static func nearest(_ name: String, in names: some Collection<String>) -> String? {
+    static func nearest(_ name: String, in names: some Collection<String>) -> String? {
         let nearest = names.map { ($0, editDistance(name, $0)) }.min { ($0.1, $0.0) < ($1.1, $1.0) }
         return nearest.flatMap { $0.1 <= 2 ? $0.0 : nil }
     }
@@ -216,6 +162,74 @@ package struct SettingKey: Sendable {
         }
         return row[b.count]
     }
+}
 
-    static func configError(_ message: String) -> DataQueueError { DataQueueSettings.configError(message) }
+/// The keys one reader knows: the library's (``library``), or those and a command's own (`dq`'s log and daemon keys,
+/// its `serve` object). A key or variable of the table is read and checked; any other is refused with the name of
+/// the table's it most likely meant.
+package struct SettingKeys: Sendable {
+    /// Every key, in the table's order.
+    package let all: [SettingKey]
+    /// The keys by name.
+    package let byName: [String: SettingKey]
+    /// The objects of the file whose keys are in the table: each dotted key's part before the dot.
+    let objects: Set<String>
+    /// Objects of the file that a command reads and checks itself (`serve`): only their being objects is checked.
+    let commandObjects: Set<String>
+    /// Every `DQ_…` variable read (the table's, and `DQ_CONFIG`).
+    package let environmentVariables: Set<String>
+
+    private init(_ keys: [SettingKey], commandObjects: Set<String>) {
+        all = keys
+        byName = Dictionary(uniqueKeysWithValues: keys.map { ($0.name, $0) })
+        objects = Set(keys.compactMap { $0.name.split(separator: ".").count == 2 ? String($0.name.split(separator: ".")[0]) : nil })
+        self.commandObjects = commandObjects
+        environmentVariables = Set(keys.compactMap(\.variable) + ["DQ_CONFIG"])
+    }
+
+    /// The library's keys (``SettingKey/library``).
+    package static let library = SettingKeys(SettingKey.library, commandObjects: [])
+
+    /// This table with a command's `keys` and the `objects` of the file it reads and checks itself.
+    package func adding(_ keys: [SettingKey], objects: Set<String> = []) -> SettingKeys {
+        SettingKeys(all + keys, commandObjects: commandObjects.union(objects))
+    }
+
+    /// Refuses the first key of the file's object that is not in the table (with the key it most likely meant),
+    /// and an object key whose value is no object: swift-configuration reads the keys it is asked for and
+    /// ignores the others.
+    package func refuseUnknown(_ object: [String: Any]) throws {
+        func check(_ object: [String: Any], prefix: String) throws {
+            for name in object.keys.sorted() {
+                let key = prefix.isEmpty ? name : prefix + "." + name
+                if prefix.isEmpty && commandObjects.contains(name) {
+                    // Read and checked by the command it belongs to (`dq serve`).
+                    guard object[name] is [String: Any] else { throw configError("\"\(key)\" must be an object") }
+                } else if prefix.isEmpty && objects.contains(name) {
+                    guard let inner = object[name] as? [String: Any] else { throw configError("\"\(key)\" must be an object") }
+                    try check(inner, prefix: name)
+                } else if byName[key] == nil {
+                    let known = all.map(\.name).filter { $0.hasPrefix(prefix) }
+                    throw configError(
+                        "unknown key \"\(key)\"" + (SettingKey.nearest(key, in: known).map { " (did you mean \"\($0)\"?)" } ?? ""))
+                } else if case .object = byName[key]?.kind, !(object[name] is [String: Any]) {
+                    throw configError("\"\(key)\" must be an object")
+                } else if let problem = SettingKey.jsonTypeProblem(object[name], kind: byName[key]?.kind) {
+                    throw configError("\"\(key)\" \(problem)")
+                }
+            }
+        }
+        try check(object, prefix: "")
+    }
+
+    /// The `DQ_…` names in `environment` that are not read (a misspelt `DQ_SEVER` would otherwise be ignored
+    /// without a word), sorted, each with the known name it most likely meant, if one is close.
+    package func unknownEnvironmentVariables(in environment: [String: String]) -> [(name: String, suggestion: String?)] {
+        environment.keys.filter {
+            $0.hasPrefix("DQ_") && !environmentVariables.contains($0) && !SettingKey.toolingVariables.contains($0)
+                && !$0.hasPrefix("DQ_TEST_")
+        }.sorted().map { ($0, SettingKey.nearest($0, in: environmentVariables)) }
+    }
+
+    private func configError(_ message: String) -> DataQueueError { DataQueueSettings.configError(message) }
 }

@@ -13,33 +13,34 @@ package enum SettingsReader {
     /// The settings file's provider's name.
     package static let fileName = "dq file"
 
-    /// A reader over `flags` (values by key, as the flags give them), then the `DQ_` variables of `environment`,
-    /// then `file`: each key is answered by the first of them that holds it. A source that gives either form of a
-    /// setting with two (`auth.bearer_token` and `auth.bearer_token_file`, …) hides both in the sources under it.
+    /// A reader over `flags` (values by key, as the flags give them), then the `DQ_` variables of `environment`
+    /// that `keys` names, then `file`: each key is answered by the first of them that holds it. A source that gives
+    /// either form of a setting with two (`auth.bearer_token` and `auth.bearer_token_file`, …) hides both in the
+    /// sources under it.
     package static func make(
-        flags: [String: ConfigContent] = [:], environment: [String: String], file: SettingsFile?,
+        flags: [String: ConfigContent] = [:], environment: [String: String], file: SettingsFile?, keys: SettingKeys = .library,
         accessReporter: (any AccessReporter)? = nil
     ) -> ConfigReader {
         var hiddenInEnvironment = Set<String>()
         var hiddenInFile = Set<String>()
-        let variables = SettingsEnvironmentProvider.known(environment)
+        let variables = SettingsEnvironmentProvider.known(environment, keys: keys)
         for pair in SettingKey.pairs {
             if pair.contains(where: { flags[$0] != nil }) {
                 hiddenInEnvironment.formUnion(pair)
                 hiddenInFile.formUnion(pair)
             } else {
-                let given = pair.filter { SettingKey.byName[$0]?.variable.map { variables[$0] != nil } == true }
+                let given = pair.filter { keys.byName[$0]?.variable.map { variables[$0] != nil } == true }
                 if !given.isEmpty { hiddenInFile.formUnion(pair) }
                 // Both forms in the environment: the value itself wins.
                 if given.count == 2 { hiddenInEnvironment.insert(pair[1]) }
             }
         }
         let flagValues = flags.map { key, content in
-            (AbsoluteConfigKey(ConfigKey(key)), ConfigValue(content, isSecret: SettingKey.byName[key]?.isSecret ?? false))
+            (AbsoluteConfigKey(ConfigKey(key)), ConfigValue(content, isSecret: keys.byName[key]?.isSecret ?? false))
         }
         var providers: [any ConfigProvider] = [
             InMemoryProvider(name: "dq flags", values: Dictionary(uniqueKeysWithValues: flagValues)),
-            SettingsEnvironmentProvider(environment: variables, hidden: hiddenInEnvironment),
+            SettingsEnvironmentProvider(environment: variables, hidden: hiddenInEnvironment, keys: keys),
         ]
         if var file {
             file.hidden = hiddenInFile
@@ -47,30 +48,49 @@ package enum SettingsReader {
         }
         return ConfigReader(providers: providers, accessReporter: accessReporter)
     }
+
+    /// The reader of one `dq` run, and its config file: `flags`, then the `DQ_` variables of `environment`, then
+    /// the file `config` names (else `$DQ_CONFIG`, else the first of
+    /// ``DataQueueSettings/configSearchPath(environment:)`` that exists), its keys and variables those of `keys`.
+    ///
+    /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for a file that cannot be read, is no strict JSON
+    ///   object or holds a key not in `keys`.
+    package static func make(
+        config: String?, flags: [String: ConfigContent] = [:], environment: [String: String], keys: SettingKeys = .library,
+        accessReporter: (any AccessReporter)? = nil
+    ) throws -> (reader: ConfigReader, file: SettingsFile?) {
+        let path =
+            config ?? environment["DQ_CONFIG"]
+            ?? DataQueueSettings.configSearchPath(environment: environment).first { FileManager.default.fileExists(atPath: $0) }
+        let file = try path.map { try SettingsFile(contentsOf: $0, keys: keys) }
+        return (make(flags: flags, environment: environment, file: file, keys: keys, accessReporter: accessReporter), file)
+    }
 }
 
-/// The `DQ_` variables as a provider: each key read under its own variable (`auth.client_id` as `DQ_CLIENT_ID`,
-/// see ``SettingKey``) through swift-configuration's `EnvironmentVariablesProvider`; a value that is not one of
-/// the key's is refused naming the variable.
+/// The `DQ_` variables as a provider: each key of its table read under its own variable (`auth.client_id` as
+/// `DQ_CLIENT_ID`, see ``SettingKey``) through swift-configuration's `EnvironmentVariablesProvider`; a value that
+/// is not one of the key's is refused naming the variable.
 package struct SettingsEnvironmentProvider: StaticSettingsProvider {
     private let upstream: EnvironmentVariablesProvider
     private let variables: [String: String]
     private let hidden: Set<String>
+    private let keys: SettingKeys
 
     /// The provider's name.
     package var providerName: String { SettingsReader.environmentName }
 
-    init(environment variables: [String: String], hidden: Set<String>) {
-        let secrets = Set(SettingKey.all.filter(\.isSecret).compactMap(\.variable))
+    init(environment variables: [String: String], hidden: Set<String>, keys: SettingKeys) {
+        let secrets = Set(keys.all.filter(\.isSecret).compactMap(\.variable))
         upstream = EnvironmentVariablesProvider(environmentVariables: variables, secretsSpecifier: .specific(secrets))
         self.variables = variables
         self.hidden = hidden
+        self.keys = keys
     }
 
-    /// The variables dq reads, trimmed where a number or flag is read from them.
-    static func known(_ environment: [String: String]) -> [String: String] {
+    /// The variables of `keys` in `environment`, trimmed where a number or flag is read from them.
+    static func known(_ environment: [String: String], keys: SettingKeys) -> [String: String] {
         var known: [String: String] = [:]
-        for key in SettingKey.all {
+        for key in keys.all {
             guard let name = key.variable, let value = environment[name] else { continue }
             switch key.kind {
             case .number, .wholeNumber, .flag, .idempotence: known[name] = value.trimmingCharacters(in: .whitespaces)
@@ -82,7 +102,7 @@ package struct SettingsEnvironmentProvider: StaticSettingsProvider {
 
     /// The variable's value for `key`, checked.
     package func value(forKey key: AbsoluteConfigKey, type: ConfigType) throws -> LookupResult {
-        guard let setting = SettingKey.byName[key.description], let name = setting.variable, !hidden.contains(setting.name) else {
+        guard let setting = keys.byName[key.description], let name = setting.variable, !hidden.contains(setting.name) else {
             return LookupResult(encodedKey: key.description, value: nil)
         }
         if let text = variables[name], let problem = setting.problem(with: text) {
@@ -97,12 +117,14 @@ package struct SettingsEnvironmentProvider: StaticSettingsProvider {
 }
 
 /// A `dq.json` file as a provider: swift-configuration's `JSONSnapshot` of its bytes, once they pass the checks
-/// `JSONSnapshot` does not make (strict JSON as resource files follow it, no byte order mark, no unknown key).
+/// `JSONSnapshot` does not make (strict JSON as resource files follow it, no byte order mark, no key its table
+/// does not know).
 /// `auth.registration_fields` and `auth.registration_headers`, objects whose names are the user's, are answered
 /// as JSON text, as their variables give them.
 package struct SettingsFile: StaticSettingsProvider {
     private let json: JSONSnapshot
     private let objects: [String: String]
+    private let keys: SettingKeys
     /// Keys a source over the file gave (see ``SettingsReader/make(flags:environment:file:accessReporter:)``).
     var hidden: Set<String> = []
     /// The file's path, when read from one.
@@ -115,11 +137,12 @@ package struct SettingsFile: StaticSettingsProvider {
 
     /// Checks `data` and makes its snapshot; `source` names it in errors.
     ///
+    /// - Parameter keys: the keys the file may hold (the library's, or those and a command's).
     /// - Throws: ``DataQueueError`` (`.invalidConfiguration`) for bytes that are no strict JSON object, and for
-    ///   an unknown key (naming the key it most likely meant).
-    package init(data: Data, source: String, path: String? = nil) throws {
+    ///   a key not in `keys` (naming the key it most likely meant).
+    package init(data: Data, source: String, path: String? = nil, keys: SettingKeys = .library) throws {
         let object = try DataQueueSettings.checkedObject(data, source: source)
-        try SettingKey.refuseUnknown(object)
+        try keys.refuseUnknown(object)
         let auth = object["auth"] as? [String: Any] ?? [:]
         var objects: [String: String] = [:]
         for name in ["registration_fields", "registration_headers"] {
@@ -137,7 +160,8 @@ package struct SettingsFile: StaticSettingsProvider {
             }
         }
         self.objects = objects
-        let secrets = Set(SettingKey.all.filter(\.isSecret).map(\.name))
+        self.keys = keys
+        let secrets = Set(keys.all.filter(\.isSecret).map(\.name))
         do {
             json = try JSONSnapshot(
                 data: data.bytes, providerName: SettingsReader.fileName, parsingOptions: .init(secretsSpecifier: .specific(secrets)))
@@ -152,19 +176,19 @@ package struct SettingsFile: StaticSettingsProvider {
             auth["bearer_token"] != nil || auth["client_secret"] != nil || hasPassword(object["database"]) || hasPassword(object["proxy"])
     }
 
-    /// Reads and checks the file at `path`.
-    package init(contentsOf path: String) throws {
+    /// Reads and checks the file at `path`, whose keys are `keys`.
+    package init(contentsOf path: String, keys: SettingKeys = .library) throws {
         guard let data = FileManager.default.contents(atPath: path) else {
             throw DataQueueSettings.configError("cannot read the config file \(path)")
         }
-        try self.init(data: data, source: path, path: path)
+        try self.init(data: data, source: path, path: path, keys: keys)
     }
 
     package func value(forKey key: AbsoluteConfigKey, type: ConfigType) throws -> LookupResult {
         let name = key.description
         if hidden.contains(name) { return LookupResult(encodedKey: name, value: nil) }
         if let text = objects[name], type == .string {
-            return LookupResult(encodedKey: name, value: ConfigValue(.string(text), isSecret: SettingKey.byName[name]?.isSecret ?? false))
+            return LookupResult(encodedKey: name, value: ConfigValue(.string(text), isSecret: keys.byName[name]?.isSecret ?? false))
         }
         return try json.value(forKey: key, type: type)
     }
