@@ -193,7 +193,7 @@ extension DQ {
                 open is quarantined (dq quarantine), never bounced. /healthz, /readyz and /metrics are served on the \
                 same listener. SIGTERM or SIGINT stop it gracefully.
                 """,
-            subcommands: [ImportCredentials.self])
+            subcommands: [ImportCredentials.self, Keys.self])
 
         @OptionGroup var queueOptions: QueueOptions
         @OptionGroup var sending: SendingOptions
@@ -379,6 +379,8 @@ struct ServeReload: Service {
             do {
                 let loaded = try ServeSettings.load(from: configPath)
                 let secrets = try loaded.antispamSecrets()
+                // The keys' states first: a state file that does not read refuses the whole reload.
+                try keyring?.reloadStates()
                 receiver.replaceAntispamSecrets(secrets)
                 keyring?.forgetKeys()
                 let later = Self.changes(running, loaded).filter { $0 != "antispam_file" }

@@ -177,7 +177,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 return
             }
             lastFetched = last.info.sequence
-            for item in await Self.opened(batch, keyring: context.configuration.envelopeKeyring) {
+            let opened = await Self.opened(batch, keyring: context.configuration.envelopeKeyring)
+            await countKeyOpens()
+            for item in opened {
                 if let through, item.info.sequence > through {
                     exhausted = true
                     return
@@ -185,6 +187,23 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 prefetched.append(item)
                 bytes += item.body.count
             }
+        }
+    }
+
+    /// Adds the envelopes the keyring opened since the last batch to the store's counts per key and day (one write
+    /// per batch; ``KeyOpenLog``). Counts that cannot be written are given back to be written with the next batch:
+    /// a count is no reason to stop delivering.
+    private func countKeyOpens() async {
+        guard let keyring = context.configuration.envelopeKeyring, let log = keyOpenLog(of: context.store) else { return }
+        let counts = keyring.takeOpenCounts()
+        guard !counts.isEmpty else { return }
+        do {
+            try await log.addKeyOpens(counts, day: keyOpenDay(of: Date()))
+        } catch {
+            keyring.restoreOpenCounts(counts)
+            context.logger.warning(
+                "cannot count the envelopes opened per key; tried again with the next batch",
+                metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(error)")"])
         }
     }
 

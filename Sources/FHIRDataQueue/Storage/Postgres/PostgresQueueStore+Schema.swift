@@ -64,6 +64,8 @@ extension PostgresQueueStore {
           expires_at double precision NOT NULL)
         """,
         "CREATE INDEX IF NOT EXISTS dq_tokens_by_expiry ON dq_tokens (expires_at)",
+        // Envelopes opened per receiver key and UTC day (see ``KeyOpenLog``).
+        "CREATE TABLE IF NOT EXISTS dq_key_opens (key_id text NOT NULL, day bigint NOT NULL, count bigint NOT NULL, PRIMARY KEY (key_id, day))",
         // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
         // that a start does not rewrite the catalog and two dq versions sharing a database each call their own.
         """
@@ -121,7 +123,7 @@ extension PostgresQueueStore {
            AND to_regclass('dq_delivery_by_full_url') IS NOT NULL AND to_regclass('dq_lease') IS NOT NULL
            AND to_regclass('dq_note') IS NOT NULL AND to_regclass('dq_seal_key') IS NOT NULL
            AND to_regclass('dq_clients') IS NOT NULL AND to_regclass('dq_tokens') IS NOT NULL
-           AND to_regclass('dq_tokens_by_expiry') IS NOT NULL
+           AND to_regclass('dq_tokens_by_expiry') IS NOT NULL AND to_regclass('dq_key_opens') IS NOT NULL
            AND to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NOT NULL
            AND to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_server_state')

@@ -274,6 +274,7 @@ extension SQLiteQueueStore {
                     CREATE INDEX dq_tokens_by_expiry ON dq_tokens(expires_at);
                     """)
         }
+        registerKeyOpensMigration(&migrator)
         return migrator
     }
 
