@@ -81,6 +81,44 @@ struct EnvelopeKeyringTests {
         #expect(String(decoding: byDefault.data, as: UTF8.self).contains("\"three\""))
     }
 
+    @Test(
+        "key-states.json: a retired key opens nothing, the active key opens an empty key_id, an unnamed key is decrypt-only; a bad file is refused and a reload keeps the states it had; opens are counted per key"
+    )
+    func keyStates() async throws {
+        let old = try await makeKey("old")
+        let new = try await makeKey("new")
+        try FileManager.default.copyItem(atPath: old.privatePEM, toPath: keys + "/k1.pem")
+        try FileManager.default.copyItem(atPath: new.privatePEM, toPath: keys + "/k2.pem")
+        let states = keys + "/" + EnvelopeKeyring.statesFileName
+        try #"{"k1": "retired", "k2": "active"}"#.write(toFile: states, atomically: true, encoding: .utf8)
+        let keyring = EnvelopeKeyring(directory: keys)
+        #expect(try keyring.check() == ["k1", "k2"])
+        #expect(try keyring.state(of: "k1") == .retired && keyring.state(of: "k2") == .active)
+
+        let retired = try await envelope(observation("r"), for: old.publicPEM, keyID: "k1")
+        #expect(throws: EnvelopeKeyring.Failure.retired("k1")) { try keyring.open(retired) }
+        #expect(EnvelopeKeyring.Failure.retired("k1").description == "key k1 is retired")
+        let empty = try await envelope(observation("e"), for: new.publicPEM, keyID: "")
+        #expect(String(decoding: try keyring.open(empty).data, as: UTF8.self).contains("\"e\""))
+        #expect(keyring.takeOpenCounts() == ["k2": 1] && keyring.takeOpenCounts().isEmpty)
+
+        // A bad file: refused by a reload (the running states stay) and by a fresh keyring's check.
+        for bad in [#"{"k1": "old"}"#, #"{"k1": "active", "k2": "active"}"#, #"{"k3": "retired"}"#, "not json"] {
+            try bad.write(toFile: states, atomically: true, encoding: .utf8)
+            #expect(throws: EnvelopeKeyring.Failure.self) { try EnvelopeKeyring(directory: keys).check() }
+        }
+        try #"{"k1": "old"}"#.write(toFile: states, atomically: true, encoding: .utf8)
+        #expect(throws: EnvelopeKeyring.Failure.self) { try keyring.reloadStates() }
+        #expect(throws: EnvelopeKeyring.Failure.retired("k1")) { try keyring.open(retired) }
+        // k1 no longer named: decrypt-only, and it opens; with no active key, an empty key_id names no key.
+        try "{}".write(toFile: states, atomically: true, encoding: .utf8)
+        try keyring.reloadStates()
+        #expect(try keyring.state(of: "k1") == .decryptOnly)
+        #expect(String(decoding: try keyring.open(retired).data, as: UTF8.self).contains("\"r\""))
+        #expect(throws: EnvelopeKeyring.Failure.unknownKey("")) { try keyring.open(empty) }
+        #expect(keyring.takeOpenCounts() == ["k1": 1])
+    }
+
     @Test("each failure has its reason: unknown key_id, a key that does not open it, no resource inside, a path for a key id")
     func failures() async throws {
         let right = try await makeKey("right")
