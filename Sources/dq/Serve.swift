@@ -54,6 +54,8 @@ struct ServeSettings: Sendable, Equatable {
     /// `edges` (`decrypt`): clients that authenticate with a signed assertion (SMART Backend Services) instead of a
     /// secret: client id → the file of its public JWKS (`dq keygen` prints it).
     var edges: [String: String] = [:]
+    /// `tls`: `{"certificate", "key"}`, PEM files: serve HTTPS in process (read again on SIGHUP); none: plain HTTP.
+    var tls: ServeTLSSettings?
     /// Whether the file has a `serve` object at all.
     var present = false
 
@@ -61,6 +63,7 @@ struct ServeSettings: Sendable, Equatable {
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
         "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
         "body_timeout_seconds", "role", "forward_to", "forward_certificate", "forward_key_id", "edges",
+        "tls",
     ]
 
     /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
@@ -118,6 +121,7 @@ struct ServeSettings: Sendable, Equatable {
         settings.forwardTo = try string("forward_to")
         settings.forwardCertificate = try file("forward_certificate")
         settings.forwardKeyID = try string("forward_key_id")
+        settings.tls = try ServeTLSSettings.parse(object["tls"], base: base)
         if let value = object["edges"] {
             guard let edges = value as? [String: Any],
                 let files = edges.mapValues({ $0 as? String }) as? [String: String], !files.values.contains("")
@@ -338,14 +342,15 @@ extension DQ {
                 metrics: { Exposition.emit(registry) }, readiness: { await delivery.readiness() },
                 liveness: { delivery.liveness() }
             ).addRoutes(to: router)
+            let tls = try options.tls.map(ServeTLSCertificates.init)
             let app = Application(
-                router: router,
+                router: router, server: try tls.map { try .tls(.http1(), tlsConfiguration: $0.configuration()) } ?? .http1(),
                 configuration: .init(address: .hostname(host, port: port), serverName: nil),
                 services: [
                     delivery,
                     ServeReload(
                         hangups: hangups, configPath: settings.sourcePath, running: loaded, receiver: receiver,
-                        keyring: queue.configuration.envelopeKeyring, logger: logger),
+                        keyring: queue.configuration.envelopeKeyring, logger: logger, tls: tls),
                 ],
                 onServerRunning: { channel in
                     let bound = channel.localAddress?.port ?? port
@@ -373,17 +378,24 @@ struct ServeReload: Service {
     let receiver: C3PROReceiver
     let keyring: EnvelopeKeyring?
     let logger: Logger
+    /// The certificate served (`serve.tls`), read again too; nil: plain HTTP.
+    var tls: ServeTLSCertificates? = nil
 
     func run() async throws {
         for await _ in hangups.cancelOnGracefulShutdown() {
             do {
                 let loaded = try ServeSettings.load(from: configPath)
                 let secrets = try loaded.antispamSecrets()
+                // A certificate and key that do not read or match refuse the whole reload: the running pair stays.
+                let pair = try tls?.read(loaded.tls)
                 // The keys' states first: a state file that does not read refuses the whole reload.
                 try keyring?.reloadStates()
                 receiver.replaceAntispamSecrets(secrets)
                 keyring?.forgetKeys()
-                let later = Self.changes(running, loaded).filter { $0 != "antispam_file" }
+                if let tls, let pair { tls.use(pair, logger: logger) }
+                let later = Self.changes(running, loaded).filter {
+                    $0 != "antispam_file" && ($0 != "tls" || !Self.tlsReloaded(running, loaded))
+                }
                 logger.notice(
                     "configuration reloaded: the antispam secrets and the keys are read again",
                     metadata: ["at the next start": "\(later.isEmpty ? "nothing" : later.joined(separator: ","))"])
@@ -414,6 +426,7 @@ struct ServeReload: Service {
             ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }), ("role", { $0.role.rawValue }),
             ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
             ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),
+            ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),
         ]
         return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)
     }

@@ -46,6 +46,7 @@ extension DQ.Doctor {
                 "plain FHIR resources would be stored readable: \"serve.plain_fhir\" is on and there is no \"at_rest\" key",
                 "set \"at_rest\" (dq keygen --at-rest), or \"serve.plain_fhir\": false")
         }
+        findings += tlsFindings(serve)
         if let (host, port) = ListenAddress.parse(serve.listen), let reason = addressProblem(host: host, port: port) {
             findings.append(
                 Finding(
