@@ -268,7 +268,16 @@ public struct C3PROReceiver: Sendable {
     // MARK: - Envelopes and plain resources
 
     private func envelope(_ request: Request, type: String?) async throws -> Response {
-        if case .failure(let refused) = try await authorize(request) { return refused.response }
+        let client: String
+        switch try await authorize(request) {
+        case .failure(let refused): return refused.response
+        case .success(let authorized): client = authorized
+        }
+        let key: String?
+        switch Self.idempotencyKey(request) {
+        case .failure(let refused): return refused.response
+        case .success(let given): key = given
+        }
         var request = request
         let body: ByteBuffer
         do {
@@ -288,8 +297,17 @@ public struct C3PROReceiver: Sendable {
         } catch let error as DataQueueError {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
+        // With a key: a repeat is answered as the first was (202, nothing stored again); the receipt commits with
+        // the item. Without one, the queue recognises a repeat when it opens it (client and plaintext digest).
+        let fingerprint = Self.envelopeFingerprint(envelope)
+        if let key, let first = try await queue.receipt(clientID: client, key: key) {
+            return try await answerRepeat(first, fingerprint: fingerprint)
+        }
+        let idempotency = key.map { IdempotentRequest(key: $0, fingerprint: fingerprint, answer: (202, nil, Data())) }
         do {
-            try await queue.enqueue(envelope)
+            if case .repeated(let first) = try await queue.enqueue(envelope, from: client, idempotency: idempotency) {
+                return try await answerRepeat(first, fingerprint: fingerprint)
+            }
         } catch let error as DataQueueError where error.code == .invalidResource {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
@@ -300,7 +318,16 @@ public struct C3PROReceiver: Sendable {
         guard configuration.acceptsPlainResources else {
             return FHIRExchange.outcome(.notFound, "not-supported", "this receiver takes encrypted envelopes only")
         }
-        if case .failure(let refused) = try await authorize(request) { return refused.response }
+        let client: String
+        switch try await authorize(request) {
+        case .failure(let refused): return refused.response
+        case .success(let authorized): client = authorized
+        }
+        let key: String?
+        switch Self.idempotencyKey(request) {
+        case .failure(let refused): return refused.response
+        case .success(let given): key = given
+        }
         let resource: FHIRResource
         do {
             resource = try await FHIRExchange.resource(from: request, maximumBytes: configuration.maximumBodyBytes, types: [type])
@@ -310,11 +337,20 @@ public struct C3PROReceiver: Sendable {
         if let id, resource.id != id {
             return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
         }
+        let fingerprint = Self.plainFingerprint(
+            method: id == nil ? "POST" : "PUT", path: "fhir/\(type)" + (id.map { "/\($0)" } ?? ""), body: resource.data)
+        if let key, let first = try await queue.receipt(clientID: client, key: key) {
+            return try await answerRepeat(first, fingerprint: fingerprint)
+        }
+        let idempotency = key.map { IdempotentRequest(key: $0, fingerprint: fingerprint) }
         let item: QueuedItem
         do {
             // A queue that seals what it takes (an edge's) posts every envelope: the update is the opener's to make.
             let sealing = queue is EncryptedDataQueue && queue.defaultMethod(for: resource) == .post
-            item = try await queue.enqueue(resource, method: id == nil || sealing ? .post : .put)
+            switch try await queue.enqueue(resource, method: id == nil || sealing ? .post : .put, from: client, idempotency: idempotency) {
+            case .queued(let queued): item = queued
+            case .repeated(let first): return try await answerRepeat(first, fingerprint: fingerprint)
+            }
         } catch let error as DataQueueError where error.code == .invalidResource {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
@@ -322,33 +358,23 @@ public struct C3PROReceiver: Sendable {
         // for that, never for a backlog or a server that is slow to answer (flushing here did: a device then waited
         // for its request timeout, and sent the resource again).
         let deadline = ContinuousClock.now + configuration.deliveryWait
+        var answer: Answer
         while true {
-            if let record = try await queue.journalRecord(item.id.uuidString.lowercased()) {
-                switch record.event {
-                case .delivered, .alreadyPresent: return FHIRExchange.response(for: .delivered(record))
-                // Parked for an operator (dq list --parked): the device is told it is taken. A refusal would make it
-                // send the resource again and again (each copy parked again), and its queue, which stops at its
-                // first error, would never move past it.
-                case .parked: return Self.takenButParked()
-                case .dropped: return FHIRExchange.response(for: .queued(item, reason: "dropped by an operator"))
-                }
+            if let made = Answer.of(try await queue.journalRecord(item.id.uuidString.lowercased()), item: item.id) {
+                answer = made
+                break
             }
-            guard ContinuousClock.now < deadline else { return FHIRExchange.response(for: .queued(item, reason: "not sent yet")) }
+            guard ContinuousClock.now < deadline else {
+                answer = .queued(item.id)
+                break
+            }
             try await Task.sleep(for: .milliseconds(20))
         }
-    }
-
-    /// 202 with an OperationOutcome warning (a body C3-PRO apps read as success): taken, parked for an operator.
-    private static func takenButParked() -> Response {
-        let issue: [String: Any] = [
-            "severity": "warning", "code": "processing",
-            "diagnostics": "taken; the FHIR server rejected it, and it waits for an operator",
-        ]
-        let json =
-            (try? JSONSerialization.data(
-                withJSONObject: ["resourceType": "OperationOutcome", "issue": [issue]], options: [.sortedKeys])) ?? Data()
-        return Response(
-            status: .accepted, headers: [.contentType: "application/fhir+json"], body: .init(byteBuffer: ByteBuffer(bytes: json)))
+        if let idempotency {
+            try await record(
+                answer, for: Receipt(clientID: client, key: idempotency.key, fingerprint: fingerprint, itemID: item.id))
+        }
+        return answer.response
     }
 
     private func questionnaire(_ request: Request, id: String) async throws -> Response {
@@ -365,7 +391,7 @@ public struct C3PROReceiver: Sendable {
 
     // MARK: - Answers
 
-    private struct Refused: Error {
+    struct Refused: Error {
         let response: Response
     }
 

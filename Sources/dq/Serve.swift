@@ -42,6 +42,9 @@ struct ServeSettings: Sendable, Equatable {
     var authRequestsPerMinute = 60
     /// `body_timeout_seconds`: how long a request's body may take to arrive (default 60; 408 after it).
     var bodyTimeoutSeconds = 60
+    /// `dedupe_window_days`: how long a repeat is recognised, by its `Idempotency-Key` or by its client and the
+    /// SHA-256 of its plaintext (default 7).
+    var dedupeWindowDays = 7
     /// `role`: what this receiver is (`all`, the default: one process that holds the keys; `edge`: public-facing,
     /// holds no key, forwards envelopes to `forward_to`; `decrypt`: the inside receiver edges forward to).
     var role = ServeRole.all
@@ -62,7 +65,7 @@ struct ServeSettings: Sendable, Equatable {
     static let keys: Set<String> = [
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
         "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
-        "body_timeout_seconds", "role", "forward_to", "forward_certificate", "forward_key_id", "edges",
+        "body_timeout_seconds", "dedupe_window_days", "role", "forward_to", "forward_certificate", "forward_key_id", "edges",
         "tls",
     ]
 
@@ -114,6 +117,7 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try flag("plain_at_rest") { settings.plainAtRest = value }
         if let value = try integer("auth_requests_per_minute", 0...1_000_000) { settings.authRequestsPerMinute = value }
         if let value = try integer("body_timeout_seconds", 1...3600) { settings.bodyTimeoutSeconds = value }
+        if let value = try integer("dedupe_window_days", 1...365) { settings.dedupeWindowDays = value }
         if let value = try string("role") {
             guard let role = ServeRole(rawValue: value) else { throw invalid("\"serve.role\" must be \(ServeRole.choices)") }
             settings.role = role
@@ -241,6 +245,7 @@ extension DQ {
                         }
                         settings.envelopeKeyring = EnvelopeKeyring(directory: keys, defaultKeyID: loaded.defaultKeyID)
                     }
+                    settings.duplicateWindow = TimeInterval(loaded.dedupeWindowDays) * 86_400
                     serve.withLock { $0 = loaded }
                 }, waitsForDatabase: true
             ) { queue, settings, daemon in
@@ -423,7 +428,8 @@ struct ServeReload: Service {
             ("questionnaires_dir", { $0.questionnairesDirectory ?? "" }), ("max_body_bytes", { "\($0.maxBodyBytes)" }),
             ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
             ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
-            ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }), ("role", { $0.role.rawValue }),
+            ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }),
+            ("dedupe_window_days", { "\($0.dedupeWindowDays)" }), ("role", { $0.role.rawValue }),
             ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
             ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),
             ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),

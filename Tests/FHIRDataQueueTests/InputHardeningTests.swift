@@ -457,9 +457,11 @@ struct InputHardeningTests {
         try old.close()
 
         let store = try SQLiteQueueStore(path: file, durability: .full)
+        // The columns the items had (later migrations add their own, e.g. v8-receipts' client_id).
+        let columnsBefore = before.first.map { Array($0.columnNames).joined(separator: ", ") } ?? "*"
         let (after, schema, indexes, floor) = try store.database.read { db in
             (
-                try Row.fetchAll(db, sql: "SELECT * FROM item ORDER BY seq"),
+                try Row.fetchAll(db, sql: "SELECT \(columnsBefore) FROM item ORDER BY seq"),
                 try String.fetchOne(db, sql: "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'item'") ?? "",
                 try String.fetchAll(
                     db, sql: "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'item' AND sql IS NOT NULL ORDER BY name"),

@@ -378,13 +378,15 @@ struct ServeTests {
         ] + plainAnswers.map({ #"dq_serve_requests_total{endpoint="fhir",status="\#($0.key)"} \#($0.value)"# }) {
             #expect(metrics.contains(line), "\(line) in \(metrics.split(separator: "\n").filter { $0.contains("dq_serve") })")
         }
-        // A device whose 202 was lost sends the same resource again (sealed again: a new wrapped key): taken, and
-        // on the server still once.
+        // A device whose 202 was lost sends the same resource again (sealed again: a new wrapped key): taken, journaled
+        // as a duplicate of the first (same client, same plaintext), and on the server still once.
         let again = try await client(
             receiver.base,
             [sealed("/c3pro/encfhir/Observation", posted[4], certificate: keys.certificate, keyID: "k1", token: bearers[0])])
         #expect(again.first?.status == 202, "\(again)")
-        #expect(try await eventually { try await counts(config).delivered == 11 }, "\(receiver.log.suffix(2000))")
+        #expect(
+            try await eventually { try await journal(config).last?["event"] as? String == "duplicate" }, "\(receiver.log.suffix(2000))")
+        #expect(try await counts(config).delivered == 10)
         // A Questionnaire from questionnaires_dir, for a bearer client only.
         let questionnaire = try await client(
             receiver.base,

@@ -184,6 +184,11 @@ extension DataQueue {
         /// parked with a reason that begins ``DataQueue/quarantinePrefix``, never sent, holding up nothing. The
         /// default is nil: envelopes go to the encrypted endpoint as they are.
         public var envelopeKeyring: EnvelopeKeyring? = nil
+        /// How long a receiver's repeats are recognised (`serve.dedupe_window_days`): an `Idempotency-Key`'s receipt,
+        /// and the digest of a delivered resource of a client, by which the same resource from the same client
+        /// is journaled as a duplicate and not sent again. Applies only to items a receiver queued with their
+        /// client. The default is 7 days.
+        public var duplicateWindow: TimeInterval = 7 * 86_400
 
         /// Creates a configuration. Every parameter has the default stated on its property.
         public init(
@@ -439,6 +444,7 @@ extension DataQueue.Configuration: RedactedDescription {
             .plain("capabilityLifetime", capabilityLifetime), .plain("readOnly", readOnly),
             .custom("atRest", atRest.map(\.ids), shown: atRest.map(\.ids)),
             .custom("envelopeKeyring", envelopeKeyring.map(\.directory), shown: envelopeKeyring.map(\.directory)),
+            .plain("duplicateWindow", duplicateWindow),
         ]
     }
 }

@@ -146,8 +146,13 @@ extension DataQueue {
     /// item); returns how many. A delivered item's line is what resolves later references to its `fullUrl`
     /// and what `dq show` finds once it has left the queue: past the retention both are gone. `progress` is
     /// told how many lines are deleted so far, after each short transaction.
+    ///
+    /// A receiver's `Idempotency-Key` receipts and delivered digests older than ``Configuration/duplicateWindow``
+    /// go too (they count for that window only).
     public func pruneJournal(olderThan age: TimeInterval, progress: @Sendable (Int) -> Void = { _ in }) async throws -> Int {
-        try await store.pruneJournal(before: Date().addingTimeInterval(-age), progress: progress)
+        let removed = try await store.pruneJournal(before: Date().addingTimeInterval(-age), progress: progress)
+        _ = try await receiptStore?.pruneReceipts(before: Date().addingTimeInterval(-duplicateWindow))
+        return removed
     }
 
     /// Gives the space of deleted journal lines and items back to the file system (SQLite's `VACUUM`, which

@@ -370,6 +370,11 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
     ///   keyring, and as ``enqueue(_:method:fullURL:)`` otherwise.
     @discardableResult
     public func enqueue(_ envelope: SealedEnvelope) async throws -> QueuedItem {
+        try await commit(try newItem(for: envelope))
+    }
+
+    /// The new item of an envelope, checked as the `enqueue` of an envelope checks it.
+    func newItem(for envelope: SealedEnvelope) throws -> NewItem {
         // `Resource`: the sender did not say (a device posting to the bare encrypted endpoint).
         if envelope.resourceType != SealedEnvelope.unnamedType { try checkType(envelope.resourceType) }
         do {
@@ -381,7 +386,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         let request = DataQueue.PreparedRequest(
             method: .post, path: envelope.resourceType, contentType: "application/json", body: envelope.data,
             resourceType: envelope.resourceType, encrypted: true)
-        return try await commit(NewItem(id: UUID.timeOrdered(), queue: queueName, request: request, fullURL: nil, references: []))
+        return NewItem(id: UUID.timeOrdered(), queue: queueName, request: request, fullURL: nil, references: [])
     }
 
     /// How the reason of a quarantined item begins: an envelope the queue's ``Configuration/envelopeKeyring``
@@ -465,7 +470,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
             switch record.event {
             case .delivered, .alreadyPresent: return .delivered(record)
             case .parked: return .parked(item, reason: record.note ?? "the server rejected it")
-            case .dropped: break
+            case .dropped, .duplicate: break
             }
         }
         if case .authentication(let message) = report.stop {

@@ -47,6 +47,11 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     private var heldBefore: Set<UUID> = []
     /// Types whose conditional create the server does not declare, already warned about in this flush.
     private var warnedConditional: Set<String> = []
+    /// Receiver items' digests known delivered (by this flush, or within the dedupe window by the store), with the
+    /// item that was: a later item with one is a repeat (see ``skipDuplicate()``).
+    private var deliveredDigests: [ContentDigest: UUID] = [:]
+    /// Digests looked up in the store already.
+    private var checkedDigests: Set<ContentDigest> = []
 
     /// One item ready to send.
     struct Prepared {
@@ -148,6 +153,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 sizeKnown = true
                 try await refill(to: batchSize)
             }
+            if try await skipDuplicate() { continue }
             handled = []
             let step: Step
             if head.info.encrypted && context.configuration.encryptedInFlight > 1 {
@@ -162,6 +168,41 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             if leading < handled.count { prefetched.removeAll { handled.contains($0.info.sequence) } }
             if case .stop = step { return }
         }
+    }
+
+    // MARK: - Repeats
+
+    /// Journals the head as a duplicate, and removes it unsent, when it is a receiver's item whose client sent the
+    /// same plaintext before and dq delivered that within the dedupe window; returns whether it did.
+    ///
+    /// Only a delivery recorded in the journal counts (its digest commits in the journal's transaction), never an
+    /// attempt: an item that failed and waits to be sent again is not its own repeat, and after a crash between a
+    /// send and its journal line nothing marks the resource delivered, so the next flush sends it again. That can
+    /// put a rare second copy on the server, which beats dropping a resource that was never delivered.
+    private func skipDuplicate() async throws -> Bool {
+        guard let head = prefetched.first, let digest = head.digest, head.unreadable == nil,
+            let receipts = context.store as? any ReceiptStore
+        else { return false }
+        if !checkedDigests.contains(digest) {
+            // One look-up for the head and the receiver items prefetched after it.
+            let unchecked = Set(prefetched.prefix(Self.prefetchCount).compactMap(\.digest)).subtracting(checkedDigests)
+            let found = try await receipts.deliveredDigests(
+                unchecked, since: Date().addingTimeInterval(-context.configuration.duplicateWindow))
+            checkedDigests.formUnion(unchecked)
+            deliveredDigests.merge(found) { here, _ in here }
+        }
+        guard let original = deliveredDigests[digest], original != head.info.id else { return false }
+        // The original's journal line (with its digest) commits before its repeat leaves the queue.
+        try await recorder.finish()
+        let url = (try? context.endpoints.url(for: head.info)) ?? context.queueName
+        try await receipts.recordDuplicate(
+            head.info, url: url, note: "a repeat of item \(original.lowercasedString), delivered within the dedupe window",
+            owner: lock)
+        prefetched.removeFirst()
+        context.logger.info(
+            "a repeat of a delivered resource was not sent again",
+            metadata: ["item": "\(head.info.id.lowercasedString)", "original": "\(original.lowercasedString)"])
+        return true
     }
 
     // MARK: - Fetching and composing
@@ -179,10 +220,13 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             lastFetched = last.info.sequence
             let opened = await Self.opened(batch, keyring: context.configuration.envelopeKeyring)
             await countKeyOpens()
-            for item in opened {
+            for var item in opened {
                 if let through, item.info.sequence > through {
                     exhausted = true
                     return
+                }
+                if item.digest == nil, let client = item.clientID, !item.info.encrypted, item.unreadable == nil {
+                    item.digest = ContentDigest(clientID: client, plaintext: item.body)
                 }
                 prefetched.append(item)
                 bytes += item.body.count
@@ -241,6 +285,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 attempts: info.attempts, enqueuedAt: info.enqueuedAt, lastAttemptAt: info.lastAttemptAt,
                 lastStatus: info.lastStatus, lastError: info.lastError, outcome: info.outcome, size: resource.data.count)
             opened.body = resource.data
+            opened.digest = stored.clientID.map { ContentDigest(clientID: $0, plaintext: resource.data) }
             opened.contentType = "application/fhir+json"
             opened.conditionalCreate = true
         } catch {
@@ -254,9 +299,16 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         var run: [Prepared] = []
         var identities: Set<String> = []
         var declared: Set<String> = []
+        var digests: Set<ContentDigest> = []
         var bytes = 0
         for stored in prefetched {
             if run.count >= maximum { break }
+            if let digest = stored.digest, !run.isEmpty {
+                // A receiver's item that may be a repeat (of one before it here, of one delivered, or not looked up
+                // yet) waits to be the head, where ``skipDuplicate()`` decides after the earlier one's answer.
+                if digests.contains(digest) || deliveredDigests[digest] != nil || !checkedDigests.contains(digest) { break }
+            }
+            if let digest = stored.digest { digests.insert(digest) }
             let batchable = maximum > 1 && !stored.info.encrypted && !stored.info.url.isEmpty
             if !batchable && !run.isEmpty { break }
             let prepared = try prepare(stored)
@@ -647,7 +699,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         recorder.append(
             CompletedDelivery(
                 item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,
-                versionID: versionID, note: identity.note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries))
+                versionID: versionID, note: identity.note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries,
+                digest: prepared.stored.digest))
+        if let digest = prepared.stored.digest { deliveredDigests[digest] = item.id }
         handled.insert(item.sequence)
         report.delivered += 1
         context.metrics.deliveredOne()

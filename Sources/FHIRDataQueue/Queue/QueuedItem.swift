@@ -68,6 +68,9 @@ public struct DeliveryRecord: Sendable, Encodable, Hashable {
         case dropped
         /// The server rejected the item for good; it stays in the queue, parked, for an operator.
         case parked
+        /// A receiver's item whose resource the same client sent before and dq delivered within the dedupe window
+        /// (`serve.dedupe_window_days`): removed unsent; the note names the item that was delivered.
+        case duplicate
     }
     /// The journal's own sequence number.
     public let sequence: Int64

@@ -316,6 +316,9 @@ struct CompletedDelivery: Sendable {
     var answeredAt = Date()
     /// For a Bundle queued as one item: its entries' locations from the transaction-response (JSON array).
     var entries: String? = nil
+    /// The client and plaintext digest of a receiver's item, recorded with the delivery (in the journal's
+    /// transaction) so that a repeat of it is recognised (see ``ReceiptStore``).
+    var digest: ContentDigest? = nil
 }
 
 extension QueueStorage {

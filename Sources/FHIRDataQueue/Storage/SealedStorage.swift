@@ -441,6 +441,7 @@ final class SealedStorage: QueueStorage {
             deliveries.map { delivery in
                 var indexed = delivery
                 indexed.fullURL = delivery.fullURL.map(sealer.index)
+                indexed.digest = delivery.digest.map { ContentDigest(clientID: $0.clientID, digest: sealer.index($0.digest)) }
                 return indexed
             }, owner: owner)
     }
@@ -565,4 +566,44 @@ final class SealedStorage: QueueStorage {
     func plainJournalFullURLs(limit: Int) async throws -> [String] { try await inner.plainJournalFullURLs(limit: limit) }
 
     func replaceJournalFullURLs(_ hashes: [String: String]) async throws -> Int { try await inner.replaceJournalFullURLs(hashes) }
+}
+
+// A receiver's repeats: the item sealed as any other, its receipt as it is (not PHI), and the digests of plaintexts
+// stored as the queue's keyed index hash of them (a bare SHA-256 of a short resource could be confirmed by guessing).
+extension SealedStorage: ReceiptStore {
+    private var receipts: any ReceiptStore {
+        get throws {
+            guard let receipts = inner as? any ReceiptStore else {
+                throw DataQueueError(.invalidConfiguration, "this queue's store cannot keep a receiver's receipts")
+            }
+            return receipts
+        }
+    }
+
+    var groupsClientItems: Bool { (inner as? any ReceiptStore)?.groupsClientItems ?? false }
+
+    func insert(_ item: NewItem, receipt: Receipt?, expiredBefore: Date) async throws -> ReceiptInsert {
+        let sealer = try await sealerIfSealed()
+        return try await receipts.insert(sealer.map { $0.seal(item) } ?? item, receipt: receipt, expiredBefore: expiredBefore)
+    }
+
+    func receipt(clientID: String, key: String, since: Date) async throws -> Receipt? {
+        try await receipts.receipt(clientID: clientID, key: key, since: since)
+    }
+
+    func recordAnswer(_ receipt: Receipt) async throws { try await receipts.recordAnswer(receipt) }
+
+    func deliveredDigests(_ digests: Set<ContentDigest>, since: Date) async throws -> [ContentDigest: UUID] {
+        guard let sealer = try await sealerIfSealed() else { return try await receipts.deliveredDigests(digests, since: since) }
+        var forms: [ContentDigest: ContentDigest] = [:]
+        for digest in digests { forms[ContentDigest(clientID: digest.clientID, digest: sealer.index(digest.digest))] = digest }
+        let found = try await receipts.deliveredDigests(Set(forms.keys), since: since)
+        return Dictionary(uniqueKeysWithValues: found.compactMap { key, id in forms[key].map { ($0, id) } })
+    }
+
+    func recordDuplicate(_ item: QueuedItem, url: String, note: String, owner: any FlushOwnership) async throws {
+        try await receipts.recordDuplicate(item, url: url, note: note, owner: owner)
+    }
+
+    func pruneReceipts(before cutoff: Date) async throws -> Int { try await receipts.pruneReceipts(before: cutoff) }
 }

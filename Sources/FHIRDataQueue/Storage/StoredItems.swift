@@ -13,6 +13,9 @@ struct NewItem: Sendable {
     var references: [String] = []
     /// Whether ``Sealer/seal(_:)`` made this item (its values are sealed, its fullUrl and references hashed).
     var sealed = false
+    /// The authenticated client of a receiver (`dq serve`) that sent it, stored with it: the decrypting side
+    /// recognises a repeat by the client and the plaintext's digest. Nil for items a producer queued.
+    var clientID: String? = nil
 
     var method: FHIRMethod { request.method }
     /// The request path relative to the endpoint (stored as the item's `url`).
@@ -56,4 +59,9 @@ struct StoredItem: Sendable {
     var fullURL: String? = nil
     /// Why the item cannot be read (its seal at rest does not open): it is parked with this reason, never sent.
     var unreadable: String? = nil
+    /// The client of a receiver that sent it (see ``NewItem/clientID``).
+    var clientID: String? = nil
+    /// Made in memory when the item is read for sending: the client and the SHA-256 of its plaintext (an envelope
+    /// opened, or a plain body), by which a repeat of a delivered resource is recognised.
+    var digest: ContentDigest? = nil
 }

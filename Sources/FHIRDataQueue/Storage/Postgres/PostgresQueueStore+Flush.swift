@@ -43,7 +43,7 @@ extension PostgresQueueStore {
 
     static let itemColumns =
         "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size"
-    static let storedColumns = itemColumns + ", content_type, conditional_create, body, full_url"
+    static let storedColumns = itemColumns + ", content_type, conditional_create, body, full_url, client_id"
 
     func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
         try await run("read the queue") { [self] in
@@ -124,6 +124,7 @@ extension PostgresQueueStore {
                 logger: logger)
             Self.answered()
         }
+        try await recordDigests(deliveries, connection: connection)
         try await connection.query(
             "UPDATE dq_server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = \(queue) AND failures > 0",
             logger: logger)

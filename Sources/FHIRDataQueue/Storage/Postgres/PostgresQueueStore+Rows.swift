@@ -51,7 +51,7 @@ extension PostgresQueueStore {
         return StoredItem(
             info: try queuedItem(row), contentType: try cells["content_type"].decode(String.self),
             conditionalCreate: try cells["conditional_create"].decode(Bool?.self) != false, body: try cells["body"].decode(Data.self),
-            fullURL: try cells["full_url"].decode(String?.self))
+            fullURL: try cells["full_url"].decode(String?.self), clientID: try cells["client_id"].decode(String?.self))
     }
 
     static func deliveryRecord(_ row: PostgresRow) throws -> DeliveryRecord {

@@ -66,6 +66,22 @@ extension PostgresQueueStore {
         "CREATE INDEX IF NOT EXISTS dq_tokens_by_expiry ON dq_tokens (expires_at)",
         // Envelopes opened per receiver key and UTC day (see ``KeyOpenLog``).
         "CREATE TABLE IF NOT EXISTS dq_key_opens (key_id text NOT NULL, day bigint NOT NULL, count bigint NOT NULL, PRIMARY KEY (key_id, day))",
+        // A receiver's repeats (see ``ReceiptStore``): the client an item came from, the receipts of requests with an
+        // `Idempotency-Key`, and the digests of delivered resources by client (keyed hashes in a sealed queue).
+        "ALTER TABLE dq_item ADD COLUMN IF NOT EXISTS client_id text",
+        """
+        CREATE TABLE IF NOT EXISTS dq_receipts (
+          client_id text NOT NULL, idempotency_key text NOT NULL, fingerprint text NOT NULL, item_uuid uuid NOT NULL,
+          status int, location text, content_type text, body bytea, created_at double precision NOT NULL,
+          PRIMARY KEY (client_id, idempotency_key))
+        """,
+        "CREATE INDEX IF NOT EXISTS dq_receipts_by_age ON dq_receipts (created_at)",
+        """
+        CREATE TABLE IF NOT EXISTS dq_digests (
+          client_id text NOT NULL, digest text NOT NULL, item_uuid uuid NOT NULL, delivered_at double precision NOT NULL,
+          PRIMARY KEY (client_id, digest))
+        """,
+        "CREATE INDEX IF NOT EXISTS dq_digests_by_age ON dq_digests (delivered_at)",
         // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
         // that a start does not rewrite the catalog and two dq versions sharing a database each call their own.
         """
@@ -124,6 +140,9 @@ extension PostgresQueueStore {
            AND to_regclass('dq_note') IS NOT NULL AND to_regclass('dq_seal_key') IS NOT NULL
            AND to_regclass('dq_clients') IS NOT NULL AND to_regclass('dq_tokens') IS NOT NULL
            AND to_regclass('dq_tokens_by_expiry') IS NOT NULL AND to_regclass('dq_key_opens') IS NOT NULL
+           AND to_regclass('dq_receipts_by_age') IS NOT NULL AND to_regclass('dq_digests_by_age') IS NOT NULL
+           AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_item')
+                       AND attname = 'client_id' AND NOT attisdropped)
            AND to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NOT NULL
            AND to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_server_state')

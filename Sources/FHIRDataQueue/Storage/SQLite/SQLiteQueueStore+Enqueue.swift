@@ -128,6 +128,11 @@ extension SQLiteQueueStore {
                     sql: statement.sql)
             }
             sequences.append(sqlite3_last_insert_rowid(connection))
+            if let clientID = item.clientID {
+                // A receiver's item (rare beside a producer's): its client, in the same transaction.
+                try db.cachedStatement(sql: "UPDATE item SET client_id = ? WHERE seq = ?")
+                    .execute(arguments: [clientID, sequences[sequences.count - 1]])
+            }
         }
         return sequences
     }

@@ -60,6 +60,7 @@ extension SQLiteQueueStore {
                 delivery.entries, delivery.note,
             ])
         }
+        try recordDigests(deliveries, db: db)
         try db.cachedStatement(
             sql: "UPDATE server_state SET failures = 0, next_attempt_at = NULL, last_error = NULL WHERE queue = ? AND failures > 0"
         ).execute(arguments: [queue])

@@ -43,7 +43,7 @@ extension SQLiteQueueStore {
         let conditional: Int? = row["conditional_create"]
         return StoredItem(
             info: try queuedItem(row), contentType: row["content_type"], conditionalCreate: conditional != 0,
-            body: row["body"], fullURL: row["full_url"])
+            body: row["body"], fullURL: row["full_url"], clientID: row["client_id"])
     }
 
     static func deliveryRecord(_ row: Row) throws -> DeliveryRecord {

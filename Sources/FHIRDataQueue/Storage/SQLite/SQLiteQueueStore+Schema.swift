@@ -275,6 +275,7 @@ extension SQLiteQueueStore {
                     """)
         }
         registerKeyOpensMigration(&migrator)
+        registerReceiptsMigration(&migrator)
         return migrator
     }
 
