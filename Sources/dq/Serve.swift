@@ -177,17 +177,6 @@ enum ServeRole: String, Sendable, CaseIterable, ExpressibleByArgument {
     static let choices = #""all", "edge" or "decrypt""#
 }
 
-/// The context of the receiver's requests: Hummingbird's, with the source address (for the rate limit).
-struct ServeRequestContext: RequestContext, RemoteAddressRequestContext {
-    var coreContext: CoreRequestContextStorage
-    let remoteAddress: SocketAddress?
-
-    init(source: ApplicationRequestContextSource) {
-        coreContext = .init(source: source)
-        remoteAddress = source.channel.remoteAddress
-    }
-}
-
 extension DQ {
     struct Serve: AsyncParsableCommand {
         static let configuration = CommandConfiguration(
@@ -340,7 +329,7 @@ extension DQ {
                     drainTimeout: .milliseconds(Int64((daemon.drainTimeoutSeconds ?? 10) * 1000)),
                     journalRetention: try settings.journalRetention().map { .seconds($0) }),
                 logger: logger)
-            let router = Router(context: ServeRequestContext.self)
+            let router = Router(context: ReceiverRequestContext.self)
             router.add(middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes, deadline: .seconds(options.bodyTimeoutSeconds)))
             receiver.addRoutes(to: router)
             OperationsEndpoints(
