@@ -146,6 +146,9 @@ let package = Package(
             name: "IntegrationTests",
             dependencies: [
                 "FHIRDataQueue",
+                // The receiver mounted in process (ReceiverLibraryTests).
+                "FHIRDataQueueServer",
+                .product(name: "Hummingbird", package: "hummingbird"),
                 "DQTestSupport",
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "GRDB", package: "GRDB.swift"),

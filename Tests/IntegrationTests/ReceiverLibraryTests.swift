@@ -1,0 +1,170 @@
+import AsyncHTTPClient
+import FHIRDataQueue
+import FHIRDataQueueServer
+import Foundation
+import Hummingbird
+import Logging
+import NIOCore
+import NIOFoundationCompat
+import NIOHTTP1
+import Testing
+
+/// The C3-PRO receiver as a library: `C3PROReceiver`'s routes mounted in a Hummingbird `Application` of the test's
+/// own, with the queue's `DataQueueService` beside them, in front of sekmet-fhir, over real HTTP on loopback. Here the
+/// receiver's wait for delivery is the test's to choose, so a plain resource's 201 (delivered within the wait) and
+/// 202 (still queued when it ends) are each checked on their own, not left to how busy the machine is.
+@Suite("The C3-PRO receiver mounted in process", .serialized, .enabled(if: Peers.enabled))
+struct ReceiverLibraryTests {
+    let work: TemporaryDirectory
+    let resources = Resources()
+    let antispam = "spam-" + UUID().uuidString.lowercased()
+    static let quiet = Logger(label: "dq.test", factory: { _ in SwiftLogNoOpLogHandler() })
+
+    init() throws { work = try TemporaryDirectory() }
+
+    /// A host application serving the receiver's routes (under `/c3pro`) and delivering the queue, on a free port.
+    final class Host: Sendable {
+        let queue: DataQueue
+        let port: Int
+        let running: Task<Void, any Error>
+        var base: String { "http://127.0.0.1:\(port)/c3pro" }
+
+        init(queue: DataQueue, port: Int, running: Task<Void, any Error>) {
+            self.queue = queue
+            self.port = port
+            self.running = running
+        }
+
+        /// Stops the application and its delivery, then closes the queue.
+        func stop() async throws {
+            running.cancel()
+            _ = await running.result
+            try await queue.shutdown()
+        }
+    }
+
+    /// Mounts a receiver that waits `deliveryWait` for a plain resource's delivery, on a queue for `server`.
+    func host(server: String, deliveryWait: Duration) async throws -> Host {
+        var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0.1, maximumDelay: 0.5)
+        configuration.requestTimeout = 30
+        let queue = try await DataQueue(baseURL: URL(string: server)!, configuration: configuration)
+        let receiver = try FHIRDataQueueServer.C3PROReceiver(
+            queue: queue, configuration: .init(antispamSecrets: [antispam], deliveryWait: deliveryWait), logger: Self.quiet)
+        let router = Router(context: ReceiverRequestContext.self)
+        receiver.addRoutes(to: router)
+        let (bound, binding) = AsyncStream.makeStream(of: Int.self)
+        let app = Application(
+            router: router, configuration: .init(address: .hostname("127.0.0.1", port: 0)),
+            services: [DataQueueService(queues: [queue], configuration: .init(pollInterval: .seconds(1)), logger: Self.quiet)],
+            onServerRunning: { channel in
+                binding.yield(channel.localAddress?.port ?? 0)
+                binding.finish()
+            },
+            logger: Self.quiet)
+        let running = Task { try await app.run() }
+        guard let port = await bound.first(where: { _ in true }), port > 0 else {
+            running.cancel()
+            let ended = await running.result
+            throw TestFailure("the application did not start: \(ended)")
+        }
+        return Host(queue: queue, port: port, running: running)
+    }
+
+    /// An answer's status, headers and body.
+    struct Answer: CustomStringConvertible {
+        let status: Int
+        let headers: HTTPHeaders
+        let body: Data
+        var object: [String: Any] { (try? JSONSerialization.jsonObject(with: body)) as? [String: Any] ?? [:] }
+        var description: String { "\(status) \(String(decoding: body.prefix(600), as: UTF8.self))" }
+    }
+
+    func send(_ method: HTTPMethod, _ url: String, headers: [(String, String)] = [], body: String) async throws -> Answer {
+        var request = HTTPClientRequest(url: url)
+        request.method = method
+        for (name, value) in headers { request.headers.add(name: name, value: value) }
+        request.body = .bytes(ByteBuffer(string: body))
+        let response = try await HTTPClient.shared.execute(request, timeout: .seconds(300))
+        let collected = try await response.body.collect(upTo: 1 << 20)
+        return Answer(status: Int(response.status.code), headers: response.headers, body: Data(buffer: collected))
+    }
+
+    /// Registers with the antispam secret and gets a token, as a C3-PRO app does; the bearer token.
+    func bearer(_ host: Host) async throws -> String {
+        let registered = try await send(
+            .POST, host.base + "/register", headers: [("Antispam", antispam), ("Content-Type", "application/json")],
+            body: #"{"sandbox": false, "receipt-data": "NO-APP-RECEIPT"}"#)
+        #expect(registered.status == 201, "\(registered)")
+        let id = try #require(registered.object["client_id"] as? String, "\(registered)")
+        let secret = try #require(registered.object["client_secret"] as? String, "\(registered)")
+        let basic = Data("\(id):\(secret)".utf8).base64EncodedString()
+        let token = try await send(
+            .POST, host.base + "/oauth",
+            headers: [("Authorization", "Basic \(basic)"), ("Content-Type", "application/x-www-form-urlencoded")],
+            body: "grant_type=client_credentials")
+        #expect(token.status == 200, "\(token)")
+        return try #require(token.object["access_token"] as? String, "\(token)")
+    }
+
+    func postObservation(_ host: Host, _ index: Int, token: String) async throws -> Answer {
+        try await send(
+            .POST, host.base + "/fhir/Observation",
+            headers: [("Authorization", "Bearer \(token)"), ("Content-Type", "application/fhir+json")],
+            body: resources.observation(index))
+    }
+
+    @Test(
+        "With a long delivery wait, a plain Observation is answered 201 with a Location that names the resource sekmet stored"
+    )
+    func deliveredWithinTheWait() async throws {
+        let server = try await FHIRServer.start()
+        // Far longer than any delivery to a running sekmet: the answer cannot be a 202 because the machine is busy.
+        let host = try await host(server: server.base, deliveryWait: .seconds(120))
+        let token = try await bearer(host)
+
+        let answer = try await postObservation(host, 7, token: token)
+        #expect(answer.status == 201, "\(answer)")
+        let location = try #require(answer.headers.first(name: "Location"), "\(answer.headers)")
+        #expect(location.hasPrefix(server.base + "/Observation/"), "\(location)")
+
+        // The Location is the resource sekmet stored: the one Observation of this test, posted once.
+        let (status, body) = try await HTTP.get(location)
+        #expect(status == 200, "GET \(location)")
+        let stored = try #require(try JSONSerialization.jsonObject(with: body) as? [String: Any])
+        let identifier = (stored["identifier"] as? [[String: Any]])?.first
+        #expect(identifier?["system"] as? String == resources.system && identifier?["value"] as? String == "7", "\(stored)")
+        #expect(try await server.values("Observation", system: resources.system) == ["7"])
+        #expect(location.contains("/Observation/\(stored["id"] as? String ?? "-")"), "\(location) \(stored)")
+        let queueStatus = try await host.queue.status()
+        #expect(queueStatus.pending == 0 && queueStatus.delivered == 1, "\(queueStatus)")
+        try await host.stop()
+    }
+
+    @Test(
+        "With the FHIR server down and a short delivery wait, a plain Observation is answered 202 naming its queued item, which the service delivers once the server is up"
+    )
+    func queuedWhenTheServerIsDown() async throws {
+        let server = try FHIRServer()  // not started: its port refuses connections
+        let host = try await host(server: server.base, deliveryWait: .milliseconds(500))
+        let token = try await bearer(host)
+
+        let answer = try await postObservation(host, 3, token: token)
+        #expect(answer.status == 202, "\(answer)")
+        #expect(answer.headers.first(name: "Location") == nil, "\(answer.headers)")
+        let queued = try #require(answer.object["queued"] as? String, "\(answer)")
+        // Committed before the answer, and still waiting: the server has not seen it.
+        let pending = try await host.queue.items(state: .pending).map { $0.id.uuidString.lowercased() }
+        #expect(pending == [queued], "\(pending)")
+        #expect(try await host.queue.journalRecord(queued) == nil, "not delivered, parked or dropped")
+
+        try await server.start()
+        let arrived = try await eventually(timeout: .seconds(60)) {
+            try await server.values("Observation", system: resources.system) == ["3"]
+        }
+        #expect(arrived, "the DataQueueService beside the routes delivered it without another request")
+        #expect(try await host.queue.journalRecord(queued)?.event == .delivered)
+        try await host.stop()
+        #expect(try await server.values("Observation", system: resources.system) == ["3"], "once")
+    }
+}
