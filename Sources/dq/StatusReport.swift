@@ -33,6 +33,9 @@ enum StatusReport {
             "delivered:  \(status.delivered)",
             "oldest:     \(formatDate(status.oldestPendingAt))",
         ]
+        if status.duplicates > 0 {
+            lines.insert("duplicates: \(status.duplicates) (repeats of delivered resources, not sent: dq log)", at: 4)
+        }
         if status.consecutiveFailures > 0 {
             lines.append("failures:   \(status.consecutiveFailures) in a row; next try after \(formatDate(status.nextAttemptAt))")
             lines.append("last error: \(status.lastError ?? "-")")

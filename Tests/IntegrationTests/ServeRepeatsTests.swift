@@ -38,11 +38,13 @@ extension ServeTests {
         return try #require(try JSONSerialization.jsonObject(with: Data(result.stdout.utf8)) as? [[String: Any]], "\(result.stdout)")
     }
 
-    /// Pending and delivered items of the queue (`dq status --json` with the store's environment).
-    func queueCounts(_ config: String, _ environment: [String: String]) async throws -> (pending: Int, delivered: Int) {
+    /// Pending, delivered and duplicate items of the queue (`dq status --json` with the store's environment).
+    func queueCounts(_ config: String, _ environment: [String: String]) async throws -> (
+        pending: Int, delivered: Int, duplicates: Int
+    ) {
         let status = try await dq(["status", "--json", "--config", config], environment, directory: work.path)
         let object = try #require(try JSONSerialization.jsonObject(with: Data(status.stdout.utf8)) as? [String: Any], "\(status.stderr)")
-        return (object["pending"] as? Int ?? -1, object["delivered"] as? Int ?? -1)
+        return (object["pending"] as? Int ?? -1, object["delivered"] as? Int ?? -1, object["duplicates"] as? Int ?? -1)
     }
 
     /// A step with an `Idempotency-Key` header (a Structured Field string, as the draft writes it).
@@ -149,7 +151,10 @@ extension ServeTests {
         #expect(
             lines[1]["note"] as? String == "a repeat of item \(delivered[0]), delivered within the dedupe window",
             "the duplicate names the item delivered: \(lines[1])")
-        #expect(try await queueCounts(config, environment).delivered == 2)
+        let counted = try await queueCounts(config, environment)
+        #expect(counted.delivered == 2 && counted.duplicates == 2, "dq status: \(counted)")
+        let text = try await dq(["status", "--config", config], environment, directory: work.path)
+        #expect(text.stdout.contains("duplicates: 2 (repeats of delivered resources, not sent: dq log)"), "\(text.stdout)")
 
         // (c) The same plaintext from another client is its own resource.
         let other = try await client(receiver.base, [envelope("d1", second)])

@@ -35,13 +35,16 @@ public struct QueueStatus: Sendable, Codable, Hashable {
     public let lastError: String?
     /// When the journal last recorded a delivery of this queue (by any process).
     public let lastDeliveryAt: Date?
+    /// A receiver's items journaled as duplicates: repeats of a resource delivered before, not sent again.
+    public let duplicates: Int
 
     /// Creates a status from its counts.
     public init(
         queue: String, pending: Int, parked: Int, delivered: Int, oldestPendingAt: Date?, consecutiveFailures: Int,
-        nextAttemptAt: Date?, lastError: String?, lastDeliveryAt: Date? = nil
+        nextAttemptAt: Date?, lastError: String?, lastDeliveryAt: Date? = nil, duplicates: Int = 0
     ) {
         self.lastDeliveryAt = lastDeliveryAt
+        self.duplicates = duplicates
         self.queue = queue
         self.pending = pending
         self.parked = parked

@@ -14,24 +14,26 @@ extension PostgresQueueStore {
             var delivered = 0
             var oldest: Double?
             var lastDelivery: Double?
-            for try await (p, k, d, o, l) in try await client.query(
+            var duplicates = 0
+            for try await (p, k, d, o, l, u) in try await client.query(
                 """
                 SELECT (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'pending'),
                        (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'parked'),
                        (SELECT count(*) FROM dq_delivery WHERE queue = \(queue) AND event IN ('delivered', 'already-present')),
                        (SELECT enqueued_at FROM dq_item WHERE queue = \(queue) AND state = 'pending' ORDER BY seq LIMIT 1),
                        (SELECT at FROM dq_delivery WHERE queue = \(queue) AND event IN ('delivered', 'already-present')
-                        ORDER BY seq DESC LIMIT 1)
+                        ORDER BY seq DESC LIMIT 1),
+                       (SELECT count(*) FROM dq_delivery WHERE queue = \(queue) AND event = 'duplicate')
                 """, logger: logger
-            ).decode((Int, Int, Int, Double?, Double?).self) {
-                (pending, parked, delivered, oldest, lastDelivery) = (p, k, d, o, l)
+            ).decode((Int, Int, Int, Double?, Double?, Int).self) {
+                (pending, parked, delivered, oldest, lastDelivery, duplicates) = (p, k, d, o, l, u)
             }
             let state = try await serverState(queue: queue)
             return QueueStatus(
                 queue: queue, pending: pending, parked: parked, delivered: delivered,
                 oldestPendingAt: oldest.map(Date.init(timeIntervalSince1970:)), consecutiveFailures: state.failures,
                 nextAttemptAt: state.nextAttemptAt, lastError: state.lastError,
-                lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)))
+                lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)), duplicates: duplicates)
         }
     }
 

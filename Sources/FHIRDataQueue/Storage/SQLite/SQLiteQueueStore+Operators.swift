@@ -26,6 +26,7 @@ extension SQLiteQueueStore {
             let pending = try Int.fetchOne(db, sql: StatusQueries.pending, arguments: [queue]) ?? 0
             let parked = try Int.fetchOne(db, sql: StatusQueries.parked, arguments: [queue]) ?? 0
             let delivered = try Int.fetchOne(db, sql: StatusQueries.delivered, arguments: [queue]) ?? 0
+            let duplicates = try Int.fetchOne(db, sql: StatusQueries.duplicates, arguments: [queue]) ?? 0
             try Self.checkStates(queue: queue, db: db)
             let oldest = try Double.fetchOne(db, sql: StatusQueries.oldestPending, arguments: [queue])
             let server = try Row.fetchOne(db, sql: StatusQueries.serverState, arguments: [queue])
@@ -36,7 +37,8 @@ extension SQLiteQueueStore {
                 oldestPendingAt: oldest.map(Date.init(timeIntervalSince1970:)),
                 consecutiveFailures: server?["failures"] ?? 0,
                 nextAttemptAt: next.map(Date.init(timeIntervalSince1970:)),
-                lastError: server?["last_error"], lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)))
+                lastError: server?["last_error"], lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)),
+                duplicates: duplicates)
         }
     }
 
