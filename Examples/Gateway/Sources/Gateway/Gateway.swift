@@ -17,9 +17,19 @@ import ServiceLifecycle
 /// `GET /metrics` serves dq's metrics (and Hummingbird's) as Prometheus text, `GET /healthz` and `GET /readyz`
 /// the delivery's liveness and readiness (``OperationsEndpoints``).
 ///
-/// Usage: `Gateway [--host 127.0.0.1] [--port 8080] [--config dq.json] [--poll-interval 1]`; dq's settings come
-/// from the config file and `DQ_*` environment variables, as for the `dq` command. `--port 0` takes a free
-/// port; the gateway prints `listening on HOST:PORT` on standard output once it accepts connections.
+/// With `--c3pro-antispam FILE` the gateway also mounts the C3-PRO receiver (``C3PROReceiver``, the routes `dq serve`
+/// runs) under `/c3pro`: apps register with one of the file's `Antispam` secrets (one per line; `#` starts a
+/// comment), get a bearer token (`POST /c3pro/oauth`), and post plain resources (`POST /c3pro/fhir/{type}`) and
+/// encrypted envelopes (`POST /c3pro/encfhir/{type}`), into the same queue and the same delivery as
+/// `POST /Observation`. `--c3pro-keys DIR` gives the private keys envelopes are opened with before they are sent
+/// (`DIR/<key_id>/private-c3pro.der` or `DIR/<key_id>.pem`, as `serve.keys_dir`); without it an envelope is
+/// quarantined (`dq quarantine`) until a keyring is there. Clients and tokens are kept in the queue's database.
+/// Plain resources are PHI: set `at_rest` in the settings so that the queue seals them on disk.
+///
+/// Usage: `Gateway [--host 127.0.0.1] [--port 8080] [--config dq.json] [--poll-interval 1]
+/// [--c3pro-antispam FILE [--c3pro-keys DIR]]`; dq's settings come from the config file and `DQ_*` environment
+/// variables, as for the `dq` command. `--port 0` takes a free port; the gateway prints `listening on HOST:PORT`
+/// on standard output once it accepts connections.
 @main
 struct Gateway {
     static func main() async throws {
@@ -36,12 +46,24 @@ struct Gateway {
         let registry = PrometheusCollectorRegistry()
         MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
 
-        let settings = try await DataQueueSettings.load(config: options.configPath, environment: ProcessInfo.processInfo.environment)
+        var settings = try await DataQueueSettings.load(config: options.configPath, environment: ProcessInfo.processInfo.environment)
+        // The keyring goes into the queue's configuration before it opens: envelopes are opened when they are sent.
+        if let keys = options.c3proKeys {
+            let keyring = EnvelopeKeyring(directory: keys)
+            do {
+                if try keyring.check().isEmpty { logger.warning("no key in --c3pro-keys: every envelope will be quarantined") }
+            } catch {
+                FileHandle.standardError.write(Data("Gateway: --c3pro-keys: \(error)\n".utf8))
+                exit(64)
+            }
+            settings.envelopeKeyring = keyring
+        }
         let queue = try await settings.makeQueue(logger: logger)
 
         let delivery = DataQueueService(
             queues: [queue], configuration: .init(pollInterval: options.pollInterval), logger: logger)
-        let router = Router()
+        // The receiver limits registration per source address: the context carries it.
+        let router = Router(context: ReceiverRequestContext.self)
         router.add(middleware: MetricsMiddleware())
         router.post("Observation") { request, _ in
             do {
@@ -50,6 +72,11 @@ struct Gateway {
             } catch let refusal as FHIRExchange.Refusal {
                 return refusal.response
             }
+        }
+        if let antispamSecrets = options.c3proAntispamSecrets {
+            let receiver = try C3PROReceiver(
+                queue: queue, configuration: .init(pathPrefix: "/c3pro", antispamSecrets: antispamSecrets), logger: logger)
+            receiver.addRoutes(to: router)
         }
         OperationsEndpoints(
             metrics: { registry.emitToBuffer() }, readiness: { await delivery.readiness() },
@@ -78,6 +105,10 @@ struct Options {
     var port = 8080
     var configPath: String?
     var pollInterval = Duration.seconds(1)
+    /// The `Antispam` secrets of `--c3pro-antispam FILE`; set, the C3-PRO routes are served under `/c3pro`.
+    var c3proAntispamSecrets: [String]?
+    /// `--c3pro-keys`: the directory of the private keys C3-PRO envelopes are opened with.
+    var c3proKeys: String?
 
     init<Arguments: Collection<String>>(_ arguments: Arguments) throws {
         var rest = arguments[...]
@@ -96,9 +127,30 @@ struct Options {
                     throw UsageError("--poll-interval must be seconds in (0, 86400]")
                 }
                 pollInterval = .milliseconds(Int64(seconds * 1000))
+            case "--c3pro-antispam": c3proAntispamSecrets = try Self.antispamSecrets(value)
+            case "--c3pro-keys":
+                var isDirectory: ObjCBool = false
+                guard FileManager.default.fileExists(atPath: value, isDirectory: &isDirectory), isDirectory.boolValue else {
+                    throw UsageError("--c3pro-keys \(value) is not a directory")
+                }
+                c3proKeys = value
             default: throw UsageError("unknown option \(flag)")
             }
         }
+        if c3proKeys != nil, c3proAntispamSecrets == nil {
+            throw UsageError("--c3pro-keys opens C3-PRO envelopes: it needs --c3pro-antispam, which serves their routes")
+        }
+    }
+
+    /// The `Antispam` secrets of `file`: its non-empty lines, trimmed, but those that start with `#`.
+    static func antispamSecrets(_ file: String) throws -> [String] {
+        guard let data = FileManager.default.contents(atPath: file) else {
+            throw UsageError("--c3pro-antispam \(file) cannot be read")
+        }
+        let secrets = String(decoding: data, as: UTF8.self).split(whereSeparator: \.isNewline)
+            .map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty && !$0.hasPrefix("#") }
+        guard !secrets.isEmpty else { throw UsageError("--c3pro-antispam \(file) holds no secret") }
+        return secrets
     }
 }
 
