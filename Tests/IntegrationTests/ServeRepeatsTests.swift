@@ -14,8 +14,10 @@ import Testing
 extension ServeTests {
     /// `dq.json` for the queue in SQLite (`queue.sqlite`) or a fresh PostgreSQL database, idempotent mode off: the
     /// file, the database (a path or a URL), and the environment dq needs for it.
-    func configureRepeats(server: String, store: String) async throws -> (config: String, database: String, environment: [String: String]) {
-        let written = try await configure(server: server)
+    func configureRepeats(server: String, store: String, serve: [String: Any?] = [:]) async throws -> (
+        config: String, database: String, environment: [String: String]
+    ) {
+        let written = try await configure(server: server, serve: serve)
         var root = try #require(try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: written))) as? [String: Any])
         root["idempotent"] = false
         var database = work.file("queue.sqlite")
@@ -123,7 +125,9 @@ extension ServeTests {
         let server = try await FHIRServer.start()
         let keys = try await TestKeys()
         try await install(keys, as: "k1", layout: .der)
-        let (config, database, environment) = try await configureRepeats(server: server.base, store: store)
+        // A window of 2 days (not the default 7): the repeat 3 days later below is delivered only if it is honoured.
+        let (config, database, environment) = try await configureRepeats(
+            server: server.base, store: store, serve: ["dedupe_window_days": 2])
         let receiver = try await start(config, environment: environment)
         let first = try await self.token(receiver.base, try await register(receiver.base))
         let second = try await self.token(receiver.base, try await register(receiver.base))
@@ -162,8 +166,8 @@ extension ServeTests {
         #expect(
             try await eventually(timeout: .seconds(60)) { try await values(server) == ["d1", "d2", "d1"] }, "\(receiver.log.suffix(2000))")
 
-        // (d) After the window (the delivery's time moved back past it in the database), a repeat is delivered again.
-        try await runSQL("UPDATE dq_digests SET delivered_at = delivered_at - 8 * 86400", database: database)
+        // (d) After the window (the delivery's time moved back 3 days in the database), a repeat is delivered again.
+        try await runSQL("UPDATE dq_digests SET delivered_at = delivered_at - 3 * 86400", database: database)
         let late = try await client(receiver.base, [envelope("d1", first)])
         #expect(late.first?.status == 202, "\(late)")
         #expect(
@@ -199,6 +203,22 @@ extension ServeTests {
         let lines = try await journal(config, environment)
         #expect(lines.count == 1 && lines.first?["event"] as? String == "delivered", "stored once: \(lines)")
         _ = await receiver.stop()
+    }
+
+    @Test(
+        "serve.dedupe_window_days must be a whole number in 1...365: 0, 366, 1.5 and \"7\" stop dq serve (78) naming the key")
+    func dedupeWindowChecked() async throws {
+        for value in [0, 366, 1.5, "7"] as [Any] {
+            let config = try await configure(server: "http://127.0.0.1:9/fhir", serve: ["dedupe_window_days": value])
+            let result = try await ChildProcess(
+                Peers.dqBinary, ["serve", "--config", config, "--listen", "127.0.0.1:\(Peers.freePort())"],
+                environment: ["HOME": work.path], directory: work.path
+            ).wait(timeout: .seconds(60))
+            #expect(result.status == 78, "\(value): \(result.status) \(result.stderr.suffix(1000))")
+            #expect(
+                result.stderr.contains(#""serve.dedupe_window_days" must be a whole number in 1...365"#),
+                "\(value): \(result.stderr.suffix(1000))")
+        }
     }
 
     /// Posts one resource `count` times at once, each sealed anew with one AES key (one app session), all with the
