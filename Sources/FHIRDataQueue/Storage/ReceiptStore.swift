@@ -100,8 +100,8 @@ protocol ReceiptStore: Sendable {
     /// Records the answer given to the request of a receipt (once: an answer recorded already stays).
     func recordAnswer(_ receipt: Receipt) async throws
 
-    /// Which of `digests` a delivery since `since` recorded, with the item delivered (by a receipt of the flush,
-    /// ``CompletedDelivery/digest``).
+    /// Which of `digests` were delivered at `since` or later, each with the item that was (recorded in the journal's
+    /// transaction from ``CompletedDelivery/digest``).
     func deliveredDigests(_ digests: Set<ContentDigest>, since: Date) async throws -> [ContentDigest: UUID]
 
     /// Removes `item` from the queue unsent, journaling it as a ``DeliveryRecord/Event/duplicate`` with `note`.
