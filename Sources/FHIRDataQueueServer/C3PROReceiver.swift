@@ -111,7 +111,11 @@ public struct C3PROReceiver: Sendable {
         }
         for route in ["encfhir", "encfhir/{type}", "fhirenc", "fhirenc/{type}"] {
             router.post(path(route)) { request, context in
-                await measured("encfhir") {
+                // Envelopes forwarded in batches by a dq edge (EnvelopeBatch), or one from a device.
+                if EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) {
+                    return await measured("encfhir_batch") { try await envelopeBatch(request) }
+                }
+                return await measured("encfhir") {
                     try await envelope(request, type: context.parameters.get("type"))
                 }
             }
@@ -278,12 +282,10 @@ public struct C3PROReceiver: Sendable {
         case .failure(let refused): return refused.response
         case .success(let given): key = given
         }
-        var request = request
         let body: ByteBuffer
-        do {
-            body = try await request.collectBody(upTo: configuration.maximumBodyBytes)
-        } catch is NIOTooManyBytesError {
-            return FHIRExchange.outcome(.contentTooLarge, "too-costly", "the body is larger than \(configuration.maximumBodyBytes) bytes")
+        switch try await collectedBody(of: request) {
+        case .failure(let refused): return refused.response
+        case .success(let collected): body = collected
         }
         // The path's type is the sender's word only (the type inside counts once opened): one this queue does not
         // take (a DSTU2 type such as DiagnosticOrder, which C3-PRO apps may name) is queued unnamed, not refused:
@@ -312,6 +314,54 @@ public struct C3PROReceiver: Sendable {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
         return Response(status: .accepted)
+    }
+
+    /// The request's body, up to ``Configuration/maximumBodyBytes``, or the 413 to answer.
+    private func collectedBody(of request: Request) async throws -> Result<ByteBuffer, Refused> {
+        var request = request
+        do {
+            return .success(try await request.collectBody(upTo: configuration.maximumBodyBytes))
+        } catch is NIOTooManyBytesError {
+            return .failure(
+                Refused(
+                    response: FHIRExchange.outcome(
+                        .contentTooLarge, "too-costly", "the body is larger than \(configuration.maximumBodyBytes) bytes")))
+        }
+    }
+
+    /// A batch of envelopes from a `dq serve --role edge` (``EnvelopeBatch``): each checked as ``envelope(_:type:)``
+    /// checks one, then all committed in one transaction, in order, before the 202; any bad one refuses the batch
+    /// (400), nothing stored. Each is kept with the client the edge took it from, under the edge's own id
+    /// (`<edge>/<origin>`), so that the repeat check tells an edge's devices apart and no client can speak for another's.
+    private func envelopeBatch(_ request: Request) async throws -> Response {
+        let client: String
+        switch try await authorize(request) {
+        case .failure(let refused): return refused.response
+        case .success(let authorized): client = authorized
+        }
+        let body: ByteBuffer
+        switch try await collectedBody(of: request) {
+        case .failure(let refused): return refused.response
+        case .success(let collected): body = collected
+        }
+        var envelopes: [(envelope: SealedEnvelope, clientID: String)] = []
+        do {
+            for (index, entry) in try EnvelopeBatch.decode(Data(buffer: body)).enumerated() {
+                let named =
+                    FHIRResource.isValidTypeName(entry.type) && queue.configuration.resourceTypes.accepts(entry.type)
+                    ? entry.type : SealedEnvelope.unnamedType
+                do {
+                    let envelope = try SealedEnvelope(json: entry.envelope, resourceType: named)
+                    envelopes.append((envelope, entry.origin.map { "\(client)/\($0)" } ?? client))
+                } catch let error as DataQueueError {
+                    throw DataQueueError(.invalidResource, "envelope \(index + 1): \(error.message)")
+                }
+            }
+            _ = try await queue.enqueue(forwarded: envelopes)
+        } catch let error as DataQueueError where error.code == .invalidResource {
+            return FHIRExchange.outcome(.badRequest, "invalid", error.message)
+        }
+        return json(.accepted, ["accepted": envelopes.count])
     }
 
     private func plain(_ request: Request, type: String, id: String?) async throws -> Response {

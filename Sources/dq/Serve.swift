@@ -285,6 +285,8 @@ extension DQ {
             encryption.resourceTypes = nil
             if encryption.mode == nil { encryption.mode = .authenticated }
             settings.encryption = encryption
+            // The inside is a dq serve: consecutive envelopes go in batches, committed there all or none, in order.
+            settings.envelopeBatches = true
         }
 
         private func run(

@@ -35,16 +35,30 @@ extension ServeTests {
     }
 
     @Test(
-        "Split trust: a device posts envelopes and plain resources to an edge that holds no key; the inside opens them; all on sekmet once, in order; no plaintext on the edge; the edge killed and restarted while the inside is down loses nothing"
+        "Split trust: a device posts envelopes and plain resources to an edge that holds no key; the inside opens them; all on sekmet once, in order; no plaintext on the edge; the edge killed and restarted while the inside is down loses nothing",
+        arguments: ["sqlite", "postgres"]
     )
-    func edgeAndDecrypt() async throws {
+    func edgeAndDecrypt(store: String) async throws {
         let server = try await FHIRServer.start()
         let keys = try await TestKeys()
         try await install(keys, as: "k1", layout: .pem)
         let insideConfig = try await configure(
             server: server.base, serve: ["role": "decrypt", "plain_fhir": false], name: "inside.json", database: "inside.sqlite")
+        // The inside's queue in SQLite or PostgreSQL (an edge's batch commits with each envelope's client there too).
+        var insideEnvironment = ["HOME": work.path]
+        if store == "postgres" {
+            var root = try #require(
+                try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: insideConfig))) as? [String: Any])
+            root["database"] = try await PostgresTests.freshDatabase()
+            insideEnvironment["PGPASSWORD"] = Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? ""
+            _ = try work.write("inside.json", String(decoding: try JSONSerialization.data(withJSONObject: root), as: UTF8.self))
+        }
+        let insideStatus = { () async throws -> [String: Any] in
+            let result = try await dq(["status", "--json", "--config", insideConfig], insideEnvironment, directory: work.path)
+            return try JSONSerialization.jsonObject(with: Data(result.stdout.utf8)) as? [String: Any] ?? ["stderr": result.stderr]
+        }
         let insidePort = Peers.freePort()
-        var inside = try await start(insideConfig, port: insidePort)
+        var inside = try await start(insideConfig, environment: insideEnvironment, port: insidePort)
         // The edge is a client of the inside receiver, registered as a device would be.
         let edgeClient = try await register(inside.base)
         let edgeConfig = try configureEdge(inside: inside.base, certificate: keys.certificate, client: edgeClient)
@@ -88,7 +102,7 @@ extension ServeTests {
         let third = try await client(edge.base, steps(15..<18))
         #expect(third.count == 3 && third.allSatisfy { $0.status == 202 }, "\(third)")
         #expect(try await counts(edgeConfig).pending == 9, "waiting on the edge while the inside is down")
-        inside = try await start(insideConfig, port: insidePort)
+        inside = try await start(insideConfig, environment: insideEnvironment, port: insidePort)
         #expect(try await eventually(timeout: .seconds(60)) { try await values(server).count >= 18 }, "\(edge.log.suffix(2000))")
         let onServer = try await stored(server)
         #expect(onServer.map(\.0) == expected(18), "once each, in the order posted, across the edge's kill")
@@ -98,6 +112,31 @@ extension ServeTests {
             #expect(content(resource) == content(sent), "\(value) arrived opened and unchanged")
         }
         #expect(try await eventually { try await counts(edgeConfig).delivered == 18 }, "\(edge.log.suffix(2000))")
+        // The edge forwarded in batches (one request, one commit on each side, for many envelopes).
+        let (_, metricsBody) = try await HTTP.get(inside.base + "/metrics")
+        let batches = String(decoding: metricsBody, as: UTF8.self).split(separator: "\n")
+            .first { $0.hasPrefix(#"dq_serve_requests_total{endpoint="encfhir_batch",status="202"}"#) }
+        let batchCount = batches.flatMap { Double($0.split(separator: " ").last ?? "") } ?? 0
+        #expect(batchCount >= 1 && batchCount < 18, "\(batches.map(String.init) ?? "no batch")")
+
+        // Repeats across the split, decided inside: device A sends a resource again with a fresh key wrap (a
+        // duplicate of its own), device B sends the same plaintext device A sent (not a duplicate: another device
+        // behind the same edge).
+        let deviceB = try await register(edge.base)
+        let tokenB = try await self.token(edge.base, deviceB)
+        let repeats = try await client(
+            edge.base,
+            [
+                sealed("/c3pro/fhirenc/Observation", posted[1], certificate: keys.certificate, keyID: "", token: token),
+                sealed("/c3pro/fhirenc/Observation", posted[1], certificate: keys.certificate, keyID: "", token: tokenB),
+            ])
+        #expect(repeats.map(\.status) == [202, 202], "\(repeats)")
+        let settled = try await eventually(timeout: .seconds(60)) {
+            let status = try await insideStatus()
+            return status["duplicates"] as? Int == 1 && status["delivered"] as? Int == 19
+        }
+        let finalStatus = try await insideStatus()
+        #expect(settled, "one duplicate (device A's), device B's delivered: \(finalStatus)")
 
         // The edge never held a readable resource: no marker in its database, WAL or log (the inside opened them).
         let edgeStopped = await edge.stop()

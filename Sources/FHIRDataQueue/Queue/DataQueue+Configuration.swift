@@ -189,6 +189,11 @@ extension DataQueue {
         /// is journaled as a duplicate and not sent again. Applies only to items a receiver queued with their
         /// client. The default is 7 days.
         public var duplicateWindow: TimeInterval = 7 * 86_400
+        /// Whether the encrypted endpoint is a `dq serve` that takes several envelopes in one request
+        /// (`dq serve --role edge` forwarding to the receiver inside sets it): consecutive envelopes then go as one
+        /// batch of up to ``batchSize`` (100 when automatic) and ``batchMaxBytes``, committed there all or none, in
+        /// order. A receiver that refuses a batch gets one envelope per request from then on. The default is false.
+        public var envelopeBatches = false
 
         /// Creates a configuration. Every parameter has the default stated on its property.
         public init(
@@ -444,7 +449,7 @@ extension DataQueue.Configuration: RedactedDescription {
             .plain("capabilityLifetime", capabilityLifetime), .plain("readOnly", readOnly),
             .custom("atRest", atRest.map(\.ids), shown: atRest.map(\.ids)),
             .custom("envelopeKeyring", envelopeKeyring.map(\.directory), shown: envelopeKeyring.map(\.directory)),
-            .plain("duplicateWindow", duplicateWindow),
+            .plain("duplicateWindow", duplicateWindow), .plain("envelopeBatches", envelopeBatches),
         ]
     }
 }

@@ -35,6 +35,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// The items of the current step that were delivered or parked (they leave the prefetched ones).
     private var handled: Set<Int64> = []
     private var batchSize = 1
+    /// Whether the encrypted endpoint still takes envelope batches (``DataQueue/Configuration/envelopeBatches``):
+    /// after a refusal, one envelope per request for the rest of the flush.
+    private var batchesEnvelopes = true
     /// Where this flush's deliveries with a fullUrl went (`Type/id`): their journal commits may still be on
     /// the way when a later item references them.
     private var deliveredHere: [String: String] = [:]
@@ -156,7 +159,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             if try await skipDuplicate() { continue }
             handled = []
             let step: Step
-            if head.info.encrypted && context.configuration.encryptedInFlight > 1 {
+            if head.info.encrypted && context.configuration.envelopeBatches && batchesEnvelopes {
+                step = try await sendEnvelopeBatch(maximum: min(context.configuration.batchSize ?? 100, left))
+            } else if head.info.encrypted && context.configuration.encryptedInFlight > 1 {
                 step = try await sendEnvelopes(maximum: min(context.configuration.encryptedInFlight, left))
             } else {
                 let run = try await compose(maximum: min(batchSize, left))
@@ -584,6 +589,58 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             }
         }
         return .next
+    }
+
+    /// Sends the next envelopes as one batch (``EnvelopeBatch``) to a `dq serve` that takes them: it commits all or
+    /// none, in order, so one request (and one journal commit here) carries up to `maximum` of them, each with the
+    /// client it came from. A refusal (a receiver that takes no batches, or one it cannot read) sends the head alone,
+    /// and one envelope per request after it.
+    private func sendEnvelopeBatch(maximum: Int) async throws -> Step {
+        var group: [Prepared] = []
+        var bytes = 0
+        for stored in prefetched {
+            guard group.count < maximum, stored.info.encrypted else { break }
+            let prepared = try prepare(stored)
+            if prepared.failure != nil {
+                // It cannot go (its seal at rest does not open): parked alone, and the batch ends before it.
+                if group.isEmpty { return try await sendSingle(prepared) }
+                break
+            }
+            if !group.isEmpty && bytes + prepared.body.count > context.configuration.batchMaxBytes { break }
+            bytes += prepared.body.count + 64
+            group.append(prepared)
+        }
+        if group.count == 1 { return try await sendSingle(group[0]) }
+        let body = EnvelopeBatch.encode(
+            group.map { EnvelopeBatch.Entry(origin: $0.stored.clientID, type: $0.item.resourceType, envelope: $0.body) })
+        let request = OutgoingRequest(
+            method: .post, url: try context.endpoints.endpoint(encrypted: true), contentType: EnvelopeBatch.contentType,
+            body: body)
+        let first = group[0].item
+        let result = try await send(request, first: first, encrypted: true)
+        switch result {
+        case .delivered(let response, _):
+            for prepared in group {
+                record(
+                    prepared, status: response.status, location: nil, contentLocation: nil, etag: nil, answer: nil,
+                    conditional: false, bundle: nil, entries: nil)
+            }
+            try recorder.check()
+            context.logger.debug("delivered an envelope batch", metadata: ["envelopes": "\(group.count)"])
+            return .next
+        case .rejected(let status, let message, _):
+            batchesEnvelopes = false
+            context.logger.notice(
+                "the encrypted endpoint refused an envelope batch; sending one envelope per request",
+                metadata: ["status": "\(status.map(String.init) ?? "-")", "reason": "\(message)"])
+            return .next
+        case .transient(let status, let message, let retryAfter, _):
+            try await recordTransient(first, status: status, message: message, retryAfter: retryAfter)
+            return .stop
+        case .authentication(let status, let message):
+            try await recordAuthentication(first, status: status, message: message)
+            return .stop
+        }
     }
 
     /// Sends the next encrypted items at once (`encryption.in_flight`), then records every answer in queue order:

@@ -179,6 +179,7 @@ extension DataQueueSettings {
         configuration.atRest = try resolveAtRest()
         configuration.envelopeKeyring = envelopeKeyring
         if let duplicateWindow { configuration.duplicateWindow = duplicateWindow }
+        configuration.envelopeBatches = envelopeBatches
         return Resolved(
             server: serverURL, configuration: configuration, authorization: authorization,
             encryption: try encryption.map(resolveEncryption))
@@ -194,6 +195,7 @@ extension DataQueueSettings {
         configuration.atRest = try resolveAtRest()
         configuration.envelopeKeyring = envelopeKeyring
         if let duplicateWindow { configuration.duplicateWindow = duplicateWindow }
+        configuration.envelopeBatches = envelopeBatches
         return configuration
     }
 

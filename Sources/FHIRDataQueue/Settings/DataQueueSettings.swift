@@ -65,6 +65,9 @@ package struct DataQueueSettings: Sendable {
     /// How long `dq serve` recognises repeats (from `serve.dedupe_window_days`; see
     /// ``DataQueue/Configuration/duplicateWindow``); nil: the default.
     package var duplicateWindow: TimeInterval?
+    /// Whether envelopes go to the encrypted endpoint in batches (`dq serve --role edge`; see
+    /// ``DataQueue/Configuration/envelopeBatches``).
+    package var envelopeBatches = false
     /// The directory that relative paths (keys, certificates, credentials) are relative to: the settings file's.
     package var baseDirectory: String?
     /// The file the settings were read from, if any.

@@ -71,7 +71,10 @@ extension PostgresQueueStore {
         _ items: [NewItem], client: PostgresClient, statements: PreparedStatements, logger: Logger
     ) async throws -> [Int64] {
         guard !items.isEmpty else { return [] }
-        guard items.count > statementRows else {
+        // A receiver's items carry their client (a batch an edge forwarded), which the one-statement procedures do not
+        // store: they take the transaction below, which does.
+        let clients = items.contains { $0.clientID != nil }
+        guard items.count > statementRows || clients else {
             let first =
                 items.count == 1
                 ? try await statements.single(EnqueueOne(item: items[0]), client: client, logger: logger)
@@ -87,6 +90,15 @@ extension PostgresQueueStore {
                 let insert = itemInsertSQL(base: 0, first: String(first + Int64(start)))
                 try await connection.query(PostgresQuery(unsafeSQL: insert, binds: bindings), logger: logger)
                 answered()
+            }
+            if clients {
+                let sequences = items.indices.filter { items[$0].clientID != nil }.map { first + Int64($0) }
+                let ids = items.compactMap(\.clientID)
+                try await connection.query(
+                    """
+                    UPDATE dq_item SET client_id = c.client FROM unnest(\(sequences)::bigint[], \(ids)::text[]) AS c(seq, client)
+                    WHERE dq_item.seq = c.seq
+                    """, logger: logger)
             }
             for queue in Set(items.map(\.queue)) {
                 _ = try await connection.query("SELECT pg_notify('dq_enqueue', \(queue))", logger: logger).collect()
