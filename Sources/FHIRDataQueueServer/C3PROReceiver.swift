@@ -49,6 +49,11 @@ public struct C3PROReceiver: Sendable {
         /// instead of a secret: client id → its public key set (JWKS JSON). Edges forwarding to a decrypting
         /// receiver are such clients. Empty by default.
         public var clientKeySets: [String: String] = [:]
+        /// Where resources go by the envelope's `version` or the resource type (C3-PRO deployments forwarded by
+        /// version): the first route that matches names the queue (its own server, order, backoff and metrics);
+        /// unmatched resources go to the receiver's queue. An envelope's type is the one its path names (it is
+        /// sealed); a plain resource has no version. Empty by default.
+        public var routes: [Route] = []
 
         /// A configuration with C3-PRO's defaults.
         public init(
@@ -67,7 +72,30 @@ public struct C3PROReceiver: Sendable {
         }
     }
 
-    /// The queue envelopes and resources are committed to.
+    /// A route: resources that match go to its queue instead of the receiver's (``Configuration/routes``).
+    public struct Route: Sendable {
+        /// What a route matches.
+        public enum Match: Sendable, Equatable {
+            /// An envelope of this `version` (0.5.0, 1.0.2, 3.0.0...).
+            case version(String)
+            /// A resource of this type (an envelope: the type its path names).
+            case resourceType(String)
+        }
+
+        /// What it matches.
+        public var match: Match
+        /// Where what it matches is queued; the same database as the receiver's queue (its clients, tokens and
+        /// receipts are there).
+        public var queue: DataQueue
+
+        /// A route of `match` to `queue`.
+        public init(_ match: Match, to queue: DataQueue) {
+            self.match = match
+            self.queue = queue
+        }
+    }
+
+    /// The queue envelopes and resources are committed to (unless a route takes them).
     public let queue: DataQueue
     /// How the receiver answers.
     public let configuration: Configuration
@@ -307,13 +335,24 @@ public struct C3PROReceiver: Sendable {
         }
         let idempotency = key.map { IdempotentRequest(key: $0, fingerprint: fingerprint, answer: (202, nil, Data())) }
         do {
-            if case .repeated(let first) = try await queue.enqueue(envelope, from: client, idempotency: idempotency) {
+            let target = route(version: envelope.version, type: named)
+            if case .repeated(let first) = try await target.enqueue(envelope, from: client, idempotency: idempotency) {
                 return try await answerRepeat(first, fingerprint: fingerprint)
             }
         } catch let error as DataQueueError where error.code == .invalidResource {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
         return Response(status: .accepted)
+    }
+
+    /// The queue of the first route that matches, else the receiver's.
+    private func route(version: String?, type: String) -> DataQueue {
+        configuration.routes.first { route in
+            switch route.match {
+            case .version(let wanted): wanted == version
+            case .resourceType(let wanted): wanted == type
+            }
+        }?.queue ?? queue
     }
 
     /// The request's body, up to ``Configuration/maximumBodyBytes``, or the 413 to answer.
@@ -357,7 +396,17 @@ public struct C3PROReceiver: Sendable {
                     throw DataQueueError(.invalidResource, "envelope \(index + 1): \(error.message)")
                 }
             }
-            _ = try await queue.enqueue(forwarded: envelopes)
+            // One transaction per route's queue, each in the batch's order; without routes, the whole batch.
+            var targets: [(queue: DataQueue, envelopes: [(envelope: SealedEnvelope, clientID: String)])] = []
+            for forwarded in envelopes {
+                let target = route(version: forwarded.envelope.version, type: forwarded.envelope.resourceType)
+                if let index = targets.firstIndex(where: { $0.queue === target }) {
+                    targets[index].envelopes.append(forwarded)
+                } else {
+                    targets.append((target, [forwarded]))
+                }
+            }
+            for target in targets { _ = try await target.queue.enqueue(forwarded: target.envelopes) }
         } catch let error as DataQueueError where error.code == .invalidResource {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
@@ -393,11 +442,12 @@ public struct C3PROReceiver: Sendable {
             return try await answerRepeat(first, fingerprint: fingerprint)
         }
         let idempotency = key.map { IdempotentRequest(key: $0, fingerprint: fingerprint) }
+        let target = route(version: nil, type: resource.resourceType)
         let item: QueuedItem
         do {
             // A queue that seals what it takes (an edge's) posts every envelope: the update is the opener's to make.
             let sealing = queue is EncryptedDataQueue && queue.defaultMethod(for: resource) == .post
-            switch try await queue.enqueue(resource, method: id == nil || sealing ? .post : .put, from: client, idempotency: idempotency) {
+            switch try await target.enqueue(resource, method: id == nil || sealing ? .post : .put, from: client, idempotency: idempotency) {
             case .queued(let queued): item = queued
             case .repeated(let first): return try await answerRepeat(first, fingerprint: fingerprint)
             }
@@ -410,7 +460,7 @@ public struct C3PROReceiver: Sendable {
         let deadline = ContinuousClock.now + configuration.deliveryWait
         var answer: Answer
         while true {
-            if let made = Answer.of(try await queue.journalRecord(item.id.uuidString.lowercased()), item: item.id) {
+            if let made = Answer.of(try await target.journalRecord(item.id.uuidString.lowercased()), item: item.id) {
                 answer = made
                 break
             }

@@ -59,13 +59,16 @@ struct ServeSettings: Sendable, Equatable {
     var edges: [String: String] = [:]
     /// `tls`: `{"certificate", "key"}`, PEM files: serve HTTPS in process (read again on SIGHUP); none: plain HTTP.
     var tls: ServeTLSSettings?
+    /// `routes`: resources that go to another FHIR server, by the envelope's version or the resource type: each
+    /// `{"version": "1.0.2" | "resource_type": "Observation", "server": "https://…/fhir"}`, the first match wins.
+    var routes: [ServeRoute] = []
     /// Whether the file has a `serve` object at all.
     var present = false
 
     static let keys: Set<String> = [
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
         "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
-        "body_timeout_seconds", "dedupe_window_days", "role", "forward_to", "forward_certificate", "forward_key_id", "edges",
+        "body_timeout_seconds", "dedupe_window_days", "role", "forward_to", "forward_certificate", "forward_key_id", "edges", "routes",
         "tls",
     ]
 
@@ -132,6 +135,20 @@ struct ServeSettings: Sendable, Equatable {
             else { throw invalid("\"serve.edges\" must be an object of client id → JWKS file") }
             settings.edges = files.mapValues { $0.hasPrefix("/") ? $0 : base.appendingPathComponent($0).path }
         }
+        if let value = object["routes"] {
+            let form = "\"serve.routes\" must be a list of {\"version\" or \"resource_type\", \"server\"}"
+            guard let list = value as? [Any] else { throw invalid(form) }
+            settings.routes = try list.enumerated().map { index, element in
+                guard let route = element as? [String: Any], Set(route.keys).isSubset(of: ["version", "resource_type", "server"]),
+                    let server = route["server"] as? String, (route["version"] == nil) != (route["resource_type"] == nil),
+                    let matched = (route["version"] ?? route["resource_type"]) as? String, !matched.isEmpty
+                else { throw invalid("\(form) (route \(index + 1))") }
+                guard let url = URL(string: server), ["http", "https"].contains(url.scheme?.lowercased() ?? ""), url.host != nil else {
+                    throw invalid("\"serve.routes\" route \(index + 1): \"server\" must be an http(s) URL with a host")
+                }
+                return ServeRoute(version: route["version"] as? String, resourceType: route["resource_type"] as? String, server: server)
+            }
+        }
         return settings
     }
 
@@ -162,6 +179,16 @@ struct ServeSettings: Sendable, Equatable {
         }
         return secrets
     }
+}
+
+/// One of `serve.routes`.
+struct ServeRoute: Sendable, Equatable {
+    /// The envelope version it matches, or
+    var version: String?
+    /// the resource type it matches.
+    var resourceType: String?
+    /// The FHIR server what it matches goes to.
+    var server: String
 }
 
 /// What a `dq serve` process is in a deployment (`serve.role`, `--role`).
@@ -271,6 +298,9 @@ extension DQ {
                     "\"serve.forward_certificate\" and \"serve.forward_key_id\" are required with role edge: plain resources are sealed for the inside receiver's key"
                 )
             }
+            guard serve.routes.isEmpty else {
+                throw refuse("an edge forwards everything to \"serve.forward_to\": \"serve.routes\" belong to the decrypting receiver")
+            }
             guard settings.server == nil, settings.encryption?.endpoint == nil else {
                 throw refuse(
                     "an edge forwards everything to \"serve.forward_to\": remove \"server\" and \"encryption.endpoint\" (they belong to the decrypting receiver)"
@@ -287,6 +317,20 @@ extension DQ {
             settings.encryption = encryption
             // The inside is a dq serve: consecutive envelopes go in batches, committed there all or none, in order.
             settings.envelopeBatches = true
+        }
+
+        /// A queue for each route, in the receiver's database, with the queue's settings but the route's server.
+        static func routeQueues(_ routes: [ServeRoute], settings: DataQueueSettings, logger: Logger) async throws
+            -> [C3PROReceiver.Route]
+        {
+            var made: [C3PROReceiver.Route] = []
+            for route in routes {
+                var routed = settings
+                routed.server = route.server
+                let queue = try await routed.makeQueue(logger: logger)
+                made.append(.init(route.version.map { .version($0) } ?? .resourceType(route.resourceType ?? ""), to: queue))
+            }
+            return made
         }
 
         private func run(
@@ -323,9 +367,10 @@ extension DQ {
                 // device reads (no Location), so a plain resource is answered 202 once it is committed.
                 deliveryWait: options.role == .edge ? .zero : .seconds(2))
             receiving.clientKeySets = try options.edgeKeySets()
+            receiving.routes = try await Self.routeQueues(options.routes, settings: settings, logger: logger)
             let receiver = try C3PROReceiver(queue: queue, configuration: receiving, logger: Logger(label: "dq.serve"))
             let delivery = DataQueueService(
-                queues: [queue],
+                queues: [queue] + receiving.routes.map(\.queue),
                 configuration: .init(
                     pollInterval: .milliseconds(Int64((pollInterval ?? daemon.pollIntervalSeconds ?? 1) * 1000)),
                     drainTimeout: .milliseconds(Int64((daemon.drainTimeoutSeconds ?? 10) * 1000)),
@@ -357,6 +402,7 @@ extension DQ {
             // The application's group runs the listener and the delivery; SIGTERM or SIGINT stop both gracefully: the
             // requests on the wire are answered, the journal committed.
             try await app.runService()
+            for route in receiving.routes { try? await route.queue.shutdown() }
         }
     }
 }
@@ -423,6 +469,7 @@ struct ServeReload: Service {
             ("dedupe_window_days", { "\($0.dedupeWindowDays)" }), ("role", { $0.role.rawValue }),
             ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
             ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),
+            ("routes", { $0.routes.description }),
             ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),
         ]
         return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)

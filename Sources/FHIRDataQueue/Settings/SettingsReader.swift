@@ -162,9 +162,15 @@ package struct SettingsFile: StaticSettingsProvider {
         self.objects = objects
         self.keys = keys
         let secrets = Set(keys.all.filter(\.isSecret).map(\.name))
+        // A command's own object (`serve`, with its lists of objects such as routes) is read by the command: the
+        // snapshot, which takes lists of plain values only, gets the rest.
+        var snapshot = data
+        if object.keys.contains(where: keys.commandObjects.contains) {
+            snapshot = try JSONSerialization.data(withJSONObject: object.filter { !keys.commandObjects.contains($0.key) })
+        }
         do {
             json = try JSONSnapshot(
-                data: data.bytes, providerName: SettingsReader.fileName, parsingOptions: .init(secretsSpecifier: .specific(secrets)))
+                data: snapshot.bytes, providerName: SettingsReader.fileName, parsingOptions: .init(secretsSpecifier: .specific(secrets)))
         } catch {
             throw DataQueueSettings.configError("\(source) holds a value dq cannot read (a list of lists, or of mixed types?)")
         }
