@@ -122,6 +122,16 @@ public struct C3PROReceiver: Sendable {
         self.logger = logger
     }
 
+    /// Loads the key sets of ``Configuration/clientKeySets`` (a host calls it once, before serving).
+    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming a key that cannot be used.
+    public func loadClientKeySets() async throws {
+        do {
+            try await assertions.load()
+        } catch {
+            throw DataQueueError(.invalidConfiguration, error.description)
+        }
+    }
+
     /// Replaces the `Antispam` values `register` accepts, while it serves (the antispam file read again on SIGHUP).
     public func replaceAntispamSecrets(_ secrets: [String]) {
         antispam.secrets.withLock { $0 = secrets }
@@ -385,13 +395,20 @@ public struct C3PROReceiver: Sendable {
         }
         var envelopes: [(envelope: SealedEnvelope, clientID: String)] = []
         do {
-            for (index, entry) in try EnvelopeBatch.decode(Data(buffer: body)).enumerated() {
+            let entries = try EnvelopeBatch.decode(Data(buffer: body))
+            guard entries.count <= EnvelopeBatch.maximumEntries else {
+                return FHIRExchange.outcome(
+                    .contentTooLarge, "too-costly", "an envelope batch holds at most \(EnvelopeBatch.maximumEntries) envelopes")
+            }
+            // `<edge>/<origin>`, the edge's id with its `/` and `%` escaped: no client's origin can name another's.
+            let edge = client.replacingOccurrences(of: "%", with: "%25").replacingOccurrences(of: "/", with: "%2F")
+            for (index, entry) in entries.enumerated() {
                 let named =
                     FHIRResource.isValidTypeName(entry.type) && queue.configuration.resourceTypes.accepts(entry.type)
                     ? entry.type : SealedEnvelope.unnamedType
                 do {
                     let envelope = try SealedEnvelope(json: entry.envelope, resourceType: named)
-                    envelopes.append((envelope, entry.origin.map { "\(client)/\($0)" } ?? client))
+                    envelopes.append((envelope, entry.origin.map { "\(edge)/\($0)" } ?? client))
                 } catch let error as DataQueueError {
                     throw DataQueueError(.invalidResource, "envelope \(index + 1): \(error.message)")
                 }

@@ -63,6 +63,24 @@ final class ClientAssertionVerifier: Sendable {
     /// Whether `client` authenticates with a key set here.
     func knows(_ client: String) -> Bool { keySets[client] != nil }
 
+    /// Loads every client's keys into jwt-kit now (a host calls it at start, through
+    /// ``C3PROReceiver/loadClientKeySets()``): a key jwt-kit cannot use is named then, not refused at each token request.
+    /// - Throws: ``Refusal`` naming the client and the key.
+    func load() async throws(Refusal) {
+        for (client, jwks) in keySets.sorted(by: { $0.key < $1.key }) {
+            let collection = JWTKeyCollection()
+            for jwk in jwks {
+                do {
+                    try await collection.add(jwk: jwk)
+                } catch {
+                    throw Refusal(
+                        description: "a key of client \(client)'s key set cannot be used (\(jwk.keyIdentifier?.string ?? "no kid"))")
+                }
+            }
+            collections.withLock { $0[client] = collection }
+        }
+    }
+
     /// The client's keys for jwt-kit, made on first use.
     private func collection(for client: String) async -> JWTKeyCollection? {
         if let made = collections.withLock({ $0[client] }) { return made }

@@ -369,6 +369,7 @@ extension DQ {
             receiving.clientKeySets = try options.edgeKeySets()
             receiving.routes = try await Self.routeQueues(options.routes, settings: settings, logger: logger)
             let receiver = try C3PROReceiver(queue: queue, configuration: receiving, logger: Logger(label: "dq.serve"))
+            try await receiver.loadClientKeySets()
             let delivery = DataQueueService(
                 queues: [queue] + receiving.routes.map(\.queue),
                 configuration: .init(

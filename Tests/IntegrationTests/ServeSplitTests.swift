@@ -182,6 +182,17 @@ extension ServeTests {
             try await eventually(timeout: .seconds(60)) { try await values(server).count >= 3 },
             "\(edge.log.suffix(2000)) \(inside.log.suffix(2000))")
         #expect(try await values(server) == ["j0", "j1", "j2"])
+        // A device's update through the edge (sealed there, a create on the wire to the inside) is an update on the
+        // server: the opener PUTs a resource with an id, as C3-PRO's consumer PUT a Patient.
+        let patientID = "p-" + UUID().uuidString.prefix(8).lowercased()
+        let patient = #"{"resourceType":"Patient","id":"\#(patientID)","active":true,"name":[{"family":"Edge"}]}"#
+        let put = try await client(
+            edge.base, [["path": "/c3pro/fhir/Patient/\(patientID)", "method": "PUT", "bearer": token, "fhir": patient]])
+        #expect(put.first?.status == 202, "\(put)")
+        let updated = try await eventually(timeout: .seconds(60)) {
+            (try? await HTTP.get("\(server.base)/Patient/\(patientID)"))?.0 == 200
+        }
+        #expect(updated, "Patient/\(patientID) on the server under its own id: \(inside.log.suffix(1500))")
         // An assertion that is not a signed JWT, and one without its type: refused, no token.
         let refused = try await client(
             inside.base,
@@ -200,6 +211,30 @@ extension ServeTests {
         #expect(basic.first?.status == 401, "\(basic)")
         _ = await edge.stop()
         _ = await inside.stop()
+    }
+
+    @Test("Updates are not repeats: PUT A, B, then A again of one Patient through dq serve leaves A on the server")
+    func updatesAreNotRepeats() async throws {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: server.base)
+        let receiver = try await start(config)
+        let device = try await register(receiver.base)
+        let token = try await self.token(receiver.base, device)
+        let id = "u-" + UUID().uuidString.prefix(8).lowercased()
+        func patient(_ family: String) -> Step {
+            let body = #"{"resourceType":"Patient","id":"\#(id)","name":[{"family":"\#(family)"}]}"#
+            return ["path": "/c3pro/fhir/Patient/\(id)", "method": "PUT", "bearer": token, "fhir": body]
+        }
+        let answers = try await client(receiver.base, [patient("Alpha"), patient("Beta"), patient("Alpha")])
+        #expect(answers.allSatisfy { [200, 201, 202].contains($0.status) }, "\(answers)")
+        #expect(try await eventually(timeout: .seconds(60)) { try await counts(config).delivered == 3 }, "\(receiver.log.suffix(2000))")
+        let (status, body) = try await HTTP.get("\(server.base)/Patient/\(id)")
+        let stored = (try? JSONSerialization.jsonObject(with: body)) as? [String: Any]
+        let family = ((stored?["name"] as? [[String: Any]])?.first?["family"] as? String) ?? ""
+        #expect(status == 200 && family == "Alpha", "the last update is on the server: \(String(decoding: body, as: UTF8.self))")
+        _ = await receiver.stop()
     }
 
     /// What the receiver stores as the secret hash of a client with a key set; it must verify no secret.

@@ -115,12 +115,16 @@ public final class EnvelopeKeyring: Sendable {
     /// Reads the states file (once; ``reloadStates()`` reads it again) and throws when it does not read, names a key
     /// the directory does not hold, or retires the default key; the keys themselves are not read.
     public func checkStates() throws(Failure) {
+        try validate(try keyStates())
+    }
+
+    /// Throws when `states` names a key the directory does not hold, or retires the default key.
+    private func validate(_ states: KeyStates) throws(Failure) {
         let ids = keyIDs()
-        let read = try keyStates()
-        if let absent = read.byID.keys.sorted().first(where: { !ids.contains($0) }) {
+        if let absent = states.byID.keys.sorted().first(where: { !ids.contains($0) }) {
             throw .invalidStates("it names key \(FHIRResource.printable(absent)), which is not in the keys directory")
         }
-        if let defaultKeyID, read.byID[defaultKeyID] == .retired {
+        if let defaultKeyID, states.byID[defaultKeyID] == .retired {
             throw .invalidStates("the default key \(FHIRResource.printable(defaultKeyID)) (\"serve.default_key_id\") is retired")
         }
     }
@@ -159,8 +163,14 @@ public final class EnvelopeKeyring: Sendable {
     /// read before stay.
     public func reloadStates() throws(Failure) {
         let read = Self.readStates(directory)
-        if case .failure(let failure) = read { throw failure }
-        states.withLock { $0 = read }
+        guard case .success(let states) = read else {
+            if case .failure(let failure) = read { throw failure }
+            return
+        }
+        // The checks of a start, on the file read now: a file that would not start dq serve does not replace the
+        // running states (a retired default key would quarantine every envelope with an empty key_id).
+        try validate(states)
+        self.states.withLock { $0 = read }
     }
 
     /// The envelopes opened per key id since the last call (what a flush adds to the queue's durable counts), and

@@ -10,6 +10,8 @@ import Foundation
 package enum EnvelopeBatch {
     /// The media type of a batch.
     package static let contentType = "application/vnd.dq.envelope-batch+json"
+    /// The most envelopes a receiver takes in one batch, and an edge sends (fewer when `batch_size` says so).
+    package static let maximumEntries = 1000
 
     /// One envelope of a batch.
     package struct Entry: Sendable, Equatable {

@@ -160,7 +160,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             handled = []
             let step: Step
             if head.info.encrypted && context.configuration.envelopeBatches && batchesEnvelopes {
-                step = try await sendEnvelopeBatch(maximum: min(context.configuration.batchSize ?? 100, left))
+                step = try await sendEnvelopeBatch(
+                    maximum: min(context.configuration.batchSize ?? 100, EnvelopeBatch.maximumEntries, left))
             } else if head.info.encrypted && context.configuration.encryptedInFlight > 1 {
                 step = try await sendEnvelopes(maximum: min(context.configuration.encryptedInFlight, left))
             } else {
@@ -230,7 +231,10 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                     exhausted = true
                     return
                 }
-                if item.digest == nil, let client = item.clientID, !item.info.encrypted, item.unreadable == nil {
+                // Creates only: an update sent again (A, B, then A) is a change, not a repeat.
+                if item.digest == nil, let client = item.clientID, !item.info.encrypted, item.unreadable == nil,
+                    item.info.method == .post
+                {
                     item.digest = ContentDigest(clientID: client, plaintext: item.body)
                 }
                 prefetched.append(item)
@@ -284,15 +288,21 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         do {
             let resource = try keyring.open(stored.body)
             let info = stored.info
+            // As a queue sends a resource it is given (DataQueue.defaultMethod): one with an id is an update (C3-PRO's
+            // consumer PUT a Patient; an edge seals a device's PUT), a transaction or batch Bundle goes to the base,
+            // any other is a create (conditional, so a repeat finds the first).
+            let bundle = resource.isTransactionOrBatch
+            let update = resource.id != nil && !bundle
             opened.info = QueuedItem(
-                sequence: info.sequence, id: info.id, queue: info.queue, method: .post, url: resource.resourceType,
-                resourceType: resource.resourceType, resourceID: nil, encrypted: false, state: info.state,
+                sequence: info.sequence, id: info.id, queue: info.queue, method: update ? .put : .post,
+                url: bundle ? "" : update ? "\(resource.resourceType)/\(resource.id ?? "")" : resource.resourceType,
+                resourceType: resource.resourceType, resourceID: update ? resource.id : nil, encrypted: false, state: info.state,
                 attempts: info.attempts, enqueuedAt: info.enqueuedAt, lastAttemptAt: info.lastAttemptAt,
                 lastStatus: info.lastStatus, lastError: info.lastError, outcome: info.outcome, size: resource.data.count)
             opened.body = resource.data
             opened.digest = stored.clientID.map { ContentDigest(clientID: $0, plaintext: resource.data) }
             opened.contentType = "application/fhir+json"
-            opened.conditionalCreate = true
+            opened.conditionalCreate = !update && !bundle
         } catch {
             opened.unreadable = DataQueue.quarantinePrefix + error.description
         }
@@ -619,7 +629,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         let first = group[0].item
         let result = try await send(request, first: first, encrypted: true)
         switch result {
-        case .delivered(let response, _):
+        case .delivered(let response, _) where Self.acceptedCount(response.body) == group.count:
             for prepared in group {
                 record(
                     prepared, status: response.status, location: nil, contentLocation: nil, etag: nil, answer: nil,
@@ -627,6 +637,14 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             }
             try recorder.check()
             context.logger.debug("delivered an envelope batch", metadata: ["envelopes": "\(group.count)"])
+            return .next
+        case .delivered(let response, _):
+            // A 2xx that does not count the batch's envelopes is no dq serve's answer (a receiver that takes one
+            // envelope, a proxy): nothing of it is counted as delivered; one envelope per request from here.
+            batchesEnvelopes = false
+            context.logger.notice(
+                "the encrypted endpoint answered an envelope batch without counting it; sending one envelope per request",
+                metadata: ["status": "\(response.status)"])
             return .next
         case .rejected(let status, let message, _):
             batchesEnvelopes = false
@@ -641,6 +659,11 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             try await recordAuthentication(first, status: status, message: message)
             return .stop
         }
+    }
+
+    /// The `accepted` count of a receiver's answer to an envelope batch (`{"accepted": n}`), if it is one.
+    private static func acceptedCount(_ body: Data) -> Int? {
+        ((try? JSONSerialization.jsonObject(with: body)) as? [String: Any])?["accepted"] as? Int
     }
 
     /// Sends the next encrypted items at once (`encryption.in_flight`), then records every answer in queue order:
