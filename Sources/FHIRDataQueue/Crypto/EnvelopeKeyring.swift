@@ -238,7 +238,7 @@ public final class EnvelopeKeyring: Sendable {
     /// Counts `dq_envelopes_opened_total{key_id}` and `dq_envelopes_quarantined_total{key_id,reason}` (a key id
     /// the directory does not hold is counted as `unknown`: what a sender writes there is not a label).
     ///
-    /// Each envelope opened is also counted for ``takeOpenCounts()``.
+    /// Each envelope opened is also counted per key id, for the durable counts `dq serve keys` shows.
     public func open(_ envelope: Data) throws(Failure) -> FHIRResource {
         do {
             let (resource, id) = try openCounted(envelope)
