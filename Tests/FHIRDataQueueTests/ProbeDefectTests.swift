@@ -129,9 +129,13 @@ struct ProbeDefectTests {
     @Test("A static bearer token the server refuses is not sent again at once: one request, an authentication stop")
     func staticTokenRefusedOnce() async throws {
         let server = try await ScriptedServer { _ in .respond(.init(status: 401, body: "")) }
+        // A backoff far longer than the test, so that the second flush is inside it however slow the machine (under
+        // ThreadSanitizer the default first delay passed between the two flushes, and the second one sent again).
+        var configuration = DataQueue.Configuration(databasePath: scratch.url.appendingPathComponent("q.sqlite").path)
+        configuration.retryPolicy.initialDelay = 3600
+        configuration.retryPolicy.maximumDelay = 3600
         let queue = try await DataQueue(
-            baseURL: URL(string: server.baseURL + "/fhir")!,
-            configuration: DataQueue.Configuration(databasePath: scratch.url.appendingPathComponent("q.sqlite").path),
+            baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration,
             authorization: StaticBearerToken("refused-token"))
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
         let report = try await queue.flush()

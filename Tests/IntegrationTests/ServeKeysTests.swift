@@ -101,6 +101,11 @@ extension ServeTests {
         let still = try await client(receiver.base, [sealedUnder(old, "k1", "r2")])
         #expect(still.first?.status == 202, "\(still)")
         #expect(try await eventually { try await quarantined().count == 3 }, "still retired: \(receiver.log.suffix(2000))")
+        // A file that reads but names a key the directory does not hold: refused on SIGHUP as it is at start.
+        try #"{"k1": "retired", "k2": "active", "k9": "retired"}"#.write(toFile: states, atomically: true, encoding: .utf8)
+        receiver.process.kill(SIGHUP)
+        let refusedTwice = try await eventually { receiver.log.components(separatedBy: "reload refused").count == 3 }
+        #expect(refusedTwice, "\(receiver.log.suffix(2000))")
 
         // k1 made decrypt-only (no longer named), SIGHUP, and the quarantine replayed: delivered, and counted.
         try #"{"k2": "active"}"#.write(toFile: states, atomically: true, encoding: .utf8)

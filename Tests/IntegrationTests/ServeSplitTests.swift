@@ -237,6 +237,66 @@ extension ServeTests {
         _ = await receiver.stop()
     }
 
+    @Test(
+        "An edge whose inside answers a batch 2xx without counting it (no dq serve) counts none of it delivered and sends each envelope alone"
+    )
+    func edgeBatchNotCounted() async throws {
+        let keys = try await TestKeys()
+        let port = Peers.freePort()
+        let log = work.file("fake-inside.log")
+        let script = try work.write("fake-inside.py", Self.fakeInside)
+        _ = try work.write("antispam.txt", "\(antispam)\n")
+        let edgeConfig = try configureEdge(inside: "http://127.0.0.1:\(port)", certificate: keys.certificate, client: ("edge", "s"))
+        let edge = try await start(edgeConfig)
+        let device = try await register(edge.base)
+        let token = try await self.token(edge.base, device)
+        // Queued while nothing listens at the inside's address, so that the edge's next attempt is a batch of four.
+        let answers = try await client(
+            edge.base,
+            (0..<4).map {
+                sealed("/c3pro/encfhir/Observation", observation("b\($0)"), certificate: keys.certificate, keyID: "k1", token: token)
+            })
+        #expect(answers.map(\.status) == [202, 202, 202, 202], "\(answers)")
+        let fake = try ChildProcess(Peers.venv + "/bin/python", [script, String(port), log])
+        defer { fake.killInBackground() }
+        let settled = try await eventually(timeout: .seconds(60)) { try await counts(edgeConfig).delivered == 4 }
+        let seen = (try? String(contentsOfFile: log, encoding: .utf8)) ?? ""
+        #expect(settled, "\(seen) \(edge.log.suffix(2000))")
+        #expect(seen.split(separator: "\n") == ["batch 4", "single", "single", "single", "single"], "\(seen)")
+        _ = await edge.stop()
+    }
+
+    /// A receiver that takes one envelope per request and answers a batch 202 with an empty body (as a C3-PRO
+    /// servlet or a proxy would): `fake-inside.py PORT LOG`; each request is a line of LOG.
+    static let fakeInside = #"""
+        import json, sys
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path.endswith("/oauth"):
+                    answer = json.dumps({"access_token": "t", "token_type": "bearer", "expires_in": 3600}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                    return
+                kind = self.headers.get("Content-Type", "")
+                line = "batch %d" % len(json.loads(body)) if "envelope-batch" in kind else "single"
+                with open(sys.argv[2], "a") as log:
+                    log.write(line + "\n")
+                self.send_response(202)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+        """#
+
     /// What the receiver stores as the secret hash of a client with a key set; it must verify no secret.
     static let keySetOnlyHash = "private_key_jwt"
 
