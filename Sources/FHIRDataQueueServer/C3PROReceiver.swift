@@ -307,18 +307,23 @@ public struct C3PROReceiver: Sendable {
         return .success(client)
     }
 
+    /// The client a request's bearer token was issued to and the request's `Idempotency-Key` (if any), or the
+    /// refusal to answer (401, or 400 for a malformed key).
+    private func authorizedWithKey(_ request: Request) async throws -> Result<(client: String, key: String?), Refused> {
+        switch try await authorize(request) {
+        case .failure(let refused): return .failure(refused)
+        case .success(let client): return Self.idempotencyKey(request).map { (client, $0) }
+        }
+    }
+
     // MARK: - Envelopes and plain resources
 
     private func envelope(_ request: Request, type: String?) async throws -> Response {
         let client: String
-        switch try await authorize(request) {
-        case .failure(let refused): return refused.response
-        case .success(let authorized): client = authorized
-        }
         let key: String?
-        switch Self.idempotencyKey(request) {
+        switch try await authorizedWithKey(request) {
         case .failure(let refused): return refused.response
-        case .success(let given): key = given
+        case .success(let given): (client, key) = given
         }
         let body: ByteBuffer
         switch try await collectedBody(of: request) {
@@ -435,14 +440,10 @@ public struct C3PROReceiver: Sendable {
             return FHIRExchange.outcome(.notFound, "not-supported", "this receiver takes encrypted envelopes only")
         }
         let client: String
-        switch try await authorize(request) {
-        case .failure(let refused): return refused.response
-        case .success(let authorized): client = authorized
-        }
         let key: String?
-        switch Self.idempotencyKey(request) {
+        switch try await authorizedWithKey(request) {
         case .failure(let refused): return refused.response
-        case .success(let given): key = given
+        case .success(let given): (client, key) = given
         }
         let resource: FHIRResource
         do {
