@@ -10,6 +10,10 @@ import Testing
 
 @testable import FHIRDataQueue
 
+#if canImport(Glibc)
+    import Glibc
+#endif
+
 /// The flush's requests through async-http-client (``FHIRTransport``), against real HTTP servers on loopback that
 /// record what arrived, or write answers byte for byte: what was sent, and whether a request that got no
 /// answer may have reached the server.
@@ -94,9 +98,22 @@ struct TransportTests {
 
     @Test("A refused connection is a failure that never left; an answer longer than the limit is cut at the limit")
     func refusedAndLong() async throws {
-        let unused = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
-        let port = try #require(unused.localAddress?.port)
-        try await unused.close()
+        // A port bound and never listened on: connects to it are refused, and no other test's server can take it
+        // meanwhile (a port closed after binding was taken by one, which answered 201).
+        let reserved = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        #expect(reserved >= 0)
+        defer { close(reserved) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        let bound = withUnsafeMutablePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) {
+                bind(reserved, $0, length) == 0 && getsockname(reserved, $0, &length) == 0
+            }
+        }
+        #expect(bound)
+        let port = Int(UInt16(bigEndian: address.sin_port))
         let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
         let refused = await #expect(throws: TransportFailure.self) {
             try await transport.send(request("http://127.0.0.1:\(port)/fhir/Observation"), authorization: nil, logger: logger)
