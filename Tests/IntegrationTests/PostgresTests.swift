@@ -173,6 +173,43 @@ struct PostgresTests {
         #expect(!(shown.stdout + shown.stderr).contains(password), "the password never appears")
     }
 
+    /// A database an earlier dq made has only the v1 enqueue procedures (no client column in them): dq adds its
+    /// v2 procedures at start and leaves v1 for that earlier dq, and enqueues (single and many) work on it.
+    @Test("A queue made before the v2 enqueue procedures gets them at start, keeps v1, and enqueues one and many")
+    func enqueueProceduresUpgraded() async throws {
+        let database = try await Self.freshDatabase()
+        let env = environment("http://127.0.0.1:9/fhir", database: database)
+        #expect(try await dq(["enqueue", try work.write("o0.json", resources.observation(0))], env).status == 0)
+        try await Self.psql(
+            database,
+            """
+            DROP PROCEDURE dq_enqueue_one_v2(uuid,text,text,text,text,text,bool,text,bytea,text,text,double precision,bigint);
+            DROP PROCEDURE dq_enqueue_many_v2(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],text[],double precision,bigint)
+            """)
+        let one = try await dq(["enqueue", try work.write("o1.json", resources.observation(1))], env)
+        #expect(one.status == 0, "\(one.stderr)")
+        let many = try await dq(["enqueue", "--ndjson", try work.write("many.ndjson", resources.ndjson(2..<5))], env)
+        #expect(many.status == 0, "\(many.stderr)")
+        let procedures = try await Self.psqlValue(
+            database, "SELECT string_agg(proname, ',' ORDER BY proname) FROM pg_proc WHERE proname LIKE 'dq_enqueue_%'")
+        #expect(procedures == "dq_enqueue_many_v1,dq_enqueue_many_v2,dq_enqueue_one_v1,dq_enqueue_one_v2")
+        #expect(try await Self.psqlValue(database, "SELECT count(*) FROM dq_item") == "5")
+    }
+
+    /// The one value `sql` selects on `url`, as `psql -tA` prints it.
+    static func psqlValue(_ url: String, _ sql: String) async throws -> String {
+        let components = try #require(URLComponents(string: url))
+        let result = try await ChildProcess(
+            "/usr/bin/psql",
+            [
+                "-h", components.host ?? "127.0.0.1", "-p", String(components.port ?? 5432), "-U", components.user ?? "dq", "-d",
+                String(components.path.dropFirst()), "-v", "ON_ERROR_STOP=1", "-tAc", sql,
+            ],
+            environment: ["PGPASSWORD": Peers.environment["DQ_TEST_POSTGRES_PASSWORD"] ?? "", "PATH": "/usr/bin:/bin"]
+        ).wait()
+        try #require(result.status == 0, "psql failed: \(sql.prefix(80)): \(result.stderr.prefix(300))")
+        return result.stdout.trimmingCharacters(in: .whitespacesAndNewlines)
+    }
     /// The server answers a statement outside a transaction block (CommandComplete) before it commits it,
     /// and a synchronous standby's acknowledgement comes later still: a commit refused after that answer
     /// (here by deferred constraint triggers; in the failover torture run by a primary stopped while it

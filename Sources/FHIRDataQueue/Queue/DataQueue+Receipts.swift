@@ -86,13 +86,8 @@ extension DataQueue {
             case .taken(let first): return .repeated(first)
             case .stored(let stored): sequence = stored
             }
-        } else if receipts.groupsClientItems {
-            sequence = try await store.insertGrouped(item)
         } else {
-            guard case .stored(let stored) = try await receipts.insert(item, receipt: nil, expiredBefore: now) else {
-                throw DataQueueError(.storage, "an item without a receipt was refused as a repeat")
-            }
-            sequence = stored
+            sequence = try await store.insertGrouped(item)
         }
         metrics.enqueued.increment()
         wakeUp.signal()

@@ -90,10 +90,6 @@ protocol ReceiptStore: Sendable {
     /// - Throws: ``DataQueueError`` (`.storage`, `.storageFull`).
     func insert(_ item: NewItem, receipt: Receipt?, expiredBefore: Date) async throws -> ReceiptInsert
 
-    /// Whether the store's grouped insert (``QueueStorage/insertGrouped(_:)``) stores ``NewItem/clientID`` (SQLite);
-    /// when not, an item with a client goes through ``insert(_:receipt:expiredBefore:)`` alone.
-    var groupsClientItems: Bool { get }
-
     /// The receipt of `key` sent by `clientID`, committed at `since` or later, if any.
     func receipt(clientID: String, key: String, since: Date) async throws -> Receipt?
 

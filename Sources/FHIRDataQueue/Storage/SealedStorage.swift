@@ -580,8 +580,6 @@ extension SealedStorage: ReceiptStore {
         }
     }
 
-    var groupsClientItems: Bool { (inner as? any ReceiptStore)?.groupsClientItems ?? false }
-
     func insert(_ item: NewItem, receipt: Receipt?, expiredBefore: Date) async throws -> ReceiptInsert {
         let sealer = try await sealerIfSealed()
         return try await receipts.insert(sealer.map { $0.seal(item) } ?? item, receipt: receipt, expiredBefore: expiredBefore)

@@ -15,6 +15,9 @@ extension PostgresQueueStore {
     }
 
     static let itemInsertColumns =
+        "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, client_id, enqueued_at"
+    /// The columns the v1 procedures insert (kept as they were made: a dq before v2 may call them).
+    static let itemInsertColumnsV1 =
         "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, enqueued_at"
 
     /// Reserves `count` sequence numbers from the counter row and returns the first. The row stays locked
@@ -29,8 +32,8 @@ extension PostgresQueueStore {
         return last - Int64(count) + 1
     }
 
-    /// Appends `items`' columns to `bindings` as one array each (ten parameters) and then the enqueue time.
-    /// `resource_id` and `full_url` travel as empty strings for NULL (neither can be empty in FHIR).
+    /// Appends `items`' columns to `bindings` as one array each (eleven parameters) and then the enqueue time.
+    /// `resource_id`, `full_url` and `client_id` travel as empty strings for NULL (none can be empty).
     static func appendItemColumns(_ items: ArraySlice<NewItem>, to bindings: inout PostgresBindings) {
         bindings.append(items.map(\.id))
         bindings.append(items.map(\.queue))
@@ -42,21 +45,22 @@ extension PostgresQueueStore {
         bindings.append(items.map(\.contentType))
         bindings.append(items.map { ByteBuffer(bytes: $0.body) })
         bindings.append(items.map { $0.fullURL ?? "" })
+        bindings.append(items.map { $0.clientID ?? "" })
         bindings.append(Date().timeIntervalSince1970)
     }
 
     /// The `INSERT … SELECT` of items whose columns are the parameters after `base` (as
     /// ``appendItemColumns(_:to:)`` appends them), numbered from the sequence `first` (an SQL expression) in
-    /// their order: one statement and eleven parameters however many items there are, so the server parses
+    /// their order: one statement and twelve parameters however many items there are, so the server parses
     /// a short statement once.
     static func itemInsertSQL(base: Int, first: String) -> String {
-        let arrays = (1...10).map { "$\(base + $0)" }.joined(separator: ", ")
+        let arrays = (1...11).map { "$\(base + $0)" }.joined(separator: ", ")
         return """
             INSERT INTO dq_item (\(itemInsertColumns))
             SELECT \(first) + v.o - 1, v.uuid, v.queue, v.method, v.url, v.resource_type, NULLIF(v.resource_id, ''),
-                   v.encrypted, v.content_type, v.body, NULLIF(v.full_url, ''), $\(base + 11)
+                   v.encrypted, v.content_type, v.body, NULLIF(v.full_url, ''), NULLIF(v.client_id, ''), $\(base + 12)
             FROM unnest(\(arrays)) WITH ORDINALITY
-                 AS v(uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, o)
+                 AS v(uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, client_id, o)
             """
     }
 
@@ -71,10 +75,7 @@ extension PostgresQueueStore {
         _ items: [NewItem], client: PostgresClient, statements: PreparedStatements, logger: Logger
     ) async throws -> [Int64] {
         guard !items.isEmpty else { return [] }
-        // A receiver's items carry their client (a batch an edge forwarded), which the one-statement procedures do not
-        // store: they take the transaction below, which does.
-        let clients = items.contains { $0.clientID != nil }
-        guard items.count > statementRows || clients else {
+        guard items.count > statementRows else {
             let first =
                 items.count == 1
                 ? try await statements.single(EnqueueOne(item: items[0]), client: client, logger: logger)
@@ -85,20 +86,11 @@ extension PostgresQueueStore {
         return try await client.withTransaction(logger: logger) { connection in
             let first = try await reserveSequences(items.count, connection: connection, logger: logger)
             for start in stride(from: 0, to: items.count, by: statementRows) {
-                var bindings = PostgresBindings(capacity: 11)
+                var bindings = PostgresBindings(capacity: 12)
                 appendItemColumns(items[start..<min(start + statementRows, items.count)], to: &bindings)
                 let insert = itemInsertSQL(base: 0, first: String(first + Int64(start)))
                 try await connection.query(PostgresQuery(unsafeSQL: insert, binds: bindings), logger: logger)
                 answered()
-            }
-            if clients {
-                let sequences = items.indices.filter { items[$0].clientID != nil }.map { first + Int64($0) }
-                let ids = items.compactMap(\.clientID)
-                try await connection.query(
-                    """
-                    UPDATE dq_item SET client_id = c.client FROM unnest(\(sequences)::bigint[], \(ids)::text[]) AS c(seq, client)
-                    WHERE dq_item.seq = c.seq
-                    """, logger: logger)
             }
             for queue in Set(items.map(\.queue)) {
                 _ = try await connection.query("SELECT pg_notify('dq_enqueue', \(queue))", logger: logger).collect()

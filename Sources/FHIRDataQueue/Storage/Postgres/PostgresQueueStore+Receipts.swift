@@ -5,9 +5,6 @@ import PostgresNIO
 // A receiver's repeats (``ReceiptStore``), shared by every receiver on the database: the client column of
 // `dq_item`, tables `dq_receipts` and `dq_digests` (see ``schema``). Times are seconds since 1970, the caller's clock.
 extension PostgresQueueStore: ReceiptStore {
-    /// The grouped insert's procedures (`dq_enqueue_one_v1`) store no client: a receiver's item is its own transaction.
-    var groupsClientItems: Bool { false }
-
     func insert(_ item: NewItem, receipt: Receipt?, expiredBefore: Date) async throws -> ReceiptInsert {
         try await run("enqueue") { [self] in
             try await client.withTransaction(logger: logger) { connection in
@@ -40,11 +37,10 @@ extension PostgresQueueStore: ReceiptStore {
                     }
                 }
                 let first = try await Self.reserveSequences(1, connection: connection, logger: logger)
-                var bindings = PostgresBindings(capacity: 11)
+                var bindings = PostgresBindings(capacity: 12)
                 Self.appendItemColumns([item][...], to: &bindings)
                 try await connection.query(
                     PostgresQuery(unsafeSQL: Self.itemInsertSQL(base: 0, first: String(first)), binds: bindings), logger: logger)
-                try await connection.query("UPDATE dq_item SET client_id = \(item.clientID) WHERE seq = \(first)", logger: logger)
                 _ = try await connection.query("SELECT pg_notify('dq_enqueue', \(item.queue))", logger: logger).collect()
                 return .stored(first)
             }

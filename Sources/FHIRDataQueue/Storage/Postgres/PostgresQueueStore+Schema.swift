@@ -6,6 +6,11 @@ import Synchronization
 
 // The schema (tables, procedures), created or migrated under an advisory lock.
 extension PostgresQueueStore {
+    /// The signatures of the current enqueue procedures (``EnqueueOne``, ``EnqueueMany``).
+    static let enqueueOneV2 = "dq_enqueue_one_v2(uuid,text,text,text,text,text,bool,text,bytea,text,text,double precision,bigint)"
+    static let enqueueManyV2 =
+        "dq_enqueue_many_v2(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],text[],double precision,bigint)"
+
     static let schema: [String] = [
         """
         CREATE TABLE IF NOT EXISTS dq_meta (
@@ -83,7 +88,8 @@ extension PostgresQueueStore {
         """,
         "CREATE INDEX IF NOT EXISTS dq_digests_by_age ON dq_digests (delivered_at)",
         // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
-        // that a start does not rewrite the catalog and two dq versions sharing a database each call their own.
+        // that a start does not rewrite the catalog and two dq versions sharing a database each call their own. v2
+        // stores the client a receiver's item came from; v1 stays for a dq before it that shares the database.
         """
         DO $do$ BEGIN
           IF to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NULL THEN
@@ -93,7 +99,7 @@ extension PostgresQueueStore {
             LANGUAGE plpgsql AS $proc$
             BEGIN
               UPDATE dq_meta SET next_seq = next_seq + 1 WHERE id = 1 RETURNING next_seq INTO o_first;
-              INSERT INTO dq_item (\(itemInsertColumns))
+              INSERT INTO dq_item (\(itemInsertColumnsV1))
               VALUES (o_first, p_uuid, p_queue, p_method, p_url, p_type, NULLIF(p_id, ''), p_encrypted, p_content_type, p_body,
                       NULLIF(p_full_url, ''), p_at);
               PERFORM pg_notify('dq_enqueue', p_queue);
@@ -107,11 +113,43 @@ extension PostgresQueueStore {
             LANGUAGE plpgsql AS $proc$
             BEGIN
               UPDATE dq_meta SET next_seq = next_seq + p_count WHERE id = 1 RETURNING next_seq - p_count + 1 INTO o_first;
-              INSERT INTO dq_item (\(itemInsertColumns))
+              INSERT INTO dq_item (\(itemInsertColumnsV1))
               SELECT o_first + v.o - 1, v.uuid, v.queue, v.method, v.url, v.resource_type, NULLIF(v.resource_id, ''),
                      v.encrypted, v.content_type, v.body, NULLIF(v.full_url, ''), p_at
               FROM unnest(p_uuid, p_queue, p_method, p_url, p_type, p_id, p_encrypted, p_content_type, p_body, p_full_url)
                    WITH ORDINALITY AS v(uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, o);
+              PERFORM pg_notify('dq_enqueue', q) FROM (SELECT DISTINCT unnest(p_queue) AS q) d;
+              COMMIT;
+            END $proc$;
+          END IF;
+          IF to_regprocedure('\(enqueueOneV2)') IS NULL THEN
+            CREATE PROCEDURE dq_enqueue_one_v2(p_uuid uuid, p_queue text, p_method text, p_url text, p_type text, p_id text,
+              p_encrypted bool, p_content_type text, p_body bytea, p_full_url text, p_client text, p_at double precision,
+              INOUT o_first bigint DEFAULT NULL)
+            LANGUAGE plpgsql AS $proc$
+            BEGIN
+              UPDATE dq_meta SET next_seq = next_seq + 1 WHERE id = 1 RETURNING next_seq INTO o_first;
+              INSERT INTO dq_item (\(itemInsertColumns))
+              VALUES (o_first, p_uuid, p_queue, p_method, p_url, p_type, NULLIF(p_id, ''), p_encrypted, p_content_type, p_body,
+                      NULLIF(p_full_url, ''), NULLIF(p_client, ''), p_at);
+              PERFORM pg_notify('dq_enqueue', p_queue);
+              COMMIT;
+            END $proc$;
+          END IF;
+          IF to_regprocedure('\(enqueueManyV2)') IS NULL THEN
+            CREATE PROCEDURE dq_enqueue_many_v2(p_count bigint, p_uuid uuid[], p_queue text[], p_method text[], p_url text[],
+              p_type text[], p_id text[], p_encrypted bool[], p_content_type text[], p_body bytea[], p_full_url text[],
+              p_client text[], p_at double precision, INOUT o_first bigint DEFAULT NULL)
+            LANGUAGE plpgsql AS $proc$
+            BEGIN
+              UPDATE dq_meta SET next_seq = next_seq + p_count WHERE id = 1 RETURNING next_seq - p_count + 1 INTO o_first;
+              INSERT INTO dq_item (\(itemInsertColumns))
+              SELECT o_first + v.o - 1, v.uuid, v.queue, v.method, v.url, v.resource_type, NULLIF(v.resource_id, ''),
+                     v.encrypted, v.content_type, v.body, NULLIF(v.full_url, ''), NULLIF(v.client_id, ''), p_at
+              FROM unnest(p_uuid, p_queue, p_method, p_url, p_type, p_id, p_encrypted, p_content_type, p_body, p_full_url,
+                          p_client)
+                   WITH ORDINALITY AS v(uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body,
+                                        full_url, client_id, o);
               PERFORM pg_notify('dq_enqueue', q) FROM (SELECT DISTINCT unnest(p_queue) AS q) d;
               COMMIT;
             END $proc$;
@@ -145,6 +183,7 @@ extension PostgresQueueStore {
                        AND attname = 'client_id' AND NOT attisdropped)
            AND to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NOT NULL
            AND to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NOT NULL
+           AND to_regprocedure('\(enqueueOneV2)') IS NOT NULL AND to_regprocedure('\(enqueueManyV2)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_server_state')
                        AND attname = 'conditional_create' AND NOT attisdropped)
            AND NOT EXISTS (SELECT 1 FROM dq_lease l WHERE l.in_flight_seq IS NOT NULL

@@ -75,7 +75,7 @@ final class PreparedStatements: Sendable {
 }
 
 /// One item's enqueue: the counter row, the row and its server's notification, committed by the procedure
-/// itself (`dq_enqueue_one_v1`, made with the schema) before it answers.
+/// itself (`dq_enqueue_one_v2`, made with the schema) before it answers.
 ///
 /// The commit inside the procedure is the point. For a statement outside `BEGIN`/`COMMIT` the server answers
 /// (CommandComplete) before it commits, at the protocol's Sync, and postgres-nio counts a statement done at
@@ -86,9 +86,9 @@ final class PreparedStatements: Sendable {
 /// (see ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``). The counter row stays locked until that
 /// commit, so sequences rise in commit order.
 struct EnqueueOne: PostgresPreparedStatement {
-    static let sql = "CALL dq_enqueue_one_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, NULL)"
+    static let sql = "CALL dq_enqueue_one_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, NULL)"
     static let bindingDataTypes: [PostgresDataType] = [
-        .uuid, .text, .text, .text, .text, .text, .bool, .text, .bytea, .text, .float8,
+        .uuid, .text, .text, .text, .text, .text, .bool, .text, .bytea, .text, .text, .float8,
     ]
     static let name = PreparedStatements.name("dq_enqueue_one", sql: sql, types: bindingDataTypes)
     typealias Row = Int64
@@ -96,7 +96,7 @@ struct EnqueueOne: PostgresPreparedStatement {
     var item: NewItem
 
     func makeBindings() throws -> PostgresBindings {
-        var bindings = PostgresBindings(capacity: 11)
+        var bindings = PostgresBindings(capacity: 12)
         bindings.append(item.id)
         bindings.append(item.queue)
         bindings.append(item.method.rawValue)
@@ -107,6 +107,7 @@ struct EnqueueOne: PostgresPreparedStatement {
         bindings.append(item.contentType)
         bindings.append(ByteBuffer(bytes: item.body))
         bindings.append(item.fullURL ?? "")
+        bindings.append(item.clientID ?? "")
         bindings.append(Date().timeIntervalSince1970)
         return bindings
     }
@@ -116,12 +117,12 @@ struct EnqueueOne: PostgresPreparedStatement {
 
 /// Several items' enqueue (up to ``PostgresQueueStore/statementRows``): one array per column, numbered in
 /// their order from the counter, and one notification per server, committed by the procedure
-/// (`dq_enqueue_many_v1`) before it answers, as ``EnqueueOne`` is.
+/// (`dq_enqueue_many_v2`) before it answers, as ``EnqueueOne`` is.
 struct EnqueueMany: PostgresPreparedStatement {
-    static let sql = "CALL dq_enqueue_many_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, NULL)"
+    static let sql = "CALL dq_enqueue_many_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, NULL)"
     static let bindingDataTypes: [PostgresDataType] = [
         .int8, .uuidArray, .textArray, .textArray, .textArray, .textArray, .textArray, .boolArray, .textArray, .byteaArray,
-        .textArray, .float8,
+        .textArray, .textArray, .float8,
     ]
     static let name = PreparedStatements.name("dq_enqueue_many", sql: sql, types: bindingDataTypes)
     typealias Row = Int64
@@ -129,7 +130,7 @@ struct EnqueueMany: PostgresPreparedStatement {
     var items: ArraySlice<NewItem>
 
     func makeBindings() throws -> PostgresBindings {
-        var bindings = PostgresBindings(capacity: 12)
+        var bindings = PostgresBindings(capacity: 13)
         bindings.append(Int64(items.count))
         PostgresQueueStore.appendItemColumns(items, to: &bindings)
         return bindings

@@ -35,8 +35,6 @@ extension SQLiteQueueStore: ReceiptStore {
         }
     }
 
-    var groupsClientItems: Bool { true }
-
     func insert(_ item: NewItem, receipt: Receipt?, expiredBefore: Date) async throws -> ReceiptInsert {
         try await immediate("enqueue") { db in
             if let receipt {
