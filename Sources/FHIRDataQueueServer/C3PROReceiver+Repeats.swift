@@ -95,7 +95,7 @@ extension C3PROReceiver {
             hash.update(data: Data(part.utf8))
             hash.update(data: Data([0]))
         }
-        return hash.finalize().map { String(format: "%02x", $0) }.joined()
+        return hash.finalize().hexString
     }
 
     /// The fingerprint of a plain request: its method, path and body.
@@ -104,7 +104,7 @@ extension C3PROReceiver {
         hash.update(data: Data("\(method) \(path)".utf8))
         hash.update(data: Data([0]))
         hash.update(data: body)
-        return hash.finalize().map { String(format: "%02x", $0) }.joined()
+        return hash.finalize().hexString
     }
 
     /// The answer to a repeat of a keyed request: the first answer again; 422 when the key was used for another

@@ -100,6 +100,7 @@ public struct C3PROReceiver: Sendable {
     /// How the receiver answers.
     public let configuration: Configuration
     private let registry: any ClientRegistry
+    private let tokens = TokenCache()
     private let limiter: RateLimiter
     private let antispam: AntispamSecrets
     private let assertions: ClientAssertionVerifier
@@ -301,10 +302,14 @@ public struct C3PROReceiver: Sendable {
         guard parts.count == 2, parts[0].lowercased() == "bearer" else {
             return .failure(Refused(response: bearerChallenge("a bearer token is required")))
         }
-        guard let client = try await registry.client(tokenHash: ClientSecrets.tokenHash(String(parts[1])), now: Date()) else {
+        let hash = ClientSecrets.tokenHash(String(parts[1]))
+        let now = Date()
+        if let client = tokens.client(tokenHash: hash, now: now) { return .success(client) }
+        guard let token = try await registry.token(hash: hash, now: now) else {
             return .failure(Refused(response: bearerChallenge("the token is unknown or expired", error: "invalid_token")))
         }
-        return .success(client)
+        tokens.remember(tokenHash: hash, clientID: token.clientID, expiresAt: token.expiresAt, now: now)
+        return .success(token.clientID)
     }
 
     /// The client a request's bearer token was issued to and the request's `Idempotency-Key` (if any), or the
@@ -344,7 +349,8 @@ public struct C3PROReceiver: Sendable {
         }
         // With a key: a repeat is answered as the first was (202, nothing stored again); the receipt commits with
         // the item. Without one, the queue recognises a repeat when it opens it (client and plaintext digest).
-        let fingerprint = Self.envelopeFingerprint(envelope)
+        // The fingerprint only for a request with a key (it costs a parse and a hash: a tenth of an envelope's time).
+        let fingerprint = key == nil ? "" : Self.envelopeFingerprint(envelope)
         if let key, let first = try await queue.receipt(clientID: client, key: key) {
             return try await answerRepeat(first, fingerprint: fingerprint)
         }
@@ -454,8 +460,8 @@ public struct C3PROReceiver: Sendable {
         if let id, resource.id != id {
             return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
         }
-        let fingerprint = Self.plainFingerprint(
-            method: id == nil ? "POST" : "PUT", path: "fhir/\(type)" + (id.map { "/\($0)" } ?? ""), body: resource.data)
+        let path = "fhir/\(type)" + (id.map { "/\($0)" } ?? "")
+        let fingerprint = key == nil ? "" : Self.plainFingerprint(method: id == nil ? "POST" : "PUT", path: path, body: resource.data)
         if let key, let first = try await queue.receipt(clientID: client, key: key) {
             return try await answerRepeat(first, fingerprint: fingerprint)
         }
@@ -631,6 +637,46 @@ final class RateLimiter: Sendable {
             windows[key] = window
             guard window.count > perMinute else { return nil }
             return max(1, Int((window.start + .seconds(60) - now).components.seconds) + 1)
+        }
+    }
+}
+
+/// Bearer tokens found valid, by their hash, so that a device's requests do not each read the database (on SQLite
+/// that read waits its turn behind the commits on the one connection). A token can only expire (there is no
+/// revocation), so an entry is good until its token's expiry; it is kept at most ``longest`` all the same, so that a
+/// removal made in the database takes effect within that time. An unknown token is not remembered: one issued by
+/// another receiver on the same database is found there on its first use.
+final class TokenCache: Sendable {
+    /// The longest an entry is trusted without reading the database again.
+    static let longest: TimeInterval = 300
+    /// The most entries kept (one per device token in use); past it, the expired go, then all.
+    static let capacity = 20_000
+    private let entries = Mutex<[String: (clientID: String, until: Date)]>([:])
+
+    /// The client of a cached token still valid at `now`, or nil.
+    func client(tokenHash: String, now: Date) -> String? {
+        entries.withLock { entries in
+            guard let entry = entries[tokenHash] else { return nil }
+            guard entry.until > now else {
+                entries[tokenHash] = nil
+                return nil
+            }
+            return entry.clientID
+        }
+    }
+
+    /// How many entries are kept.
+    var count: Int { entries.withLock { $0.count } }
+
+    /// Remembers a token the database found valid until `expiresAt`.
+    func remember(tokenHash: String, clientID: String, expiresAt: Date, now: Date) {
+        let until = min(expiresAt, now.addingTimeInterval(Self.longest))
+        entries.withLock { entries in
+            if entries.count >= Self.capacity {
+                entries = entries.filter { $0.value.until > now }
+                if entries.count >= Self.capacity { entries.removeAll(keepingCapacity: true) }
+            }
+            entries[tokenHash] = (clientID, until)
         }
     }
 }

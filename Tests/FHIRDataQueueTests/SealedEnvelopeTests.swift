@@ -20,6 +20,17 @@ struct SealedEnvelopeTests {
         #expect(throws: Never.self) { _ = try SealedEnvelope(json: Data(authenticated.utf8), resourceType: "Patient") }
     }
 
+    @Test("Escaped strings are read as JSON reads them: Apple's \\/ in base64, \\u escapes in the key id; the bytes kept")
+    func escapes() throws {
+        // NSJSONSerialization (C3-PRO's iOS apps) writes every / as \/.
+        let apple = #"{"key_id":"k\u0031","symmetric_key":"AA\/B","message":"a\/\/b","version":"1.0.2"}"#
+        let envelope = try SealedEnvelope(json: Data(apple.utf8), resourceType: "Observation")
+        #expect(envelope.keyID == "k1" && envelope.data == Data(apple.utf8))
+        #expect(JSONScanner.string(in: Data(#""a\/\/b""#.utf8), 0..<8) == "a//b")
+        #expect(JSONScanner.string(in: Data(#""a\/\nb""#.utf8), 0..<8) == "a/\nb", "other escapes: the full unescape")
+        #expect(JSONScanner.string(in: Data(#""a\/\\""#.utf8), 0..<7) == "a/\\")
+    }
+
     @Test(
         "A malformed envelope is refused naming what is wrong",
         arguments: [
@@ -30,6 +41,9 @@ struct SealedEnvelopeTests {
             (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"9.9.9"}"#, "\"version\""),
             (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2","alg":"none"}"#, "\"alg\""),
             (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2","resourceType":"Patient"}"#, "resourceType"),
+            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2","alg":7}"#, "\"alg\""),
+            (#"{"key_id":"k","key_id":"j","symmetric_key":"AA==","message":"AA==","version":"1.0.2"}"#, "not a JSON object"),
+            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2"} x"#, "not a JSON object"),
         ])
     func malformed(json: String, named: String) {
         #expect {

@@ -32,7 +32,10 @@ package enum EnvelopeBatch {
 
     /// Whether a request's `Content-Type` is a batch's.
     package static func isBatch(contentType: String?) -> Bool {
-        guard let contentType else { return false }
+        // Most requests are single envelopes (application/json): told apart without making strings.
+        guard let contentType, contentType.utf8.count >= Self.contentType.utf8.count,
+            !contentType.utf8.starts(with: "application/json".utf8)
+        else { return false }
         return contentType.split(separator: ";").first?.trimmingCharacters(in: .whitespaces).lowercased() == Self.contentType
     }
 

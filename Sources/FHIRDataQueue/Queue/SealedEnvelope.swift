@@ -31,6 +31,9 @@ public struct SealedEnvelope: Sendable, Hashable {
         "0.5.0", "0.9.0", "1.0.0", "1.0.1", "1.0.2", "3.0.0", "3.0.1", "3.0.2", "4.0.0", "4.0.1",
     ]
 
+    /// The members an envelope may have.
+    static let members: Set<String> = ["key_id", "symmetric_key", "message", "version", "alg"]
+
     /// Checks `json`'s shape and keeps its bytes.
     ///
     /// - Parameters:
@@ -42,13 +45,16 @@ public struct SealedEnvelope: Sendable, Hashable {
         guard FHIRResource.isValidTypeName(resourceType) else {
             throw invalid("\(FHIRResource.printable(resourceType)) is not a resource type name")
         }
-        guard let object = (try? JSONSerialization.jsonObject(with: json)) as? [String: Any] else {
+        // One pass of the scanner (no objects built): a receiver checks every envelope it takes.
+        guard let document = try? JSONScanner.scan(json, 0..<json.count, keys: Self.members), document.isObject else {
             throw invalid("not a JSON object")
         }
         var fields: [String: String] = [:]
         for field in ["key_id", "symmetric_key", "message", "version"] {
             // An empty key_id is what C3-PRO apps send when they have none: the receiver's default key.
-            guard let value = object[field] as? String, !value.isEmpty || field == "key_id" else {
+            guard let range = document.members[field], let value = JSONScanner.string(in: json, range),
+                !value.isEmpty || field == "key_id"
+            else {
                 throw invalid("\"\(field)\" is missing, empty or not a string")
             }
             fields[field] = value
@@ -59,11 +65,13 @@ public struct SealedEnvelope: Sendable, Hashable {
         guard let version = fields["version"], Self.knownVersions.contains(version) else {
             throw invalid("\"version\" is not one of \(Self.knownVersions.sorted().joined(separator: ", "))")
         }
-        if let alg = object["alg"], alg as? String != EnvelopeSealer.Format.authenticatedMarker {
+        if let alg = document.members["alg"], JSONScanner.string(in: json, alg) != EnvelopeSealer.Format.authenticatedMarker {
             throw invalid("\"alg\" is not \(EnvelopeSealer.Format.authenticatedMarker)")
         }
-        let known: Set<String> = ["key_id", "symmetric_key", "message", "version", "alg"]
-        if let other = object.keys.sorted().first(where: { !known.contains($0) }) {
+        if document.memberCount > document.members.count {
+            // Named from a full parse: the rare refusal may cost more than the common case.
+            let object = (try? JSONSerialization.jsonObject(with: json)) as? [String: Any] ?? [:]
+            let other = object.keys.sorted().first { !Self.members.contains($0) } ?? "a member"
             throw invalid("\(FHIRResource.printable(other)) is not a member of an envelope")
         }
         self.data = json

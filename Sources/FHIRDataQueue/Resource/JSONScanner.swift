@@ -32,6 +32,8 @@ struct JSONScanner {
         var members: [String: Range<Int>]
         /// Byte ranges of the elements when the top-level value is an array.
         var elements: [Range<Int>] = []
+        /// How many members the top-level object has (named in the keys or not).
+        var memberCount = 0
     }
 
     /// Scans `bytes`, recording the value ranges of the top-level members named in `keys`.
@@ -57,7 +59,27 @@ struct JSONScanner {
         guard range.count >= 2, data[start] == UInt8(ascii: "\""), data[end - 1] == UInt8(ascii: "\"") else { return nil }
         let inner = data[(start + 1)..<(end - 1)]
         if !inner.contains(UInt8(ascii: "\\")) { return String(decoding: inner, as: UTF8.self) }
+        if let solidusOnly = unescapeSolidus(inner) { return solidusOnly }
         return inner.withUnsafeBytes { unescape($0.bindMemory(to: UInt8.self)) }
+    }
+
+    /// The string whose only escapes are `\/` (Apple's JSONSerialization writes every `/` of base64 so), or nil.
+    static func unescapeSolidus(_ inner: Data) -> String? {
+        var bytes: [UInt8] = []
+        bytes.reserveCapacity(inner.count)
+        var escaped = false
+        for byte in inner {
+            if escaped {
+                guard byte == UInt8(ascii: "/") else { return nil }
+                bytes.append(byte)
+                escaped = false
+            } else if byte == UInt8(ascii: "\\") {
+                escaped = true
+            } else {
+                bytes.append(byte)
+            }
+        }
+        return escaped ? nil : String(decoding: bytes, as: UTF8.self)
     }
 
     /// Scans the part of `data` at `range` (a value inside a validated document) as a document of its own.
@@ -110,7 +132,8 @@ struct JSONScanner {
             try value()
             skipWhitespace()
             guard index == bytes.count, stack.isEmpty else { throw .invalid }
-            return Document(isObject: isObject, members: members, elements: elements)
+            return Document(
+                isObject: isObject, members: members, elements: elements, memberCount: seenKeys?.count ?? seenRanges.count)
         }
 
         /// Parses the value that starts here, with every value nested in it, without recursion.

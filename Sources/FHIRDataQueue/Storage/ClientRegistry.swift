@@ -44,11 +44,18 @@ package protocol ClientRegistry: Sendable {
     /// - Throws: ``DataQueueError`` (`.storage`) when `clientID` is not registered, or the database fails.
     func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws
 
-    /// The client of a token that has not expired at `now` (its expiry is later than `now`), or nil.
-    func client(tokenHash: String, now: Date) async throws -> String?
+    /// The client and expiry of a token that has not expired at `now` (its expiry is later than `now`), or nil.
+    func token(hash tokenHash: String, now: Date) async throws -> (clientID: String, expiresAt: Date)?
 
     /// Removes tokens that expired before `cutoff`; returns how many.
     func pruneTokens(before cutoff: Date) async throws -> Int
+}
+
+extension ClientRegistry {
+    /// The client of a token that has not expired at `now` (its expiry is later than `now`), or nil.
+    func client(tokenHash: String, now: Date) async throws -> String? {
+        try await token(hash: tokenHash, now: now)?.clientID
+    }
 }
 
 extension DataQueue {
@@ -81,6 +88,6 @@ private struct NoClientRegistry: ClientRegistry {
     func secretHash(clientID: String) async throws -> String? { throw refusal }
     func replaceSecretHash(clientID: String, old: String, new: String) async throws -> Bool { throw refusal }
     func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws { throw refusal }
-    func client(tokenHash: String, now: Date) async throws -> String? { throw refusal }
+    func token(hash tokenHash: String, now: Date) async throws -> (clientID: String, expiresAt: Date)? { throw refusal }
     func pruneTokens(before cutoff: Date) async throws -> Int { throw refusal }
 }

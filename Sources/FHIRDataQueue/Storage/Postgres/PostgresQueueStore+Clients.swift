@@ -70,13 +70,13 @@ extension PostgresQueueStore: ClientRegistry {
         guard stored else { throw DataQueueError.clientNotRegistered(clientID) }
     }
 
-    func client(tokenHash: String, now: Date) async throws -> String? {
+    func token(hash tokenHash: String, now: Date) async throws -> (clientID: String, expiresAt: Date)? {
         try await run("read a token") { [self] in
-            for try await id in try await client.query(
-                "SELECT client_id FROM dq_tokens WHERE token_hash = \(tokenHash) AND expires_at > \(now.timeIntervalSince1970)",
+            for try await (id, expiry) in try await client.query(
+                "SELECT client_id, expires_at FROM dq_tokens WHERE token_hash = \(tokenHash) AND expires_at > \(now.timeIntervalSince1970)",
                 logger: logger
-            ).decode(String.self) {
-                return id
+            ).decode((String, Double).self) {
+                return (clientID: id, expiresAt: Date(timeIntervalSince1970: expiry))
             }
             return nil
         }

@@ -55,11 +55,12 @@ extension SQLiteQueueStore: ClientRegistry {
         guard stored else { throw DataQueueError.clientNotRegistered(clientID) }
     }
 
-    func client(tokenHash: String, now: Date) async throws -> String? {
+    func token(hash tokenHash: String, now: Date) async throws -> (clientID: String, expiresAt: Date)? {
         try await read("read a token") { db in
-            try String.fetchOne(
-                db, sql: "SELECT client_id FROM dq_tokens WHERE token_hash = ? AND expires_at > ?",
+            let row = try Row.fetchOne(
+                db.cachedStatement(sql: "SELECT client_id, expires_at FROM dq_tokens WHERE token_hash = ? AND expires_at > ?"),
                 arguments: [tokenHash, now.timeIntervalSince1970])
+            return row.map { (clientID: $0[0], expiresAt: Date(timeIntervalSince1970: $0[1])) }
         }
     }
 
