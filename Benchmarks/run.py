@@ -1095,6 +1095,11 @@ def case_serve(args, work):
     opened = statistics.median(d[0] for d in drains)
     row("14b dq serve opens a backlog of %d into a sink (env/s)" % n, opened, "env/s",
         "openssl speed rsa2048 private-key ops/s", sign, ">= 0.8", "(opened: %s)" % [int(d[1]) for d in drains])
+    # The same envelopes opened by dq's opener alone on every core (swift-crypto's BoringSSL, no queue, no network):
+    # how much of the physical limit of dq's crypto the drain reaches.
+    crypto = statistics.median(bench_json(args, "open", rig.key, envelopes)["per_second"] for _ in range(args.repeat))
+    row("14b dq serve opens a backlog of %d into a sink (env/s)" % n, opened, "env/s",
+        "dq's opener alone on every core (BoringSSL)", crypto, "report")
 
     # 14c: forwarding. A backlog drained to sekmet-fhir in Bundles of 100, against sekmet's own ingest of the same
     # resources as Bundles of 100 (case 10's reference), in turns.

@@ -1,11 +1,13 @@
 import FHIRDataQueue
 import Foundation
+import Synchronization
 
 /// Micro-benchmarks of the library that `Benchmarks/run.py` calls; each prints one JSON line.
 ///
 ///   dq-bench enqueue-serial DB COUNT BODY_BYTES full|normal [AT_REST_KEY_FILE]
 ///   dq-bench enqueue-concurrent DB COUNT BODY_BYTES PRODUCERS [AT_REST_KEY_FILE]
 ///   dq-bench seal CERT_PEM RESOURCE_BYTES COUNT c3pro|authenticated
+///   dq-bench open KEY_PEM ENVELOPES (one a line)
 @main
 struct DQBenchmarks {
     static func resource(_ index: Int, size: Int) -> FHIRResource {
@@ -79,6 +81,19 @@ struct DQBenchmarks {
                 "seal", count: count, seconds: elapsed.seconds,
                 extra: ["mb_per_second": Double(size * count) / elapsed.seconds / 1_000_000])
             precondition(bytes > 0)
+        case "open":
+            // The opener alone on every core (ParallelWork, as a flush opens a batch): no queue, no network; the
+            // limit of opening with dq's crypto on this machine.
+            let opener = try EnvelopeOpener(privateKeyPEM: try String(contentsOfFile: arguments[2], encoding: .utf8))
+            let envelopes = try String(contentsOfFile: arguments[3], encoding: .utf8).split(separator: "\n").map { Data($0.utf8) }
+            let opened = Mutex(0)
+            let start = ContinuousClock.now
+            ParallelWork.forEach(envelopes.count) { index in
+                if (try? opener.open(envelopes[index])) != nil { opened.withLock { $0 += 1 } }
+            }
+            let elapsed = ContinuousClock.now - start
+            precondition(opened.withLock { $0 } == envelopes.count, "an envelope did not open")
+            report("open", count: envelopes.count, seconds: elapsed.seconds)
         case "library-user":
             // A service using the library in-process, next to dq processes on the same queue (torture).
             let (path, server, system, count) = (arguments[2], arguments[3], arguments[4], Int(arguments[5])!)

@@ -32,6 +32,17 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     static let prefetchCount = 256
     private var lastFetched: Int64 = 0
     private var exhausted = false
+    /// The batch after the prefetched ones, read and opened while they are sent (started only after a batch
+    /// that held envelopes: opening is the CPU work of a drain, and it then overlaps the requests and the journal).
+    private var readAhead: Task<Result<Fetched, any Error>, Never>?
+    /// Whether the last batch fetched held envelopes.
+    private var fetchedEnvelopes = false
+
+    /// A batch read from the store, its envelopes opened.
+    struct Fetched: Sendable {
+        var items: [StoredItem]
+        var hadEnvelopes: Bool
+    }
     /// The items of the current step that were delivered or parked (they leave the prefetched ones).
     private var handled: Set<Int64> = []
     private var batchSize = 1
@@ -95,6 +106,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
 
     /// Sends until the queue (or the `through` item, or the limit) is reached or a failure stops it.
     func run() async throws {
+        defer { cancelReadAhead() }
         do {
             try await recordHeldDeliveries()
             try await loop()
@@ -215,16 +227,25 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
 
     private func refill(to count: Int) async throws {
         var bytes = prefetched.reduce(0) { $0 + $1.body.count }
+        defer { startReadAhead() }
         while prefetched.count < count && !exhausted && (prefetched.isEmpty || bytes < context.configuration.batchMaxBytes) {
-            let batch = try await context.store.pendingBatch(
-                queue: context.queueName, after: lastFetched, maxCount: max(Self.prefetchCount, count - prefetched.count),
-                maxBytes: max(4 << 20, context.configuration.batchMaxBytes))
-            guard let last = batch.last else {
+            var fetched = Fetched(items: [], hadEnvelopes: false)
+            if let ahead = readAhead {
+                readAhead = nil
+                fetched = try await ahead.value.get()
+            }
+            if fetched.items.isEmpty {
+                // Also when the read-ahead found nothing: what was queued since is this flush's to send.
+                fetched = try await Self.fetchOpened(
+                    context, after: lastFetched, maxCount: max(Self.prefetchCount, count - prefetched.count))
+            }
+            let opened = fetched.items
+            fetchedEnvelopes = fetched.hadEnvelopes
+            guard let last = opened.last else {
                 exhausted = true
                 return
             }
             lastFetched = last.info.sequence
-            let opened = await Self.opened(batch, keyring: context.configuration.envelopeKeyring)
             await countKeyOpens()
             for var item in opened {
                 if let through, item.info.sequence > through {
@@ -241,6 +262,41 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 bytes += item.body.count
             }
         }
+    }
+
+    /// The pending items after `sequence` (at least ``prefetchCount`` when there are, within the byte limit), their
+    /// envelopes opened.
+    private static func fetchOpened(_ context: FlushContext, after sequence: Int64, maxCount: Int) async throws -> Fetched {
+        let batch = try await context.store.pendingBatch(
+            queue: context.queueName, after: sequence, maxCount: maxCount,
+            maxBytes: max(4 << 20, context.configuration.batchMaxBytes))
+        return Fetched(
+            items: await opened(batch, keyring: context.configuration.envelopeKeyring),
+            hadEnvelopes: batch.contains { $0.info.encrypted && $0.unreadable == nil })
+    }
+
+    /// Starts reading and opening the next batch when the last one fetched held envelopes and more may follow. What it
+    /// reads is what a larger prefetch would have read: the items after the last fetched, in order.
+    private func startReadAhead() {
+        guard readAhead == nil, !exhausted, fetchedEnvelopes, context.configuration.envelopeKeyring != nil else { return }
+        let context = self.context
+        let after = lastFetched
+        // A step's worth (a Bundle of batchSize), so that the next refill takes it whole and opens nothing itself.
+        let count = max(Self.prefetchCount, batchSize)
+        readAhead = Task {
+            do {
+                return .success(try await Self.fetchOpened(context, after: after, maxCount: count))
+            } catch {
+                return .failure(error)
+            }
+        }
+    }
+
+    /// Ends the read-ahead of a flush that is over (what it opened is opened again by the next flush, and counted
+    /// again in the opens per key: a count that may run one batch high per flush, never low).
+    private func cancelReadAhead() {
+        readAhead?.cancel()
+        readAhead = nil
     }
 
     /// Adds the envelopes the keyring opened since the last batch to the store's counts per key and day (one write
