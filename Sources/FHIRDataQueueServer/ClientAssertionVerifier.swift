@@ -1,6 +1,8 @@
+import Crypto
 import Foundation
 import JWTKit
 import Synchronization
+import _CryptoExtras
 
 /// Checks the signed client assertions (SMART Backend Services, RFC 7523 `private_key_jwt`) that clients with a
 /// key set of their own (edges forwarding to a decrypting receiver) authenticate to the token endpoint with.
@@ -48,16 +50,45 @@ final class ClientAssertionVerifier: Sendable {
             var jwks: [JWK] = []
             for (index, var entry) in list.enumerated() where (entry["use"] as? String ?? "sig") == "sig" {
                 // A key without kid (legal in a one-key set) gets a name of its own.
-                entry["kid"] = entry["kid"] as? String ?? "dq-unnamed-key-\(index)"
+                let kid = entry["kid"] as? String ?? "dq-unnamed-key-\(index)"
+                entry["kid"] = kid
+                // Every signing key must be usable: one dropped in silence would refuse that edge's tokens later.
+                if let problem = Self.problem(with: entry) {
+                    throw Refusal(description: "key \(kid) of client \(client)'s key set cannot be used: \(problem)")
+                }
                 guard let json = try? JSONSerialization.data(withJSONObject: entry),
                     let jwk = try? JSONDecoder().decode(JWK.self, from: json)
-                else { continue }
+                else { throw Refusal(description: "key \(kid) of client \(client)'s key set is not a JWK") }
                 jwks.append(jwk)
             }
             guard !jwks.isEmpty else { throw Refusal(description: "the key set of client \(client) holds no signing key") }
             parsed[client] = jwks
         }
         self.keySets = parsed
+    }
+
+    /// Why a JWK (its members) is not a public key an assertion can be checked with, or nil: an RSA key of at least
+    /// 2048 bits, or an EC key whose point is on P-256 or P-384. jwt-kit takes an EC point off its curve when the
+    /// key is added; swift-crypto checks the point.
+    static func problem(with jwk: [String: Any]) -> String? {
+        func bytes(_ name: String) -> Data? { (jwk[name] as? String).flatMap(base64URLDecode) }
+        if jwk["d"] != nil { return "it holds a private key (give the public key only)" }
+        switch jwk["kty"] as? String {
+        case "RSA":
+            guard let n = bytes("n"), let e = bytes("e") else { return "an RSA key needs n and e" }
+            // swift-crypto refuses a modulus under 2048 bits.
+            return (try? _RSA.Signing.PublicKey(n: n, e: e)) == nil ? "n and e are not an RSA public key of 2048 bits or more" : nil
+        case "EC":
+            guard let x = bytes("x"), let y = bytes("y") else { return "an EC key needs x and y" }
+            let point = Data([0x04]) + x + y
+            switch jwk["crv"] as? String {
+            case "P-256": return (try? P256.Signing.PublicKey(x963Representation: point)) == nil ? "x and y are not a point on P-256" : nil
+            case "P-384": return (try? P384.Signing.PublicKey(x963Representation: point)) == nil ? "x and y are not a point on P-384" : nil
+            default: return "an EC key on a curve other than P-256 or P-384"
+            }
+        default:
+            return "a key type other than RSA or EC"
+        }
     }
 
     /// Whether `client` authenticates with a key set here.
