@@ -1,4 +1,5 @@
 import Foundation
+import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -187,6 +188,48 @@ struct EnvelopeKeyringTests {
         #expect(replay.delivered == 1)
         #expect(server.requests.count == 3)
         #expect(server.requests.last?.bodyText.contains("\"second\"") == true)
+        #expect(try await queue.items().isEmpty)
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test(
+        "a flush opens envelopes ahead only once it delivers: 300 in order through the read-ahead, and a server that is down costs one opening per flush, not a prefetch"
+    )
+    func readAhead() async throws {
+        let k1 = try await makeKey("k1")
+        try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
+        let down = ScriptedServer.Response(status: 503, headers: [("Retry-After", "1")])
+        let up = Mutex(false)
+        let server = try await ScriptedServer { _ in
+            up.withLock { $0 } ? .respond(.created(location: "Observation/o/_history/1")) : .respond(down)
+        }
+        var configuration = DataQueue.Configuration(databasePath: directory + "/queue.sqlite", idempotent: .init(false))
+        configuration.batchSize = 1
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0, maximumDelay: 0)
+        let keyring = EnvelopeKeyring(directory: keys)
+        configuration.envelopeKeyring = keyring
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        // Five distinct envelopes (openssl makes each), queued in a repeating pattern: the order is the pattern's.
+        var envelopes: [Data] = []
+        for marker in 0..<5 { envelopes.append(try await envelope(observation("m\(marker)"), for: k1.publicPEM, keyID: "k1")) }
+        for index in 0..<300 {
+            try await queue.enqueue(try SealedEnvelope(json: envelopes[index % 5], resourceType: SealedEnvelope.unnamedType))
+        }
+        #expect(try await queue.items().count == 300)
+
+        _ = try? await queue.flush()
+        #expect(server.requests.count == 1, "the first request failed and the flush stopped")
+        let opens = try await #require(queue.keyOpenLog).keyOpens(since: keyOpenDay(of: Date()) - 1)
+        #expect(opens["k1"]?.values.reduce(0, +) == 1, "one envelope opened for the one request, not a prefetch: \(opens)")
+        #expect(keyring.takeOpenCounts().isEmpty, "counted in the store already")
+
+        up.withLock { $0 = true }
+        let report = try await queue.flush(force: true)
+        #expect(report.delivered == 300)
+        let sent = server.requests.dropFirst().map { request in (0..<5).first { request.bodyText.contains("\"m\($0)\"") } }
+        #expect(sent.count == 300)
+        #expect(sent == (0..<300).map { $0 % 5 }, "in queue order")
         #expect(try await queue.items().isEmpty)
         try await queue.shutdown()
         try await server.shutdown()

@@ -235,9 +235,14 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 fetched = try await ahead.value.get()
             }
             if fetched.items.isEmpty {
-                // Also when the read-ahead found nothing: what was queued since is this flush's to send.
+                // Also when the read-ahead found nothing: what was queued since is this flush's to send. A queue that
+                // opens envelopes fetches, until this flush has sent something, only what its first step needs: a
+                // flush whose server is down stops at its first request, and would open a prefetch for nothing at
+                // every attempt.
+                let started = report.delivered + report.parked > 0 || context.configuration.envelopeKeyring == nil
                 fetched = try await Self.fetchOpened(
-                    context, after: lastFetched, maxCount: max(Self.prefetchCount, count - prefetched.count))
+                    context, after: lastFetched,
+                    maxCount: started ? max(Self.prefetchCount, count - prefetched.count) : count - prefetched.count)
             }
             let opened = fetched.items
             fetchedEnvelopes = fetched.hadEnvelopes
@@ -278,7 +283,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// Starts reading and opening the next batch when the last one fetched held envelopes and more may follow. What it
     /// reads is what a larger prefetch would have read: the items after the last fetched, in order.
     private func startReadAhead() {
-        guard readAhead == nil, !exhausted, fetchedEnvelopes, context.configuration.envelopeKeyring != nil else { return }
+        guard readAhead == nil, !exhausted, fetchedEnvelopes, report.delivered > 0, context.configuration.envelopeKeyring != nil
+        else { return }
         let context = self.context
         let after = lastFetched
         // A step's worth (a Bundle of batchSize), so that the next refill takes it whole and opens nothing itself.
