@@ -91,6 +91,45 @@ struct ServiceErrorTests {
         try await server.shutdown()
     }
 
+    @Test(
+        "While the server is backed off, enqueues do not wake flushes: the service tries at most once per poll interval, not once per enqueue",
+        .timeLimit(.minutes(2)))
+    func backoffIgnoresEnqueues() async throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let server = try await ScriptedServer { _ in .respond(.init(status: 503)) }
+        var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path)
+        configuration.retryPolicy = RetryPolicy(initialDelay: 3600, maximumDelay: 3600, jitter: 0)
+        let captured = Lines()
+        let logger = Logger(label: "test") { _ in CapturingHandler(captured: captured) }
+        let queue = try await DataQueue(
+            baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration, logger: logger)
+        try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
+        let poll = 0.5
+        let group = ServiceGroup(
+            services: [
+                DataQueueService(queues: [queue], configuration: .init(pollInterval: .milliseconds(Int64(poll * 1000))), logger: logger)
+            ],
+            logger: Logger(label: "group", factory: { _ in SwiftLogNoOpLogHandler() }))
+        let running = Task { try await group.run() }
+        while server.requests.isEmpty { try await Task.sleep(for: .milliseconds(10)) }
+        // The first flush failed and backed off for an hour. Each enqueue now signals the service.
+        let start = ContinuousClock.now
+        for index in 0..<300 {
+            try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient","id":"p\#(index)"}"#.utf8)))
+        }
+        let elapsed = (ContinuousClock.now - start) / .seconds(1)
+        await group.triggerGracefulShutdown()
+        try await running.value
+        let tries = captured.lines.withLock { $0.filter { $0.1 == "the server is backed off; nothing sent" }.count }
+        // At most one try per poll interval while the enqueues ran (and one at each end); before, a try per wake-up.
+        #expect(tries <= Int(elapsed / poll) + 2, "\(tries) tries in \(elapsed) s")
+        #expect(!server.requests.contains { $0.bodyText.contains(#""id":"p"#) }, "nothing sent during the backoff")
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
     @Test("A flush that backs off after a journal write failed is not a recovery: the error is not logged again when it recurs")
     func backoffIsNoRecovery() async throws {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")

@@ -343,6 +343,15 @@ extension FlushReport {
         case busy
         /// The item limit was reached.
         case limit
+
+        /// When the server may be tried again, when the flush stopped for a failure or a backoff.
+        public var retryDate: Date? {
+            switch self {
+            case .transient(_, let retryAt): retryAt
+            case .backoff(let until): until
+            default: nil
+            }
+        }
     }
 }
 

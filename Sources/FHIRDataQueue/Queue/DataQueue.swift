@@ -548,6 +548,9 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                             + "mend the credentials, then flush with force (dq flush --now))")
                 } else {
                     report.stop = .backoff(until: next)
+                    logger.debug(
+                        "the server is backed off; nothing sent",
+                        metadata: ["queue": "\(queueName)", "until": "\(ISO8601DateFormatter().string(from: next))"])
                 }
                 try await fillCounts(&report)
                 return (report, nil)

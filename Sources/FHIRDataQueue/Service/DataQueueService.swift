@@ -355,6 +355,16 @@ public struct DataQueueService: Service {
                 await pruneJournal(queue, olderThan: retention)
             }
             guard !Task.isCancelled && !Task.isShuttingDownGracefully else { break }
+            if case .success(let report) = outcome, let until = report.stop?.retryDate, until > Date() {
+                // The server failed or is backed off: nothing goes before `until`, so an enqueue's wake-up is no
+                // reason to try (a receiver taking thousands of items a second woke a flush for each few, each
+                // taking the lock and reading the state to back off again). The poll interval still bounds the wait:
+                // another instance may clear the backoff sooner.
+                let poll = configuration.pollInterval.components
+                let seconds = min(until.timeIntervalSinceNow, Double(poll.seconds) + Double(poll.attoseconds) / 1e18)
+                await cancelWhenGracefulShutdown { try? await beatingSleep(queue, for: .milliseconds(Int64(seconds * 1000))) }
+                continue
+            }
             await withGracefulShutdownHandler {
                 await queue.wakeUp.wait(timeout: min(configuration.pollInterval, configuration.watchdog?.interval ?? .seconds(86_400)))
             } onGracefulShutdown: {
