@@ -122,6 +122,8 @@ struct ClientRegistryTests {
         let expiry = Self.start + 1800
         try await registry.issueToken(tokenHash: token, clientID: "c1", expiresAt: expiry)
         #expect(try await registry.client(tokenHash: token, now: Self.start) == "c1")
+        // Its expiry comes with it: a receiver remembers the token until then (TokenCache).
+        #expect(try await registry.token(hash: token, now: Self.start)?.expiresAt == expiry)
         #expect(try await registry.client(tokenHash: token, now: expiry - 0.5) == "c1")
         #expect(try await registry.client(tokenHash: token, now: expiry) == nil, "expired at its expiry")
         #expect(try await registry.client(tokenHash: token, now: expiry + 1) == nil)
@@ -342,5 +344,12 @@ struct ClientSecretsTests {
         let token = ClientSecrets.newToken()
         #expect(ClientSecrets.tokenHash(token) == ClientSecrets.tokenHash(token))
         #expect(ClientSecrets.tokenHash(token) != ClientSecrets.tokenHash(ClientSecrets.newToken()))
+    }
+}
+
+extension ClientRegistry {
+    /// The client of a token that has not expired at `now`, or nil (what these tests ask of a token).
+    func client(tokenHash: String, now: Date) async throws -> String? {
+        try await token(hash: tokenHash, now: now)?.clientID
     }
 }

@@ -269,8 +269,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         }
     }
 
-    /// The pending items after `sequence` (at least ``prefetchCount`` when there are, within the byte limit), their
-    /// envelopes opened.
+    /// Up to `maxCount` pending items after `sequence` (within the byte limit), their envelopes opened.
     private static func fetchOpened(_ context: FlushContext, after sequence: Int64, maxCount: Int) async throws -> Fetched {
         let batch = try await context.store.pendingBatch(
             queue: context.queueName, after: sequence, maxCount: maxCount,

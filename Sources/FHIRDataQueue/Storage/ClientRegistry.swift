@@ -13,7 +13,7 @@ import Foundation
 /// try await registry.register(clientID: id, secretHash: try ClientSecrets.hash(secret: secret), at: .now)
 /// let token = ClientSecrets.newToken()
 /// try await registry.issueToken(tokenHash: ClientSecrets.tokenHash(token), clientID: id, expiresAt: .now + 1800)
-/// try await registry.client(tokenHash: ClientSecrets.tokenHash(token), now: .now)  // id
+/// try await registry.token(hash: ClientSecrets.tokenHash(token), now: .now)?.clientID  // id
 /// ```
 package protocol ClientRegistry: Sendable {
     /// Stores a new client.
@@ -49,13 +49,6 @@ package protocol ClientRegistry: Sendable {
 
     /// Removes tokens that expired before `cutoff`; returns how many.
     func pruneTokens(before cutoff: Date) async throws -> Int
-}
-
-extension ClientRegistry {
-    /// The client of a token that has not expired at `now` (its expiry is later than `now`), or nil.
-    func client(tokenHash: String, now: Date) async throws -> String? {
-        try await token(hash: tokenHash, now: now)?.clientID
-    }
 }
 
 extension DataQueue {
