@@ -174,26 +174,44 @@ struct PostgresTests {
     }
 
     /// A database an earlier dq made has only the v1 enqueue procedures (no client column in them): dq adds its
-    /// v2 procedures at start and leaves v1 for that earlier dq, and enqueues (single and many) work on it.
+    /// v2 procedures at start, leaves v1 for that earlier dq, and enqueues (single and many) work on it.
     @Test("A queue made before the v2 enqueue procedures gets them at start, keeps v1, and enqueues one and many")
     func enqueueProceduresUpgraded() async throws {
         let database = try await Self.freshDatabase()
         let env = environment("http://127.0.0.1:9/fhir", database: database)
         #expect(try await dq(["enqueue", try work.write("o0.json", resources.observation(0))], env).status == 0)
+        // As an earlier dq left it: its own procedure (v1, made here as that dq made it), none of the v2.
         try await Self.psql(
             database,
             """
             DROP PROCEDURE dq_enqueue_one_v2(uuid,text,text,text,text,text,bool,text,bytea,text,text,double precision,bigint);
-            DROP PROCEDURE dq_enqueue_many_v2(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],text[],double precision,bigint)
+            DROP PROCEDURE dq_enqueue_many_v2(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],text[],double precision,bigint);
+            CREATE PROCEDURE dq_enqueue_one_v1(p_uuid uuid, p_queue text, p_method text, p_url text, p_type text, p_id text,
+              p_encrypted bool, p_content_type text, p_body bytea, p_full_url text, p_at double precision,
+              INOUT o_first bigint DEFAULT NULL)
+            LANGUAGE plpgsql AS $proc$
+            BEGIN
+              UPDATE dq_meta SET next_seq = next_seq + 1 WHERE id = 1 RETURNING next_seq INTO o_first;
+              INSERT INTO dq_item (seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body,
+                                   full_url, enqueued_at)
+              VALUES (o_first, p_uuid, p_queue, p_method, p_url, p_type, NULLIF(p_id, ''), p_encrypted, p_content_type, p_body,
+                      NULLIF(p_full_url, ''), p_at);
+              COMMIT;
+            END $proc$
             """)
+        // The earlier dq's enqueue still works beside the new one's.
+        try await Self.psql(
+            database,
+            "CALL dq_enqueue_one_v1(gen_random_uuid(), 'q-old', 'POST', 'Observation', 'Observation', '', false, 'application/fhir+json', '{}'::bytea, '', 0, NULL)"
+        )
         let one = try await dq(["enqueue", try work.write("o1.json", resources.observation(1))], env)
         #expect(one.status == 0, "\(one.stderr)")
         let many = try await dq(["enqueue", "--ndjson", try work.write("many.ndjson", resources.ndjson(2..<5))], env)
         #expect(many.status == 0, "\(many.stderr)")
         let procedures = try await Self.psqlValue(
             database, "SELECT string_agg(proname, ',' ORDER BY proname) FROM pg_proc WHERE proname LIKE 'dq_enqueue_%'")
-        #expect(procedures == "dq_enqueue_many_v1,dq_enqueue_many_v2,dq_enqueue_one_v1,dq_enqueue_one_v2")
-        #expect(try await Self.psqlValue(database, "SELECT count(*) FROM dq_item") == "5")
+        #expect(procedures == "dq_enqueue_many_v2,dq_enqueue_one_v1,dq_enqueue_one_v2")
+        #expect(try await Self.psqlValue(database, "SELECT count(*) FROM dq_item") == "6")
     }
 
     /// The one value `sql` selects on `url`, as `psql -tA` prints it.

@@ -16,9 +16,6 @@ extension PostgresQueueStore {
 
     static let itemInsertColumns =
         "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, client_id, enqueued_at"
-    /// The columns the v1 procedures insert (kept as they were made: a dq before v2 may call them).
-    static let itemInsertColumnsV1 =
-        "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, enqueued_at"
 
     /// Reserves `count` sequence numbers from the counter row and returns the first. The row stays locked
     /// until the caller's transaction commits, so sequences rise in commit order.

@@ -89,39 +89,10 @@ extension PostgresQueueStore {
         "CREATE INDEX IF NOT EXISTS dq_digests_by_age ON dq_digests (delivered_at)",
         // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
         // that a start does not rewrite the catalog and two dq versions sharing a database each call their own. v2
-        // stores the client a receiver's item came from; v1 stays for a dq before it that shares the database.
+        // stores the client a receiver's item came from. v1 is not made here: a dq before v2 that shares the
+        // database makes it in its own migration (its schema check finds it missing), and no v1 is ever dropped.
         """
         DO $do$ BEGIN
-          IF to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NULL THEN
-            CREATE PROCEDURE dq_enqueue_one_v1(p_uuid uuid, p_queue text, p_method text, p_url text, p_type text, p_id text,
-              p_encrypted bool, p_content_type text, p_body bytea, p_full_url text, p_at double precision,
-              INOUT o_first bigint DEFAULT NULL)
-            LANGUAGE plpgsql AS $proc$
-            BEGIN
-              UPDATE dq_meta SET next_seq = next_seq + 1 WHERE id = 1 RETURNING next_seq INTO o_first;
-              INSERT INTO dq_item (\(itemInsertColumnsV1))
-              VALUES (o_first, p_uuid, p_queue, p_method, p_url, p_type, NULLIF(p_id, ''), p_encrypted, p_content_type, p_body,
-                      NULLIF(p_full_url, ''), p_at);
-              PERFORM pg_notify('dq_enqueue', p_queue);
-              COMMIT;
-            END $proc$;
-          END IF;
-          IF to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NULL THEN
-            CREATE PROCEDURE dq_enqueue_many_v1(p_count bigint, p_uuid uuid[], p_queue text[], p_method text[], p_url text[],
-              p_type text[], p_id text[], p_encrypted bool[], p_content_type text[], p_body bytea[], p_full_url text[],
-              p_at double precision, INOUT o_first bigint DEFAULT NULL)
-            LANGUAGE plpgsql AS $proc$
-            BEGIN
-              UPDATE dq_meta SET next_seq = next_seq + p_count WHERE id = 1 RETURNING next_seq - p_count + 1 INTO o_first;
-              INSERT INTO dq_item (\(itemInsertColumnsV1))
-              SELECT o_first + v.o - 1, v.uuid, v.queue, v.method, v.url, v.resource_type, NULLIF(v.resource_id, ''),
-                     v.encrypted, v.content_type, v.body, NULLIF(v.full_url, ''), p_at
-              FROM unnest(p_uuid, p_queue, p_method, p_url, p_type, p_id, p_encrypted, p_content_type, p_body, p_full_url)
-                   WITH ORDINALITY AS v(uuid, queue, method, url, resource_type, resource_id, encrypted, content_type, body, full_url, o);
-              PERFORM pg_notify('dq_enqueue', q) FROM (SELECT DISTINCT unnest(p_queue) AS q) d;
-              COMMIT;
-            END $proc$;
-          END IF;
           IF to_regprocedure('\(enqueueOneV2)') IS NULL THEN
             CREATE PROCEDURE dq_enqueue_one_v2(p_uuid uuid, p_queue text, p_method text, p_url text, p_type text, p_id text,
               p_encrypted bool, p_content_type text, p_body bytea, p_full_url text, p_client text, p_at double precision,
@@ -181,8 +152,6 @@ extension PostgresQueueStore {
            AND to_regclass('dq_receipts_by_age') IS NOT NULL AND to_regclass('dq_digests_by_age') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_item')
                        AND attname = 'client_id' AND NOT attisdropped)
-           AND to_regprocedure('dq_enqueue_one_v1(uuid,text,text,text,text,text,bool,text,bytea,text,double precision,bigint)') IS NOT NULL
-           AND to_regprocedure('dq_enqueue_many_v1(bigint,uuid[],text[],text[],text[],text[],text[],bool[],text[],bytea[],text[],double precision,bigint)') IS NOT NULL
            AND to_regprocedure('\(enqueueOneV2)') IS NOT NULL AND to_regprocedure('\(enqueueManyV2)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_server_state')
                        AND attname = 'conditional_create' AND NOT attisdropped)
