@@ -14,6 +14,10 @@ import Testing
 /// What the background service does when a flush fails with an error of its own (not a server's answer).
 @Suite("The service's flush errors")
 struct ServiceErrorTests {
+    /// A directory of each test's own (a fresh instance per test), removed with it.
+    let scratch: Scratch
+    init() throws { scratch = try Scratch("dq-service") }
+
     /// Keeps every line logged through it.
     struct CapturingHandler: LogHandler {
         let captured: Lines
@@ -60,9 +64,7 @@ struct ServiceErrorTests {
         "A storage error is logged once with its level, backed off, and nothing is sent; the service keeps running",
         .timeLimit(.minutes(2)))
     func storageErrorLoggedOnce() async throws {
-        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(at: directory) }
+        let directory = scratch.url
         let path = directory.appendingPathComponent("q.sqlite").path
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
         var configuration = DataQueue.Configuration(databasePath: path)
@@ -95,9 +97,7 @@ struct ServiceErrorTests {
         "While the server is backed off, enqueues do not wake flushes: the service tries at most once per poll interval, not once per enqueue",
         .timeLimit(.minutes(2)))
     func backoffIgnoresEnqueues() async throws {
-        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(at: directory) }
+        let directory = scratch.url
         let server = try await ScriptedServer { _ in .respond(.init(status: 503)) }
         var configuration = DataQueue.Configuration(databasePath: directory.appendingPathComponent("q.sqlite").path)
         configuration.retryPolicy = RetryPolicy(initialDelay: 3600, maximumDelay: 3600, jitter: 0)
@@ -132,9 +132,7 @@ struct ServiceErrorTests {
 
     @Test("A flush that backs off after a journal write failed is not a recovery: the error is not logged again when it recurs")
     func backoffIsNoRecovery() async throws {
-        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(at: directory) }
+        let directory = scratch.url
         let path = directory.appendingPathComponent("q.sqlite").path
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
         var configuration = DataQueue.Configuration(databasePath: path)
@@ -175,9 +173,7 @@ struct ServiceErrorTests {
 
     @Test("A queue database deleted or replaced under the service ends it with that error, sending nothing more", arguments: [false, true])
     func databaseReplaced(replace: Bool) async throws {
-        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("dq-service-\(UUID().uuidString.prefix(8))")
-        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(at: directory) }
+        let directory = scratch.url
         let path = directory.appendingPathComponent("q.sqlite").path
         let server = try await ScriptedServer { _ in .respond(.created(location: "Patient/p/_history/1")) }
         let queue = try await DataQueue(
