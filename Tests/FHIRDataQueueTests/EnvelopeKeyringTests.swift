@@ -234,4 +234,50 @@ struct EnvelopeKeyringTests {
         try await queue.shutdown()
         try await server.shutdown()
     }
+
+    @Test(
+        "a flush opens envelopes at a background priority: every opening thread runs ten nice steps below the process, the helpers it starts too, and the caller stays as it was"
+    )
+    func backgroundPriority() async throws {
+        #if os(Linux)
+            let base = OwnThread.niceness()
+            let expected = min(19, base + 10)
+
+            // The helpers inherit the priority: index 0 waits until another thread has run index 1.
+            let niceness = try await OwnThread.run("dq-test-bg", priority: .background) { () -> [Int32] in
+                let seen = Mutex([Int32](repeating: -100, count: 2))
+                let second = DispatchSemaphore(value: 0)
+                ParallelWork.forEach(2, threads: 2) { index in
+                    if index == 0 { second.wait() }
+                    seen.withLock { $0[index] = OwnThread.niceness() }
+                    if index == 1 { second.signal() }
+                }
+                return seen.withLock { $0 }
+            }
+            #expect(niceness == [expected, expected], "both threads of the work, lowered: \(niceness) (the process at \(base))")
+            #expect(OwnThread.niceness() == base, "the caller's priority is untouched")
+
+            // A flush's opening, on whichever threads open each envelope.
+            let k1 = try await makeKey("k1")
+            try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
+            let server = try await ScriptedServer { _ in .respond(.created(location: "Observation/o/_history/1")) }
+            var configuration = DataQueue.Configuration(databasePath: directory + "/queue.sqlite", idempotent: .init(false))
+            configuration.envelopeKeyring = EnvelopeKeyring(directory: keys)
+            let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+            let seen = Mutex<[Int32]>([])
+            queue.hooks.openingEnvelope = { seen.withLock { $0.append(OwnThread.niceness()) } }
+            let envelope = try await envelope(observation("p"), for: k1.publicPEM, keyID: "k1")
+            for _ in 0..<40 {
+                try await queue.enqueue(try SealedEnvelope(json: envelope, resourceType: SealedEnvelope.unnamedType))
+            }
+            let report = try await queue.flush()
+            #expect(report.delivered == 40)
+            let opened = seen.withLock { $0 }
+            #expect(opened.count >= 40, "every envelope opened once at least")
+            #expect(opened.allSatisfy { $0 == expected }, "opened at \(Set(opened)), the process at \(base)")
+            #expect(OwnThread.niceness() == base)
+            try await queue.shutdown()
+            try await server.shutdown()
+        #endif
+    }
 }

@@ -275,7 +275,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             queue: context.queueName, after: sequence, maxCount: maxCount,
             maxBytes: max(4 << 20, context.configuration.batchMaxBytes))
         return Fetched(
-            items: await opened(batch, keyring: context.configuration.envelopeKeyring),
+            items: await opened(batch, keyring: context.configuration.envelopeKeyring, hooks: context.hooks),
             hadEnvelopes: batch.contains { $0.info.encrypted && $0.unreadable == nil })
     }
 
@@ -324,12 +324,18 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// With the queue's keyring, the batch's envelopes opened, on every core and off the cooperative pool (an RSA
     /// private-key operation each: a batch of them would hold one of its few threads for a good part of a second,
     /// while a receiver's requests wait for one). Without a keyring, or without envelopes, the batch as it is.
-    private static func opened(_ batch: [StoredItem], keyring: EnvelopeKeyring?) async -> [StoredItem] {
+    ///
+    /// The opening threads run at a background priority: a drain is CPU work that can wait, while the receiver's
+    /// requests and a FHIR server or database on the same machine (the requests the flush waits on) should not. With
+    /// nothing else running the opening still has every core.
+    private static func opened(_ batch: [StoredItem], keyring: EnvelopeKeyring?, hooks: TestHooks) async -> [StoredItem] {
         guard let keyring, batch.contains(where: { $0.info.encrypted && $0.unreadable == nil }) else { return batch }
         let results = Mutex([StoredItem?](repeating: nil, count: batch.count))
+        let hook = hooks.openingEnvelope
         do {
-            try await OwnThread.run("dq-open") {
+            try await OwnThread.run("dq-envelopes", priority: .background) {
                 ParallelWork.forEach(batch.count) { index in
+                    hook?()
                     let item = opened(batch[index], keyring: keyring)
                     results.withLock { $0[index] = item }
                 }
