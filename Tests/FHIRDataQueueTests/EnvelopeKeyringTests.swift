@@ -236,6 +236,58 @@ struct EnvelopeKeyringTests {
     }
 
     @Test(
+        "the read-ahead keeps two batches opened ahead: while one request is held the third batch's opening starts; 800 envelopes go in order, each opened once"
+    )
+    func readAheadDepth() async throws {
+        let k1 = try await makeKey("k1")
+        try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
+        let opens = Mutex(0)
+        // The first request carries the first item (a flush fetches only its first step until it delivers); the
+        // second comes after a refill of 256, when the read-ahead starts. One batch ahead stops at 1 + 256 + 256.
+        let oneAhead = 1 + 2 * Flusher.prefetchCount
+        let arrived = Mutex(0)
+        let reached = Mutex(false)
+        let server = try await ScriptedServer { _ in
+            if arrived.withLock({
+                $0 += 1; return $0
+            }) == 2 {
+                // Held until the opening goes past one batch ahead (a bound only a missing read-ahead reaches).
+                let deadline = ContinuousClock.now + .seconds(300)
+                while opens.withLock({ $0 }) <= oneAhead, ContinuousClock.now < deadline {
+                    try? await Task.sleep(for: .milliseconds(5))
+                }
+                reached.withLock { $0 = opens.withLock { $0 } > oneAhead }
+            }
+            return .respond(.created(location: "Observation/o/_history/1"))
+        }
+        var configuration = DataQueue.Configuration(databasePath: directory + "/queue.sqlite", idempotent: .init(false))
+        configuration.batchSize = 1
+        // The held request waits for the openings, which take what they take on the machine (a sanitizer's build is
+        // slow): dq must not give up on it first.
+        configuration.requestTimeout = 600
+        configuration.envelopeKeyring = EnvelopeKeyring(directory: keys)
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        queue.hooks.openingEnvelope = { opens.withLock { $0 += 1 } }
+        var envelopes: [Data] = []
+        for marker in 0..<5 { envelopes.append(try await envelope(observation("d\(marker)"), for: k1.publicPEM, keyID: "k1")) }
+        let total = 800
+        for index in 0..<total {
+            try await queue.enqueue(try SealedEnvelope(json: envelopes[index % 5], resourceType: SealedEnvelope.unnamedType))
+        }
+
+        let report = try await queue.flush()
+        #expect(reached.withLock { $0 }, "the opening went past one batch ahead while a request was held")
+        #expect(report.delivered == total)
+        let sent = server.requests.map { request in (0..<5).first { request.bodyText.contains("\"d\($0)\"") } }
+        #expect(sent.count == total)
+        #expect(sent == (0..<total).map { $0 % 5 }, "in queue order")
+        #expect(opens.withLock { $0 } == total, "each envelope opened once")
+        #expect(try await queue.items().isEmpty)
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
+    @Test(
         "a flush opens envelopes at a background priority: every opening thread runs ten nice steps below the process, the helpers it starts too, and the caller stays as it was"
     )
     func backgroundPriority() async throws {

@@ -32,9 +32,11 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     static let prefetchCount = 256
     private var lastFetched: Int64 = 0
     private var exhausted = false
-    /// The batch after the prefetched ones, read and opened while they are sent (started only after a batch
+    /// The batches after the prefetched ones, read and opened while they are sent (started only after a batch
     /// that held envelopes: opening is the CPU work of a drain, and it then overlaps the requests and the journal).
-    private var readAhead: Task<Result<Fetched, any Error>, Never>?
+    private var readAhead: ReadAhead<Fetched>?
+    /// How many batches the read-ahead keeps ready.
+    static let readAheadDepth = 2
     /// Whether the last batch fetched held envelopes.
     private var fetchedEnvelopes = false
 
@@ -231,8 +233,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         while prefetched.count < count && !exhausted && (prefetched.isEmpty || bytes < context.configuration.batchMaxBytes) {
             var fetched = Fetched(items: [], hadEnvelopes: false)
             if let ahead = readAhead {
-                readAhead = nil
-                fetched = try await ahead.value.get()
+                if let next = await ahead.next() {
+                    fetched = try next.get()
+                } else {
+                    readAhead = nil
+                }
+                if fetched.items.isEmpty { cancelReadAhead() }
             }
             if fetched.items.isEmpty {
                 // Also when the read-ahead found nothing: what was queued since is this flush's to send. A queue that
@@ -279,26 +285,28 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             hadEnvelopes: batch.contains { $0.info.encrypted && $0.unreadable == nil })
     }
 
-    /// Starts reading and opening the next batch when the last one fetched held envelopes and more may follow. What it
-    /// reads is what a larger prefetch would have read: the items after the last fetched, in order.
+    /// Starts reading and opening the next batches when the last one fetched held envelopes and more may follow. What
+    /// it reads is what a larger prefetch would have read: the items after the last fetched, in order, batch after
+    /// batch while fewer than ``readAheadDepth`` are ready; it stops after a batch without envelopes or past `through`.
     private func startReadAhead() {
         guard readAhead == nil, !exhausted, fetchedEnvelopes, report.delivered > 0, context.configuration.envelopeKeyring != nil
         else { return }
         let context = self.context
-        let after = lastFetched
-        // A step's worth (a Bundle of batchSize), so that the next refill takes it whole and opens nothing itself.
+        let through = self.through
+        // At least a step's worth (a Bundle of batchSize), so that a refill takes a batch whole and opens nothing itself.
         let count = max(Self.prefetchCount, batchSize)
-        readAhead = Task {
-            do {
-                return .success(try await Self.fetchOpened(context, after: after, maxCount: count))
-            } catch {
-                return .failure(error)
-            }
-        }
+        readAhead = ReadAhead(
+            after: lastFetched, depth: Self.readAheadDepth,
+            fetch: { after in try await Self.fetchOpened(context, after: after, maxCount: count) },
+            continuation: { fetched in
+                guard fetched.hadEnvelopes, let last = fetched.items.last?.info.sequence, through.map({ last < $0 }) ?? true
+                else { return nil }
+                return last
+            })
     }
 
     /// Ends the read-ahead of a flush that is over (what it opened is opened again by the next flush, and counted
-    /// again in the opens per key: a count that may run one batch high per flush, never low).
+    /// again in the opens per key: a count that may run up to ``readAheadDepth`` batches high per flush, never low).
     private func cancelReadAhead() {
         readAhead?.cancel()
         readAhead = nil
