@@ -54,6 +54,36 @@ struct BundleUnitTests {
         #expect(TransactionBundle.parseResponse(Data(#"{"resourceType":"OperationOutcome"}"#.utf8)) == nil)
     }
 
+    @Test(
+        "A receiver's items fill whole Bundles across prefetches: 600 creates from one client go as six Bundles of 100, none cut where a prefetch of 256 ends"
+    )
+    func receiverItemsFillBundles() async throws {
+        let scratch = try Scratch("dq-bundle-receiver")
+        let server = try await ScriptedServer { request in
+            guard request.method == "POST", request.path.hasSuffix("/fhir") else {
+                return .respond(.init(status: 200, body: AutomaticIdempotenceTests.metadata(declaring: [], transactions: true)))
+            }
+            return .respond(AutomaticIdempotenceTests.answer(request))
+        }
+        var configuration = DataQueue.Configuration(
+            databasePath: scratch.url.appendingPathComponent("q.sqlite").path, idempotent: .init(false))
+        configuration.batchSize = 100
+        let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
+        for index in 0..<600 {
+            let json = #"{"resourceType":"Observation","status":"final","code":{"text":"r\#(index)"}}"#
+            _ = try await queue.enqueue(try FHIRResource(json: Data(json.utf8)), method: .post, from: "client-1", idempotency: nil)
+        }
+        let report = try await queue.flush()
+        #expect(report.delivered == 600)
+        let bundles = server.requests.filter { $0.method == "POST" }.map { request in
+            ((try? JSONSerialization.jsonObject(with: request.body)) as? [String: Any])?["entry"] as? [Any]
+        }
+        #expect(bundles.map { $0?.count ?? 0 } == Array(repeating: 100, count: 6), "whole Bundles, in six requests")
+        #expect(try await queue.items().isEmpty)
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
+
     @Test("Envelopes in flight at once: every one delivered or parked exactly, no more than in_flight at a time")
     func envelopesInFlight() async throws {
         let inFlight = Mutex((now: 0, most: 0, started: 0))

@@ -200,18 +200,19 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// send and its journal line nothing marks the resource delivered, so the next flush sends it again. That can
     /// put a rare second copy on the server, which beats dropping a resource that was never delivered.
     private func skipDuplicate() async throws -> Bool {
-        guard let head = prefetched.first, let digest = head.digest, head.unreadable == nil,
-            let receipts = context.store as? any ReceiptStore
-        else { return false }
-        if !checkedDigests.contains(digest) {
-            // One look-up for the head and the receiver items prefetched after it.
-            let unchecked = Set(prefetched.prefix(Self.prefetchCount).compactMap(\.digest)).subtracting(checkedDigests)
+        guard let head = prefetched.first, let receipts = context.store as? any ReceiptStore else { return false }
+        // One look-up for the receiver items the next steps may take, the head's and those after it not looked up yet
+        // (a Bundle ends before an item whose digest is not looked up: not only when the head's is new, or a Bundle
+        // would end where the last batch fetched ends).
+        let unchecked = Set(prefetched.prefix(max(Self.prefetchCount, batchSize)).compactMap(\.digest)).subtracting(checkedDigests)
+        if !unchecked.isEmpty {
             let found = try await receipts.deliveredDigests(
                 unchecked, since: Date().addingTimeInterval(-context.configuration.duplicateWindow))
             checkedDigests.formUnion(unchecked)
             deliveredDigests.merge(found) { here, _ in here }
         }
-        guard let original = deliveredDigests[digest], original != head.info.id else { return false }
+        guard let digest = head.digest, head.unreadable == nil, let original = deliveredDigests[digest], original != head.info.id
+        else { return false }
         // The original's journal line (with its digest) commits before its repeat leaves the queue.
         try await recorder.finish()
         let url = (try? context.endpoints.url(for: head.info)) ?? context.queueName
