@@ -228,9 +228,16 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
 
     // MARK: - Fetching and composing
 
+    /// Fetches until `count` items are prefetched (or the queue, `through` or the byte limit is reached), then starts
+    /// the read-ahead when it may help; not after a failed read (the flush is ending, and would open batches only to
+    /// drop them).
     private func refill(to count: Int) async throws {
+        try await fill(to: count)
+        startReadAhead()
+    }
+
+    private func fill(to count: Int) async throws {
         var bytes = prefetched.reduce(0) { $0 + $1.body.count }
-        defer { startReadAhead() }
         while prefetched.count < count && !exhausted && (prefetched.isEmpty || bytes < context.configuration.batchMaxBytes) {
             var fetched = Fetched(items: [], hadEnvelopes: false)
             if let ahead = readAhead {

@@ -58,6 +58,7 @@ final class ReadAhead<Batch: Sendable>: Sendable {
                     return (.some(batch), state.producer)
                 }
                 if state.ended { return (.some(nil), nil) }
+                precondition(state.consumer == nil, "one consumer at a time")
                 state.consumer = continuation
                 return (nil, nil)
             }
