@@ -68,6 +68,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     private var deliveredDigests: [ContentDigest: UUID] = [:]
     /// Digests looked up in the store already.
     private var checkedDigests: Set<ContentDigest> = []
+    /// Whether items with digests were prefetched since the last look-up.
+    private var digestsToCheck = false
 
     /// One item ready to send.
     struct Prepared {
@@ -201,10 +203,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// put a rare second copy on the server, which beats dropping a resource that was never delivered.
     private func skipDuplicate() async throws -> Bool {
         guard let head = prefetched.first, let receipts = context.store as? any ReceiptStore else { return false }
-        // One look-up for the receiver items the next steps may take, the head's and those after it not looked up yet
-        // (a Bundle ends before an item whose digest is not looked up: not only when the head's is new, or a Bundle
-        // would end where the last batch fetched ends).
-        let unchecked = Set(prefetched.prefix(max(Self.prefetchCount, batchSize)).compactMap(\.digest)).subtracting(checkedDigests)
+        // One look-up for the receiver items prefetched since the last, before the first step that may take one (a
+        // Bundle ends before an item whose digest is not looked up: not only when the head's is new, or a Bundle would
+        // end where the last batch fetched ends), and not again at every step.
+        let headUnchecked = head.digest.map { !checkedDigests.contains($0) } ?? false
+        let unchecked = digestsToCheck || headUnchecked ? Set(prefetched.compactMap(\.digest)).subtracting(checkedDigests) : []
+        digestsToCheck = false
         if !unchecked.isEmpty {
             let found = try await receipts.deliveredDigests(
                 unchecked, since: Date().addingTimeInterval(-context.configuration.duplicateWindow))
@@ -277,6 +281,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 {
                     item.digest = ContentDigest(clientID: client, plaintext: item.body)
                 }
+                if item.digest != nil { digestsToCheck = true }
                 prefetched.append(item)
                 bytes += item.body.count
             }
