@@ -934,13 +934,14 @@ class ServeBench:
         return sums["dq_items_delivered_total"], sums["dq_envelopes_opened_total"]
 
 
-def wrk_run(args, work, port, body_path, token, seconds, connections=64):
-    """wrk, 2 threads and `connections` keep-alive connections posting the same envelope for `seconds`: its figures."""
+def wrk_run(args, work, port, body_path, token, seconds, connections=64, path="/c3pro/encfhir/Observation"):
+    """wrk, 2 threads and `connections` keep-alive connections posting the same envelope for `seconds` (with no
+    `body_path`, GETs of `path`): its figures."""
     script = os.path.join(work, "wrk-%f.lua" % time.time())
     with open(script, "w") as f:
-        f.write(WRK_SCRIPT % (body_path, token))
+        f.write(WRK_SCRIPT % (body_path, token) if body_path else WRK_SCRIPT[WRK_SCRIPT.index("done = "):].replace("%%", "%"))
     out = run(["wrk", "-t2", "-c%d" % connections, "-d%ds" % seconds, "--timeout", "10s", "-s", script,
-               "http://127.0.0.1:%d/c3pro/encfhir/Observation" % port]).stdout
+               "http://127.0.0.1:%d%s" % (port, path)]).stdout
     result = json.loads([line for line in out.splitlines() if line.startswith('{"requests"')][-1])
     if result["status_errors"] or result["socket_errors"]:
         raise SystemExit("wrk: %d answers not 2xx, %d socket errors\n%s"
@@ -1027,6 +1028,9 @@ def case_serve(args, work):
             token = rig.token(port)
             result = wrk_run(args, work, port, body, token, seconds)
             result["opened"] = rig.metrics(port)[1]
+            if store_env is None:
+                # The same process answering its cheapest endpoint: what its HTTP stack does with no work at all.
+                result["stack"] = wrk_run(args, work, port, None, None, seconds, path="/healthz")["per_second"]
             return result
         finally:
             stop(process)
@@ -1066,6 +1070,9 @@ def case_serve(args, work):
     row(case, med(0, "per_second"), "items/s", "Python receiver: uvicorn + sqlite3, 1 commit/request",
         med(1, "per_second"), ">= 3", "(lowest round %.2f)" % min(r[0]["per_second"] / r[1]["per_second"] for r in rounds))
     row(case, med(0, "per_second"), "items/s", "nginx answering 202, keeping nothing", med(2, "per_second"), ">= 0.3")
+    row("14a dq serve answering GET /healthz, no work (req/s)", med(0, "stack"), "req/s", "nginx answering 202, keeping nothing",
+        med(2, "per_second"), "report", "(the HTTP stack's own ceiling here)")
+    row(case, med(0, "per_second"), "items/s", "the same dq serve answering GET /healthz", med(0, "stack"), "report")
     for key, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
         row("14a dq serve ingest, %s latency (ms)" % label, med(0, key), "ms", "Python receiver %s" % label, med(1, key), "-")
         row("14a dq serve ingest, %s latency (ms)" % label, med(0, key), "ms", "nginx 202 %s" % label, med(2, key), "-")
