@@ -236,7 +236,7 @@ struct EnvelopeKeyringTests {
     }
 
     @Test(
-        "the read-ahead keeps two batches opened ahead: while one request is held the third batch's opening starts; 800 envelopes go in order, each opened once"
+        "the read-ahead keeps two batches opened ahead: while one request is held the third batch's opening starts; 600 envelopes go in order, each opened once"
     )
     func readAheadDepth() async throws {
         let k1 = try await makeKey("k1")
@@ -270,7 +270,7 @@ struct EnvelopeKeyringTests {
         queue.hooks.openingEnvelope = { opens.withLock { $0 += 1 } }
         var envelopes: [Data] = []
         for marker in 0..<5 { envelopes.append(try await envelope(observation("d\(marker)"), for: k1.publicPEM, keyID: "k1")) }
-        let total = 800
+        let total = 600
         for index in 0..<total {
             try await queue.enqueue(try SealedEnvelope(json: envelopes[index % 5], resourceType: SealedEnvelope.unnamedType))
         }

@@ -149,13 +149,15 @@ struct TransportTests {
         func send(_ transport: FHIRTransport) async throws -> Int {
             try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger).status
         }
-        // Within the limit (one no stall of a loaded machine reaches): the connection is kept.
-        let keeping = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        // Within the limit (one no stall of a loaded machine reaches): the connection is kept. The connect and request
+        // timeouts are not what is tested: a minute each (a loopback connect took over 5 s under ThreadSanitizer with
+        // the unit tests running at once, and failed the test on a timeout it is not about).
+        let keeping = try FHIRTransport(timeout: 60, connectTimeout: 60, idleLimit: .seconds(60))
         #expect(try await send(keeping) == 201)
         #expect(try await send(keeping) == 201)
         #expect(server.connectionsOpened == 1)
         // Past the limit (the wait is at least the sleep, however loaded the machine): a new connection.
-        let replacing = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(1))
+        let replacing = try FHIRTransport(timeout: 60, connectTimeout: 60, idleLimit: .seconds(1))
         #expect(try await send(replacing) == 201)
         #expect(server.connectionsOpened == 2)
         try await Task.sleep(for: .milliseconds(1500))
