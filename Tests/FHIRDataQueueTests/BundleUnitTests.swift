@@ -55,7 +55,7 @@ struct BundleUnitTests {
     }
 
     @Test(
-        "A receiver's items fill whole Bundles across prefetches: 600 creates from one client go as six Bundles of 100, none cut where a prefetch of 256 ends"
+        "A receiver's items fill whole Bundles across prefetches: 300 creates from one client go as three Bundles of 100, none cut where a prefetch of 256 ends"
     )
     func receiverItemsFillBundles() async throws {
         let scratch = try Scratch("dq-bundle-receiver")
@@ -69,16 +69,16 @@ struct BundleUnitTests {
             databasePath: scratch.url.appendingPathComponent("q.sqlite").path, idempotent: .init(false))
         configuration.batchSize = 100
         let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
-        for index in 0..<600 {
+        for index in 0..<300 {
             let json = #"{"resourceType":"Observation","status":"final","code":{"text":"r\#(index)"}}"#
             _ = try await queue.enqueue(try FHIRResource(json: Data(json.utf8)), method: .post, from: "client-1", idempotency: nil)
         }
         let report = try await queue.flush()
-        #expect(report.delivered == 600)
+        #expect(report.delivered == 300)
         let bundles = server.requests.filter { $0.method == "POST" }.map { request in
             ((try? JSONSerialization.jsonObject(with: request.body)) as? [String: Any])?["entry"] as? [Any]
         }
-        #expect(bundles.map { $0?.count ?? 0 } == Array(repeating: 100, count: 6), "whole Bundles, in six requests")
+        #expect(bundles.map { $0?.count ?? 0 } == Array(repeating: 100, count: 3), "whole Bundles, in three requests")
         #expect(try await queue.items().isEmpty)
         try await queue.shutdown()
         try await server.shutdown()

@@ -30,7 +30,7 @@ struct TransportTests {
         let server = try await ScriptedServer { request in .respond(.created(location: "Observation/\(request.bodyText.count)")) }
         // Generous limits: on a loaded two-core machine a stall of several seconds (the server answers from a
         // task of the shared pool) is not what this test is about; a lost answer still fails it.
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, idleLimit: .seconds(60))
         for index in 0..<5 {
             let body = #"{"resourceType":"Observation","id":"\#(index)"}"#
             let response = try await transport.send(
@@ -58,7 +58,7 @@ struct TransportTests {
         let server = try await ScriptedServer { _ in
             .respond(.init(status: 200, headers: [("Connection", "close")], body: #"{"resourceType":"OperationOutcome"}"#))
         }
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, idleLimit: .seconds(60))
         for _ in 0..<3 {
             let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
             #expect(response.status == 200)
@@ -126,7 +126,7 @@ struct TransportTests {
         }
         #expect(bound)
         let port = Int(UInt16(bigEndian: address.sin_port))
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, idleLimit: .seconds(60))
         let refused = await #expect(throws: TransportFailure.self) {
             try await transport.send(request("http://127.0.0.1:\(port)/fhir/Observation"), authorization: nil, logger: logger)
         }
@@ -183,7 +183,7 @@ struct TransportTests {
                     + "Content-Length: \(body.utf8.count)\r\n\r\n\(body)", false
             )
         }
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, idleLimit: .seconds(60))
         for index in 0..<3 {
             let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
             #expect(response.status == 201 && response.location == "Observation/\(index)")
@@ -201,7 +201,7 @@ struct TransportTests {
         let server = try await RawServer { _, connection in
             ("HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"connection\":\(connection)}", true)
         }
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, idleLimit: .seconds(60))
         for index in 0..<2 {
             let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
             #expect(response.status == 200)
@@ -216,7 +216,7 @@ struct TransportTests {
     func noContent() async throws {
         let server = try await RawServer { _, _ in ("HTTP/1.1 204 No Content\r\nLocation: Observation/x\r\n\r\n", false) }
         // An idle limit no stall of a loaded machine reaches: reuse is what is checked (``idleLimit()`` tests the limit).
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, idleLimit: .seconds(60))
         for _ in 0..<3 {
             let response = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
             #expect(response.status == 204 && response.body.isEmpty && response.location == "Observation/x")
@@ -233,7 +233,7 @@ struct TransportTests {
                 ? ("HTTP/1.1 201 Created\r\nLocation: Observation/9\r\nContent-Length: 100\r\n\r\n{\"partial", true)
                 : ("HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n", false)
         }
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, idleLimit: .seconds(60))
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, idleLimit: .seconds(60))
         let cut = try await transport.send(request(server.baseURL + "/fhir/Observation"), authorization: nil, logger: logger)
         #expect(cut.status == 201 && cut.location == "Observation/9")
         #expect(String(decoding: cut.body, as: UTF8.self) == #"{"partial"#)
@@ -249,7 +249,7 @@ struct TransportTests {
         let server = try await RawServer(answerEarly: true) { _, _ in
             ("HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n", false)
         }
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5)
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60)
         // 32 MiB: more than the socket buffers take while the server reads nothing.
         let large = String(repeating: "a", count: 32 << 20)
         let first = try await transport.send(request(server.baseURL + "/fhir", body: large), authorization: nil, logger: logger)
@@ -378,7 +378,7 @@ struct TransportTests {
         var network = NetworkConfiguration()
         network.httpProxy = "http://ops:pr0xy-s3cret@127.0.0.1:\(ports[0])"
         network.noProxy = "127.0.0.1"
-        let transport = try FHIRTransport(timeout: 30, connectTimeout: 5, network: network)
+        let transport = try FHIRTransport(timeout: 30, connectTimeout: 60, network: network)
         let proxied = await #expect(throws: TransportFailure.self) {
             try await transport.send(request("http://fhir.invalid/fhir/Observation/1"), authorization: nil, logger: logger)
         }
