@@ -61,6 +61,25 @@ struct EnvelopeKeyringTests {
             #"{"resourceType":"Observation","status":"final","code":{"text":"steps"},"valueString":"\#(marker)"}"#.utf8)
     }
 
+    /// Makes an RSA key and puts its private PEM in the keys directory as `<name>.pem`.
+    private func installedKey(_ name: String) async throws -> (privatePEM: String, publicPEM: String) {
+        let key = try await makeKey(name)
+        try FileManager.default.copyItem(atPath: key.privatePEM, toPath: keys + "/\(name).pem")
+        return key
+    }
+
+    /// Queues `count` envelopes for k1 in a repeating pattern of five distinct ones (openssl makes each), each an
+    /// Observation marked `<prefix><n>` with n = index % 5: the queue's order is the pattern's.
+    private func enqueuePattern(_ count: Int, prefix: String, on queue: DataQueue, for k1: (privatePEM: String, publicPEM: String))
+        async throws
+    {
+        var envelopes: [Data] = []
+        for marker in 0..<5 { envelopes.append(try await envelope(observation("\(prefix)\(marker)"), for: k1.publicPEM, keyID: "k1")) }
+        for index in 0..<count {
+            try await queue.enqueue(try SealedEnvelope(json: envelopes[index % 5], resourceType: SealedEnvelope.unnamedType))
+        }
+    }
+
     @Test("opens by key_id from a .pem and from the C3-PRO consumer's <key_id>/private-c3pro.der; trims the id; empty means the default")
     func opensBothLayouts() async throws {
         let pem = try await makeKey("pem")
@@ -150,9 +169,8 @@ struct EnvelopeKeyringTests {
         "a queue with a keyring sends what is inside its envelopes, in order, as plain creates; one it cannot open is quarantined and the next goes; replayed after its key is added, it goes"
     )
     func queueOpensAndQuarantines() async throws {
-        let k1 = try await makeKey("k1")
+        let k1 = try await installedKey("k1")
         let k2 = try await makeKey("k2")
-        try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
         let server = try await ScriptedServer { request in
             .respond(.created(location: "Observation/o\(request.body.count)/_history/1"))
         }
@@ -197,8 +215,7 @@ struct EnvelopeKeyringTests {
         "a flush opens envelopes ahead only once it delivers: 300 in order through the read-ahead, and a server that is down costs one opening per flush, not a prefetch"
     )
     func readAhead() async throws {
-        let k1 = try await makeKey("k1")
-        try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
+        let k1 = try await installedKey("k1")
         let down = ScriptedServer.Response(status: 503, headers: [("Retry-After", "1")])
         let up = Mutex(false)
         let server = try await ScriptedServer { _ in
@@ -210,12 +227,7 @@ struct EnvelopeKeyringTests {
         let keyring = EnvelopeKeyring(directory: keys)
         configuration.envelopeKeyring = keyring
         let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
-        // Five distinct envelopes (openssl makes each), queued in a repeating pattern: the order is the pattern's.
-        var envelopes: [Data] = []
-        for marker in 0..<5 { envelopes.append(try await envelope(observation("m\(marker)"), for: k1.publicPEM, keyID: "k1")) }
-        for index in 0..<300 {
-            try await queue.enqueue(try SealedEnvelope(json: envelopes[index % 5], resourceType: SealedEnvelope.unnamedType))
-        }
+        try await enqueuePattern(300, prefix: "m", on: queue, for: k1)
         #expect(try await queue.items().count == 300)
 
         _ = try? await queue.flush()
@@ -239,8 +251,7 @@ struct EnvelopeKeyringTests {
         "the read-ahead keeps two batches opened ahead: while one request is held the third batch's opening starts; 600 envelopes go in order, each opened once"
     )
     func readAheadDepth() async throws {
-        let k1 = try await makeKey("k1")
-        try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
+        let k1 = try await installedKey("k1")
         let opens = Mutex(0)
         // The first request carries the first item (a flush fetches only its first step until it delivers); the
         // second comes after a refill of 256, when the read-ahead starts. One batch ahead stops at 1 + 256 + 256.
@@ -268,12 +279,8 @@ struct EnvelopeKeyringTests {
         configuration.envelopeKeyring = EnvelopeKeyring(directory: keys)
         let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
         queue.hooks.openingEnvelope = { opens.withLock { $0 += 1 } }
-        var envelopes: [Data] = []
-        for marker in 0..<5 { envelopes.append(try await envelope(observation("d\(marker)"), for: k1.publicPEM, keyID: "k1")) }
         let total = 600
-        for index in 0..<total {
-            try await queue.enqueue(try SealedEnvelope(json: envelopes[index % 5], resourceType: SealedEnvelope.unnamedType))
-        }
+        try await enqueuePattern(total, prefix: "d", on: queue, for: k1)
 
         let report = try await queue.flush()
         #expect(reached.withLock { $0 }, "the opening went past one batch ahead while a request was held")
@@ -310,8 +317,7 @@ struct EnvelopeKeyringTests {
             #expect(OwnThread.niceness() == base, "the caller's priority is untouched")
 
             // A flush's opening, on whichever threads open each envelope.
-            let k1 = try await makeKey("k1")
-            try FileManager.default.copyItem(atPath: k1.privatePEM, toPath: keys + "/k1.pem")
+            let k1 = try await installedKey("k1")
             let server = try await ScriptedServer { _ in .respond(.created(location: "Observation/o/_history/1")) }
             var configuration = DataQueue.Configuration(databasePath: directory + "/queue.sqlite", idempotent: .init(false))
             configuration.envelopeKeyring = EnvelopeKeyring(directory: keys)
