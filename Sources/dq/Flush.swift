@@ -64,7 +64,7 @@ extension DQ {
                 }
                 let retention = try settings.journalRetention()
                 let display = TerminalProgress("flush", enabled: !json && !quiet)
-                let total = display == nil ? 0 : try await queue.status().pending
+                let total = display == nil ? 0 : try await queue.status(countingJournal: false).pending
                 let report = try await queue.flush(limit: limit, force: now, lockWait: wait) { progress in
                     display?.update(
                         progress.delivered + progress.parked, of: total,
@@ -78,7 +78,7 @@ extension DQ {
                 if case .authentication = report.stop { authenticationFailed = true }
                 let code = Exit.outcome(
                     authenticationFailed: authenticationFailed, pending: report.remaining > 0, rejected: report.parked > 0)
-                if registry != nil { _ = try await queue.status() }  // the gauges, also after a flush that backed off
+                if registry != nil { _ = try await queue.status(countingJournal: false) }  // the gauges, also after a flush that backed off
                 let elsewhere = report.remaining == 0 ? try await otherQueuesPending(queue) : []
                 if json {
                     struct Summary: Encodable {

@@ -368,7 +368,7 @@ extension DQ {
                 let more = items.count > limit
                 if more {
                     items.removeLast()
-                    let status = try await queue.status()
+                    let status = try await queue.status(countingJournal: false)
                     let total = state == .parked ? status.parked : state == .pending ? status.pending : status.pending + status.parked
                     printError("dq: showing the first \(limit) of \(total) items; use --limit to see more", level: .notice)
                 }

@@ -546,6 +546,31 @@ struct FlushHardeningTests {
         try await client.shutdown()
         try await server.shutdown()
     }
+
+    @Test(
+        "Flushes, the service's readiness and its gauges do not count the delivery journal (a read as long as months of deliveries); dq status does"
+    )
+    func journalNotCountedPerFlush() async throws {
+        let server = try await ScriptedServer(handler: Self.scripted([]))
+        let queue = try await queue(server)
+        let counted = Mutex(0)
+        queue.hooks.countingJournal = { counted.withLock { $0 += 1 } }
+        for n in 1...3 { try await queue.enqueue(Self.patient(n)) }
+        let report = try await queue.flush()
+        #expect(report.delivered == 3 && report.remaining == 0)
+        try await queue.enqueue(Self.patient(4))
+        let busy = try await queue.flush(limit: 0)
+        #expect(busy.remaining == 1, "the counts a flush reports are read")
+        let service = DataQueueService(queues: [queue])
+        #expect(await service.readiness().ready)
+        #expect(counted.withLock { $0 } == 0, "no flush and no probe counted the journal")
+
+        let status = try await queue.status()
+        #expect(status.delivered == 3 && status.pending == 1)
+        #expect(counted.withLock { $0 } == 1, "an operator's status counts it")
+        try await queue.shutdown()
+        try await server.shutdown()
+    }
 }
 
 /// An authorization provider that records whether it was shut down.

@@ -363,7 +363,7 @@ struct InputHardeningTests {
             ])
         }
         let reader = try SQLiteQueueStore(path: path("q.sqlite"), durability: .full, readOnly: true)
-        #expect(try await reader.status(queue: "http://h/fhir").pending == 1)
+        #expect(try await reader.status(queue: "http://h/fhir", countingJournal: true).pending == 1)
         await #expect(throws: DataQueueError.self) { try await reader.retryAllParked(queue: "http://h/fhir") }
     }
 

@@ -2,9 +2,15 @@ import Foundation
 
 // What an operator sees and does with one queue: counts, items, retry, drop, the journal.
 extension DataQueue {
-    /// Counts for this queue.
-    public func status() async throws -> QueueStatus {
-        let status = try await store.status(queue: queueName)
+    /// Counts for this queue (and the queue's gauges set from them).
+    ///
+    /// - Parameter countingJournal: count the delivery journal (``QueueStatus/delivered`` and
+    ///   ``QueueStatus/duplicates``), which takes time in proportion to its length (a receiver keeps months of
+    ///   deliveries). Without it both read 0, and the rest takes the same short time however long the journal is: what
+    ///   a gauge or a probe needs.
+    public func status(countingJournal: Bool = true) async throws -> QueueStatus {
+        if countingJournal { hooks.countingJournal?() }
+        let status = try await store.status(queue: queueName, countingJournal: countingJournal)
         metrics.update(from: status)
         return status
     }

@@ -585,9 +585,10 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         return (report, flusher.tracked)
     }
 
+    /// The counts a flush reports (and the gauges), without counting the journal: a flush runs after each few
+    /// enqueues on a busy receiver, and the journal holds months of deliveries.
     private func fillCounts(_ report: inout FlushReport) async throws {
-        let status = try await store.status(queue: queueName)
-        metrics.update(from: status)
+        let status = try await status(countingJournal: false)
         report.remaining = status.pending
         report.parkedTotal = status.parked
     }

@@ -100,7 +100,7 @@ package enum QueueAdministration {
             }
             var total = 0
             for queue in try await source.queues() {
-                let status = try await source.status(queue: queue)
+                let status = try await source.status(queue: queue, countingJournal: false)
                 total += status.pending + status.parked
             }
             var after: Int64 = 0

@@ -164,7 +164,7 @@ public struct DataQueueService: Service {
         for queue in queues {
             if let failure = failed[queue.queueName] { reasons.append("\(queue.queueName): \(failure)") }
             do {
-                let status = try await queue.status()
+                let status = try await queue.status(countingJournal: false)
                 if let limit = configuration.readyMaximumAge, let oldest = status.oldestPendingAt {
                     let age = Date().timeIntervalSince(oldest)
                     let seconds = Double(limit.components.seconds) + Double(limit.components.attoseconds) / 1e18

@@ -492,7 +492,9 @@ final class SealedStorage: QueueStorage {
 
     // MARK: Operators
 
-    func status(queue: String) async throws -> QueueStatus { try await inner.status(queue: queue) }
+    func status(queue: String, countingJournal: Bool) async throws -> QueueStatus {
+        try await inner.status(queue: queue, countingJournal: countingJournal)
+    }
 
     func queues() async throws -> [String] { try await inner.queues() }
 

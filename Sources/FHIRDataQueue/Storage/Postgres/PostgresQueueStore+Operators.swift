@@ -6,7 +6,7 @@ import Synchronization
 
 // What operators see and do.
 extension PostgresQueueStore {
-    func status(queue: String) async throws -> QueueStatus {
+    func status(queue: String, countingJournal: Bool) async throws -> QueueStatus {
         try await checkStates(queue: queue)
         return try await run("read the queue status") { [self] in
             var pending = 0
@@ -19,11 +19,12 @@ extension PostgresQueueStore {
                 """
                 SELECT (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'pending'),
                        (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'parked'),
-                       (SELECT count(*) FROM dq_delivery WHERE queue = \(queue) AND event IN ('delivered', 'already-present')),
+                       (SELECT count(*) FROM dq_delivery
+                        WHERE \(countingJournal) AND queue = \(queue) AND event IN ('delivered', 'already-present')),
                        (SELECT enqueued_at FROM dq_item WHERE queue = \(queue) AND state = 'pending' ORDER BY seq LIMIT 1),
                        (SELECT at FROM dq_delivery WHERE queue = \(queue) AND event IN ('delivered', 'already-present')
                         ORDER BY seq DESC LIMIT 1),
-                       (SELECT count(*) FROM dq_delivery WHERE queue = \(queue) AND event = 'duplicate')
+                       (SELECT count(*) FROM dq_delivery WHERE \(countingJournal) AND queue = \(queue) AND event = 'duplicate')
                 """, logger: logger
             ).decode((Int, Int, Int, Double?, Double?, Int).self) {
                 (pending, parked, delivered, oldest, lastDelivery, duplicates) = (p, k, d, o, l, u)
@@ -179,7 +180,7 @@ extension PostgresQueueStore {
 
     func allStatuses() async throws -> [QueueStatus] {
         var statuses: [QueueStatus] = []
-        for queue in try await queues() { statuses.append(try await status(queue: queue)) }
+        for queue in try await queues() { statuses.append(try await status(queue: queue, countingJournal: true)) }
         return statuses
     }
 

@@ -21,12 +21,12 @@ extension SQLiteQueueStore {
         try await read("read the queue") { db in try Self.checkStates(queue: queue, db: db) }
     }
 
-    func status(queue: String) async throws -> QueueStatus {
+    func status(queue: String, countingJournal: Bool) async throws -> QueueStatus {
         try await read("read the queue status") { db in
             let pending = try Int.fetchOne(db, sql: StatusQueries.pending, arguments: [queue]) ?? 0
             let parked = try Int.fetchOne(db, sql: StatusQueries.parked, arguments: [queue]) ?? 0
-            let delivered = try Int.fetchOne(db, sql: StatusQueries.delivered, arguments: [queue]) ?? 0
-            let duplicates = try Int.fetchOne(db, sql: StatusQueries.duplicates, arguments: [queue]) ?? 0
+            let delivered = countingJournal ? try Int.fetchOne(db, sql: StatusQueries.delivered, arguments: [queue]) ?? 0 : 0
+            let duplicates = countingJournal ? try Int.fetchOne(db, sql: StatusQueries.duplicates, arguments: [queue]) ?? 0 : 0
             try Self.checkStates(queue: queue, db: db)
             let oldest = try Double.fetchOne(db, sql: StatusQueries.oldestPending, arguments: [queue])
             let server = try Row.fetchOne(db, sql: StatusQueries.serverState, arguments: [queue])
@@ -158,7 +158,7 @@ extension SQLiteQueueStore {
     /// Every queue of the database with its counts, in name order.
     func allStatuses() async throws -> [QueueStatus] {
         var statuses: [QueueStatus] = []
-        for queue in try await queues() { statuses.append(try await status(queue: queue)) }
+        for queue in try await queues() { statuses.append(try await status(queue: queue, countingJournal: true)) }
         return statuses
     }
 
