@@ -3,6 +3,7 @@ import FHIRDataQueue
 import FHIRDataQueueServer
 import Foundation
 import Hummingbird
+import HummingbirdCore
 import Logging
 import Metrics
 import NIOCore
@@ -42,6 +43,9 @@ struct ServeSettings: Sendable, Equatable {
     var authRequestsPerMinute = 60
     /// `body_timeout_seconds`: how long a request's body may take to arrive (default 60; 408 after it).
     var bodyTimeoutSeconds = 60
+    /// `idle_timeout_seconds`: how long a connection may go without a request head or body part arriving (default
+    /// 60): an idle keep-alive connection, a request head (or TLS handshake) that trickles in, is closed after it.
+    var idleTimeoutSeconds = 60
     /// `dedupe_window_days`: how long a repeat is recognised, by its `Idempotency-Key` or by its client and the
     /// SHA-256 of its plaintext (default 7).
     var dedupeWindowDays = 7
@@ -68,7 +72,8 @@ struct ServeSettings: Sendable, Equatable {
     static let keys: Set<String> = [
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
         "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
-        "body_timeout_seconds", "dedupe_window_days", "role", "forward_to", "forward_certificate", "forward_key_id", "edges", "routes",
+        "body_timeout_seconds", "idle_timeout_seconds", "dedupe_window_days", "role", "forward_to", "forward_certificate", "forward_key_id",
+        "edges", "routes",
         "tls",
     ]
 
@@ -120,6 +125,7 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try flag("plain_at_rest") { settings.plainAtRest = value }
         if let value = try integer("auth_requests_per_minute", 0...1_000_000) { settings.authRequestsPerMinute = value }
         if let value = try integer("body_timeout_seconds", 1...3600) { settings.bodyTimeoutSeconds = value }
+        if let value = try integer("idle_timeout_seconds", 1...3600) { settings.idleTimeoutSeconds = value }
         if let value = try integer("dedupe_window_days", 1...365) { settings.dedupeWindowDays = value }
         if let value = try string("role") {
             guard let role = ServeRole(rawValue: value) else { throw invalid("\"serve.role\" must be \(ServeRole.choices)") }
@@ -385,8 +391,14 @@ extension DQ {
                 liveness: { delivery.liveness() }
             ).addRoutes(to: router)
             let tls = try options.tls.map(ServeTLSCertificates.init)
+            // A connection that sends nothing HTTP can use (no request head, no body part) for the idle time is closed:
+            // a device that trickles its headers, or a TLS handshake, a byte at a time holds a connection that long, not
+            // for good (the body has its own deadline, above).
+            let http1 = HTTP1Channel.Configuration(idleTimeout: .seconds(Int64(options.idleTimeoutSeconds)))
             let app = Application(
-                router: router, server: try tls.map { try .tls(.http1(), tlsConfiguration: $0.configuration()) } ?? .http1(),
+                router: router,
+                server: try tls.map { try .tls(.http1(configuration: http1), tlsConfiguration: $0.configuration()) }
+                    ?? .http1(configuration: http1),
                 configuration: .init(address: .hostname(host, port: port), serverName: nil),
                 services: [
                     delivery,
@@ -467,6 +479,7 @@ struct ServeReload: Service {
             ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
             ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
             ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }),
+            ("idle_timeout_seconds", { "\($0.idleTimeoutSeconds)" }),
             ("dedupe_window_days", { "\($0.dedupeWindowDays)" }), ("role", { $0.role.rawValue }),
             ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
             ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),

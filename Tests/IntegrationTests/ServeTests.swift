@@ -978,17 +978,34 @@ struct ServeTests {
         main()
         """#
 
+    /// sekmet, k1 installed (PEM), a receiver with `serve` added to its settings, and a client registered there: its
+    /// bearer token.
+    func startWithClient(serve: [String: Any?]) async throws -> (
+        server: FHIRServer, keys: TestKeys, config: String, receiver: Receiver, bearer: String
+    ) {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: server.base, serve: serve)
+        let receiver = try await start(config)
+        let bearer = try await token(receiver.base, try await register(receiver.base))
+        return (server, keys, config, receiver, bearer)
+    }
+
+    /// Another device is answered (202 for an envelope holding the Observation "fast") while a slow one holds a
+    /// connection.
+    func anotherDeviceServed(_ receiver: Receiver, _ keys: TestKeys, _ bearer: String) async throws {
+        let other = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("fast"), certificate: keys.certificate, keyID: "k1", token: bearer)])
+        #expect(other.first?.status == 202, "\(other)")
+    }
+
     @Test(
         "A client that sends its body a byte a second gets 408 at body_timeout_seconds and holds nothing else up: another device is answered meanwhile, and nothing of the slow one is stored"
     )
     func slowClient() async throws {
-        let server = try await FHIRServer.start()
-        let keys = try await TestKeys()
-        try await install(keys, as: "k1", layout: .pem)
-        let config = try await configure(server: server.base, serve: ["body_timeout_seconds": 3])
-        let receiver = try await start(config)
-        let registered = try await register(receiver.base)
-        let bearer = try await token(receiver.base, registered)
+        let (server, keys, config, receiver, bearer) = try await startWithClient(serve: ["body_timeout_seconds": 3])
         // The slow device: a declared body of 100 bytes, sent a byte a second; it prints the status line it gets.
         let slow = try ChildProcess(
             "/usr/bin/env",
@@ -1018,17 +1035,80 @@ struct ServeTests {
                 """,
             ])
         #expect(try await eventually { slow.outputSoFar.contains("started") })
-        // Meanwhile another device is served.
-        let other = try await client(
-            receiver.base,
-            [sealed("/c3pro/encfhir/Observation", observation("fast"), certificate: keys.certificate, keyID: "k1", token: bearer)])
-        #expect(other.first?.status == 202, "\(other)")
+        try await anotherDeviceServed(receiver, keys, bearer)
         #expect(!slow.outputSoFar.contains("answer"), "the slow device is still sending: \(slow.outputSoFar)")
         let ended = await slow.wait(timeout: .seconds(90))
         #expect(ended.stdout.contains("answer HTTP/1.1 408"), "\(ended.stdout) \(ended.stderr)")
         #expect(try await eventually(timeout: .seconds(60)) { try await values(server) == ["fast"] }, "\(receiver.log.suffix(2000))")
         let counted = try await counts(config)
         #expect(counted.pending == 0 && counted.parked == 0 && counted.delivered == 1, "\(counted)")
+        #expect(await receiver.stop().status == 0)
+    }
+
+    @Test(
+        "A connection that trickles its request head a byte at a time, or sits idle after a request, is closed at idle_timeout_seconds; another device is answered meanwhile"
+    )
+    func slowHead() async throws {
+        let (server, keys, _, receiver, bearer) = try await startWithClient(serve: ["idle_timeout_seconds": 2])
+        // Two connections: one sends a request head of 180 bytes, a byte every half second (90 s in all, if the
+        // receiver let it); one is answered once on a kept-alive connection and then says nothing. Each prints how it
+        // ended: "closed after N" (the receiver closed it) or what it got.
+        let slow = try ChildProcess(
+            "/usr/bin/env",
+            [
+                "python3", "-c",
+                """
+                import socket, time
+                head = b"GET /healthz HTTP/1.1\\r\\nHost: x\\r\\nX-Padding: " + b"p" * 140 + b"\\r\\n\\r\\n"
+                idle = socket.create_connection(("127.0.0.1", \(receiver.port)), timeout=60)
+                idle.sendall(b"GET /healthz HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+                answer = idle.recv(4096)
+                print("idle answered", answer.split(b"\\r\\n")[0].decode(), flush=True)
+                s = socket.create_connection(("127.0.0.1", \(receiver.port)), timeout=60)
+                print("started", flush=True)
+                s.setblocking(False)
+                sent = 0
+                ended = None
+                for byte in head:
+                    try:
+                        s.send(bytes([byte]))
+                        sent += 1
+                    except OSError:
+                        ended = "closed after %d" % sent
+                        break
+                    time.sleep(0.5)
+                    try:
+                        got = s.recv(4096)
+                        if not got:
+                            ended = "closed after %d" % sent
+                            break
+                        ended = "answer " + got.split(b"\\r\\n")[0].decode()
+                        break
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        ended = "closed after %d" % sent
+                        break
+                print("slow", ended or "complete", flush=True)
+                idle.settimeout(60)
+                try:
+                    rest = idle.recv(4096)
+                    print("idle", "closed" if not rest else "got " + rest.decode(errors="replace"), flush=True)
+                except OSError as error:
+                    print("idle", "closed" if not isinstance(error, socket.timeout) else "open", flush=True)
+                """,
+            ])
+        #expect(try await eventually { slow.outputSoFar.contains("started") }, "\(slow.outputSoFar)")
+        #expect(slow.outputSoFar.contains("idle answered HTTP/1.1 200"), "\(slow.outputSoFar)")
+        try await anotherDeviceServed(receiver, keys, bearer)
+        let ended = await slow.wait(timeout: .seconds(120))
+        let lines = ended.stdout.split(separator: "\n").map(String.init)
+        let slowEnd = try #require(lines.first { $0.hasPrefix("slow ") }, "\(ended.stdout) \(ended.stderr)")
+        #expect(slowEnd.hasPrefix("slow closed after "), "the trickling head was cut off: \(slowEnd)")
+        let sent = Int(slowEnd.split(separator: " ").last ?? "") ?? .max
+        #expect(sent < 180, "closed before its head was complete: \(slowEnd)")
+        #expect(lines.contains("idle closed"), "the idle kept-alive connection was closed: \(ended.stdout)")
+        #expect(try await eventually(timeout: .seconds(60)) { try await values(server) == ["fast"] }, "\(receiver.log.suffix(2000))")
         #expect(await receiver.stop().status == 0)
     }
 }
