@@ -515,6 +515,27 @@ public struct C3PROReceiver: Sendable {
 
     // MARK: - Answers
 
+    /// Counts an answer given to one of the receiver's routes before it ran (a body refused by
+    /// ``BodyLimitMiddleware``, 413 or 408) as the route's own answers are counted: per endpoint and status.
+    /// `endpointPath` is the route the router resolved (`RequestContext.endpointPath`); another route's is not counted.
+    public func countRefusal(_ request: Request, endpointPath: String?, status: HTTPResponse.Status) {
+        guard let endpoint = endpoint(of: request, route: endpointPath) else { return }
+        Counter(label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint), ("status", String(status.code))]).increment()
+    }
+
+    /// The endpoint name ``addRoutes(to:)`` counts a request to `route` under; nil for a route not its own.
+    private func endpoint(of request: Request, route: String?) -> String? {
+        let prefix = configuration.pathPrefix.split(separator: "/")
+        guard var parts = route?.split(separator: "/"), parts.starts(with: prefix) else { return nil }
+        parts.removeFirst(prefix.count)
+        switch parts.first {
+        case "register", "oauth": return String(parts[0])
+        case "encfhir", "fhirenc": return EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) ? "encfhir_batch" : "encfhir"
+        case "fhir": return request.method == .get ? "questionnaire" : "fhir"
+        default: return nil
+        }
+    }
+
     struct Refused: Error {
         let response: Response
     }

@@ -94,11 +94,17 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
     public let maximumBytes: Int
     /// How long the whole body may take to arrive; nil: no limit.
     public let deadline: Duration?
+    /// Told of each refusal (413 or 408) before it is answered, with the request and its context (its route
+    /// resolved): where a host counts them with the answers of its routes.
+    public let refused: (@Sendable (Request, Context, HTTPResponse.Status) -> Void)?
 
-    /// Refuses bodies larger than `maximumBytes`, or slower than `deadline`.
-    public init(maximumBytes: Int, deadline: Duration? = nil) {
+    /// Refuses bodies larger than `maximumBytes`, or slower than `deadline`, telling `refused` of each.
+    public init(
+        maximumBytes: Int, deadline: Duration? = nil, refused: (@Sendable (Request, Context, HTTPResponse.Status) -> Void)? = nil
+    ) {
         self.maximumBytes = maximumBytes
         self.deadline = deadline
+        self.refused = refused
     }
 
     /// Answers 413 to a body over the limit, declared or sent, and 408 to one that takes too long; passes others on
@@ -107,7 +113,7 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
         _ request: Request, context: Context, next: (Request, Context) async throws -> Response
     ) async throws -> Response {
         if let declared = request.headers[.contentLength].flatMap({ Int($0) }), declared > maximumBytes {
-            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes")
+            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes", request, context)
         }
         var request = request
         do {
@@ -130,17 +136,19 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
                 return try await group.next() ?? nil
             }
             guard let body else {
-                return refusal(.requestTimeout, "the request body did not arrive within \(deadline.components.seconds) s")
+                return refusal(
+                    .requestTimeout, "the request body did not arrive within \(deadline.components.seconds) s", request, context)
             }
             request.body = .init(buffer: body)
         } catch is NIOTooManyBytesError {
-            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes")
+            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes", request, context)
         }
         return try await next(request, context)
     }
 
-    private func refusal(_ status: HTTPResponse.Status, _ text: String) -> Response {
-        Response(
+    private func refusal(_ status: HTTPResponse.Status, _ text: String, _ request: Request, _ context: Context) -> Response {
+        refused?(request, context, status)
+        return Response(
             status: status, headers: [.contentType: "text/plain; charset=utf-8", .connection: "close"],
             body: .init(byteBuffer: ByteBuffer(string: text + "\n")))
     }

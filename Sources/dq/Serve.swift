@@ -384,7 +384,10 @@ extension DQ {
                     journalRetention: try settings.journalRetention().map { .seconds($0) }),
                 logger: logger)
             let router = Router(context: ReceiverRequestContext.self)
-            router.add(middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes, deadline: .seconds(options.bodyTimeoutSeconds)))
+            router.add(
+                middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes, deadline: .seconds(options.bodyTimeoutSeconds)) {
+                    request, context, status in receiver.countRefusal(request, endpointPath: context.endpointPath, status: status)
+                })
             receiver.addRoutes(to: router)
             OperationsEndpoints(
                 metrics: { Exposition.emit(registry) }, readiness: { await delivery.readiness() },

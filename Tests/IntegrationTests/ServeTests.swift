@@ -141,9 +141,10 @@ struct ServeTests {
         let strictJSON: Bool
         let object: [String: Any]
         let error: String?
-        /// The `Location` and `Retry-After` headers ("" when absent).
+        /// The `Location`, `Retry-After` and `WWW-Authenticate` headers ("" when absent).
         let location: String
         let retryAfter: String
+        let challenge: String
         /// Seconds from sending the request to its answer.
         let elapsed: Double
 
@@ -151,6 +152,7 @@ struct ServeTests {
             elapsed = raw["elapsed"] as? Double ?? -1
             location = raw["location"] as? String ?? ""
             retryAfter = raw["retry_after"] as? String ?? ""
+            challenge = raw["www_authenticate"] as? String ?? ""
             status = raw["status"] as? Int ?? -1
             body = raw["body"] as? String ?? ""
             contentType = raw["content_type"] as? String ?? ""
@@ -404,7 +406,7 @@ struct ServeTests {
     }
 
     @Test(
-        "Refusals: wrong or missing Antispam (401), wrong secret (401), no or unknown token (401), bodies over the limit (413), not JSON (400), an unsupported grant (400); nothing stored"
+        "Refusals: wrong or missing Antispam (401), wrong secret (401, with its Basic challenge), no or unknown token (401), bodies over the limit (413, counted in /metrics), not JSON (400), an unsupported or missing grant (400; grant_type in the query is taken); nothing stored"
     )
     func refusals() async throws {
         let server = try await FHIRServer.start()
@@ -427,6 +429,8 @@ struct ServeTests {
             ["path": "/c3pro/oauth", "form": "grant_type=client_credentials"],
             tokenRequest(good, grant: "password"),
             tokenRequest(good, grant: "authorization_code"),
+            ["path": "/c3pro/oauth", "form": "", "basic": ["id": good.id, "secret": good.secret]],
+            ["path": "/c3pro/oauth?grant_type=client_credentials", "form": "", "basic": ["id": good.id, "secret": good.secret]],
         ]
         let refusedPosts: [Step] = [
             sealed("/c3pro/encfhir/Observation", observation("x0"), certificate: keys.certificate, keyID: "k1", token: "")
@@ -453,7 +457,7 @@ struct ServeTests {
         let expected: [(Int, String?)] = [
             (401, "unauthorized_client"), (401, "unauthorized_client"), (401, "unauthorized_client"), (400, "invalid_request"),
             (401, "invalid_client"), (401, "invalid_client"), (401, "invalid_client"), (400, "unsupported_grant_type"),
-            (400, "unsupported_grant_type"),
+            (400, "unsupported_grant_type"), (400, "invalid_request"), (200, nil),
             (401, nil), (401, nil), (401, nil), (401, nil), (413, nil), (413, nil), (413, nil), (400, nil), (400, nil), (400, nil),
             (400, nil), (400, nil),
         ]
@@ -465,11 +469,20 @@ struct ServeTests {
             }
             #expect(!answer.body.contains(good.secret), "step \(index)")
         }
+        // RFC 6749 5.2: a refused client authentication carries its challenge.
+        for index in 4...6 where answers.count > index {
+            #expect(answers[index].challenge.hasPrefix("Basic"), "step \(index): \(answers[index].challenge)")
+        }
+        // grant_type in the query (C3-PRO read it with getParameter): a token, valid.
+        let queried = try #require(answers.count > 10 ? answers[10] : nil)
+        let queriedToken = try #require(queried.object["access_token"] as? String, "\(queried)")
+        #expect(queried.object["expires_in"] as? Int == 1800 && queried.body.contains(#""expires_in":1800"#), "\(queried)")
         // The receiver kept serving: one good envelope and one good plain resource.
         let accepted = try await client(
             base,
             [
-                sealed("/c3pro/encfhir/Observation", observation("g0"), certificate: keys.certificate, keyID: "k1", token: bearer),
+                sealed(
+                    "/c3pro/encfhir/Observation", observation("g0"), certificate: keys.certificate, keyID: "k1", token: queriedToken),
                 plain("/c3pro/fhir/Observation", observation("g1"), token: bearer),
             ])
         #expect(accepted.first?.status == 202, "\(accepted)")
@@ -488,6 +501,14 @@ struct ServeTests {
                 ["path": "/c3pro/register", "headers": ["Antispam": antispam], "pad_bytes": 20 * megabyte],
             ])
         for answer in huge { #expect(answer.status == 413, "\(answer)") }
+        // Refused before their routes ran, and counted with their routes' answers.
+        let afterHuge = try await metricLines(receiver, "dq_serve_requests_total")
+        for line in [
+            #"dq_serve_requests_total{endpoint="encfhir",status="413"} 1"#, #"dq_serve_requests_total{endpoint="fhir",status="413"} 1"#,
+            #"dq_serve_requests_total{endpoint="register",status="413"} 1"#,
+        ] {
+            #expect(afterHuge.contains(line), "\(line) in \(afterHuge)")
+        }
         // Still serving, and the token still valid after the restart.
         let after = try await client(
             receiver.base,
@@ -961,6 +982,7 @@ struct ServeTests {
                 strict = False
             return {"status": r.status_code, "body": r.text, "content_type": r.headers.get("Content-Type", ""), "json": strict,
                     "location": r.headers.get("Location", ""), "retry_after": r.headers.get("Retry-After", ""),
+                    "www_authenticate": r.headers.get("WWW-Authenticate", ""),
                     "elapsed": r.elapsed.total_seconds()}
 
         def main():
@@ -990,6 +1012,13 @@ struct ServeTests {
         let receiver = try await start(config)
         let bearer = try await token(receiver.base, try await register(receiver.base))
         return (server, keys, config, receiver, bearer)
+    }
+
+    /// The lines of the receiver's `/metrics` that start with `name`.
+    func metricLines(_ receiver: Receiver, _ name: String) async throws -> [String] {
+        let (status, body) = try await HTTP.get(receiver.base + "/metrics")
+        #expect(status == 200)
+        return String(decoding: body, as: UTF8.self).split(separator: "\n").map(String.init).filter { $0.hasPrefix(name) }
     }
 
     /// Another device is answered (202 for an envelope holding the Observation "fast") while a slow one holds a
@@ -1039,6 +1068,8 @@ struct ServeTests {
         #expect(!slow.outputSoFar.contains("answer"), "the slow device is still sending: \(slow.outputSoFar)")
         let ended = await slow.wait(timeout: .seconds(90))
         #expect(ended.stdout.contains("answer HTTP/1.1 408"), "\(ended.stdout) \(ended.stderr)")
+        let requests = try await metricLines(receiver, "dq_serve_requests_total")
+        #expect(requests.contains(#"dq_serve_requests_total{endpoint="encfhir",status="408"} 1"#), "\(requests)")
         #expect(try await eventually(timeout: .seconds(60)) { try await values(server) == ["fast"] }, "\(receiver.log.suffix(2000))")
         let counted = try await counts(config)
         #expect(counted.pending == 0 && counted.parked == 0 && counted.delivered == 1, "\(counted)")
