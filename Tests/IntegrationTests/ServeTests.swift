@@ -380,6 +380,15 @@ struct ServeTests {
         ] + plainAnswers.map({ #"dq_serve_requests_total{endpoint="fhir",status="\#($0.key)"} \#($0.value)"# }) {
             #expect(metrics.contains(line), "\(line) in \(metrics.split(separator: "\n").filter { $0.contains("dq_serve") })")
         }
+        // The ingest latency of each committed envelope and plain resource, and the queue's depth and oldest age.
+        let lines = metrics.split(separator: "\n").map(String.init)
+        #expect(
+            lines.contains(#"dq_serve_ingest_duration_seconds_count{endpoint="encfhir"} 7"#), "\(lines.filter { $0.contains("ingest") })")
+        #expect(lines.contains(#"dq_serve_ingest_duration_seconds_count{endpoint="fhir"} 3"#), "\(lines.filter { $0.contains("ingest") })")
+        for gauge in ["dq_queue_depth{", "dq_oldest_pending_age_seconds{"] {
+            #expect(
+                lines.contains { $0.hasPrefix(gauge) }, "\(gauge) in \(lines.filter { $0.hasPrefix("dq_") && !$0.contains("_bucket") })")
+        }
         // A device whose 202 was lost sends the same resource again (sealed again: a new wrapped key): taken, journaled
         // as a duplicate of the first (same client, same plaintext), and on the server still once.
         let again = try await client(
@@ -634,6 +643,9 @@ struct ServeTests {
             #expect(counted(["dq_envelopes_quarantined_total{", #"reason="\#(reason)""#]), "\(reason)")
         }
         #expect(counted(["dq_envelopes_quarantined_total{", #"key_id="unknown""#, #"reason="unknown_key""#]))
+        // The key that opened what holds no resource is known: counted under it.
+        #expect(counted(["dq_envelopes_quarantined_total{", #"key_id="k1""#, #"reason="not_a_resource""#]))
+        #expect(counted(["dq_envelopes_quarantined_total{", #"key_id="k1""#, #"reason="does_not_open""#]))
         let (pending, parked, count) = try await counts(config)
         #expect(pending == 0 && parked == 4 && count == 7, "\(pending) \(parked) \(count)")
         // Dropped, they are gone from the quarantine.

@@ -59,8 +59,8 @@ public final class EnvelopeKeyring: Sendable {
         case malformed(String)
         /// The symmetric key does not unwrap with the key of this id, or the message does not decrypt.
         case doesNotOpen(String)
-        /// It opens, but what is inside is not one FHIR resource in JSON.
-        case notAResource(String)
+        /// It opens (with the key of `keyID`), but what is inside is not one FHIR resource in JSON (why).
+        case notAResource(String, keyID: String)
         /// The key of this id is retired (`key-states.json`): its envelopes are not opened.
         case retired(String)
         /// `key-states.json` is not a valid declaration of the keys' states (why).
@@ -73,7 +73,7 @@ public final class EnvelopeKeyring: Sendable {
             case .unreadableKey(let id): "the key of key_id \(FHIRResource.printable(id)) is not a readable RSA private key"
             case .malformed(let why): "not an envelope: \(why)"
             case .doesNotOpen(let id): "the envelope does not open with the key of key_id \(FHIRResource.printable(id))"
-            case .notAResource(let why): "the envelope opens, but holds no FHIR resource: \(why)"
+            case .notAResource(let why, _): "the envelope opens, but holds no FHIR resource: \(why)"
             case .retired(let id): "key \(FHIRResource.printable(id)) is retired"
             case .invalidStates(let why): "\(EnvelopeKeyring.statesFileName): \(why)"
             }
@@ -236,7 +236,8 @@ public final class EnvelopeKeyring: Sendable {
     /// The resource inside `envelope`, opened in memory with the key its `key_id` names.
     ///
     /// Counts `dq_envelopes_opened_total{key_id}` and `dq_envelopes_quarantined_total{key_id,reason}` (a key id
-    /// the directory does not hold is counted as `unknown`: what a sender writes there is not a label).
+    /// the directory does not hold, or an envelope too damaged to name one, is counted as `unknown`: what a sender
+    /// writes there is not a label).
     ///
     /// Each envelope opened is also counted per key id, for the durable counts `dq serve keys` shows.
     public func open(_ envelope: Data) throws(Failure) -> FHIRResource {
@@ -252,7 +253,7 @@ public final class EnvelopeKeyring: Sendable {
                 case .unreadableKey(let id): (id, "unreadable_key")
                 case .malformed: ("unknown", "malformed")
                 case .doesNotOpen(let id): (id, "does_not_open")
-                case .notAResource(_): ("unknown", "not_a_resource")
+                case .notAResource(_, let id): (id, "not_a_resource")
                 case .retired(let id): (id, "retired_key")
                 case .invalidStates: ("unknown", "invalid_key_states")
                 }
@@ -280,9 +281,9 @@ public final class EnvelopeKeyring: Sendable {
         do {
             return (try FHIRResource(json: plaintext), id)
         } catch let error as DataQueueError {
-            throw .notAResource(error.message)
+            throw .notAResource(error.message, keyID: id)
         } catch {
-            throw .notAResource("not JSON")
+            throw .notAResource("not JSON", keyID: id)
         }
     }
 
