@@ -212,12 +212,13 @@ struct ServeTests {
     }
 
     /// An envelope of `resource` sealed under `certificate` with `keyID`, posted to `path`.
-    func sealed(_ path: String, _ resource: String, certificate: String, keyID: String, token: String, scheme: String = "Bearer")
-        -> Step
-    {
+    func sealed(
+        _ path: String, _ resource: String, certificate: String, keyID: String, token: String, scheme: String = "Bearer",
+        version: String = "3.0.0"
+    ) -> Step {
         [
             "path": path, "bearer": token, "scheme": scheme,
-            "seal": ["resource": resource, "cert": certificate, "key_id": keyID, "version": "3.0.0"],
+            "seal": ["resource": resource, "cert": certificate, "key_id": keyID, "version": version],
         ]
     }
 
@@ -304,6 +305,10 @@ struct ServeTests {
         #expect(!id.isEmpty && secret.count >= 32, "\(registered)")
         #expect(registered.object["grant_types"] as? [String] == ["client_credentials"], "\(registered)")
         #expect(registered.object["token_endpoint_auth_method"] as? String == "client_secret_basic", "\(registered)")
+        #expect(
+            Set(registered.object.keys) == ["client_id", "client_secret", "grant_types", "token_endpoint_auth_method"],
+            "the four members C3-PRO apps read, no more: \(registered.object.keys.sorted())")
+        #expect(secret.allSatisfy { $0.isASCII && ($0.isLetter || $0.isNumber || $0 == "-" || $0 == "_") }, "URL-safe")
 
         let tokens = try await client(
             receiver.base, [tokenRequest((id, secret)), tokenRequest((id, secret), formEncoded: true)])
@@ -319,28 +324,32 @@ struct ServeTests {
         #expect(bearers.count == 2 && bearers[0] != bearers[1])
 
         // Ten resources, each with its own value: QuestionnaireResponse envelopes to encfhir, Observation envelopes
-        // to fhirenc, plain Observations; both tokens, `Bearer` and `bearer`.
+        // to fhirenc, each envelope with one of the versions the apps in the field send; plain Observations and
+        // QuestionnaireResponses; both tokens, `Bearer` and `bearer`.
+        let versions = ["0.5.0", "0.9.0", "1.0.2", "3.0.0"]
         var posted: [String] = []
         var steps: [Step] = []
         for index in 0..<10 {
             let token = bearers[index % 2]
             let scheme = index % 4 < 2 ? "Bearer" : "bearer"
+            let version = versions[steps.filter { $0["seal"] != nil }.count % versions.count]
             switch index % 3 {
             case 0:
                 posted.append(questionnaireResponse("m\(index)"))
                 steps.append(
                     sealed(
                         "/c3pro/encfhir/QuestionnaireResponse", posted[index], certificate: keys.certificate, keyID: "k1",
-                        token: token, scheme: scheme))
+                        token: token, scheme: scheme, version: version))
             case 1:
                 posted.append(observation("m\(index)"))
                 steps.append(
                     sealed(
                         "/c3pro/fhirenc/Observation", posted[index], certificate: keys.certificate, keyID: "k1", token: token,
-                        scheme: scheme))
+                        scheme: scheme, version: version))
             default:
-                posted.append(observation("m\(index)"))
-                steps.append(plain("/c3pro/fhir/Observation", posted[index], token: token, scheme: scheme))
+                let type = index % 2 == 0 ? "QuestionnaireResponse" : "Observation"
+                posted.append(type == "Observation" ? observation("m\(index)") : questionnaireResponse("m\(index)"))
+                steps.append(plain("/c3pro/fhir/\(type)", posted[index], token: token, scheme: scheme))
             }
         }
         let answers = try await client(receiver.base, steps)
@@ -351,7 +360,8 @@ struct ServeTests {
         for (index, answer) in answers.enumerated() {
             if index % 3 == 2 {
                 #expect(
-                    (answer.status == 201 && answer.location.contains("/Observation/")) || answer.status == 202,
+                    (answer.status == 201 && answer.location.contains(index % 2 == 0 ? "/QuestionnaireResponse/" : "/Observation/"))
+                        || answer.status == 202,
                     "plain \(index): \(answer)")
                 plainAnswers[answer.status, default: 0] += 1
             } else {
