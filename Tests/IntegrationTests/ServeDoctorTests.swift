@@ -66,4 +66,27 @@ struct ServeDoctorTests {
         let refused = try await dq(["doctor", "--offline", "--config", numberForFlag], ["HOME": work.path])
         #expect(refused.status == 78 && refused.stderr.contains("\"serve.plain_fhir\" must be true or false"), "\(refused.stderr)")
     }
+
+    @Test(
+        "a key file that is not an RSA private key, and one that cannot be read, are each named as such, not as a missing key"
+    )
+    func unreadableKeys() async throws {
+        _ = try work.write("antispam", "secret\n")
+        // keys-a: k1.pem holds no key; keys-b: k1.pem cannot be read as a file (a directory: root reads any file).
+        try FileManager.default.createDirectory(atPath: work.file("keys-a"), withIntermediateDirectories: true)
+        _ = try work.write("keys-a/k1.pem", "-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
+        try FileManager.default.createDirectory(atPath: work.file("keys-b/k1.pem"), withIntermediateDirectories: true)
+        for keys in ["keys-a", "keys-b"] {
+            let config = try work.write(
+                "\(keys).json",
+                #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("q.sqlite"))", "serve": {"listen": "127.0.0.1:\#(Peers.freePort())", "keys_dir": "\#(keys)", "antispam_file": "antispam", "plain_fhir": false}}"#
+            )
+            let found = try await serveFindings(config)
+            #expect(found.status == 78, "\(keys): \(found.problems)")
+            #expect(found.problems.count == 1, "\(keys): \(found.problems)")
+            #expect(
+                found.problems.first?.contains("the key of key_id k1 is not a readable RSA private key") == true,
+                "\(keys): \(found.problems)")
+        }
+    }
 }

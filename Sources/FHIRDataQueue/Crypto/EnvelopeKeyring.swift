@@ -300,6 +300,11 @@ public final class EnvelopeKeyring: Sendable {
                 throw .unreadableKey(id)
             }
             opener = read
+        } else if [directory + "/" + id + "/private-c3pro.der", directory + "/" + id + ".pem"].contains(where: {
+            FileManager.default.fileExists(atPath: $0)
+        }) {
+            // There, but not readable by this user (or not a file): not the same as no key at all.
+            throw .unreadableKey(id)
         } else {
             throw .unknownKey(id)
         }
