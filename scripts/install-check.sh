@@ -19,12 +19,19 @@ make -C "$ROOT" --no-print-directory install-files INSTALL_BIN="$binary" MANPAGE
 rm -f "$stage.log"
 root="$stage$prefix"
 for file in bin/dq share/bash-completion/completions/dq share/zsh/site-functions/_dq share/fish/vendor_completions.d/dq.fish \
-    share/man/man1/dq.1 lib/systemd/system/dq.service lib/systemd/system/dq-flush.service lib/systemd/system/dq-flush.timer; do
+    share/man/man1/dq.1 lib/systemd/system/dq.service lib/systemd/system/dq-serve.service lib/systemd/system/dq-flush.service \
+    lib/systemd/system/dq-flush.timer; do
     [ -s "$root/$file" ] || fail "$prefix/$file was not installed"
 done
 [ "$(stat -c %a "$root/bin/dq")" = 755 ] || fail "bin/dq is not mode 755"
 grep -q "^ExecStart=$prefix/bin/dq run " "$root/lib/systemd/system/dq.service" || fail "dq.service does not run $prefix/bin/dq"
 grep -q "^ExecStart=$prefix/bin/dq flush " "$root/lib/systemd/system/dq-flush.service" || fail "dq-flush.service does not run $prefix/bin/dq"
+grep -q "^ExecStart=$prefix/bin/dq serve " "$root/lib/systemd/system/dq-serve.service" || fail "dq-serve.service does not run $prefix/bin/dq"
+# dq-serve.service is hardened as dq.service is: the same sandbox lines, from User= to the end of [Service].
+sandbox() { sed -n '/^User=/,/^\[Install\]/p' "$1" | grep -v '^#'; }
+[ "$(sandbox "$root/lib/systemd/system/dq.service")" = "$(sandbox "$root/lib/systemd/system/dq-serve.service")" ] \
+    || fail "dq-serve.service is not sandboxed as dq.service is: $(diff <(sandbox "$root/lib/systemd/system/dq.service") <(sandbox "$root/lib/systemd/system/dq-serve.service"))"
+grep -q '^WatchdogSec=' "$root/lib/systemd/system/dq-serve.service" || fail "dq-serve.service has no WatchdogSec="
 if grep -rq /usr/local/bin "$root/lib/systemd/system"; then fail "a unit still names /usr/local/bin"; fi
 grep -q '^\.Dt DQ 1' "$root/share/man/man1/dq.1" || fail "share/man/man1/dq.1 is not dq's man page"
 grep -q "dq flush" "$root/share/man/man1/dq.1" || fail "the man page does not describe dq flush"

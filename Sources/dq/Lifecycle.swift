@@ -100,6 +100,15 @@ extension ReloadOnHangup: RedactedDescription {
     package var redactedFields: [RedactedField] { [.plain("config", current.sourcePath ?? "none")] }
 }
 
+/// STOPPING=1 to systemd when graceful shutdown begins, for a group whose READY=1 is sent elsewhere (`dq serve`
+/// says it once its listener is bound).
+struct SystemdStopping: Service {
+    func run() async throws {
+        try? await gracefulShutdown()
+        SystemdNotify.send("STOPPING=1")
+    }
+}
+
 /// systemd's notification protocol (sd_notify), as the last service of the group: READY=1 once the group
 /// runs (its signal handlers are in place), STOPPING=1 when graceful shutdown begins. One datagram to
 /// `$NOTIFY_SOCKET` each; nothing when it is unset.

@@ -381,7 +381,8 @@ extension DQ {
                 configuration: .init(
                     pollInterval: .milliseconds(Int64((pollInterval ?? daemon.pollIntervalSeconds ?? 1) * 1000)),
                     drainTimeout: .milliseconds(Int64((daemon.drainTimeoutSeconds ?? 10) * 1000)),
-                    journalRetention: try settings.journalRetention().map { .seconds($0) }),
+                    journalRetention: try settings.journalRetention().map { .seconds($0) },
+                    watchdog: SystemdNotify.watchdog()),
                 logger: logger)
             let router = Router(context: ReceiverRequestContext.self)
             router.add(
@@ -408,6 +409,7 @@ extension DQ {
                     ServeReload(
                         hangups: hangups, configPath: settings.sourcePath, running: loaded, receiver: receiver,
                         keyring: queue.configuration.envelopeKeyring, logger: logger, tls: tls),
+                    SystemdStopping(),
                 ],
                 onServerRunning: { channel in
                     let bound = channel.localAddress?.port ?? port

@@ -1164,4 +1164,21 @@ struct ServeTests {
         #expect(try await eventually(timeout: .seconds(60)) { try await values(server) == ["fast"] }, "\(receiver.log.suffix(2000))")
         #expect(await receiver.stop().status == 0)
     }
+
+    @Test(
+        "Under systemd (NOTIFY_SOCKET, WATCHDOG_USEC), dq serve says READY=1 once it listens, beats WATCHDOG=1 from its delivery loop, and says STOPPING=1"
+    )
+    func systemdNotify() async throws {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: server.base)
+        let notify = try NotifySocket(path: work.file("notify.sock"))
+        let receiver = try await start(config, environment: ["NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"])
+        let messages = await notify.messages(until: 5, contain: "WATCHDOG=1")
+        #expect(messages.contains { $0.contains("READY=1") }, "\(messages)")
+        #expect(messages.filter { $0.contains("WATCHDOG=1") }.count >= 5, "the delivery loop beats: \(messages)")
+        #expect(await receiver.stop().status == 0)
+        #expect(notify.waiting().contains { $0.contains("STOPPING=1") })
+    }
 }

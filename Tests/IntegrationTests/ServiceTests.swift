@@ -692,37 +692,14 @@ struct ServiceTests {
 
     @Test("With NOTIFY_SOCKET, dq run tells systemd READY=1 and STOPPING=1, and WATCHDOG=1 when WATCHDOG_USEC asks")
     func systemdNotify() async throws {
-        let socketPath = work.file("notify.sock")
-        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue), 0)
-        defer { close(fd) }
-        var address = sockaddr_un()
-        address.sun_family = sa_family_t(AF_UNIX)
-        withUnsafeMutableBytes(of: &address.sun_path) { raw in
-            for (index, byte) in socketPath.utf8.enumerated() { raw[index] = byte }
-        }
-        let bound = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
-        }
-        #expect(bound == 0)
+        let notify = try NotifySocket(path: work.file("notify.sock"))
         var env = environment("http://127.0.0.1:9/fhir")
-        env["NOTIFY_SOCKET"] = socketPath
+        env["NOTIFY_SOCKET"] = notify.path
         let run = try ChildProcess(Peers.dqBinary, ["run"], environment: env)
-        // The next message, or "" after `timeout`: polled without blocking, so that no thread of the test run's
-        // small cooperative pool waits in recv (blocking it starved the other suites' tasks for seconds).
-        func receive(timeout: Duration = .seconds(20)) async -> String {
-            var buffer = [UInt8](repeating: 0, count: 512)
-            let deadline = ContinuousClock.now + timeout
-            while ContinuousClock.now < deadline {
-                let count = recv(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT))
-                if count > 0 { return String(decoding: buffer[0..<count], as: UTF8.self) }
-                try? await Task.sleep(for: .milliseconds(20))
-            }
-            return ""
-        }
-        let ready = await receive()
+        let ready = await notify.receive()
         #expect(ready.contains("READY=1"), "\(ready)")
         run.kill(SIGTERM)
-        let stopping = await receive()
+        let stopping = await notify.receive()
         #expect(stopping.contains("STOPPING=1"), "\(stopping)")
         #expect(await run.wait(timeout: .seconds(30)).status == 0)
 
@@ -731,44 +708,30 @@ struct ServiceTests {
         env["WATCHDOG_USEC"] = "400000"
         let watched = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "30"], environment: env)
         // Without beats during the waits there would be one per 30 s round: five take at least two rounds.
-        var messages: [String] = []
-        let started = ContinuousClock.now
-        while messages.filter({ $0.contains("WATCHDOG=1") }).count < 5 && ContinuousClock.now - started < .seconds(25) {
-            let message = await receive(timeout: .seconds(1))
-            if !message.isEmpty { messages.append(message) }
-        }
+        let messages = await notify.messages(until: 5, contain: "WATCHDOG=1")
         watched.kill(SIGTERM)
         #expect(await watched.wait(timeout: .seconds(30)).status == 0)
         #expect(messages.filter { $0.contains("WATCHDOG=1") }.count >= 5, "beats while waiting: \(messages)")
-        // What is waiting in the socket now, without waiting for more.
-        func waiting() -> [String] {
-            var buffer = [UInt8](repeating: 0, count: 512)
-            var messages: [String] = []
-            while true {
-                let count = recv(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT))
-                guard count > 0 else { break }
-                messages.append(String(decoding: buffer[0..<count], as: UTF8.self))
-            }
-            return messages
-        }
         // The watched run's last beats and its STOPPING=1 go first, so that the next run is judged by its own.
-        _ = waiting()
+        _ = notify.waiting()
         env["WATCHDOG_PID"] = "1"
         let other = try ChildProcess(Peers.dqBinary, ["run", "--poll-interval", "30"], environment: env)
         // From its READY=1 (its group runs and traps SIGTERM) for three watchdog periods, then to its end.
-        var foreign = [await receive()]
+        var foreign = [await notify.receive()]
         for _ in 0..<3 {
-            let message = await receive(timeout: .seconds(1))
+            let message = await notify.receive(timeout: .seconds(1))
             if !message.isEmpty { foreign.append(message) }
         }
         other.kill(SIGTERM)
         #expect(await other.wait(timeout: .seconds(30)).status == 0)
-        foreign += waiting()
+        foreign += notify.waiting()
         #expect(foreign[0].contains("READY=1"), "\(foreign)")
         #expect(!foreign.contains { $0.contains("WATCHDOG=1") }, "WATCHDOG_PID of another process: no beats: \(foreign)")
     }
 
-    @Test("systemd-analyze verify accepts the shipped units", arguments: ["dq.service", "dq-flush.service", "dq-flush.timer"])
+    @Test(
+        "systemd-analyze verify accepts the shipped units",
+        arguments: ["dq.service", "dq-serve.service", "dq-flush.service", "dq-flush.timer"])
     func unitFileVerifies(name: String) async throws {
         let analyze = "/usr/bin/systemd-analyze"
         try #require(FileManager.default.isExecutableFile(atPath: analyze), "systemd-analyze is missing: make deps installs systemd")
