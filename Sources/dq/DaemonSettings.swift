@@ -91,4 +91,9 @@ enum ListenAddress {
         if host.hasPrefix("[") && host.hasSuffix("]") { host = String(host.dropFirst().dropLast()) }
         return host.isEmpty ? nil : (host, port)
     }
+
+    /// Whether `host` (as ``parse(_:)`` gives it) is a loopback address: 127.0.0.0/8, ::1 or localhost.
+    static func isLoopback(_ host: String) -> Bool {
+        host == "localhost" || host == "::1" || host.split(separator: ".", omittingEmptySubsequences: false).first == "127"
+    }
 }

@@ -347,6 +347,13 @@ extension DQ {
                 throw DataQueueError(
                     .invalidConfiguration, "\"serve.listen\" is \(options.listen): \(ListenAddress.form)")
             }
+            if options.tls == nil && !ListenAddress.isLoopback(host) {
+                // Envelopes are sealed, but bearer tokens, client secrets and plain resources would cross the network
+                // readable: the design is a TLS proxy in front (on this host, listening on loopback) or serve.tls.
+                logger.warning(
+                    "serving plain HTTP on \(host), not loopback: tokens, client secrets and plain resources cross the network unencrypted; set \"serve.tls\", or listen on 127.0.0.1 behind a TLS proxy"
+                )
+            }
             if let keyring = queue.configuration.envelopeKeyring {
                 do {
                     let ids = try keyring.check()

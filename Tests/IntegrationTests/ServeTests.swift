@@ -88,12 +88,15 @@ struct ServeTests {
         return try work.write(name, String(decoding: data, as: UTF8.self))
     }
 
-    /// Starts `dq serve --config <config>` (on `port`, else a free one) and waits until its `/readyz` answers 200.
-    func start(_ config: String, environment: [String: String] = [:], port fixed: Int? = nil) async throws -> Receiver {
+    /// Starts `dq serve --config <config>` (on `host` and `port`, else a free one) and waits until its `/readyz`
+    /// answers 200 (on loopback).
+    func start(_ config: String, environment: [String: String] = [:], host: String = "127.0.0.1", port fixed: Int? = nil)
+        async throws -> Receiver
+    {
         let port = fixed ?? Peers.freePort()
         let process = try ChildProcess(
             Peers.dqBinary,
-            ["serve", "--config", config, "--listen", "127.0.0.1:\(port)", "--poll-interval", "0.1"],
+            ["serve", "--config", config, "--listen", "\(host):\(port)", "--poll-interval", "0.1"],
             environment: ["HOME": work.path].merging(environment) { $1 }, directory: work.path)
         let receiver = Receiver(process: process, port: port)
         let ready = try await eventually(timeout: .seconds(60)) {
@@ -1180,5 +1183,22 @@ struct ServeTests {
         #expect(messages.filter { $0.contains("WATCHDOG=1") }.count >= 5, "the delivery loop beats: \(messages)")
         #expect(await receiver.stop().status == 0)
         #expect(notify.waiting().contains { $0.contains("STOPPING=1") })
+    }
+
+    @Test(
+        "Plain HTTP on an address that is not loopback is warned of at start (tokens and secrets would cross the network readable); on loopback it is not"
+    )
+    func plainHTTPBeyondLoopback() async throws {
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: "http://127.0.0.1:\(Peers.freePort())/fhir")
+        let warning = "not loopback: tokens, client secrets and plain resources cross the network unencrypted"
+        // Each log read once it answers (the warning comes before it listens).
+        let loopback = try await start(config)
+        #expect(!loopback.log.contains(warning), "\(loopback.log.suffix(2000))")
+        #expect(await loopback.stop().status == 0)
+        let wildcard = try await start(config, host: "0.0.0.0")
+        #expect(wildcard.log.contains("serving plain HTTP on 0.0.0.0, " + warning), "\(wildcard.log.suffix(2000))")
+        #expect(await wildcard.stop().status == 0)
     }
 }
