@@ -41,6 +41,11 @@ public struct C3PROReceiver: Sendable {
         public var acceptsPlainResources: Bool
         /// Requests per minute one source address may make to `register` and `oauth` (429 above it).
         public var authRequestsPerMinute: Int
+        /// The addresses of proxies in front of the receiver (e.g. `["127.0.0.1"]` for a TLS proxy on the same host)
+        /// whose `X-Forwarded-For` names the device: a request from one of them is limited by the address that header
+        /// gives (the rightmost that is not itself a trusted proxy), not by the proxy's. From any other peer the header
+        /// is ignored (a device could write anything there). Empty by default.
+        public var trustedProxies: Set<String> = []
         /// How long a plain resource's answer waits for the queue's delivery to send it (201 then; 202 after). The
         /// wait does not grow with a backlog or a slow server: a device is answered in about this time at most. The
         /// default is 2 s.
@@ -175,7 +180,7 @@ public struct C3PROReceiver: Sendable {
     // MARK: - Registration and tokens
 
     private func register(_ request: Request, from address: SocketAddress?) async throws -> Response {
-        if let wait = limiter.refuse(address) { return tooMany(wait) }
+        if let wait = limiter.refuse(clientAddress(request, peer: address)) { return tooMany(wait) }
         let offered = request.headers[.init("Antispam")!] ?? ""
         let accepted = antispam.secrets.withLock { $0 }
         guard accepted.contains(where: { constantTimeEquals($0, offered) }), !offered.isEmpty else {
@@ -211,7 +216,7 @@ public struct C3PROReceiver: Sendable {
     }
 
     private func token(_ request: Request, from address: SocketAddress?) async throws -> Response {
-        if let wait = limiter.refuse(address) { return tooMany(wait) }
+        if let wait = limiter.refuse(clientAddress(request, peer: address)) { return tooMany(wait) }
         var request = request
         let body: ByteBuffer
         do {
@@ -639,16 +644,28 @@ final class AntispamSecrets: Sendable {
 }
 
 /// A fixed window per source address: at most `perMinute` requests in each minute.
+extension C3PROReceiver {
+    /// The address a request is limited by: the peer's, or, from a trusted proxy, the rightmost address of
+    /// `X-Forwarded-For` that is not a trusted proxy itself ("unknown" without a peer address).
+    func clientAddress(_ request: Request, peer: SocketAddress?) -> String {
+        let address = peer?.ipAddress ?? "unknown"
+        let trusted = configuration.trustedProxies
+        guard trusted.contains(address) else { return address }
+        let forwarded = request.headers[values: .init("X-Forwarded-For")!].flatMap { $0.split(separator: ",") }
+            .map { $0.trimmingCharacters(in: .whitespaces) }.filter { !$0.isEmpty }
+        return forwarded.last { !trusted.contains($0) } ?? forwarded.first ?? address
+    }
+}
+
 final class RateLimiter: Sendable {
     private let perMinute: Int
     private let windows = Mutex<[String: (start: ContinuousClock.Instant, count: Int)]>([:])
 
     init(perMinute: Int) { self.perMinute = perMinute }
 
-    /// Nil when the request may go; else the seconds to wait.
-    func refuse(_ address: SocketAddress?) -> Int? {
+    /// Nil when a request from `key` (a client address) may go; else the seconds to wait.
+    func refuse(_ key: String) -> Int? {
         guard perMinute > 0 else { return nil }
-        let key = address?.ipAddress ?? "unknown"
         let now = ContinuousClock.now
         return windows.withLock { windows in
             if windows.count > 10_000 { windows = windows.filter { now - $0.value.start < .seconds(60) } }

@@ -16,7 +16,9 @@ import NIOCore
 /// try await app.runService()
 /// ```
 ///
-/// The address is the TCP peer's: behind a proxy every request has the proxy's, and the rate limit counts them together.
+/// The address is the TCP peer's: behind a proxy every request has the proxy's, and the rate limit counts them
+/// together unless the proxy is one of ``C3PROReceiver/Configuration/trustedProxies`` (its `X-Forwarded-For` then
+/// names the device).
 public struct ReceiverRequestContext: RequestContext, RemoteAddressRequestContext {
     /// Hummingbird's per-request storage (the request's decoder, encoder, logger and route parameters).
     public var coreContext: CoreRequestContextStorage

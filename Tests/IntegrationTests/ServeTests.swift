@@ -1201,4 +1201,49 @@ struct ServeTests {
         #expect(wildcard.log.contains("serving plain HTTP on 0.0.0.0, " + warning), "\(wildcard.log.suffix(2000))")
         #expect(await wildcard.stop().status == 0)
     }
+
+    @Test(
+        "Behind a trusted proxy, register and oauth are limited per device by X-Forwarded-For (its rightmost address not a trusted proxy); from any other peer the header is ignored; a trusted proxy that is not an IP address is refused"
+    )
+    func trustedProxies() async throws {
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let down = "http://127.0.0.1:\(Peers.freePort())/fhir"
+        func registration(forwardedFor: String) -> Step {
+            var step = self.registration(antispam)
+            step["headers"] = ["Antispam": antispam, "X-Forwarded-For": forwardedFor]
+            return step
+        }
+        let trusting = try await configure(
+            server: down, serve: ["auth_requests_per_minute": 2, "trusted_proxies": ["127.0.0.1"]], name: "trusting.json")
+        var receiver = try await start(trusting)
+        let proxied = try await client(
+            receiver.base,
+            [
+                registration(forwardedFor: "203.0.113.5"), registration(forwardedFor: "203.0.113.5"),
+                registration(forwardedFor: "203.0.113.5"),
+                // Another device; then the same with a left part it wrote itself, and through a second trusted hop.
+                registration(forwardedFor: "203.0.113.6"), registration(forwardedFor: "198.51.100.1, 203.0.113.6"),
+                registration(forwardedFor: "203.0.113.6, 127.0.0.1"),
+            ])
+        #expect(proxied.map(\.status) == [201, 201, 429, 201, 201, 429], "\(proxied)")
+        #expect(await receiver.stop().status == 0)
+
+        // Without trusted proxies the header is a device's word: every request counts against the peer (loopback).
+        let direct = try await configure(server: down, serve: ["auth_requests_per_minute": 2], name: "direct.json")
+        receiver = try await start(direct)
+        let spoofed = try await client(
+            receiver.base,
+            [
+                registration(forwardedFor: "203.0.113.5"), registration(forwardedFor: "203.0.113.6"),
+                registration(forwardedFor: "203.0.113.7"),
+            ])
+        #expect(spoofed.map(\.status) == [201, 201, 429], "\(spoofed)")
+        #expect(await receiver.stop().status == 0)
+
+        let bad = try await configure(server: down, serve: ["trusted_proxies": ["proxy.local"]], name: "bad.json")
+        let refused = try await dqCommand(["serve", "--listen", "127.0.0.1:\(Peers.freePort())"], config: bad)
+        #expect(refused.status == 78, "\(refused.stderr)")
+        #expect(refused.stderr.contains("\"serve.trusted_proxies\" must be a list of IP addresses"), "\(refused.stderr)")
+    }
 }
