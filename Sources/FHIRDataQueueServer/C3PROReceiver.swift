@@ -643,7 +643,6 @@ final class AntispamSecrets: Sendable {
     init(_ secrets: [String]) { self.secrets = Mutex(secrets) }
 }
 
-/// A fixed window per source address: at most `perMinute` requests in each minute.
 extension C3PROReceiver {
     /// The address a request is limited by: the peer's, or, from a trusted proxy, the rightmost address of
     /// `X-Forwarded-For` that is not a trusted proxy itself ("unknown" without a peer address).
@@ -657,6 +656,7 @@ extension C3PROReceiver {
     }
 }
 
+/// A fixed window per source address: at most `perMinute` requests in each minute.
 final class RateLimiter: Sendable {
     private let perMinute: Int
     private let windows = Mutex<[String: (start: ContinuousClock.Instant, count: Int)]>([:])
