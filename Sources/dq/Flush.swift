@@ -143,7 +143,7 @@ extension DQ {
 
         /// Queues of the same database, other than this one, that hold pending items.
         func otherQueuesPending(_ queue: DataQueue) async throws -> [QueueStatus] {
-            try await queue.allQueueStatuses().filter { $0.queue != queue.queueName && $0.pending > 0 }
+            try await queue.allQueueStatuses(countingJournal: false).filter { $0.queue != queue.queueName && $0.pending > 0 }
         }
     }
 }

@@ -71,7 +71,8 @@ extension DQ {
                 print(StatusReport.databaseLine(queue.configuration.databasePath))
                 print(StatusReport.sealingLine(sealing))
                 if let signIn { signIn.printLines() }
-                for other in try await queue.allQueueStatuses() where StatusReport.isElsewhere(other, of: status.queue) {
+                for other in try await queue.allQueueStatuses(countingJournal: false)
+                where StatusReport.isElsewhere(other, of: status.queue) {
                     print(StatusReport.elsewhereLine(other))
                 }
             }

@@ -565,9 +565,14 @@ struct FlushHardeningTests {
         #expect(await service.readiness().ready)
         #expect(counted.withLock { $0 } == 0, "no flush and no probe counted the journal")
 
+        let others = try await queue.allQueueStatuses(countingJournal: false)
+        #expect(others.map(\.pending) == [1] && others.map(\.delivered) == [0], "\(others)")
+        #expect(counted.withLock { $0 } == 0, "the queues' pending items, read without the journal")
+
         let status = try await queue.status()
         #expect(status.delivered == 3 && status.pending == 1)
-        #expect(counted.withLock { $0 } == 1, "an operator's status counts it")
+        #expect(try await queue.allQueueStatuses().map(\.delivered) == [3])
+        #expect(counted.withLock { $0 } == 2, "an operator's status counts it")
         try await queue.shutdown()
         try await server.shutdown()
     }

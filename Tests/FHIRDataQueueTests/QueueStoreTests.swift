@@ -27,6 +27,25 @@ struct QueueStoreTests {
             body: Data(#"{"resourceType":"Patient","n":\#(index)}"#.utf8))
     }
 
+    @Test(
+        "Listing the queues seeks along the item and journal indexes, one seek per name: no scan of either table (the journal keeps months of deliveries)"
+    )
+    func queueNamesSeek() async throws {
+        let store = try SQLiteQueueStore(path: path, durability: .full)
+        _ = try await store.insert([item(0), item(1, queue: "http://h/other")])
+        let plan = try await store.database.read { db in
+            try Row.fetchAll(db, sql: "EXPLAIN QUERY PLAN " + StatusQueries.queues).map { $0["detail"] as String? ?? "" }
+        }
+        #expect(plan.contains { $0.hasPrefix("SEARCH item USING COVERING INDEX") }, "\(plan)")
+        #expect(plan.contains { $0.hasPrefix("SEARCH delivery USING COVERING INDEX") }, "\(plan)")
+        // "SCAN items" and "SCAN journal" are the recursive steps' own rows; a scan of a table is "SCAN item …".
+        let scans = plan.filter {
+            $0.split(separator: " ").prefix(2) == ["SCAN", "item"] || $0.split(separator: " ").prefix(2) == ["SCAN", "delivery"]
+        }
+        #expect(scans.isEmpty, "a table read whole: \(plan)")
+        #expect(try await store.queues() == ["http://h/fhir", "http://h/other"])
+    }
+
     @Test("The database is WAL with synchronous=FULL by default, NORMAL when asked, and mode 0600")
     func pragmas() async throws {
         let store = try SQLiteQueueStore(path: path, durability: .full)

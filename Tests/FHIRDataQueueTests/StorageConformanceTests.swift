@@ -182,6 +182,34 @@ struct StorageConformanceTests {
         #expect(Set(try await store.queues()) == [Self.server, "http://h/other"])
     }
 
+    @Test(
+        "Every queue is listed once, in order, whether it holds items, only journal lines, or only a server state; status without the journal still counts its items",
+        arguments: StoreKind.withHostClient)
+    func queueNames(kind: StoreKind) async throws {
+        let store = try await kind.make(in: directory)
+        // Items of three queues (several rows each), one of them then delivered whole: only its journal remains.
+        let journalOnly = "http://h/journal-only"
+        _ = try await store.insert(
+            (0..<3).map { item($0) } + (0..<2).map { item($0, queue: "http://a/first") } + (0..<2).map { item($0, queue: journalOnly) })
+        let owner = try #require(try await store.acquireFlush(queue: journalOnly, until: .now))
+        let recorder = DeliveryRecorder(store: store, owner: owner)
+        for stored in try await drain(store, queue: journalOnly) {
+            try recorder.record(
+                CompletedDelivery(
+                    item: stored.info, url: "http://h/journal-only/Patient", status: 201, location: nil, serverID: nil, versionID: nil))
+        }
+        try await recorder.finish()
+        await owner.release()
+        // A server state alone (its capabilities read, nothing queued).
+        try await store.recordBundleSupport(queue: "http://z/state-only", transactions: true, batchLimit: nil, conditionalCreate: nil)
+        #expect(try await drain(store, queue: journalOnly).isEmpty, "delivered: no item left")
+        #expect(try await store.queues() == ["http://a/first", Self.server, journalOnly, "http://z/state-only"])
+        let statuses = try await store.allStatuses(countingJournal: false)
+        #expect(statuses.map(\.queue) == ["http://a/first", Self.server, journalOnly, "http://z/state-only"])
+        #expect(statuses.map(\.pending) == [2, 3, 0, 0] && statuses.allSatisfy { $0.delivered == 0 })
+        #expect(try await store.allStatuses(countingJournal: true).map(\.delivered) == [0, 0, 2, 0])
+    }
+
     @Test("A large insert (several statements' worth) keeps order, every column and its NULLs", arguments: StoreKind.available)
     func largeInsert(kind: StoreKind) async throws {
         let store = try await kind.make(in: directory)

@@ -139,8 +139,12 @@ extension DataQueue {
 
     /// Every queue in this queue's database with its counts (servers other than this one included), so that
     /// an operator sees all that is pending whatever server they name.
-    public func allQueueStatuses() async throws -> [QueueStatus] {
-        try await store.allStatuses()
+    ///
+    /// - Parameter countingJournal: as for ``status(countingJournal:)``: without it, `delivered` and `duplicates` read
+    ///   0 and the time does not grow with the journal (what a flush that points out other queues' pending items needs).
+    public func allQueueStatuses(countingJournal: Bool = true) async throws -> [QueueStatus] {
+        if countingJournal { hooks.countingJournal?() }
+        return try await store.allStatuses(countingJournal: countingJournal)
     }
 
     /// The delivery journal of this queue, oldest first (the newest `limit` lines).

@@ -9,7 +9,7 @@ package enum QueueAdministration {
     /// database is opened read-only and nothing is created.
     /// - Throws: ``DataQueueError`` with `.storage` when there is no queue database there.
     package static func allQueueStatuses(databasePath: String) async throws -> [QueueStatus] {
-        try await withReadOnlyStore(databasePath) { try await $0.allStatuses() }
+        try await withReadOnlyStore(databasePath) { try await $0.allStatuses(countingJournal: true) }
     }
 
     /// Runs `body` on the store of `databasePath` opened read-only, then closes it.

@@ -113,8 +113,8 @@ protocol QueueStorage: AnyObject, Sendable {
     /// The journal line of an item no longer queued.
     func journalLine(_ reference: String) async throws -> DeliveryRecord?
 
-    /// Counts of every server's queue.
-    func allStatuses() async throws -> [QueueStatus]
+    /// Counts of every server's queue (the journal counted or not, as ``status(queue:countingJournal:)``).
+    func allStatuses(countingJournal: Bool) async throws -> [QueueStatus]
 
     /// Problems an integrity check finds (empty: sound).
     func integrityCheck() async throws -> [String]

@@ -529,7 +529,9 @@ final class SealedStorage: QueueStorage {
 
     func journalLine(_ reference: String) async throws -> DeliveryRecord? { try await inner.journalLine(reference) }
 
-    func allStatuses() async throws -> [QueueStatus] { try await inner.allStatuses() }
+    func allStatuses(countingJournal: Bool) async throws -> [QueueStatus] {
+        try await inner.allStatuses(countingJournal: countingJournal)
+    }
 
     func integrityCheck() async throws -> [String] { try await inner.integrityCheck() }
 

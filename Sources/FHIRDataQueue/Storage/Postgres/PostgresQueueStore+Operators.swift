@@ -42,7 +42,21 @@ extension PostgresQueueStore {
         try await run("list queues") { [self] in
             var names: [String] = []
             for try await name in try await client.query(
-                "SELECT queue FROM dq_item UNION SELECT queue FROM dq_delivery UNION SELECT queue FROM dq_server_state ORDER BY 1",
+                // The names in dq_item and dq_delivery by skipping along their (queue, …) indexes, one seek per name:
+                // the journal keeps months of deliveries, which a scan would read whole.
+                """
+                WITH RECURSIVE items(name) AS (
+                  (SELECT queue FROM dq_item ORDER BY queue LIMIT 1)
+                  UNION ALL SELECT (SELECT queue FROM dq_item WHERE queue > items.name ORDER BY queue LIMIT 1)
+                  FROM items WHERE items.name IS NOT NULL
+                ), journal(name) AS (
+                  (SELECT queue FROM dq_delivery ORDER BY queue LIMIT 1)
+                  UNION ALL SELECT (SELECT queue FROM dq_delivery WHERE queue > journal.name ORDER BY queue LIMIT 1)
+                  FROM journal WHERE journal.name IS NOT NULL
+                )
+                SELECT name FROM items WHERE name IS NOT NULL UNION SELECT name FROM journal WHERE name IS NOT NULL
+                UNION SELECT queue FROM dq_server_state ORDER BY 1
+                """,
                 logger: logger
             ).decode(String.self) {
                 names.append(name)
@@ -178,9 +192,9 @@ extension PostgresQueueStore {
         }
     }
 
-    func allStatuses() async throws -> [QueueStatus] {
+    func allStatuses(countingJournal: Bool) async throws -> [QueueStatus] {
         var statuses: [QueueStatus] = []
-        for queue in try await queues() { statuses.append(try await status(queue: queue, countingJournal: true)) }
+        for queue in try await queues() { statuses.append(try await status(queue: queue, countingJournal: countingJournal)) }
         return statuses
     }
 

@@ -156,9 +156,9 @@ extension SQLiteQueueStore {
     }
 
     /// Every queue of the database with its counts, in name order.
-    func allStatuses() async throws -> [QueueStatus] {
+    func allStatuses(countingJournal: Bool) async throws -> [QueueStatus] {
         var statuses: [QueueStatus] = []
-        for queue in try await queues() { statuses.append(try await status(queue: queue, countingJournal: true)) }
+        for queue in try await queues() { statuses.append(try await status(queue: queue, countingJournal: countingJournal)) }
         return statuses
     }
 

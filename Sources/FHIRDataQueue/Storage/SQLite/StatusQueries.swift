@@ -17,7 +17,18 @@ enum StatusQueries {
         "SELECT at FROM delivery WHERE queue = ? AND event IN ('delivered', 'already-present') ORDER BY seq DESC LIMIT 1"
     /// A queue's backoff state: `failures, next_attempt_at, last_error`.
     static let serverState = "SELECT failures, next_attempt_at, last_error FROM server_state WHERE queue = ?"
-    /// Every queue name that holds items, deliveries or a backoff state, in order.
-    static let queues =
-        "SELECT queue FROM item UNION SELECT queue FROM delivery UNION SELECT queue FROM server_state ORDER BY 1"
+    /// Every queue name that holds items, deliveries or a backoff state, in order. The names in `item` and `delivery`
+    /// are found by skipping along their `(queue, …)` indexes, one seek per name, not by reading every row: the
+    /// journal keeps months of deliveries (a scan took 0.15-0.75 s per million rows).
+    static let queues = """
+        WITH RECURSIVE items(name) AS (
+          SELECT min(queue) FROM item
+          UNION ALL SELECT (SELECT min(queue) FROM item WHERE queue > items.name) FROM items WHERE items.name IS NOT NULL
+        ), journal(name) AS (
+          SELECT min(queue) FROM delivery
+          UNION ALL SELECT (SELECT min(queue) FROM delivery WHERE queue > journal.name) FROM journal WHERE journal.name IS NOT NULL
+        )
+        SELECT name FROM items WHERE name IS NOT NULL UNION SELECT name FROM journal WHERE name IS NOT NULL
+        UNION SELECT queue FROM server_state ORDER BY 1
+        """
 }
