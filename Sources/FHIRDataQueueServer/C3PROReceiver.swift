@@ -140,7 +140,7 @@ public struct C3PROReceiver: Sendable {
 
     /// Replaces the `Antispam` values `register` accepts, while it serves (the antispam file read again on SIGHUP).
     public func replaceAntispamSecrets(_ secrets: [String]) {
-        antispam.secrets.withLock { $0 = secrets }
+        antispam.replace(secrets)
     }
 
     /// Adds the receiver's routes to `router`.
@@ -182,8 +182,7 @@ public struct C3PROReceiver: Sendable {
     private func register(_ request: Request, from address: SocketAddress?) async throws -> Response {
         if let wait = limiter.refuse(clientAddress(request, peer: address)) { return tooMany(wait) }
         let offered = request.headers[.init("Antispam")!] ?? ""
-        let accepted = antispam.secrets.withLock { $0 }
-        guard accepted.contains(where: { constantTimeEquals($0, offered) }), !offered.isEmpty else {
+        guard !offered.isEmpty, antispam.accepts(offered) else {
             return oauthError(.unauthorized, "unauthorized_client", "the Antispam header is missing or wrong")
         }
         var request = request
@@ -625,22 +624,32 @@ public struct C3PROReceiver: Sendable {
     }
 }
 
-/// Compares two strings in time that depends on their lengths only.
-func constantTimeEquals(_ a: String, _ b: String) -> Bool {
-    let x = Array(a.utf8)
-    let y = Array(b.utf8)
-    var difference = UInt8(x.count == y.count ? 0 : 1)
-    for index in 0..<max(x.count, y.count) {
-        difference |= (index < x.count ? x[index] : 0) ^ (index < y.count ? y[index] : 0)
-    }
+/// Whether two byte sequences of the same length are equal, in time that depends on that length only.
+func constantTimeEquals(_ x: [UInt8], _ y: [UInt8]) -> Bool {
+    guard x.count == y.count else { return false }
+    var difference: UInt8 = 0
+    for (a, b) in zip(x, y) { difference |= a ^ b }
     return difference == 0
 }
 
-/// The `Antispam` values `register` accepts, replaceable while the receiver serves.
+/// The `Antispam` values `register` accepts, replaceable while the receiver serves. Each is kept as its SHA-256, and
+/// an offered value is hashed and compared with each in constant time: the time an answer takes depends on the
+/// offered value's length only, never on a secret's content or length.
 final class AntispamSecrets: Sendable {
-    let secrets: Mutex<[String]>
+    private let digests: Mutex<[[UInt8]]>
 
-    init(_ secrets: [String]) { self.secrets = Mutex(secrets) }
+    init(_ secrets: [String]) { digests = Mutex(secrets.map(Self.digest)) }
+
+    /// Accepts `secrets` from now on (and no other).
+    func replace(_ secrets: [String]) { digests.withLock { $0 = secrets.map(Self.digest) } }
+
+    /// Whether `offered` is one of the secrets. Every secret is compared, whichever matches.
+    func accepts(_ offered: String) -> Bool {
+        let candidate = Self.digest(offered)
+        return digests.withLock { $0 }.reduce(false) { found, digest in constantTimeEquals(digest, candidate) || found }
+    }
+
+    private static func digest(_ secret: String) -> [UInt8] { Array(SHA256.hash(data: Data(secret.utf8))) }
 }
 
 extension C3PROReceiver {
