@@ -7,7 +7,11 @@ import Testing
 @testable import FHIRDataQueue
 
 /// A receiver's clients and tokens in the queue's own database (``ClientRegistry``), on SQLite and PostgreSQL.
-@Suite("Client registry", .hostClientsShutDown)
+/// One test at a time, as the storage conformance suite: each PostgreSQL case makes a database of its own (PostgreSQL
+/// copies template1 into its WAL, ~8 MB with fsync, and dq makes its schema), and the suite's thirty-odd cases started
+/// at once beside the rest of the test run on two cores held one case's token INSERT past dq's 15 s deadline ("cannot
+/// store a token: PostgreSQL did not answer within 15 s", a fresh-clone make test).
+@Suite("Client registry", .serialized, .hostClientsShutDown)
 struct ClientRegistryTests {
     let scratch: Scratch
 
