@@ -267,7 +267,8 @@ func dq(_ arguments: [String], _ environment: [String: String], stdin: Data? = n
 /// Simple HTTP calls for assertions.
 enum HTTP {
     /// A GET; retried once when the connection fails (a server may close a pooled keep-alive connection just
-    /// as it is reused: "I/O on closed channel", or "remote connection closed"), since a GET changes nothing.
+    /// as it is reused: "I/O on closed channel", "remote connection closed", or, when it closes with data unread,
+    /// "connection reset by peer"), since a GET changes nothing.
     static func get(_ url: String, token: String? = nil) async throws -> (Int, Data) {
         var request = HTTPClientRequest(url: url)
         if let token { request.headers.add(name: "Authorization", value: "Bearer \(token)") }
@@ -279,6 +280,8 @@ enum HTTP {
             } catch let error as ChannelError where attempt == 1 && error == .ioOnClosedChannel {
                 continue
             } catch let error as HTTPClientError where attempt == 1 && error == .remoteConnectionClosed {
+                continue
+            } catch let error as IOError where attempt == 1 && error.errnoCode == ECONNRESET {
                 continue
             }
         }
