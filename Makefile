@@ -116,9 +116,12 @@ sanitize: deps peers
 	  echo "== $$s: build =="; $(SWIFT) build --build-tests --sanitize=$$s --scratch-path $$dir; \
 	  export ASAN_OPTIONS="log_path=$(CURDIR)/$$dir/reports/report:detect_leaks=0" \
 	         TSAN_OPTIONS="log_path=$(CURDIR)/$$dir/reports/report:halt_on_error=0:suppressions=$(CURDIR)/Tests/tsan-suppressions.txt"; \
-	  echo "== $$s: unit tests =="; $(SWIFT) test --skip-build --sanitize=$$s --scratch-path $$dir --filter FHIRDataQueueTests; \
-	  echo "== $$s: quick torture =="; DQ_SANITIZER=$$s DQ_BIN=$(CURDIR)/$$dir/debug/dq .peers/venv/bin/python scripts/torture.py --quick; \
+	  rc=0; echo "== $$s: unit tests =="; \
+	  $(SWIFT) test --skip-build --sanitize=$$s --scratch-path $$dir --filter FHIRDataQueueTests || rc=$$?; \
+	  if [ $$rc = 0 ]; then echo "== $$s: quick torture =="; \
+	    DQ_SANITIZER=$$s DQ_BIN=$(CURDIR)/$$dir/debug/dq .peers/venv/bin/python scripts/torture.py --quick || rc=$$?; fi; \
 	  if ls $$dir/reports/report* >/dev/null 2>&1; then echo "== $$s: reports =="; cat $$dir/reports/report*; exit 1; fi; \
+	  if [ $$rc != 0 ]; then echo "== $$s: failed (exit $$rc) with no sanitizer report =="; exit $$rc; fi; \
 	  echo "== $$s: no reports =="; \
 	done
 
