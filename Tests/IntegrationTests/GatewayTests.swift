@@ -87,7 +87,7 @@ struct GatewayTests {
     )
     func gatewayMountsTheReceiver() async throws {
         let server = try await FHIRServer.start()
-        // ServeTests' C3-PRO client (Python httpx + cryptography, the iOS envelope), its antispam secret and resources.
+        // ServeTests' C3-PRO client (Python requests + cryptography, the iOS envelope), its antispam secret and resources.
         let c3pro = try ServeTests()
         let keys = try await TestKeys()
         try FileManager.default.createDirectory(atPath: work.file("keys"), withIntermediateDirectories: true)

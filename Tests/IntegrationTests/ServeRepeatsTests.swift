@@ -225,7 +225,7 @@ extension ServeTests {
     /// same `Idempotency-Key`; prints the statuses.
     static let concurrentScript = #"""
         import base64, json, os, sys, threading
-        import httpx
+        import requests
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, padding
         from cryptography.hazmat.primitives.asymmetric import padding as asym
@@ -251,9 +251,10 @@ extension ServeTests {
         start = threading.Barrier(count)
 
         def post(index):
-            with httpx.Client() as session:
+            with requests.Session() as session:
+                session.trust_env = False
                 start.wait()
-                r = session.post(url, content=bodies[index], timeout=60, headers={
+                r = session.post(url, data=bodies[index], timeout=60, headers={
                     "Authorization": "Bearer " + token, "Content-Type": "application/json",
                     "Idempotency-Key": '"same-key"'})
                 statuses[index] = r.status_code

@@ -931,8 +931,9 @@ struct ServeTests {
     // MARK: - The client program
 
     /// A C3-PRO client as the iOS app (C3PRO's `EncryptedDataQueue`, p2/OAuth2) behaves, written with Python
-    /// `httpx` and `cryptography` alone (the peers' venv has no `requests`): AES-256-CBC with a zero IV and PKCS#7 padding, one AES key per run,
-    /// the key wrapped with RSA-OAEP (SHA-1, MGF1-SHA-1) under the receiver's certificate.
+    /// `requests` and `cryptography` alone: AES-256-CBC with a zero IV and PKCS#7 padding, one AES key per run,
+    /// the key wrapped with RSA-OAEP (SHA-1, MGF1-SHA-1) under the receiver's certificate. With `DQ_TEST_CA` set it
+    /// speaks HTTPS and verifies the receiver against that CA bundle.
     ///
     /// `client.py BASE STEPS.json` runs the steps in order and prints a JSON list of answers. A step: `path`;
     /// `headers`; `basic` {id, secret, form} (form: id and secret form-encoded before Base64, RFC 6749 2.3.1);
@@ -941,7 +942,7 @@ struct ServeTests {
     /// without a length).
     static let clientScript = #"""
         import base64, json, os, sys, urllib.parse
-        import httpx
+        import requests
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, padding
         from cryptography.hazmat.primitives.asymmetric import padding as asym
@@ -964,6 +965,13 @@ struct ServeTests {
                 "message": base64.b64encode(message).decode(),
                 "version": spec.get("version", "3.0.0"),
             }).encode()
+
+        def new_session():
+            session = requests.Session()
+            session.trust_env = False  # no proxy or .netrc from the environment: the receiver is spoken to directly
+            if os.environ.get("DQ_TEST_CA"):
+                session.verify = os.environ["DQ_TEST_CA"]
+            return session
 
         def chunks(data, size=65536):
             for start in range(0, len(data), size):
@@ -997,8 +1005,8 @@ struct ServeTests {
                 if step.get("chunked"):
                     body = chunks(body)
             try:
-                r = session.request(step.get("method", "POST"), base + step["path"], content=body, headers=headers, timeout=60)
-            except httpx.HTTPError as error:
+                r = session.request(step.get("method", "POST"), base + step["path"], data=body, headers=headers, timeout=60)
+            except requests.RequestException as error:
                 return {"status": 0, "body": "", "content_type": "", "json": False, "error": repr(error)}
             try:
                 json.loads(r.text)
@@ -1014,12 +1022,12 @@ struct ServeTests {
             base = sys.argv[1]
             with open(sys.argv[2]) as f:
                 steps = json.load(f)
-            session = httpx.Client()
+            session = new_session()
             answers = []
             for step in steps:
                 answers.append(run(session, base, step))
                 if answers[-1]["status"] == 0:
-                    session = httpx.Client()
+                    session = new_session()
             json.dump(answers, sys.stdout)
 
         main()
