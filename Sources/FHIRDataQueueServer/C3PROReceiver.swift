@@ -148,32 +148,32 @@ public struct C3PROReceiver: Sendable {
         let prefix = configuration.pathPrefix.split(separator: "/").joined(separator: "/")
         func path(_ rest: String) -> RouterPath { prefix.isEmpty ? RouterPath(rest) : RouterPath("\(prefix)/\(rest)") }
         router.post(path("register")) { request, context in
-            await measured("register") { try await register(request, from: context.remoteAddress) }
+            await measured(.register) { try await register(request, from: context.remoteAddress) }
         }
         router.post(path("oauth")) { request, context in
-            await measured("oauth") { try await token(request, from: context.remoteAddress) }
+            await measured(.oauth) { try await token(request, from: context.remoteAddress) }
         }
         for route in ["encfhir", "encfhir/{type}", "fhirenc", "fhirenc/{type}"] {
             router.post(path(route)) { request, context in
                 // Envelopes forwarded in batches by a dq edge (EnvelopeBatch), or one from a device.
                 if EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) {
-                    return await measured("encfhir_batch") { try await envelopeBatch(request) }
+                    return await measured(.envelopeBatch) { try await envelopeBatch(request) }
                 }
-                return await measured("encfhir") {
+                return await measured(.envelope) {
                     try await envelope(request, type: context.parameters.get("type"))
                 }
             }
         }
         router.post(path("fhir/{type}")) { request, context in
-            await measured("fhir") { try await plain(request, type: context.parameters.get("type") ?? "", id: nil) }
+            await measured(.plain) { try await plain(request, type: context.parameters.get("type") ?? "", id: nil) }
         }
         router.put(path("fhir/{type}/{id}")) { request, context in
-            await measured("fhir") {
+            await measured(.plain) {
                 try await plain(request, type: context.parameters.get("type") ?? "", id: context.parameters.get("id"))
             }
         }
         router.get(path("fhir/Questionnaire/{id}")) { request, context in
-            await measured("questionnaire") { try await questionnaire(request, id: context.parameters.get("id") ?? "") }
+            await measured(.questionnaire) { try await questionnaire(request, id: context.parameters.get("id") ?? "") }
         }
     }
 
@@ -524,18 +524,33 @@ public struct C3PROReceiver: Sendable {
     /// `endpointPath` is the route the router resolved (`RequestContext.endpointPath`); another route's is not counted.
     public func countRefusal(_ request: Request, endpointPath: String?, status: HTTPResponse.Status) {
         guard let endpoint = endpoint(of: request, route: endpointPath) else { return }
-        Counter(label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint), ("status", String(status.code))]).increment()
+        Counter(label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint.rawValue), ("status", String(status.code))])
+            .increment()
     }
 
-    /// The endpoint name ``addRoutes(to:)`` counts a request to `route` under; nil for a route not its own.
-    private func endpoint(of request: Request, route: String?) -> String? {
+    /// The endpoints as `dq_serve_requests_total` names them: one name for each kind of request, whichever of its
+    /// paths it came by.
+    enum Endpoint: String {
+        case register, oauth
+        case envelope = "encfhir"
+        case envelopeBatch = "encfhir_batch"
+        case plain = "fhir"
+        case questionnaire
+
+        /// Whether its answers are timed in `dq_serve_ingest_duration_seconds`: the two that commit what a device sends.
+        var isIngest: Bool { self == .envelope || self == .plain }
+    }
+
+    /// The endpoint ``addRoutes(to:)`` counts a request to `route` under; nil for a route not its own.
+    private func endpoint(of request: Request, route: String?) -> Endpoint? {
         let prefix = configuration.pathPrefix.split(separator: "/")
         guard var parts = route?.split(separator: "/"), parts.starts(with: prefix) else { return nil }
         parts.removeFirst(prefix.count)
         switch parts.first {
-        case "register", "oauth": return String(parts[0])
-        case "encfhir", "fhirenc": return EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) ? "encfhir_batch" : "encfhir"
-        case "fhir": return request.method == .get ? "questionnaire" : "fhir"
+        case "register": return .register
+        case "oauth": return .oauth
+        case "encfhir", "fhirenc": return EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) ? .envelopeBatch : .envelope
+        case "fhir": return request.method == .get ? .questionnaire : .plain
         default: return nil
         }
     }
@@ -546,21 +561,22 @@ public struct C3PROReceiver: Sendable {
 
     /// Runs a handler, counts its answer per endpoint and status, and turns an unexpected error (storage) into a
     /// 503 that names no input: the device keeps the resource and tries again.
-    private func measured(_ endpoint: String, _ handler: () async throws -> Response) async -> Response {
+    private func measured(_ endpoint: Endpoint, _ handler: () async throws -> Response) async -> Response {
         let start = ContinuousClock.now
         let response: Response
         do {
             response = try await handler()
         } catch {
             logger.error(
-                "a request could not be committed", metadata: ["endpoint": "\(endpoint)", "error": "\(Self.describe(error))"])
+                "a request could not be committed", metadata: ["endpoint": "\(endpoint.rawValue)", "error": "\(Self.describe(error))"])
             response = FHIRExchange.outcome(.serviceUnavailable, "transient", "the receiver cannot store it now; try again later")
         }
-        Counter(label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint), ("status", String(response.status.code))])
-            .increment()
-        if endpoint == "encfhir" || endpoint == "fhir" {
+        Counter(
+            label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint.rawValue), ("status", String(response.status.code))]
+        ).increment()
+        if endpoint.isIngest {
             let elapsed = ContinuousClock.now - start
-            Timer(label: "dq_serve_ingest_duration_seconds", dimensions: [("endpoint", endpoint)])
+            Timer(label: "dq_serve_ingest_duration_seconds", dimensions: [("endpoint", endpoint.rawValue)])
                 .recordNanoseconds(elapsed.components.seconds * 1_000_000_000 + elapsed.components.attoseconds / 1_000_000_000)
         }
         return response
