@@ -4,8 +4,8 @@ import Foundation
 import Hummingbird
 import Logging
 import Metrics
+import NIOConcurrencyHelpers
 import NIOCore
-import Synchronization
 
 /// The receiving half of the C3-PRO system as Hummingbird routes: what deployed C3-PRO apps post to, unchanged.
 ///
@@ -652,17 +652,17 @@ func constantTimeEquals(_ x: [UInt8], _ y: [UInt8]) -> Bool {
 /// an offered value is hashed and compared with each in constant time: the time an answer takes depends on the
 /// offered value's length only, never on a secret's content or length.
 final class AntispamSecrets: Sendable {
-    private let digests: Mutex<[[UInt8]]>
+    private let digests: NIOLockedValueBox<[[UInt8]]>
 
-    init(_ secrets: [String]) { digests = Mutex(secrets.map(Self.digest)) }
+    init(_ secrets: [String]) { digests = NIOLockedValueBox(secrets.map(Self.digest)) }
 
     /// Accepts `secrets` from now on (and no other).
-    func replace(_ secrets: [String]) { digests.withLock { $0 = secrets.map(Self.digest) } }
+    func replace(_ secrets: [String]) { digests.withLockedValue { $0 = secrets.map(Self.digest) } }
 
     /// Whether `offered` is one of the secrets. Every secret is compared, whichever matches.
     func accepts(_ offered: String) -> Bool {
         let candidate = Self.digest(offered)
-        return digests.withLock { $0 }.reduce(false) { found, digest in constantTimeEquals(digest, candidate) || found }
+        return digests.withLockedValue { $0 }.reduce(false) { found, digest in constantTimeEquals(digest, candidate) || found }
     }
 
     private static func digest(_ secret: String) -> [UInt8] { Array(SHA256.hash(data: Data(secret.utf8))) }
@@ -684,7 +684,7 @@ extension C3PROReceiver {
 /// A fixed window per source address: at most `perMinute` requests in each minute.
 final class RateLimiter: Sendable {
     private let perMinute: Int
-    private let windows = Mutex<[String: (start: ContinuousClock.Instant, count: Int)]>([:])
+    private let windows = NIOLockedValueBox<[String: (start: ContinuousClock.Instant, count: Int)]>([:])
 
     init(perMinute: Int) { self.perMinute = perMinute }
 
@@ -692,7 +692,7 @@ final class RateLimiter: Sendable {
     func refuse(_ key: String) -> Int? {
         guard perMinute > 0 else { return nil }
         let now = ContinuousClock.now
-        return windows.withLock { windows in
+        return windows.withLockedValue { windows in
             if windows.count > 10_000 { windows = windows.filter { now - $0.value.start < .seconds(60) } }
             var window = windows[key] ?? (now, 0)
             if now - window.start >= .seconds(60) { window = (now, 0) }
@@ -714,11 +714,11 @@ final class TokenCache: Sendable {
     static let longest: TimeInterval = 300
     /// The most entries kept (one per device token in use); past it, the expired go, then all.
     static let capacity = 20_000
-    private let entries = Mutex<[String: (clientID: String, until: Date)]>([:])
+    private let entries = NIOLockedValueBox<[String: (clientID: String, until: Date)]>([:])
 
     /// The client of a cached token still valid at `now`, or nil.
     func client(tokenHash: String, now: Date) -> String? {
-        entries.withLock { entries in
+        entries.withLockedValue { entries in
             guard let entry = entries[tokenHash] else { return nil }
             guard entry.until > now else {
                 entries[tokenHash] = nil
@@ -729,12 +729,12 @@ final class TokenCache: Sendable {
     }
 
     /// How many entries are kept.
-    var count: Int { entries.withLock { $0.count } }
+    var count: Int { entries.withLockedValue { $0.count } }
 
     /// Remembers a token the database found valid until `expiresAt`.
     func remember(tokenHash: String, clientID: String, expiresAt: Date, now: Date) {
         let until = min(expiresAt, now.addingTimeInterval(Self.longest))
-        entries.withLock { entries in
+        entries.withLockedValue { entries in
             if entries.count >= Self.capacity {
                 entries = entries.filter { $0.value.until > now }
                 if entries.count >= Self.capacity { entries.removeAll(keepingCapacity: true) }

@@ -1,7 +1,7 @@
 import Crypto
 import Foundation
 import JWTKit
-import Synchronization
+import NIOConcurrencyHelpers
 import _CryptoExtras
 
 /// Checks the signed client assertions (SMART Backend Services, RFC 7523 `private_key_jwt`) that clients with a
@@ -36,8 +36,8 @@ final class ClientAssertionVerifier: Sendable {
     static let leeway: TimeInterval = 60
 
     private let keySets: [String: [JWK]]
-    private let collections = Mutex<[String: JWTKeyCollection]>([:])
-    private let seen = Mutex<[String: Date]>([:])
+    private let collections = NIOLockedValueBox<[String: JWTKeyCollection]>([:])
+    private let seen = NIOLockedValueBox<[String: Date]>([:])
 
     /// A verifier for the clients in `keySets` (client id → the JWKS JSON).
     /// - Throws: ``Refusal`` naming the client whose key set is not a JWKS or holds no signing key.
@@ -108,17 +108,17 @@ final class ClientAssertionVerifier: Sendable {
                         description: "a key of client \(client)'s key set cannot be used (\(jwk.keyIdentifier?.string ?? "no kid"))")
                 }
             }
-            collections.withLock { $0[client] = collection }
+            collections.withLockedValue { $0[client] = collection }
         }
     }
 
     /// The client's keys for jwt-kit, made on first use.
     private func collection(for client: String) async -> JWTKeyCollection? {
-        if let made = collections.withLock({ $0[client] }) { return made }
+        if let made = collections.withLockedValue({ $0[client] }) { return made }
         guard let jwks = keySets[client] else { return nil }
         let collection = JWTKeyCollection()
         for jwk in jwks { _ = try? await collection.add(jwk: jwk) }
-        collections.withLock { $0[client] = collection }
+        collections.withLockedValue { $0[client] = collection }
         return collection
     }
 
@@ -157,7 +157,7 @@ final class ClientAssertionVerifier: Sendable {
         guard let jti = claims.jti, !jti.isEmpty else {
             return .failure(Refusal(description: "the client assertion has no jti"))
         }
-        let fresh = seen.withLock { seen in
+        let fresh = seen.withLockedValue { seen in
             seen = seen.filter { $0.value.addingTimeInterval(Self.leeway) > now }
             return seen.updateValue(expiry, forKey: issuer + " " + jti) == nil
         }

@@ -1,6 +1,7 @@
 import Configuration
 import FHIRDataQueue
 import Foundation
+import NIOConcurrencyHelpers
 
 extension DataQueueSettings {
     /// The library's settings of one `dq` run (see ``DaemonSettings/load(options:sending:environment:accessReporter:)``,
@@ -27,7 +28,7 @@ extension DaemonSettings {
         // The format the flag or environment names applies from here (an error in the settings file itself is
         // written in it); the file's own log_format from the line after the load.
         if let format = try? DQLogHandler.Format.named(options.logFormat ?? environment["DQ_LOG_FORMAT"]) {
-            StandardError.format.withLock { $0 = format }
+            StandardError.format.withLockedValue { $0 = format }
         }
         var flags: [String: ConfigContent] = [:]
         flags["server"] = options.server.map(ConfigContent.string)
@@ -42,7 +43,7 @@ extension DaemonSettings {
         let settings = try await DataQueueSettings(reader: reader, file: file, environment: environment)
         let daemon = try await DaemonSettings(reader: reader)
         if let format = try? DQLogHandler.Format.named(options.logFormat ?? daemon.logFormat?.rawValue) {
-            StandardError.format.withLock { $0 = format }
+            StandardError.format.withLockedValue { $0 = format }
         }
         warnAboutCommandLineSecrets(database: options.database, proxy: options.proxy)
         warnAboutUnknownEnvironmentVariables(environment)

@@ -2,7 +2,7 @@ import ArgumentParser
 import FHIRDataQueue
 import Foundation
 import Logging
-import Synchronization
+import NIOConcurrencyHelpers
 
 #if canImport(Glibc)
     import Glibc
@@ -51,7 +51,7 @@ struct DQ: AsyncParsableCommand {
                 return arguments[index] == "--log-format" && index + 1 < arguments.count ? arguments[index + 1] : nil
             }.first
             if let format = try? DQLogHandler.Format.named(flag ?? ProcessInfo.processInfo.environment["DQ_LOG_FORMAT"]) {
-                StandardError.format.withLock { $0 = format }
+                StandardError.format.withLockedValue { $0 = format }
             }
             printError(message, level: .error)
             // A monitoring plugin's caller reads a check it could not run as UNKNOWN (3), not as a usage error.
@@ -181,7 +181,7 @@ enum Exit {
 /// and error for the others), and with `--log-format json` it is one JSON object.
 func printError(_ text: String, level: Logger.Level? = nil) {
     let level = level ?? (text.hasPrefix("dq: warning: ") ? .warning : .error)
-    guard StandardError.format.withLock({ $0 }) == .json else {
+    guard StandardError.format.withLockedValue({ $0 }) == .json else {
         StandardError.write(text, level: level)
         return
     }
@@ -193,7 +193,7 @@ func printError(_ text: String, level: Logger.Level? = nil) {
 /// Standard error as dq's lines go there.
 enum StandardError {
     /// The log format, once the settings named it (`--log-format`, `DQ_LOG_FORMAT`, `log_format`).
-    static let format = Mutex(DQLogHandler.Format.text)
+    static let format = NIOLockedValueBox(DQLogHandler.Format.text)
     /// Whether standard error is systemd's journal stream (see ``DQLogHandler/writesToJournal(environment:)``).
     static let journal = DQLogHandler.writesToJournal()
 
@@ -215,7 +215,7 @@ var standardErrorIsTerminal: Bool { isatty(2) == 1 }
 func bootstrapLogging(_ options: QueueOptions, _ daemon: DaemonSettings) throws {
     let level = options.verbose ? .debug : daemon.logLevel ?? .warning
     let format = try DQLogHandler.Format.named(options.logFormat ?? daemon.logFormat?.rawValue)
-    StandardError.format.withLock { $0 = format }
+    StandardError.format.withLockedValue { $0 = format }
     LoggingSystem.bootstrap { label in DQLogHandler(label: label, level: level, format: format) }
 }
 

@@ -1,6 +1,7 @@
 import FHIRDataQueue
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import ServiceLifecycle
 import Synchronization
 import UnixSignals
@@ -14,17 +15,17 @@ import UnixSignals
 
 /// The configuration a SIGHUP loaded and checked, for the next round of `dq run`.
 final class ReloadRequest: Sendable {
-    private let next = Mutex<(DataQueue, DataQueueSettings, DaemonSettings)?>(nil)
+    private let next = NIOLockedValueBox<(DataQueue, DataQueueSettings, DaemonSettings)?>(nil)
 
     func set(_ queue: DataQueue, _ settings: DataQueueSettings, _ daemon: DaemonSettings) {
-        next.withLock { $0 = (queue, settings, daemon) }
+        next.withLockedValue { $0 = (queue, settings, daemon) }
     }
     func take() -> (DataQueue, DataQueueSettings, DaemonSettings)? {
-        next.withLock { next in
+        next.withLockedValue { next in
             defer { next = nil }; return next
         }
     }
-    var requested: Bool { next.withLock { $0 != nil } }
+    var requested: Bool { next.withLockedValue { $0 != nil } }
 }
 
 /// Re-reads the configuration (and its secret files) on SIGHUP. One that validates (its queue opens) is handed
@@ -169,11 +170,11 @@ final class HangupSignals: Sendable {
         var pending = false
         var waiter: CheckedContinuation<Bool, Never>?
     }
-    private let state = Mutex(State())
+    private let state = NIOLockedValueBox(State())
 
     /// A SIGHUP came: the waiting reload service takes it, else the next one that waits.
     func arrived() {
-        let waiter = state.withLock { state in
+        let waiter = state.withLockedValue { state in
             guard let waiter = state.waiter else {
                 state.pending = true
                 return CheckedContinuation<Bool, Never>?.none
@@ -188,7 +189,7 @@ final class HangupSignals: Sendable {
     func next() async -> Bool {
         await withTaskCancellationHandler {
             await withCheckedContinuation { (continuation: CheckedContinuation<Bool, Never>) in
-                let answer: Bool? = state.withLock { state in
+                let answer: Bool? = state.withLockedValue { state in
                     // Cancelled first: a service that is stopping takes no more SIGHUPs (one left pending is for the
                     // next round, if there is one). Checked under the lock that the cancellation handler takes: it
                     // either finds this waiter or ran before, and then the task is cancelled already.
@@ -204,7 +205,7 @@ final class HangupSignals: Sendable {
                 if let answer { continuation.resume(returning: answer) }
             }
         } onCancel: {
-            let waiter = state.withLock { state in
+            let waiter = state.withLockedValue { state in
                 defer { state.waiter = nil }
                 return state.waiter
             }
@@ -222,14 +223,14 @@ final class StopSignals: Sendable {
         var waiter: CheckedContinuation<Void, Never>?
         var outsideRounds: (@Sendable () -> Void)?
     }
-    private let state = Mutex(State())
+    private let state = NIOLockedValueBox(State())
 
     /// Whether a stop came.
-    var requested: Bool { state.withLock { $0.requested } }
+    var requested: Bool { state.withLockedValue { $0.requested } }
 
     /// A SIGTERM or SIGINT came: the round's stop service ends its group, or, between rounds, the handler runs.
     func arrived() {
-        let (waiter, handler) = state.withLock { state in
+        let (waiter, handler) = state.withLockedValue { state in
             state.requested = true
             defer { state.waiter = nil }
             return (state.waiter, state.inRound ? nil : state.outsideRounds)
@@ -240,7 +241,7 @@ final class StopSignals: Sendable {
 
     /// What a stop between rounds does; run at once if one came already and no round runs.
     func whenOutsideRounds(_ handler: @escaping @Sendable () -> Void) {
-        let now = state.withLock { state in
+        let now = state.withLockedValue { state in
             state.outsideRounds = handler
             return state.requested && !state.inRound
         }
@@ -249,7 +250,7 @@ final class StopSignals: Sendable {
 
     /// A round begins, unless a stop came (false).
     func beginRound() -> Bool {
-        state.withLock { state in
+        state.withLockedValue { state in
             guard !state.requested else { return false }
             state.inRound = true
             return true
@@ -257,13 +258,13 @@ final class StopSignals: Sendable {
     }
 
     /// The round has ended; a stop from now on is handled outside rounds.
-    func endRound() { state.withLock { $0.inRound = false } }
+    func endRound() { state.withLockedValue { $0.inRound = false } }
 
     /// Waits for a stop (at once if one came); returns early once the waiting task is cancelled.
     func wait() async {
         await withTaskCancellationHandler {
             await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
-                let now = state.withLock { state in
+                let now = state.withLockedValue { state in
                     // Checked under the lock the cancellation handler takes (see HangupSignals.next()).
                     if state.requested || Task.isCancelled { return true }
                     precondition(state.waiter == nil, "one stop service waits at a time")
@@ -273,7 +274,7 @@ final class StopSignals: Sendable {
                 if now { continuation.resume() }
             }
         } onCancel: {
-            let waiter = state.withLock { state in
+            let waiter = state.withLockedValue { state in
                 defer { state.waiter = nil }
                 return state.waiter
             }
@@ -300,12 +301,12 @@ struct StopOnSignal: Service {
 /// one by one, before its own turn, is taken for a failure, and the group cancels every service (the request on
 /// the wire with them) and throws.
 final class GroupShutdown: Sendable {
-    private let group = Mutex<ServiceGroup?>(nil)
+    private let group = NIOLockedValueBox<ServiceGroup?>(nil)
 
-    func set(_ group: ServiceGroup) { self.group.withLock { $0 = group } }
+    func set(_ group: ServiceGroup) { self.group.withLockedValue { $0 = group } }
 
     func trigger() async {
-        guard let group = group.withLock({ $0 }) else { return }
+        guard let group = group.withLockedValue({ $0 }) else { return }
         await group.triggerGracefulShutdown()
     }
 }

@@ -2,8 +2,8 @@ import FHIRDataQueue
 import Foundation
 import Hummingbird
 import Logging
+import NIOConcurrencyHelpers
 import ServiceLifecycle
-import Synchronization
 
 /// The one-shot HTTP listener of a native app's sign-in (RFC 8252 7.3), a small Hummingbird application: it
 /// listens on `127.0.0.1` on a port the system picks, takes the first `GET /callback` that carries `code` or
@@ -26,12 +26,12 @@ final class LoopbackRedirectListener: Sendable {
     /// Starts listening on `127.0.0.1:port` (0: a free port the system picks).
     static func start(port: Int = 0) async throws -> LoopbackRedirectListener {
         let (stream, continuation) = AsyncStream<String>.makeStream(bufferingPolicy: .bufferingNewest(1))
-        let received = Mutex(false)
+        let received = NIOLockedValueBox(false)
         let router = Router()
         router.get("callback") { request, _ in
             let names = Set(request.uri.queryParameters.map { String($0.key) })
             guard names.contains("code") || names.contains("error") else { return page(.notFound, "Not found.") }
-            let first = received.withLock { done in
+            let first = received.withLockedValue { done in
                 defer { done = true }
                 return !done
             }

@@ -1,5 +1,5 @@
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 
 /// Progress of a long command on a terminal: one line on standard error, rewritten at most ten times a second,
 /// with what is done (of how many, when that is known), the rate and the time left. Nothing when standard error
@@ -8,7 +8,7 @@ final class TerminalProgress: Sendable {
     private let label: String
     private let start = ContinuousClock.now
     /// When the line was last drawn, and whether it was drawn at all.
-    private let drawn = Mutex<(at: ContinuousClock.Instant?, any: Bool)>((nil, false))
+    private let drawn = NIOLockedValueBox<(at: ContinuousClock.Instant?, any: Bool)>((nil, false))
 
     /// `nil` unless `enabled` and standard error is a terminal.
     init?(_ label: String, enabled: Bool = true) {
@@ -20,7 +20,7 @@ final class TerminalProgress: Sendable {
     /// less than 0.1 s ago, unless all is done.
     func update(_ done: Int, of total: Int?, detail: String = "") {
         let now = ContinuousClock.now
-        let draw = drawn.withLock { drawn in
+        let draw = drawn.withLockedValue { drawn in
             if let last = drawn.at, now - last < .milliseconds(100), done != total { return false }
             drawn = (now, true)
             return true
@@ -38,7 +38,7 @@ final class TerminalProgress: Sendable {
 
     /// Ends the line, if one was drawn, so that what is printed next starts on a line of its own.
     func finish() {
-        if drawn.withLock({ $0.any }) { FileHandle.standardError.write(Data("\n".utf8)) }
+        if drawn.withLockedValue({ $0.any }) { FileHandle.standardError.write(Data("\n".utf8)) }
     }
 
     /// `42s`, `3m05s`, `2h07m`.

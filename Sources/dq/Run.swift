@@ -4,9 +4,9 @@ import FHIRDataQueueServer
 import Foundation
 import Logging
 import Metrics
+import NIOConcurrencyHelpers
 import Prometheus
 import ServiceLifecycle
-import Synchronization
 import UnixSignals
 
 #if canImport(Glibc)
@@ -207,13 +207,13 @@ func recordBuildInfo() {
 /// The round of `dq run` that runs now, for the metrics endpoint that outlives rounds: readiness and liveness of
 /// its service, "starting" until its group traps its signals, "reloading" between two rounds.
 final class CurrentRound: Sendable {
-    private let state = Mutex<(service: DataQueueService, started: GroupStarted)?>(nil)
+    private let state = NIOLockedValueBox<(service: DataQueueService, started: GroupStarted)?>(nil)
 
-    func begin(_ service: DataQueueService, started: GroupStarted) { state.withLock { $0 = (service, started) } }
-    func end() { state.withLock { $0 = nil } }
+    func begin(_ service: DataQueueService, started: GroupStarted) { state.withLockedValue { $0 = (service, started) } }
+    func end() { state.withLockedValue { $0 = nil } }
 
     func readiness() async -> DataQueueService.Readiness {
-        guard let (service, started) = state.withLock({ $0 }) else {
+        guard let (service, started) = state.withLockedValue({ $0 }) else {
             return DataQueueService.Readiness(reasons: ["reloading: the next configuration's delivery is starting"])
         }
         guard started.isSet else {
@@ -224,6 +224,6 @@ final class CurrentRound: Sendable {
 
     /// Alive between rounds: the process is switching configurations, not stuck.
     func liveness() -> DataQueueService.Liveness {
-        state.withLock { $0 }?.service.liveness() ?? DataQueueService.Liveness(reasons: [])
+        state.withLockedValue { $0 }?.service.liveness() ?? DataQueueService.Liveness(reasons: [])
     }
 }

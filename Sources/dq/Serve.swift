@@ -6,10 +6,10 @@ import Hummingbird
 import HummingbirdCore
 import Logging
 import Metrics
+import NIOConcurrencyHelpers
 import NIOCore
 import Prometheus
 import ServiceLifecycle
-import Synchronization
 import UnixSignals
 
 #if canImport(Glibc)
@@ -260,7 +260,7 @@ extension DQ {
             MetricsSystem.bootstrap(Exposition.factory(registry))
             recordBuildInfo()
             // The keyring goes into the queue's configuration before it opens: envelopes are opened when sent.
-            let serve = Mutex<ServeSettings?>(nil)
+            let serve = NIOLockedValueBox<ServeSettings?>(nil)
             try await withQueue(
                 queueOptions, sending: sending,
                 adjust: { settings in
@@ -276,11 +276,11 @@ extension DQ {
                         settings.envelopeKeyring = EnvelopeKeyring(directory: keys, defaultKeyID: loaded.defaultKeyID)
                     }
                     settings.duplicateWindow = TimeInterval(loaded.dedupeWindowDays) * 86_400
-                    serve.withLock { $0 = loaded }
+                    serve.withLockedValue { $0 = loaded }
                 }, waitsForDatabase: true
             ) { queue, settings, daemon in
                 let logger = Logger(label: "dq")
-                guard let loaded = serve.withLock({ $0 }) else { return }
+                guard let loaded = serve.withLockedValue({ $0 }) else { return }
                 var options = loaded
                 if let listen { options.listen = listen }
                 try await run(

@@ -3,9 +3,9 @@ import Foundation
 import Hummingbird
 import HummingbirdTLS
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOSSL
-import Synchronization
 
 /// `serve.tls`: the PEM files `dq serve` serves HTTPS with, instead of plain HTTP (for a TLS proxy in front).
 ///
@@ -81,17 +81,17 @@ struct ServeTLSIdentity: Sendable {
 /// every handshake takes the pair current when it starts (`TLSConfiguration.sslContextCallback`), so a new
 /// connection gets a new certificate and an open one keeps the session it has.
 final class ServeTLSCertificates: Sendable {
-    private let current: Mutex<ServeTLSIdentity>
+    private let current: NIOLockedValueBox<ServeTLSIdentity>
     /// Where the running pair was read from.
-    private let files: Mutex<ServeTLSSettings>
+    private let files: NIOLockedValueBox<ServeTLSSettings>
 
     init(_ settings: ServeTLSSettings) throws {
-        current = Mutex(try ServeTLSIdentity.load(settings))
-        files = Mutex(settings)
+        current = NIOLockedValueBox(try ServeTLSIdentity.load(settings))
+        files = NIOLockedValueBox(settings)
     }
 
     /// The pair served now.
-    var identity: ServeTLSIdentity { current.withLock { $0 } }
+    var identity: ServeTLSIdentity { current.withLockedValue { $0 } }
 
     /// The server's TLS configuration: TLS 1.2 at least, HTTP/1.1 by ALPN, and the pair chosen per handshake.
     func configuration() -> TLSConfiguration {
@@ -113,14 +113,14 @@ final class ServeTLSCertificates: Sendable {
     /// Reads the pair at `settings` (the running files when nil) and checks it, without using it yet.
     /// - Throws: what `ServeTLSIdentity.load` throws; the running pair stays.
     func read(_ settings: ServeTLSSettings?) throws -> (ServeTLSSettings, ServeTLSIdentity) {
-        let settings = settings ?? files.withLock { $0 }
+        let settings = settings ?? files.withLockedValue { $0 }
         return (settings, try ServeTLSIdentity.load(settings))
     }
 
     /// Serves `identity` from the next handshake on.
     func use(_ read: (ServeTLSSettings, ServeTLSIdentity), logger: Logger) {
-        files.withLock { $0 = read.0 }
-        current.withLock { $0 = read.1 }
+        files.withLockedValue { $0 = read.0 }
+        current.withLockedValue { $0 = read.1 }
         logger.notice(
             "TLS certificate read again: new connections get it",
             metadata: ["notValidAfter": "\(read.1.notValidAfter.formatted(.iso8601))"])

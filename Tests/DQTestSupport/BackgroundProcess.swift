@@ -1,6 +1,6 @@
 import Foundation
+import NIOConcurrencyHelpers
 import Subprocess
-import Synchronization
 
 #if canImport(System)
     import System
@@ -92,7 +92,7 @@ public final class BackgroundProcess: Sendable {
         var endWaiters: [CheckedContinuation<Ending, Never>] = []
     }
 
-    private let state = Mutex(State())
+    private let state = NIOLockedValueBox(State())
     /// Signals asked for, in order, until the process has ended; the closure of `run` sends them.
     private let signals: AsyncStream<Int32>.Continuation
 
@@ -191,7 +191,7 @@ public final class BackgroundProcess: Sendable {
     }
 
     private func start(_ pid: pid_t) {
-        let waiters = state.withLock { state in
+        let waiters = state.withLockedValue { state in
             state.pid = pid
             state.started = true
             defer { state.startWaiters = [] }
@@ -202,7 +202,7 @@ public final class BackgroundProcess: Sendable {
 
     private func end(_ ending: Ending) {
         signals.finish()
-        let (startWaiters, endWaiters) = state.withLock { state in
+        let (startWaiters, endWaiters) = state.withLockedValue { state in
             state.started = true
             state.ending = ending
             defer { (state.startWaiters, state.endWaiters) = ([], []) }
@@ -260,7 +260,7 @@ public final class BackgroundProcess: Sendable {
     public var pid: pid_t? {
         get async {
             await withCheckedContinuation { continuation in
-                let known: pid_t?? = state.withLock { state in
+                let known: pid_t?? = state.withLockedValue { state in
                     if !state.started { state.startWaiters.append(continuation) }
                     return state.started ? .some(state.pid) : .none
                 }
@@ -270,7 +270,7 @@ public final class BackgroundProcess: Sendable {
     }
 
     /// How the process ended; `nil` while it starts or runs.
-    public var ending: Ending? { state.withLock { $0.ending } }
+    public var ending: Ending? { state.withLockedValue { $0.ending } }
 
     /// Whether the process still starts or runs (or has ended and is not reaped yet).
     public var isRunning: Bool { ending == nil }
@@ -283,7 +283,7 @@ public final class BackgroundProcess: Sendable {
     /// Waits for the end without holding a thread of the cooperative pool.
     public func wait() async -> Ending {
         await withCheckedContinuation { continuation in
-            let ended: Ending? = state.withLock { state in
+            let ended: Ending? = state.withLockedValue { state in
                 if state.ending == nil { state.endWaiters.append(continuation) }
                 return state.ending
             }

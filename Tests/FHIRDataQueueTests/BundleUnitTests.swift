@@ -1,5 +1,5 @@
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 import Testing
 
 @testable import FHIRDataQueue
@@ -86,9 +86,9 @@ struct BundleUnitTests {
 
     @Test("Envelopes in flight at once: every one delivered or parked exactly, no more than in_flight at a time")
     func envelopesInFlight() async throws {
-        let inFlight = Mutex((now: 0, most: 0, started: 0))
+        let inFlight = NIOLockedValueBox((now: 0, most: 0, started: 0))
         let server = try await ScriptedServer { request in
-            let index = inFlight.withLock {
+            let index = inFlight.withLockedValue {
                 $0.now += 1
                 $0.started += 1
                 $0.most = max($0.most, $0.now)
@@ -99,10 +99,10 @@ struct BundleUnitTests {
             // the 20 s and leaves `most` at 1.
             let groupEnd = min(7, (index / 3 + 1) * 3)
             for _ in 0..<2000 {
-                if inFlight.withLock({ $0.started >= groupEnd }) { break }
+                if inFlight.withLockedValue({ $0.started >= groupEnd }) { break }
                 try? await Task.sleep(for: .milliseconds(10))
             }
-            inFlight.withLock { $0.now -= 1 }
+            inFlight.withLockedValue { $0.now -= 1 }
             return request.bodyText.contains("\"key_id\"") && request.uri.hasSuffix("/Condition")
                 ? .respond(.init(status: 400, body: "{}")) : .respond(.init(status: 200))
         }
@@ -121,7 +121,7 @@ struct BundleUnitTests {
         }
         let report = try await queue.flush()
         #expect(report.delivered == 6 && report.parked == 1 && report.remaining == 0)
-        #expect(inFlight.withLock { $0.most } == 3)
+        #expect(inFlight.withLockedValue { $0.most } == 3)
         let journal = try await queue.deliveries()
         #expect(journal.filter { $0.event == .delivered }.count == 6)
         #expect(journal.filter { $0.event == .parked }.map(\.resourceType) == ["Condition"])

@@ -1,5 +1,5 @@
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 import Testing
 
 @testable import FHIRDataQueue
@@ -217,9 +217,9 @@ struct EnvelopeKeyringTests {
     func readAhead() async throws {
         let k1 = try await installedKey("k1")
         let down = ScriptedServer.Response(status: 503, headers: [("Retry-After", "1")])
-        let up = Mutex(false)
+        let up = NIOLockedValueBox(false)
         let server = try await ScriptedServer { _ in
-            up.withLock { $0 } ? .respond(.created(location: "Observation/o/_history/1")) : .respond(down)
+            up.withLockedValue { $0 } ? .respond(.created(location: "Observation/o/_history/1")) : .respond(down)
         }
         var configuration = DataQueue.Configuration(databasePath: directory + "/queue.sqlite", idempotent: .init(false))
         configuration.batchSize = 1
@@ -236,7 +236,7 @@ struct EnvelopeKeyringTests {
         #expect(opens["k1"]?.values.reduce(0, +) == 1, "one envelope opened for the one request, not a prefetch: \(opens)")
         #expect(keyring.takeOpenCounts().isEmpty, "counted in the store already")
 
-        up.withLock { $0 = true }
+        up.withLockedValue { $0 = true }
         let report = try await queue.flush(force: true)
         #expect(report.delivered == 300)
         let sent = server.requests.dropFirst().map { request in (0..<5).first { request.bodyText.contains("\"m\($0)\"") } }
@@ -252,22 +252,22 @@ struct EnvelopeKeyringTests {
     )
     func readAheadDepth() async throws {
         let k1 = try await installedKey("k1")
-        let opens = Mutex(0)
+        let opens = NIOLockedValueBox(0)
         // The first request carries the first item (a flush fetches only its first step until it delivers); the
         // second comes after a refill of 256, when the read-ahead starts. One batch ahead stops at 1 + 256 + 256.
         let oneAhead = 1 + 2 * Flusher.prefetchCount
-        let arrived = Mutex(0)
-        let reached = Mutex(false)
+        let arrived = NIOLockedValueBox(0)
+        let reached = NIOLockedValueBox(false)
         let server = try await ScriptedServer { _ in
-            if arrived.withLock({
+            if arrived.withLockedValue({
                 $0 += 1; return $0
             }) == 2 {
                 // Held until the opening goes past one batch ahead (a bound only a missing read-ahead reaches).
                 let deadline = ContinuousClock.now + .seconds(300)
-                while opens.withLock({ $0 }) <= oneAhead, ContinuousClock.now < deadline {
+                while opens.withLockedValue({ $0 }) <= oneAhead, ContinuousClock.now < deadline {
                     try? await Task.sleep(for: .milliseconds(5))
                 }
-                reached.withLock { $0 = opens.withLock { $0 } > oneAhead }
+                reached.withLockedValue { $0 = opens.withLockedValue { $0 } > oneAhead }
             }
             return .respond(.created(location: "Observation/o/_history/1"))
         }
@@ -278,17 +278,17 @@ struct EnvelopeKeyringTests {
         configuration.requestTimeout = 600
         configuration.envelopeKeyring = EnvelopeKeyring(directory: keys)
         let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
-        queue.hooks.openingEnvelope = { opens.withLock { $0 += 1 } }
+        queue.hooks.openingEnvelope = { opens.withLockedValue { $0 += 1 } }
         let total = 600
         try await enqueuePattern(total, prefix: "d", on: queue, for: k1)
 
         let report = try await queue.flush()
-        #expect(reached.withLock { $0 }, "the opening went past one batch ahead while a request was held")
+        #expect(reached.withLockedValue { $0 }, "the opening went past one batch ahead while a request was held")
         #expect(report.delivered == total)
         let sent = server.requests.map { request in (0..<5).first { request.bodyText.contains("\"d\($0)\"") } }
         #expect(sent.count == total)
         #expect(sent == (0..<total).map { $0 % 5 }, "in queue order")
-        #expect(opens.withLock { $0 } == total, "each envelope opened once")
+        #expect(opens.withLockedValue { $0 } == total, "each envelope opened once")
         #expect(try await queue.items().isEmpty)
         try await queue.shutdown()
         try await server.shutdown()
@@ -304,14 +304,14 @@ struct EnvelopeKeyringTests {
 
             // The helpers inherit the priority: index 0 waits until another thread has run index 1.
             let niceness = try await OwnThread.run("dq-test-bg", priority: .background) { () -> [Int32] in
-                let seen = Mutex([Int32](repeating: -100, count: 2))
+                let seen = NIOLockedValueBox([Int32](repeating: -100, count: 2))
                 let second = DispatchSemaphore(value: 0)
                 ParallelWork.forEach(2, threads: 2) { index in
                     if index == 0 { second.wait() }
-                    seen.withLock { $0[index] = OwnThread.niceness() }
+                    seen.withLockedValue { $0[index] = OwnThread.niceness() }
                     if index == 1 { second.signal() }
                 }
-                return seen.withLock { $0 }
+                return seen.withLockedValue { $0 }
             }
             #expect(niceness == [expected, expected], "both threads of the work, lowered: \(niceness) (the process at \(base))")
             #expect(OwnThread.niceness() == base, "the caller's priority is untouched")
@@ -322,15 +322,15 @@ struct EnvelopeKeyringTests {
             var configuration = DataQueue.Configuration(databasePath: directory + "/queue.sqlite", idempotent: .init(false))
             configuration.envelopeKeyring = EnvelopeKeyring(directory: keys)
             let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
-            let seen = Mutex<[Int32]>([])
-            queue.hooks.openingEnvelope = { seen.withLock { $0.append(OwnThread.niceness()) } }
+            let seen = NIOLockedValueBox<[Int32]>([])
+            queue.hooks.openingEnvelope = { seen.withLockedValue { $0.append(OwnThread.niceness()) } }
             let envelope = try await envelope(observation("p"), for: k1.publicPEM, keyID: "k1")
             for _ in 0..<40 {
                 try await queue.enqueue(try SealedEnvelope(json: envelope, resourceType: SealedEnvelope.unnamedType))
             }
             let report = try await queue.flush()
             #expect(report.delivered == 40)
-            let opened = seen.withLock { $0 }
+            let opened = seen.withLockedValue { $0 }
             #expect(opened.count >= 40, "every envelope opened once at least")
             #expect(opened.allSatisfy { $0 == expected }, "opened at \(Set(opened)), the process at \(base)")
             #expect(OwnThread.niceness() == base)

@@ -2,7 +2,7 @@ import AsyncHTTPClient
 import Foundation
 import GRDB
 import Logging
-import Synchronization
+import NIOConcurrencyHelpers
 import Testing
 
 @testable import FHIRDataQueue
@@ -47,9 +47,9 @@ struct FlushHardeningTests {
 
     /// Answers in turn from `answers`, then 201 for everything after.
     static func scripted(_ answers: [ScriptedServer.Action]) -> @Sendable (ScriptedServer.Request) async -> ScriptedServer.Action {
-        let next = Mutex(0)
+        let next = NIOLockedValueBox(0)
         return { _ in
-            let index = next.withLock { value in
+            let index = next.withLockedValue { value in
                 defer { value += 1 }
                 return value
             }
@@ -83,9 +83,9 @@ struct FlushHardeningTests {
     @Test("A send whose item another flush delivered while it waited for the flush right says delivered, not queued")
     func sendDeliveredByAnotherFlush() async throws {
         let gate = AsyncStream<Void>.makeStream()
-        let first = Mutex(true)
+        let first = NIOLockedValueBox(true)
         let server = try await ScriptedServer { request in
-            let isFirst = first.withLock { value in
+            let isFirst = first.withLockedValue { value in
                 defer { value = false }
                 return value
             }
@@ -450,9 +450,9 @@ struct FlushHardeningTests {
 
     @Test("Refusals of one token cost one token request, however many senders saw them")
     func oneRefreshPerRefusedToken() async throws {
-        let issued = Mutex(0)
+        let issued = NIOLockedValueBox(0)
         let tokens = try await ScriptedServer { _ in
-            let n = issued.withLock { value in
+            let n = issued.withLockedValue { value in
                 value += 1
                 return value
             }
@@ -553,8 +553,8 @@ struct FlushHardeningTests {
     func journalNotCountedPerFlush() async throws {
         let server = try await ScriptedServer(handler: Self.scripted([]))
         let queue = try await queue(server)
-        let counted = Mutex(0)
-        queue.hooks.countingJournal = { counted.withLock { $0 += 1 } }
+        let counted = NIOLockedValueBox(0)
+        queue.hooks.countingJournal = { counted.withLockedValue { $0 += 1 } }
         for n in 1...3 { try await queue.enqueue(Self.patient(n)) }
         let report = try await queue.flush()
         #expect(report.delivered == 3 && report.remaining == 0)
@@ -563,16 +563,16 @@ struct FlushHardeningTests {
         #expect(busy.remaining == 1, "the counts a flush reports are read")
         let service = DataQueueService(queues: [queue])
         #expect(await service.readiness().ready)
-        #expect(counted.withLock { $0 } == 0, "no flush and no probe counted the journal")
+        #expect(counted.withLockedValue { $0 } == 0, "no flush and no probe counted the journal")
 
         let others = try await queue.allQueueStatuses(countingJournal: false)
         #expect(others.map(\.pending) == [1] && others.map(\.delivered) == [0], "\(others)")
-        #expect(counted.withLock { $0 } == 0, "the queues' pending items, read without the journal")
+        #expect(counted.withLockedValue { $0 } == 0, "the queues' pending items, read without the journal")
 
         let status = try await queue.status()
         #expect(status.delivered == 3 && status.pending == 1)
         #expect(try await queue.allQueueStatuses().map(\.delivered) == [3])
-        #expect(counted.withLock { $0 } == 2, "an operator's status counts it")
+        #expect(counted.withLockedValue { $0 } == 2, "an operator's status counts it")
         try await queue.shutdown()
         try await server.shutdown()
     }
@@ -580,10 +580,10 @@ struct FlushHardeningTests {
 
 /// An authorization provider that records whether it was shut down.
 final class RecordingAuthorization: AuthorizationProvider {
-    private let state = Mutex(false)
-    var isShutDown: Bool { state.withLock { $0 } }
+    private let state = NIOLockedValueBox(false)
+    var isShutDown: Bool { state.withLockedValue { $0 } }
 
     func authorizationHeader(forceRefresh: Bool, logger: Logger) async throws -> String? { "Bearer recorded" }
 
-    func shutdown() async throws { state.withLock { $0 = true } }
+    func shutdown() async throws { state.withLockedValue { $0 = true } }
 }

@@ -1,5 +1,5 @@
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 import Testing
 
 @testable import FHIRDataQueue
@@ -20,22 +20,22 @@ struct GroupCommitTests {
     /// A commit that records each batch, numbers its inputs after those committed before, and waits at `gate`
     /// in its first commit (so that others arrive while it runs).
     final class Recorder: Sendable {
-        let batches = Mutex<[[String]]>([])
-        let threads = Mutex<Set<pthread_t>>([])
+        let batches = NIOLockedValueBox<[[String]]>([])
+        let threads = NIOLockedValueBox<Set<pthread_t>>([])
         let gate = DispatchSemaphore(value: 0)
-        let fail = Mutex<Set<String>>([])
+        let fail = NIOLockedValueBox<Set<String>>([])
 
         func commit(_ inputs: [String]) -> Result<[Int], DataQueueError> {
-            threads.withLock { _ = $0.insert(pthread_self()) }
-            let first = batches.withLock { batches in
+            threads.withLockedValue { _ = $0.insert(pthread_self()) }
+            let first = batches.withLockedValue { batches in
                 batches.append(inputs)
                 return batches.count == 1
             }
             if first { gate.wait() }
-            if inputs.contains(where: { input in fail.withLock { $0.contains(input) } }) {
+            if inputs.contains(where: { input in fail.withLockedValue { $0.contains(input) } }) {
                 return .failure(DataQueueError(.storage, "refused"))
             }
-            let base = batches.withLock { $0.flatMap { $0 }.count - inputs.count }
+            let base = batches.withLockedValue { $0.flatMap { $0 }.count - inputs.count }
             return .success(inputs.indices.map { base + $0 + 1 })
         }
     }
@@ -45,7 +45,7 @@ struct GroupCommitTests {
         let recorder = Recorder()
         let engine = GroupCommit<String, Int>(committer: .thread(name: "dq-test") { recorder.commit($0) })
         let leader = Task { try await engine.submit("0") }
-        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 }, "the leader is committing")
+        #expect(try await waitFor { recorder.batches.withLockedValue { $0.count } == 1 }, "the leader is committing")
         var followers: [Task<Int, any Error>] = []
         for index in 1...10 {
             followers.append(Task { try await engine.submit("\(index)") })
@@ -56,13 +56,13 @@ struct GroupCommitTests {
         var outputs: [Int] = []
         for follower in followers { outputs.append(try await follower.value) }
         #expect(outputs == Array(2...11), "each follower got its own output, in arrival order")
-        let committed = recorder.batches.withLock { $0 }
+        let committed = recorder.batches.withLockedValue { $0 }
         #expect(committed.count == 2, "two commits for eleven inputs: \(committed.map(\.count))")
         #expect(committed.last == (1...10).map(String.init))
         #expect(engine.commits == 2)
         #expect(try await engine.submit("11") == 12)
-        #expect(recorder.batches.withLock { $0.last } == ["11"], "uncontended again: the next commits alone")
-        #expect(!recorder.threads.withLock { $0.contains(pthread_self()) })
+        #expect(recorder.batches.withLockedValue { $0.last } == ["11"], "uncontended again: the next commits alone")
+        #expect(!recorder.threads.withLockedValue { $0.contains(pthread_self()) })
     }
 
     @Test("Asynchronous: the first commits alone in its own task; those arriving meanwhile share the next commit, in order")
@@ -74,7 +74,7 @@ struct GroupCommitTests {
                 await withCheckedContinuation { continuation in Thread { continuation.resume(returning: recorder.commit(inputs)) }.start() }
             })
         let leader = Task { try await engine.submit("0") }
-        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 })
+        #expect(try await waitFor { recorder.batches.withLockedValue { $0.count } == 1 })
         var followers: [Task<Int, any Error>] = []
         for index in 1...5 {
             followers.append(Task { try await engine.submit("\(index)") })
@@ -85,7 +85,7 @@ struct GroupCommitTests {
         var outputs: [Int] = []
         for follower in followers { outputs.append(try await follower.value) }
         #expect(outputs == Array(2...6))
-        #expect(recorder.batches.withLock { $0 } == [["0"], ["1", "2", "3", "4", "5"]])
+        #expect(recorder.batches.withLockedValue { $0 } == [["0"], ["1", "2", "3", "4", "5"]])
     }
 
     @Test(
@@ -101,7 +101,7 @@ struct GroupCommitTests {
             }
         let engine = GroupCommit<String, Int>(committer: committer)
         let leader = Task { try await engine.submit("0") }
-        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 }, "the first commit runs (and waits at the gate)")
+        #expect(try await waitFor { recorder.batches.withLockedValue { $0.count } == 1 }, "the first commit runs (and waits at the gate)")
         let kept = Task { try await engine.submit("1") }
         #expect(try await waitFor { engine.waitingCount == 1 })
         let cancelled = Task { try await engine.submit("2") }
@@ -115,14 +115,14 @@ struct GroupCommitTests {
         #expect(try await leader.value == 1)
         #expect(try await kept.value == 2)
         await engine.waitUntilIdle()
-        #expect(recorder.batches.withLock { $0 } == [["0"], ["1"]], "the cancelled input never reached the store")
+        #expect(recorder.batches.withLockedValue { $0 } == [["0"], ["1"]], "the cancelled input never reached the store")
     }
 
     @Test("A failed commit fails its inputs only; the next commit goes through")
     func failureWithoutStop() async throws {
         let recorder = Recorder()
         recorder.gate.signal()
-        recorder.fail.withLock { $0 = ["bad"] }
+        recorder.fail.withLockedValue { $0 = ["bad"] }
         let engine = GroupCommit<String, Int>(committer: .thread(name: "dq-test") { recorder.commit($0) })
         _ = try await engine.submit("a")
         await #expect(throws: DataQueueError.self) { try await engine.submit("bad") }
@@ -135,7 +135,7 @@ struct GroupCommitTests {
         arguments: ["thread", "async"])
     func waitingWhenStopped(mode: String) async throws {
         let recorder = Recorder()  // the first commit waits at the gate, then fails
-        recorder.fail.withLock { $0 = ["1"] }
+        recorder.fail.withLockedValue { $0 = ["1"] }
         let committer: GroupCommit<String, Int>.Committer =
             mode == "thread"
             ? .thread(name: "dq-test") { recorder.commit($0) }
@@ -144,14 +144,14 @@ struct GroupCommitTests {
             }
         let engine = GroupCommit<String, Int>(maximumBatch: .max, stopsAtFailure: true, committer: committer)
         engine.add("1")
-        #expect(try await waitFor { recorder.batches.withLock { $0.count } == 1 }, "the first commit runs")
-        let told = Mutex<Result<Int, DataQueueError>?>(nil)
-        engine.add("2") { result in told.withLock { $0 = result } }
+        #expect(try await waitFor { recorder.batches.withLockedValue { $0.count } == 1 }, "the first commit runs")
+        let told = NIOLockedValueBox<Result<Int, DataQueueError>?>(nil)
+        engine.add("2") { result in told.withLockedValue { $0 = result } }
         recorder.gate.signal()
         await engine.waitUntilIdle()
-        #expect(try await waitFor { told.withLock { $0 != nil } }, "the waiting input is told")
-        #expect(told.withLock { $0.map { (try? $0.get()) == nil } } == true, "with the failure")
-        #expect(recorder.batches.withLock { $0 } == [["1"]], "nothing more reached the store")
+        #expect(try await waitFor { told.withLockedValue { $0 != nil } }, "the waiting input is told")
+        #expect(told.withLockedValue { $0.map { (try? $0.get()) == nil } } == true, "with the failure")
+        #expect(recorder.batches.withLockedValue { $0 } == [["1"]], "nothing more reached the store")
         #expect(engine.takeHeld() == ["1", "2"])
     }
 
@@ -161,23 +161,23 @@ struct GroupCommitTests {
     func stopsAtFailure(mode: String) async throws {
         let recorder = Recorder()
         recorder.gate.signal()
-        recorder.fail.withLock { $0 = ["2"] }
+        recorder.fail.withLockedValue { $0 = ["2"] }
         let committer: GroupCommit<String, Int>.Committer =
             mode == "thread" ? .thread(name: "dq-test") { recorder.commit($0) } : .async { recorder.commit($0) }
         let engine = GroupCommit<String, Int>(maximumBatch: .max, stopsAtFailure: true, committer: committer)
         engine.add("1")
         await engine.waitUntilIdle()
-        #expect(recorder.batches.withLock { $0 } == [["1"]])
+        #expect(recorder.batches.withLockedValue { $0 } == [["1"]])
         #expect(engine.takeHeld() == [], "nothing is held while the engine runs")
         engine.add("2")
         await engine.waitUntilIdle()
         #expect(engine.stoppedBy?.message == "refused")
-        let lateOutcome = Mutex<Result<Int, DataQueueError>?>(nil)
-        engine.add("3") { result in lateOutcome.withLock { $0 = result } }
+        let lateOutcome = NIOLockedValueBox<Result<Int, DataQueueError>?>(nil)
+        engine.add("3") { result in lateOutcome.withLockedValue { $0 = result } }
         engine.add("4")
-        #expect(lateOutcome.withLock { $0.map { (try? $0.get()) == nil } } == true, "a later input is told at once")
+        #expect(lateOutcome.withLockedValue { $0.map { (try? $0.get()) == nil } } == true, "a later input is told at once")
         await engine.waitUntilIdle()
-        #expect(recorder.batches.withLock { $0 } == [["1"], ["2"]], "nothing more reached the store")
+        #expect(recorder.batches.withLockedValue { $0 } == [["1"], ["2"]], "nothing more reached the store")
         #expect(engine.takeHeld() == ["2", "3", "4"])
         #expect(engine.takeHeld() == [], "taken once")
     }

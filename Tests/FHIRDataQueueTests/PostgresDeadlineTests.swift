@@ -1,7 +1,7 @@
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import PostgresNIO
-import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -51,16 +51,16 @@ struct PostgresDeadlineTests {
         // that counts as an answer has moved it before its decoding, past where the row before it left it.
         let start = ContinuousClock.now - .seconds(3600)
         let clock = AnswerClock(start: start)
-        let seen = Mutex<[ContinuousClock.Instant]>([])
+        let seen = NIOLockedValueBox<[ContinuousClock.Instant]>([])
         let values = try await PostgresQueueStore.$answers.withValue(clock) {
             try await store.rows(PostgresQuery(unsafeSQL: "SELECT generate_series(1, 50)")) { row in
-                seen.withLock { $0.append(clock.last) }
+                seen.withLockedValue { $0.append(clock.last) }
                 return try row.decode(Int.self)
             }
         }
         await store.shutdown()
         #expect(values == Array(1...50), "the count before the clock")
-        let lasts = seen.withLock { $0 }
+        let lasts = seen.withLockedValue { $0 }
         #expect(lasts.count == 50 && lasts[0] > start, "the first row did not count as an answer")
         #expect(zip(lasts, lasts.dropFirst()).allSatisfy { $0 < $1 }, "a row did not count as an answer")
     }

@@ -1,8 +1,8 @@
 import CSQLite
 import Foundation
 import GRDB
+import NIOConcurrencyHelpers
 import NIOPosix
-import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -118,11 +118,11 @@ struct QueueStoreTests {
     /// everything else the process did.)
     @Test("A durable enqueue commits off the calling task's thread")
     func enqueueCommitsOffCaller() async throws {
-        let commitThreads = Mutex<[pthread_t]>([])
+        let commitThreads = NIOLockedValueBox<[pthread_t]>([])
         let store = try SQLiteQueueStore(path: path, durability: .full)
         let batcher = GroupCommit<NewItem, Int64>(
             committer: .thread(name: "dq-enqueue") { items in
-                commitThreads.withLock { $0.append(pthread_self()) }
+                commitThreads.withLockedValue { $0.append(pthread_self()) }
                 return SQLiteQueueStore.immediateNow(store.database, "enqueue") { db in try SQLiteQueueStore.insert(items, db: db) }
             })
         let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
@@ -133,7 +133,7 @@ struct QueueStoreTests {
         }.value
         #expect(try await store.status(queue: "http://h/fhir", countingJournal: true).pending == 3)
         try await loop.shutdownGracefully()
-        let threads = commitThreads.withLock { $0 }
+        let threads = commitThreads.withLockedValue { $0 }
         #expect(threads.count == 3)
         #expect(!threads.contains(callerThread), "a commit ran on the calling task's thread")
     }
@@ -183,9 +183,9 @@ struct QueueStoreTests {
 
     /// The threads SQLite's commit hook ran on.
     final class CommitThreads: Sendable {
-        private let recorded = Mutex<[pthread_t]>([])
-        var threads: [pthread_t] { recorded.withLock { $0 } }
-        func record() { recorded.withLock { $0.append(pthread_self()) } }
+        private let recorded = NIOLockedValueBox<[pthread_t]>([])
+        var threads: [pthread_t] { recorded.withLockedValue { $0 } }
+        func record() { recorded.withLockedValue { $0.append(pthread_self()) } }
     }
 
     @Test(
@@ -224,31 +224,31 @@ struct QueueStoreTests {
     func openWaitsOffCaller() async throws {
         let holder = try FileLock(path: path + ".lock")
         try holder.lock()
-        let otherRan = Mutex(false)
-        let otherRanBeforeRelease = Mutex<Bool?>(nil)
+        let otherRan = NIOLockedValueBox(false)
+        let otherRanBeforeRelease = NIOLockedValueBox<Bool?>(nil)
         let releaser = Thread {
             let deadline = Date().addingTimeInterval(20)
-            while !otherRan.withLock({ $0 }) && Date() < deadline { usleep(10_000) }
-            otherRanBeforeRelease.withLock { $0 = otherRan.withLock { $0 } }
+            while !otherRan.withLockedValue({ $0 }) && Date() < deadline { usleep(10_000) }
+            otherRanBeforeRelease.withLockedValue { $0 = otherRan.withLockedValue { $0 } }
             holder.unlock()
         }
         let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
         let executor = EventLoopTaskExecutor(loop.next())
         let path = path
-        let started = Mutex(false)
+        let started = NIOLockedValueBox(false)
         let opening = Task(executorPreference: executor) {
-            started.withLock { $0 = true }  // from here the open runs on without a suspension until it waits
+            started.withLockedValue { $0 = true }  // from here the open runs on without a suspension until it waits
             return try await DataQueue(
                 baseURL: URL(string: "http://h/fhir")!, configuration: DataQueue.Configuration(databasePath: path))
         }
-        while !started.withLock({ $0 }) { try await Task.sleep(for: .milliseconds(5)) }
+        while !started.withLockedValue({ $0 }) { try await Task.sleep(for: .milliseconds(5)) }
         releaser.start()
-        await Task(executorPreference: executor) { otherRan.withLock { $0 = true } }.value
+        await Task(executorPreference: executor) { otherRan.withLockedValue { $0 = true } }.value
         let queue = try await opening.value
         #expect(try await queue.status().pending == 0)
         try await queue.shutdown()
         try await loop.shutdownGracefully()
-        #expect(otherRanBeforeRelease.withLock { $0 } == true, "the open held the caller's only thread while it waited")
+        #expect(otherRanBeforeRelease.withLockedValue { $0 } == true, "the open held the caller's only thread while it waited")
     }
 
     @Test("A queue path with URI characters is opened at that very path, and a relative one stays relative")

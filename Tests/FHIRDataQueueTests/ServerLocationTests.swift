@@ -1,5 +1,5 @@
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 import Testing
 
 @testable import FHIRDataQueue
@@ -66,9 +66,9 @@ struct ServerLocationTests {
         "The id comes from Location, else Content-Location, else the answer's resource; without any the reference waits, held and named",
         arguments: Answer.allCases)
     func fallbacks(answer: Answer) async throws {
-        let answered = Mutex(0)
+        let answered = NIOLockedValueBox(0)
         let server = try await ScriptedServer { _ in
-            let index = answered.withLock { value in
+            let index = answered.withLockedValue { value in
                 defer { value += 1 }
                 return value
             }

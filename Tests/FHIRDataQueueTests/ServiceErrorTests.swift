@@ -1,8 +1,8 @@
 import Foundation
 import GRDB
 import Logging
+import NIOConcurrencyHelpers
 import ServiceLifecycle
-import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -30,19 +30,19 @@ struct ServiceErrorTests {
         }
 
         func log(event: LogEvent) {
-            captured.lines.withLock { $0.append((event.level, event.message.description, event.metadata ?? [:])) }
+            captured.lines.withLockedValue { $0.append((event.level, event.message.description, event.metadata ?? [:])) }
         }
     }
 
     final class Lines: Sendable {
-        let lines = Mutex<[(Logger.Level, String, Logger.Metadata)]>([])
+        let lines = NIOLockedValueBox<[(Logger.Level, String, Logger.Metadata)]>([])
     }
 
     /// Counts calls (of a watchdog's beat).
     final class Counter: Sendable {
-        private let count = Mutex(0)
-        var value: Int { count.withLock { $0 } }
-        func increment() { count.withLock { $0 += 1 } }
+        private let count = NIOLockedValueBox(0)
+        var value: Int { count.withLockedValue { $0 } }
+        func increment() { count.withLockedValue { $0 += 1 } }
     }
 
     /// Runs a service for `queue` (polling every 50 ms) in a group of its own, its log lines kept; its delivery
@@ -83,7 +83,7 @@ struct ServiceErrorTests {
         while beats.value < 10 { try await Task.sleep(for: .milliseconds(20)) }
         await group.triggerGracefulShutdown()
         try await running.value
-        let errors = captured.lines.withLock { $0.filter { $0.1 == "flush failed; items stay queued" } }
+        let errors = captured.lines.withLockedValue { $0.filter { $0.1 == "flush failed; items stay queued" } }
         #expect(errors.count == 1, "one line per change of error, not per attempt: \(errors.count)")
         #expect(errors.first?.0 == .error)
         let message = errors.first.map { "\($0.2["error"] ?? "")" } ?? ""
@@ -122,7 +122,7 @@ struct ServiceErrorTests {
         let elapsed = (ContinuousClock.now - start) / .seconds(1)
         await group.triggerGracefulShutdown()
         try await running.value
-        let tries = captured.lines.withLock { $0.filter { $0.1 == "the server is backed off; nothing sent" }.count }
+        let tries = captured.lines.withLockedValue { $0.filter { $0.1 == "the server is backed off; nothing sent" }.count }
         // At most one try per poll interval while the enqueues ran (and one at each end); before, a try per wake-up.
         #expect(tries <= Int(elapsed / poll) + 2, "\(tries) tries in \(elapsed) s")
         #expect(!server.requests.contains { $0.bodyText.contains(#""id":"p"#) }, "nothing sent during the backoff")
@@ -147,7 +147,7 @@ struct ServiceErrorTests {
         try await queue.enqueue(try FHIRResource(json: Data(#"{"resourceType":"Patient"}"#.utf8)))
 
         let (group, running, captured) = Self.serve(queue)
-        func failures() -> Int { captured.lines.withLock { $0.filter { $0.1 == "flush failed; items stay queued" }.count } }
+        func failures() -> Int { captured.lines.withLockedValue { $0.filter { $0.1 == "flush failed; items stay queued" }.count } }
         while failures() == 0 { try await Task.sleep(for: .milliseconds(20)) }
         // A backoff a moment long (as one written before the database stopped taking writes), then the same error.
         let until = Date().addingTimeInterval(0.5).timeIntervalSince1970
@@ -162,7 +162,7 @@ struct ServiceErrorTests {
         try await Task.sleep(for: .seconds(1.5))
         await group.triggerGracefulShutdown()
         try await running.value
-        let lines = captured.lines.withLock { $0.map(\.1) }
+        let lines = captured.lines.withLockedValue { $0.map(\.1) }
         #expect(failures() == 1, "\(lines)")
         #expect(!lines.contains("flushes work again"), "\(lines)")
         let posts = server.requests.filter { $0.method == "POST" }
@@ -262,11 +262,11 @@ struct ServiceErrorTests {
 
     /// A gate a test thread waits at (blocking: the journal commit hook runs on a thread of its own) until opened.
     final class Gate: Sendable {
-        private let state = Mutex((open: false, waiting: false))
-        var waiting: Bool { state.withLock { $0.waiting } }
-        func open() { state.withLock { $0.open = true } }
+        private let state = NIOLockedValueBox((open: false, waiting: false))
+        var waiting: Bool { state.withLockedValue { $0.waiting } }
+        func open() { state.withLockedValue { $0.open = true } }
         func waitUntilOpen() {
-            while !state.withLock({ state in
+            while !state.withLockedValue({ state in
                 state.waiting = !state.open
                 return state.open
             }) {

@@ -1,6 +1,6 @@
 import Configuration
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 import Testing
 
 @testable import FHIRDataQueue
@@ -623,9 +623,9 @@ struct SettingsTests {
 
 /// Which keys were read as secrets.
 private final class SecretsSeen: AccessReporter, Sendable {
-    private let seen = Mutex<[String: Bool]>([:])
-    var secret: [String: Bool] { seen.withLock { $0 } }
+    private let seen = NIOLockedValueBox<[String: Bool]>([:])
+    var secret: [String: Bool] { seen.withLockedValue { $0 } }
     func report(_ event: AccessEvent) {
-        if case .success(let value?) = event.result { seen.withLock { $0[event.metadata.key.description] = value.isSecret } }
+        if case .success(let value?) = event.result { seen.withLockedValue { $0[event.metadata.key.description] = value.isSecret } }
     }
 }

@@ -1,6 +1,6 @@
 import Crypto
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 import Testing
 
 @testable import FHIRDataQueue
@@ -14,9 +14,9 @@ struct SignInDecisionTests {
     let fetches = Counter()
 
     final class Counter: Sendable {
-        let value = Mutex(0)
-        func add() { value.withLock { $0 += 1 } }
-        var count: Int { value.withLock { $0 } }
+        let value = NIOLockedValueBox(0)
+        func add() { value.withLockedValue { $0 += 1 } }
+        var count: Int { value.withLockedValue { $0 } }
     }
 
     func jwks(kid: String? = "k1") -> Data {

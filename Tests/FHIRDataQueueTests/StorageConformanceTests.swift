@@ -1,9 +1,9 @@
 import DQTestSupport
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import PostgresNIO
 import ServiceLifecycle
-import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -96,13 +96,13 @@ enum StoreKind: String, CaseIterable, Sendable, CustomTestStringConvertible {
 /// server's max_connections, and every later test's connections waited ("did not answer within 15 s").
 final class HostClients: Sendable {
     @TaskLocal static var current: HostClients?
-    private let running = Mutex<[(ServiceGroup, Task<Void, any Error>)]>([])
+    private let running = NIOLockedValueBox<[(ServiceGroup, Task<Void, any Error>)]>([])
 
-    func add(_ group: ServiceGroup, _ task: Task<Void, any Error>) { running.withLock { $0.append((group, task)) } }
+    func add(_ group: ServiceGroup, _ task: Task<Void, any Error>) { running.withLockedValue { $0.append((group, task)) } }
 
     /// Shuts every group down gracefully and waits for its client to close its connections.
     func shutDown() async {
-        for (group, task) in running.withLock({ $0 }) {
+        for (group, task) in running.withLockedValue({ $0 }) {
             await group.triggerGracefulShutdown()
             _ = try? await task.value
         }

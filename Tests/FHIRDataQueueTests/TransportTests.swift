@@ -1,11 +1,11 @@
 import DQTestSupport
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOHTTP1
 import NIOPosix
 import NIOSSL
-import Synchronization
 import Testing
 
 @testable import FHIRDataQueue
@@ -171,9 +171,9 @@ struct TransportTests {
         // Answers are numbered across connections: the client may open a new one (async-http-client does
         // when a loaded machine lets the answer end before it saw its own request's end), and an answer
         // taken for the wrong request must still show.
-        let answered = Mutex(0)
+        let answered = NIOLockedValueBox(0)
         let server = try await RawServer { _, _ in
-            let number = answered.withLock { count in
+            let number = answered.withLockedValue { count in
                 defer { count += 1 }
                 return count
             }
@@ -469,7 +469,7 @@ final class OpenSSLServer: Sendable {
     let process: BackgroundProcess
     let stdinWriter: Int32
     let output: String
-    private let terminated = Mutex(false)
+    private let terminated = NIOLockedValueBox(false)
 
     init(_ arguments: [String], output: String) throws {
         self.output = output
@@ -503,7 +503,7 @@ final class OpenSSLServer: Sendable {
 
     /// Ends the server (once); the connections it holds close.
     func terminate() {
-        let first = terminated.withLock { done in
+        let first = terminated.withLockedValue { done in
             let first = !done
             done = true
             return first

@@ -1,7 +1,7 @@
 import Crypto
 import Foundation
 import Metrics
-import Synchronization
+import NIOConcurrencyHelpers
 import _CryptoExtras
 
 /// The private keys a receiver opens envelopes with, chosen by each envelope's `key_id`, read from a directory:
@@ -23,11 +23,11 @@ public final class EnvelopeKeyring: Sendable {
     public let directory: String
     /// The key id an envelope with an empty `key_id` is opened with (C3-PRO apps send `""` when they have none).
     public let defaultKeyID: String?
-    private let loaded = Mutex<[String: EnvelopeOpener]>([:])
+    private let loaded = NIOLockedValueBox<[String: EnvelopeOpener]>([:])
     /// The states read from the file (nil: not read yet), or why it does not read.
-    private let states = Mutex<Result<KeyStates, Failure>?>(nil)
+    private let states = NIOLockedValueBox<Result<KeyStates, Failure>?>(nil)
     /// Envelopes opened per key id since ``takeOpenCounts()`` last took them.
-    private let openCounts = Mutex<[String: Int]>([:])
+    private let openCounts = NIOLockedValueBox<[String: Int]>([:])
 
     /// The name of the file in the keys directory that declares the keys' states.
     public static let statesFileName = "key-states.json"
@@ -170,13 +170,13 @@ public final class EnvelopeKeyring: Sendable {
         // The checks of a start, on the file read now: a file that would not start dq serve does not replace the
         // running states (a retired default key would quarantine every envelope with an empty key_id).
         try validate(states)
-        self.states.withLock { $0 = read }
+        self.states.withLockedValue { $0 = read }
     }
 
     /// The envelopes opened per key id since the last call (what a flush adds to the queue's durable counts), and
     /// zero from now on.
     package func takeOpenCounts() -> [String: Int] {
-        openCounts.withLock { counts in
+        openCounts.withLockedValue { counts in
             defer { counts = [:] }
             return counts
         }
@@ -184,11 +184,11 @@ public final class EnvelopeKeyring: Sendable {
 
     /// Gives back counts ``takeOpenCounts()`` took that could not be stored, to be taken again.
     package func restoreOpenCounts(_ counts: [String: Int]) {
-        openCounts.withLock { current in current.merge(counts, uniquingKeysWith: +) }
+        openCounts.withLockedValue { current in current.merge(counts, uniquingKeysWith: +) }
     }
 
     private func keyStates() throws(Failure) -> KeyStates {
-        let read = states.withLock { current in
+        let read = states.withLockedValue { current in
             if let current { return current }
             let read = Self.readStates(directory)
             current = read
@@ -230,7 +230,7 @@ public final class EnvelopeKeyring: Sendable {
     /// Forgets the keys read so far: each is read again from the directory when an envelope next names it (a key
     /// file replaced at its path; `dq serve` calls this on SIGHUP).
     public func forgetKeys() {
-        loaded.withLock { $0 = [:] }
+        loaded.withLockedValue { $0 = [:] }
     }
 
     /// The resource inside `envelope`, opened in memory with the key its `key_id` names.
@@ -244,7 +244,7 @@ public final class EnvelopeKeyring: Sendable {
         do {
             let (resource, id) = try openCounted(envelope)
             Counter(label: "dq_envelopes_opened_total", dimensions: [("key_id", id)]).increment()
-            openCounts.withLock { $0[id, default: 0] += 1 }
+            openCounts.withLockedValue { $0[id, default: 0] += 1 }
             return resource
         } catch {
             let (id, reason): (String, String) =
@@ -288,7 +288,7 @@ public final class EnvelopeKeyring: Sendable {
     }
 
     private func opener(for id: String) throws(Failure) -> EnvelopeOpener {
-        if let known = loaded.withLock({ $0[id] }) { return known }
+        if let known = loaded.withLockedValue({ $0[id] }) { return known }
         // A key id is a name in the directory, never a path.
         guard Self.isKeyID(id) else { throw .unknownKey(id) }
         let opener: EnvelopeOpener
@@ -308,7 +308,7 @@ public final class EnvelopeKeyring: Sendable {
         } else {
             throw .unknownKey(id)
         }
-        loaded.withLock { $0[id] = opener }
+        loaded.withLockedValue { $0[id] = opener }
         return opener
     }
 }

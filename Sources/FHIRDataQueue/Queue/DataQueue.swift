@@ -69,7 +69,7 @@ extension DataQueue {
 /// different servers in one database flush independently.
 ///
 /// > Important: call ``shutdown()`` before the queue is released.
-open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot be checked Sendable; its state is lets and Mutexes
+open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot be checked Sendable; its state is lets and locked boxes
     /// The FHIR base URL.
     public let baseURL: URL
     /// The name of this server's queue in the database: the base URL in its normal form (see ``queueName(for:)``).

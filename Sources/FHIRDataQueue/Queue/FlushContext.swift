@@ -1,6 +1,6 @@
 import Foundation
 import Logging
-import Synchronization
+import NIOConcurrencyHelpers
 
 /// What one flush works with, handed to its ``Flusher`` by the queue that runs it: the flusher reaches nothing
 /// else of the queue.
@@ -57,21 +57,21 @@ struct Endpoints: Sendable {
 /// the next flush in this process writes them before it sends anything, so that an item the server has is not
 /// sent again while the database refuses writes.
 final class HeldDeliveries: Sendable {
-    private let held = Mutex<[CompletedDelivery]>([])
+    private let held = NIOLockedValueBox<[CompletedDelivery]>([])
 
     /// Keeps `deliveries` for the next flush.
     func hold(_ deliveries: [CompletedDelivery]) {
-        held.withLock { $0.append(contentsOf: deliveries) }
+        held.withLockedValue { $0.append(contentsOf: deliveries) }
     }
 
     /// Takes every held delivery (the caller journals them or holds them again).
     func takeAll() -> [CompletedDelivery] {
-        held.withLock { held in
+        held.withLockedValue { held in
             defer { held.removeAll() }
             return held
         }
     }
 
     /// The held deliveries, left held.
-    var all: [CompletedDelivery] { held.withLock { $0 } }
+    var all: [CompletedDelivery] { held.withLockedValue { $0 } }
 }

@@ -1,7 +1,7 @@
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
-import Synchronization
 
 /// One flush of one queue, once its lock is held: the loop that sends items in order, alone or as the entries
 /// of transaction Bundles, records what the server answered, and stops at the first transient failure.
@@ -351,20 +351,20 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// nothing else running the opening still has every core.
     private static func opened(_ batch: [StoredItem], keyring: EnvelopeKeyring?, hooks: TestHooks) async -> [StoredItem] {
         guard let keyring, batch.contains(where: { $0.info.encrypted && $0.unreadable == nil }) else { return batch }
-        let results = Mutex([StoredItem?](repeating: nil, count: batch.count))
+        let results = NIOLockedValueBox([StoredItem?](repeating: nil, count: batch.count))
         let hook = hooks.openingEnvelope
         do {
             try await OwnThread.run("dq-envelopes", priority: .background) {
                 ParallelWork.forEach(batch.count) { index in
                     hook?()
                     let item = opened(batch[index], keyring: keyring)
-                    results.withLock { $0[index] = item }
+                    results.withLockedValue { $0[index] = item }
                 }
             }
         } catch {
             // OwnThread.run rethrows only what its body throws, and this body throws nothing.
         }
-        return results.withLock { $0 }.enumerated().map { $0.element ?? batch[$0.offset] }
+        return results.withLockedValue { $0 }.enumerated().map { $0.element ?? batch[$0.offset] }
     }
 
     /// An envelope as the plain create of the resource inside (opened in memory; the stored row stays the envelope),

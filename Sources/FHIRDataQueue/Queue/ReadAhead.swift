@@ -1,4 +1,4 @@
-import Synchronization
+import NIOConcurrencyHelpers
 
 /// Batches read and made ready ahead of a flush, in order: a task fetches the batch after the last one it fetched
 /// (and opens its envelopes) while the flush sends what it took before, and keeps up to `depth` batches ready.
@@ -19,7 +19,7 @@ final class ReadAhead<Batch: Sendable>: Sendable {
         var task: Task<Void, Never>?
     }
 
-    private let state = Mutex(State())
+    private let state = NIOLockedValueBox(State())
     private let depth: Int
 
     /// Starts fetching at once: `fetch(after)` reads the batch after `after`; `continuation(batch)` says where the
@@ -45,13 +45,13 @@ final class ReadAhead<Batch: Sendable>: Sendable {
                 after = next
             }
         }
-        state.withLock { $0.task = task }
+        state.withLockedValue { $0.task = task }
     }
 
     /// The next batch, in order, once it is ready; nil when none follows (the task ended or was cancelled).
     func next() async -> Result<Batch, any Error>? {
         await withCheckedContinuation { (continuation: CheckedContinuation<Result<Batch, any Error>?, Never>) in
-            let (taken, producer): (Result<Batch, any Error>??, CheckedContinuation<Void, Never>?) = state.withLock { state in
+            let (taken, producer): (Result<Batch, any Error>??, CheckedContinuation<Void, Never>?) = state.withLockedValue { state in
                 if !state.ready.isEmpty {
                     let batch = state.ready.removeFirst()
                     defer { state.producer = nil }
@@ -69,7 +69,7 @@ final class ReadAhead<Batch: Sendable>: Sendable {
 
     /// Stops the task (a batch being fetched is finished and dropped); ``next()`` returns nil from now on.
     func cancel() {
-        let (producer, consumer, task) = state.withLock { state in
+        let (producer, consumer, task) = state.withLockedValue { state in
             state.ended = true
             state.ready = []
             defer {
@@ -86,18 +86,18 @@ final class ReadAhead<Batch: Sendable>: Sendable {
     /// Waits until fewer than `depth` batches are ready; false when cancelled.
     private func room() async -> Bool {
         await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
-            let wait = state.withLock { state in
+            let wait = state.withLockedValue { state in
                 guard !state.ended, state.ready.count >= depth else { return false }
                 state.producer = continuation
                 return true
             }
             if !wait { continuation.resume() }
         }
-        return state.withLock { !$0.ended }
+        return state.withLockedValue { !$0.ended }
     }
 
     private func deliver(_ result: Result<Batch, any Error>, last: Bool) {
-        let consumer: CheckedContinuation<Result<Batch, any Error>?, Never>? = state.withLock { state in
+        let consumer: CheckedContinuation<Result<Batch, any Error>?, Never>? = state.withLockedValue { state in
             guard !state.ended else { return nil }
             state.ended = last
             if let consumer = state.consumer {

@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOConcurrencyHelpers
 import ServiceLifecycle
-import Synchronization
 
 /// Delivers in the background: a `ServiceLifecycle.Service` that flushes its queues whenever there is
 /// something to send, for as long as its service group runs.
@@ -440,10 +439,10 @@ public struct DataQueueService: Service {
 
 /// A continuation resumed by whichever of several tasks comes first; later resumes are ignored.
 private final class ResumeOnce<Value: Sendable>: Sendable {
-    private let state = Mutex<(continuation: CheckedContinuation<Value, Never>?, early: Value??)>((nil, nil))
+    private let state = NIOLockedValueBox<(continuation: CheckedContinuation<Value, Never>?, early: Value??)>((nil, nil))
 
     func set(_ continuation: CheckedContinuation<Value, Never>) {
-        let early = state.withLock { state -> Value?? in
+        let early = state.withLockedValue { state -> Value?? in
             if let early = state.early { return early }
             state.continuation = continuation
             return nil
@@ -452,7 +451,7 @@ private final class ResumeOnce<Value: Sendable>: Sendable {
     }
 
     func resume(with value: Value) {
-        let continuation = state.withLock { state -> CheckedContinuation<Value, Never>? in
+        let continuation = state.withLockedValue { state -> CheckedContinuation<Value, Never>? in
             if state.continuation == nil && state.early == nil {
                 state.early = .some(value)
                 return nil

@@ -1,4 +1,4 @@
-import Synchronization
+import NIOConcurrencyHelpers
 
 /// A wake-up call between the tasks that enqueue and a service that waits to flush: `signal()` wakes every
 /// waiter, or the next one to wait when none waits now (a signal is never lost between two waits).
@@ -8,11 +8,11 @@ final class WakeUp: Sendable {
         var waiters: [Int: CheckedContinuation<Void, Never>] = [:]
         var nextID = 0
     }
-    private let state = Mutex(State())
+    private let state = NIOLockedValueBox(State())
 
     /// Wakes the waiters (or the next wait).
     func signal() {
-        let waiters = state.withLock { state -> [CheckedContinuation<Void, Never>] in
+        let waiters = state.withLockedValue { state -> [CheckedContinuation<Void, Never>] in
             if state.waiters.isEmpty {
                 state.pending = true
                 return []
@@ -35,13 +35,13 @@ final class WakeUp: Sendable {
     }
 
     private func waitForSignal() async {
-        let id = state.withLock { state -> Int in
+        let id = state.withLockedValue { state -> Int in
             state.nextID += 1
             return state.nextID
         }
         await withTaskCancellationHandler {
             await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
-                let resumeNow = state.withLock { state -> Bool in
+                let resumeNow = state.withLockedValue { state -> Bool in
                     if state.pending || Task.isCancelled {
                         state.pending = false
                         return true
@@ -52,7 +52,7 @@ final class WakeUp: Sendable {
                 if resumeNow { continuation.resume() }
             }
         } onCancel: {
-            let waiter = state.withLock { $0.waiters.removeValue(forKey: id) }
+            let waiter = state.withLockedValue { $0.waiters.removeValue(forKey: id) }
             waiter?.resume()
         }
     }

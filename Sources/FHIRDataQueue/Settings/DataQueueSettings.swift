@@ -1,6 +1,6 @@
 import Configuration
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 
 /// The settings of `dq.json`, its `DQ_` variables and the command line's flags, as one `ConfigReader` gives them
 /// (see ``SettingsReader``): each key as it was given, before ``resolve()`` checks the values and builds the
@@ -313,7 +313,7 @@ package struct DataQueueSettings: Sendable {
     package final class Read: Sendable {
         let reader: ConfigReader
         private let table: SettingKeys
-        private let keys = Mutex<Set<String>>([])
+        private let keys = NIOLockedValueBox<Set<String>>([])
 
         /// Reads from `reader` the keys of `table` (which says which are secrets).
         package init(reader: ConfigReader, keys table: SettingKeys = .library) {
@@ -323,13 +323,13 @@ package struct DataQueueSettings: Sendable {
 
         /// Whether a key of one of `objects` (`auth`, …) was found.
         func found(_ objects: [String]) -> Bool {
-            keys.withLock { keys in keys.contains { objects.contains(String($0.prefix { $0 != "." })) } }
+            keys.withLockedValue { keys in keys.contains { objects.contains(String($0.prefix { $0 != "." })) } }
         }
 
         /// Throws when both `key` and its other form `other` (a key of the same object) were found.
         func exclusive(_ key: String, _ other: String) throws {
             let prefix = key.contains(".") ? String(key.prefix { $0 != "." }) + "." : ""
-            if keys.withLock({ $0.contains(key) && $0.contains(prefix + other) }) {
+            if keys.withLockedValue({ $0.contains(key) && $0.contains(prefix + other) }) {
                 throw configError("\"\(key)\" and \(other) exclude each other")
             }
         }
@@ -343,7 +343,7 @@ package struct DataQueueSettings: Sendable {
             } catch {
                 throw configError("\"\(key)\" \(what)")
             }
-            if value != nil { _ = keys.withLock { $0.insert(key) } }
+            if value != nil { _ = keys.withLockedValue { $0.insert(key) } }
             return value
         }
 
@@ -391,7 +391,7 @@ package struct DataQueueSettings: Sendable {
                 text = nil  // a boolean, from a reader that keeps it as one
             }
             if let text {
-                _ = keys.withLock { $0.insert("idempotent") }
+                _ = keys.withLockedValue { $0.insert("idempotent") }
                 switch text.lowercased() {
                 case "auto": return .automatic
                 case "true", "1": return .always

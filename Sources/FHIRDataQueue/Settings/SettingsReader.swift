@@ -1,6 +1,6 @@
 import Configuration
 import Foundation
-import Synchronization
+import NIOConcurrencyHelpers
 
 /// The `ConfigReader` of one `dq` run: its flags, then the `DQ_` variables, then the settings file, each a
 /// swift-configuration provider; a host that reads its own configuration with swift-configuration gives the
@@ -240,7 +240,7 @@ private struct SettingsSnapshot: ConfigSnapshot {
 /// An access reporter that keeps where each key's value came from, as `dq config` shows it: `flag`, `env
 /// DQ_…`, or the file's path and key.
 package final class OriginRecorder: AccessReporter, Sendable {
-    private let origins = Mutex<[String: (provider: String, encodedKey: String)]>([:])
+    private let origins = NIOLockedValueBox<[String: (provider: String, encodedKey: String)]>([:])
 
     package init() {}
 
@@ -248,7 +248,7 @@ package final class OriginRecorder: AccessReporter, Sendable {
         let key = event.metadata.key.description
         for result in event.providerResults {
             guard case .success(let lookup) = result.result, lookup.value != nil else { continue }
-            origins.withLock { origins in
+            origins.withLockedValue { origins in
                 if origins[key] == nil { origins[key] = (result.providerName, lookup.encodedKey) }
             }
             return
@@ -257,6 +257,6 @@ package final class OriginRecorder: AccessReporter, Sendable {
 
     /// Which provider answered `key`, and under which name (a variable's, the file's key), if one did.
     package func origin(of key: String) -> (provider: String, encodedKey: String)? {
-        origins.withLock { $0[key] }
+        origins.withLockedValue { $0[key] }
     }
 }

@@ -1,7 +1,7 @@
 import Crypto
 import Foundation
 import Logging
-import Synchronization
+import NIOConcurrencyHelpers
 
 /// A store whose items are sealed at rest: every value that comes from a resource (body, request path, resource
 /// id, `fullUrl`, the server's answer to a parked item) is sealed before it reaches the store it wraps and opened
@@ -16,9 +16,9 @@ final class SealedStorage: QueueStorage {
     private let readOnly: Bool
     private let logger: Logger
     /// How the queue is sealed, found on first use (see ``state()``).
-    private let found = Mutex<Task<State, any Error>?>(nil)
+    private let found = NIOLockedValueBox<Task<State, any Error>?>(nil)
     /// The state once found: read without a suspension (an enqueue does not hop executors for it).
-    private let known = Mutex<State?>(nil)
+    private let known = NIOLockedValueBox<State?>(nil)
 
     /// How the store is sealed, and what this process can do with it.
     struct State: Sendable {
@@ -62,8 +62,8 @@ final class SealedStorage: QueueStorage {
 
     /// How the queue is sealed: found once; a failure (the database unreachable) is tried again next time.
     nonisolated(nonsending) func state() async throws -> State {
-        if let state = known.withLock({ $0 }) { return state }
-        let task = found.withLock { current -> Task<State, any Error> in
+        if let state = known.withLockedValue({ $0 }) { return state }
+        let task = found.withLockedValue { current -> Task<State, any Error> in
             if let current { return current }
             let made = Task { try await self.findState() }
             current = made
@@ -71,10 +71,10 @@ final class SealedStorage: QueueStorage {
         }
         do {
             let state = try await task.value
-            known.withLock { $0 = state }
+            known.withLockedValue { $0 = state }
             return state
         } catch {
-            found.withLock { if $0 == task { $0 = nil } }
+            found.withLockedValue { if $0 == task { $0 = nil } }
             throw error
         }
     }
@@ -360,7 +360,7 @@ final class SealedStorage: QueueStorage {
     /// error of the store (which knows their keyed hashes) can name them.
     private final class Sealing: ItemPreparation {
         let sealer: Sealer
-        private let named = Mutex<[String: String]>([:])
+        private let named = NIOLockedValueBox<[String: String]>([:])
 
         init(sealer: Sealer) { self.sealer = sealer }
 
@@ -369,7 +369,7 @@ final class SealedStorage: QueueStorage {
             let linked = item.references + (item.fullURL.map { [$0] } ?? [])
             if !linked.isEmpty {
                 let forms = SealedStorage.lookups(linked, sealer)
-                named.withLock { $0.merge(forms) { first, _ in first } }
+                named.withLockedValue { $0.merge(forms) { first, _ in first } }
             }
             return sealer.seal(item)
         }
@@ -377,7 +377,9 @@ final class SealedStorage: QueueStorage {
         func explain(_ error: DataQueueError) -> DataQueueError {
             guard error.message.contains(Sealer.indexPrefix) else { return error }
             var message = error.message
-            for (hash, url) in named.withLock({ $0 }) where hash != url { message = message.replacingOccurrences(of: hash, with: url) }
+            for (hash, url) in named.withLockedValue({ $0 }) where hash != url {
+                message = message.replacingOccurrences(of: hash, with: url)
+            }
             return DataQueueError(error.code, message)
         }
     }

@@ -1,5 +1,5 @@
 import Crypto
-import Synchronization
+import NIOConcurrencyHelpers
 
 #if canImport(Glibc)
     import Glibc
@@ -32,18 +32,18 @@ enum RandomBytes {
         }
     }
 
-    private static let pool = Mutex(Pool())
+    private static let pool = NIOLockedValueBox(Pool())
 
     /// A random 64-bit value.
     static func uint64() -> UInt64 {
-        pool.withLock { pool in
+        pool.withLockedValue { pool in
             pool.take(8).withUnsafeBytes { $0.loadUnaligned(as: UInt64.self) }
         }
     }
 
     /// A fresh random 96-bit AES-GCM nonce.
     static func nonce() -> AES.GCM.Nonce {
-        pool.withLock { pool in
+        pool.withLockedValue { pool in
             // 12 bytes are a valid nonce: this cannot throw.
             try! AES.GCM.Nonce(data: pool.take(12))
         }

@@ -1,12 +1,12 @@
 import AsyncHTTPClient
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOFoundationCompat
 import NIOHTTP1
 import NIOPosix
 import NIOSSL
-import Synchronization
 
 /// One HTTP request as dq sends it.
 struct OutgoingRequest: Sendable {
@@ -69,7 +69,7 @@ final class FHIRTransport: Sendable {
     let maximumResponseBytes = 1 << 20
     /// dq's own event loop and the task executor on it, chosen on first use: taking one from the shared group
     /// starts the group's threads, which commands that only read the queue never need.
-    private let loop = Mutex<(any EventLoop, EventLoopTaskExecutor)?>(nil)
+    private let loop = NIOLockedValueBox<(any EventLoop, EventLoopTaskExecutor)?>(nil)
 
     /// The event loop a flush's requests run on.
     var eventLoop: any EventLoop { ownLoop.0 }
@@ -78,7 +78,7 @@ final class FHIRTransport: Sendable {
     var taskExecutor: EventLoopTaskExecutor? { external == nil ? ownLoop.1 : nil }
 
     private var ownLoop: (any EventLoop, EventLoopTaskExecutor) {
-        loop.withLock { chosen in
+        loop.withLockedValue { chosen in
             if let chosen { return chosen }
             let next = clients?.eventLoop ?? external?.eventLoopGroup.next() ?? MultiThreadedEventLoopGroup.singleton.next()
             let made = (next, EventLoopTaskExecutor(next))
@@ -393,32 +393,32 @@ private final class ResponseSummary: HTTPClientResponseDelegate, @unchecked Send
     private var head: HTTPResponseHead?
     private var body = ByteBuffer()
     /// Read by the caller after the exchange ended, from another thread.
-    private let outcome = Mutex<(headSent: Bool, sent: Bool, head: HTTPResponseHead?)>((false, false, nil))
+    private let outcome = NIOLockedValueBox<(headSent: Bool, sent: Bool, head: HTTPResponseHead?)>((false, false, nil))
 
     init(limit: Int) { self.limit = limit }
 
     /// Whether the request head was written to the connection (after which the request may have arrived).
-    var requestHeadSent: Bool { outcome.withLock { $0.headSent } }
+    var requestHeadSent: Bool { outcome.withLockedValue { $0.headSent } }
 
     /// The head and the body so far of an answer whose connection failed after its status line came.
     var partial: Response? {
-        outcome.withLock { $0.head }.map { ($0, body) }
+        outcome.withLockedValue { $0.head }.map { ($0, body) }
     }
 
     /// Whether the whole request (head and body) was written.
-    var requestSent: Bool { outcome.withLock { $0.sent } }
+    var requestSent: Bool { outcome.withLockedValue { $0.sent } }
 
     func didSendRequestHead(task: HTTPClient.Task<Response>, _ head: HTTPRequestHead) {
-        outcome.withLock { $0.headSent = true }
+        outcome.withLockedValue { $0.headSent = true }
     }
 
     func didSendRequest(task: HTTPClient.Task<Response>) {
-        outcome.withLock { $0.sent = true }
+        outcome.withLockedValue { $0.sent = true }
     }
 
     func didReceiveHead(task: HTTPClient.Task<Response>, _ head: HTTPResponseHead) -> EventLoopFuture<Void> {
         self.head = head
-        outcome.withLock { $0.head = head }
+        outcome.withLockedValue { $0.head = head }
         return task.eventLoop.makeSucceededVoidFuture()
     }
 

@@ -20,15 +20,13 @@ final class HTTPClients: Sendable {
     private let tls: TLSConfiguration
     private let connectTimeout: TimeAmount
     private let idleLimit: TimeAmount
-    private let clients = Mutex<[String: HTTPClient]>([:])
+    private let clients = NIOLockedValueBox<[String: HTTPClient]>([:])
     /// Set once the set's TLS files changed on disk (see ``shared(for:connectTimeout:idleLimit:)``).
-    private let retired = Mutex(false)
+    private let retired = NIOLockedValueBox(false)
     /// The longest request deadline of any user of these clients: a retired client is shut down only after it.
-    private let longestTimeout = Mutex<TimeAmount>(.seconds(30))
+    private let longestTimeout = NIOLockedValueBox<TimeAmount>(.seconds(30))
 
-    /// A pthread lock (`NIOLockedValueBox`), not `Mutex`: queues opened at once on several threads contend for it,
-    /// and ThreadSanitizer sees a pthread lock's hand-off where it cannot see a contended `Mutex`'s (its slow path
-    /// runs in the uninstrumented standard library), so no suppression is needed to keep `make sanitize` quiet.
+    /// Queues opened at once on several threads contend for it.
     private static let registry = NIOLockedValueBox<[Key: HTTPClients]>([:])
 
     private struct Key: Hashable {
@@ -143,7 +141,7 @@ final class HTTPClients: Sendable {
     func client(for url: URL) throws -> HTTPClient {
         let proxy = network.proxy(for: url)
         let key = proxy ?? ""
-        if let found = clients.withLock({ $0[key] }) { return found }
+        if let found = clients.withLockedValue({ $0[key] }) { return found }
         var configuration = HTTPClient.Configuration()
         configuration.tlsConfiguration = tls
         configuration.timeout = .init(connect: connectTimeout)
@@ -153,13 +151,13 @@ final class HTTPClients: Sendable {
         configuration.connectionPool.idleTimeout = idleLimit
         configuration.decompression = .enabled(limit: .ratio(100))
         if let proxy { configuration.proxy = try Self.proxy(proxy) }
-        let (client, kept) = clients.withLock { clients -> (HTTPClient, Bool) in
+        let (client, kept) = clients.withLockedValue { clients -> (HTTPClient, Bool) in
             if let found = clients[key] { return (found, true) }
             let made = HTTPClient(eventLoopGroup: eventLoop, configuration: configuration)
             // A set retired for changed TLS files (its holder, a round still draining, sends on its own event loop)
             // keeps no client: this one serves the request and is shut down after the longest deadline, as a
             // retired one is. retireAll sets the flag before it collects the clients, so none is left running.
-            guard !retired.withLock({ $0 }) else { return (made, false) }
+            guard !retired.withLockedValue({ $0 }) else { return (made, false) }
             clients[key] = made
             return (made, true)
         }
@@ -169,13 +167,13 @@ final class HTTPClients: Sendable {
 
     /// Notes a user's request deadline (see ``retire(_:)``).
     func noteTimeout(_ timeout: TimeAmount) {
-        longestTimeout.withLock { $0 = max($0, timeout) }
+        longestTimeout.withLockedValue { $0 = max($0, timeout) }
     }
 
     /// Takes `client` out of use: the next request makes a new one. It is shut down once the requests already
     /// on it (other queues' and OAuth2 clients' too) have passed their deadlines: after the longest one noted.
     func retire(_ client: HTTPClient) {
-        let removed = clients.withLock { clients in
+        let removed = clients.withLockedValue { clients in
             guard let key = clients.first(where: { $0.value === client })?.key else { return false }
             clients[key] = nil
             return true
@@ -186,15 +184,15 @@ final class HTTPClients: Sendable {
 
     /// Shuts `client` down once the requests already on it have passed their deadlines (the longest noted).
     private func shutDownLater(_ client: HTTPClient) {
-        let after = longestTimeout.withLock { $0 } + .seconds(5)
+        let after = longestTimeout.withLockedValue { $0 } + .seconds(5)
         eventLoop.scheduleTask(in: after) { client.shutdown { _ in } }
     }
 
     /// Retires every client of this set (see ``retire(_:)``): its TLS files changed. A request through this set
     /// later (a round still draining) gets a client of its own, shut down after it.
     private func retireAll() {
-        retired.withLock { $0 = true }
-        for client in clients.withLock({ Array($0.values) }) { retire(client) }
+        retired.withLockedValue { $0 = true }
+        for client in clients.withLockedValue({ Array($0.values) }) { retire(client) }
     }
 
     /// async-http-client's proxy for a proxy URL: `http://[user:password@]host[:port]` or `socks5://host[:port]`.

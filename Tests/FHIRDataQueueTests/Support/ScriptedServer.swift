@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOHTTP1
 import NIOPosix
@@ -110,7 +111,7 @@ final class ScriptedServer: Sendable {
 
     /// Marks the server shut down and returns its open connections, or nil when it already was.
     private func markShutDown() -> [any Channel]? {
-        state.withLock { shared in
+        state.withLockedValue { shared in
             if shared.isShutDown { return nil }
             shared.isShutDown = true
             shared.stalled.removeAll()
@@ -119,17 +120,17 @@ final class ScriptedServer: Sendable {
     }
 
     /// Every request received so far, in arrival order (recorded before the handler is called).
-    var requests: [Request] { state.withLock { $0.requests } }
+    var requests: [Request] { state.withLockedValue { $0.requests } }
 
     /// How many connections were opened so far.
-    var connectionsOpened: Int { state.withLock { $0.nextID } }
+    var connectionsOpened: Int { state.withLockedValue { $0.nextID } }
 
     /// How many requests are currently stalled. A stalled request whose client closes the connection no longer counts.
-    var stalledCount: Int { state.withLock { $0.stalled.count } }
+    var stalledCount: Int { state.withLockedValue { $0.stalled.count } }
 
     /// Closes the connections of stalled requests (they get no answer).
     func releaseStalled() {
-        let channels: [any Channel] = state.withLock { shared in
+        let channels: [any Channel] = state.withLockedValue { shared in
             let stalled = Array(shared.stalled.values)
             shared.stalled.removeAll()
             return stalled
@@ -173,29 +174,12 @@ final class ScriptedServer: Sendable {
     }
 }
 
-/// A value behind a lock.
-///
-/// `@unchecked Sendable` because every access to `value` goes through `withLock`. `NSLock` rather than
-/// `Synchronization.Mutex`, which needs macOS 15 where the package supports macOS 13.
-private final class LockedBox<Value: Sendable>: @unchecked Sendable {
-    private let lock = NSLock()
-    private var value: Value
+private typealias ScriptedServerState = NIOLockedValueBox<ScriptedServer.Shared>
 
-    init(_ value: Value) { self.value = value }
-
-    func withLock<T>(_ body: (inout Value) throws -> T) rethrows -> T {
-        lock.lock()
-        defer { lock.unlock() }
-        return try body(&value)
-    }
-}
-
-private typealias ScriptedServerState = LockedBox<ScriptedServer.Shared>
-
-extension LockedBox where Value == ScriptedServer.Shared {
+extension NIOLockedValueBox where Value == ScriptedServer.Shared {
     /// Registers a new connection and returns its id, or nil once the server is shut down.
     fileprivate func opened(_ channel: any Channel) -> Int? {
-        withLock { shared in
+        withLockedValue { shared in
             if shared.isShutDown { return nil }
             shared.nextID += 1
             shared.open[shared.nextID] = channel
@@ -205,7 +189,7 @@ extension LockedBox where Value == ScriptedServer.Shared {
 
     /// Forgets a closed connection.
     fileprivate func closed(_ id: Int) {
-        withLock { shared in
+        withLockedValue { shared in
             shared.open[id] = nil
             shared.stalled[id] = nil
         }
@@ -249,7 +233,7 @@ private final class ScriptedConnectionHandler: ChannelInboundHandler, RemovableC
                 method: head.method.rawValue, uri: head.uri, headers: Array(head.headers),
                 body: Data(body.readableBytesView))
             body = ByteBuffer()
-            state.withLock { $0.requests.append(request) }
+            state.withLockedValue { $0.requests.append(request) }
             let handler = self.handler
             // The handler runs on this connection's event loop, not on Swift's cooperative pool: the code under
             // test shares that pool, and a server whose answers wait for a free pool thread turns any stall of
@@ -277,7 +261,7 @@ private final class ScriptedConnectionHandler: ChannelInboundHandler, RemovableC
             guard context.channel.isActive else { return }
             let channel = context.channel
             let id = self.id
-            let closeNow: Bool = state.withLock { shared in
+            let closeNow: Bool = state.withLockedValue { shared in
                 if shared.isShutDown { return true }
                 shared.stalled[id] = channel
                 return false

@@ -1,8 +1,8 @@
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 /// The commit of a statement run outside a transaction block was not confirmed: the connection closed
 /// before the server said it was ready for the next query (see ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``).
@@ -27,9 +27,9 @@ extension PostgresConnection {
         if isClosed { throw CommitNotConfirmed() }
         let race = DeadlineRace<Void>()
         try await withCheckedThrowingContinuation { continuation in
-            race.continuation.withLock { $0 = continuation }
+            race.continuation.withLockedValue { $0 = continuation }
             // The watcher is in place before the query starts, so that the query's end always cancels it.
-            race.timer.withLock {
+            race.timer.withLockedValue {
                 $0 = Task {
                     while true {
                         try await Task.sleep(for: .milliseconds(20))
@@ -51,13 +51,13 @@ extension PostgresConnection {
 
 /// When PostgreSQL last answered within one operation (see ``PostgresQueueStore/answered()``).
 final class AnswerClock: Sendable {
-    private let instant: Mutex<ContinuousClock.Instant>
+    private let instant: NIOLockedValueBox<ContinuousClock.Instant>
 
-    init(start: ContinuousClock.Instant = .now) { instant = Mutex(start) }
+    init(start: ContinuousClock.Instant = .now) { instant = NIOLockedValueBox(start) }
 
-    var last: ContinuousClock.Instant { instant.withLock { $0 } }
+    var last: ContinuousClock.Instant { instant.withLockedValue { $0 } }
 
-    func touch(at now: ContinuousClock.Instant = .now) { instant.withLock { $0 = max($0, now) } }
+    func touch(at now: ContinuousClock.Instant = .now) { instant.withLockedValue { $0 = max($0, now) } }
 
     /// When the operation's time runs out if no answer comes before: `limit` after the last answer, or nil
     /// when that time has passed at `now`.
@@ -70,16 +70,16 @@ final class AnswerClock: Sendable {
 /// The one continuation of ``PostgresQueueStore/withDeadline(seconds:what:_:)`` (and of
 /// ``PostgresNIO/PostgresConnection/confirmCommit(logger:)``): the first result wins.
 final class DeadlineRace<T: Sendable>: Sendable {
-    let continuation = Mutex<CheckedContinuation<T, any Error>?>(nil)
+    let continuation = NIOLockedValueBox<CheckedContinuation<T, any Error>?>(nil)
     /// The deadline's timer, cancelled when the work finishes first (so that no sleeping task outlives it).
-    let timer = Mutex<Task<Void, any Error>?>(nil)
+    let timer = NIOLockedValueBox<Task<Void, any Error>?>(nil)
     /// The work the deadline watches (``PostgresQueueStore/withDeadline(seconds:what:_:)``), cancelled when the
     /// deadline passes first.
-    let work = Mutex<Task<Void, Never>?>(nil)
+    let work = NIOLockedValueBox<Task<Void, Never>?>(nil)
 
     func finish(_ result: Result<T, any Error>) {
-        guard let continuation = continuation.withLock({ $0.take() }) else { return }
-        timer.withLock { $0.take() }?.cancel()
+        guard let continuation = continuation.withLockedValue({ $0.take() }) else { return }
+        timer.withLockedValue { $0.take() }?.cancel()
         continuation.resume(with: result)
     }
 }

@@ -1,8 +1,8 @@
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 /// The right to flush one server's queue from PostgreSQL: a lease row with an expiry on the database's
 /// clock and a fencing token that grows on every takeover.
@@ -14,17 +14,17 @@ final class PostgresLease: FlushOwnership {
     let queue: String
     let token: Int64
     private let store: PostgresQueueStore
-    private let validUntil: Mutex<ContinuousClock.Instant>
-    private let renewer: Mutex<Task<Void, Never>?>
+    private let validUntil: NIOLockedValueBox<ContinuousClock.Instant>
+    private let renewer: NIOLockedValueBox<Task<Void, Never>?>
     /// What this holder last wrote to the note row (see ``markInFlight(sequence:)`` and ``clearInFlight()``).
-    private let note = Mutex(InFlightNoteWindow())
+    private let note = NIOLockedValueBox(InFlightNoteWindow())
 
     private init(store: PostgresQueueStore, queue: String, token: Int64, since start: ContinuousClock.Instant) {
         self.store = store
         self.queue = queue
         self.token = token
-        self.validUntil = Mutex(start + .milliseconds(Int64(store.leaseSeconds * 900)))
-        self.renewer = Mutex(nil)
+        self.validUntil = NIOLockedValueBox(start + .milliseconds(Int64(store.leaseSeconds * 900)))
+        self.renewer = NIOLockedValueBox(nil)
     }
 
     /// Takes the lease of `queue` if it is free (never held, released, or expired on the database's clock).
@@ -84,23 +84,23 @@ final class PostgresLease: FlushOwnership {
                         lost()
                         return
                     }
-                    validUntil.withLock { $0 = start + .milliseconds(Int64(store.leaseSeconds * 900)) }
+                    validUntil.withLockedValue { $0 = start + .milliseconds(Int64(store.leaseSeconds * 900)) }
                 } catch {
                     // Not renewed this time: the deadline stands; the next round tries again.
                     store.logger.warning("cannot renew the flush lease", metadata: ["queue": "\(queue)"])
                 }
             }
         }
-        renewer.withLock { $0 = task }
+        renewer.withLockedValue { $0 = task }
     }
 
     /// The lease was taken over: nothing more may be sent.
     func lost() {
-        validUntil.withLock { $0 = ContinuousClock.now - .seconds(1) }
+        validUntil.withLockedValue { $0 = ContinuousClock.now - .seconds(1) }
     }
 
     private func checkHeld() throws {
-        guard ContinuousClock.now < validUntil.withLock({ $0 }) else {
+        guard ContinuousClock.now < validUntil.withLockedValue({ $0 }) else {
             throw DataQueueError(
                 .busy, "the flush lease on \(queue) expired or was taken over by another dq instance; this flush stops")
         }
@@ -123,7 +123,7 @@ final class PostgresLease: FlushOwnership {
     func markInFlight(sequence: Int64) async throws {
         try checkHeld()
         let start = ContinuousClock.now
-        if note.withLock({ $0.covers(start) }) { return }
+        if note.withLockedValue({ $0.covers(start) }) { return }
         let window = noteWindow
         let coveredUntil = Date().addingTimeInterval(noteWindowSeconds)
         let (queue, token, client, logger) = (queue, token, store.client, store.logger)
@@ -144,7 +144,7 @@ final class PostgresLease: FlushOwnership {
             }
             return held
         }
-        note.withLock { $0.wrote(at: start, covering: held ? window : nil) }
+        note.withLockedValue { $0.wrote(at: start, covering: held ? window : nil) }
         if !held { lost() }
         try checkHeld()
     }
@@ -154,11 +154,11 @@ final class PostgresLease: FlushOwnership {
     /// next send leaves the answered item's note: the next holder waits out the rest of its settle delay,
     /// which costs time, never a resource.
     func clearInFlight() async throws {
-        note.withLock { $0.clear() }
+        note.withLockedValue { $0.clear() }
     }
 
     func inFlight() async throws -> (sequence: Int64, sentAt: Date)? {
-        if note.withLock({ $0.cleared }) { return nil }
+        if note.withLockedValue({ $0.cleared }) { return nil }
         let (queue, client, logger) = (queue, store.client, store.logger)
         return try await store.run("read the in-flight note") {
             for try await (sequence, at) in try await client.query(
@@ -171,8 +171,8 @@ final class PostgresLease: FlushOwnership {
     }
 
     func release() async {
-        renewer.withLock { $0?.cancel() }
-        let clearNote = note.withLock { $0.release() }
+        renewer.withLockedValue { $0?.cancel() }
+        let clearNote = note.withLockedValue { $0.release() }
         let (queue, token, store) = (queue, token, store)
         // Not cancelled with the caller: a flush that graceful shutdown ends releases its lease on its way out, or
         // the next flush (a cron flush, the restarted service) finds it held until it expires.

@@ -1,8 +1,8 @@
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 // The schema (tables, procedures), created or migrated under an advisory lock.
 extension PostgresQueueStore {
@@ -216,19 +216,19 @@ extension PostgresQueueStore {
         let race = DeadlineRace<T>()
         let answers = AnswerClock()
         return try await withCheckedThrowingContinuation { continuation in
-            race.continuation.withLock { $0 = continuation }
+            race.continuation.withLockedValue { $0 = continuation }
             // The timer is in place before the work starts, so that the work's end always cancels it.
             let limit = Duration.milliseconds(Int64(seconds * 1000))
-            race.timer.withLock {
+            race.timer.withLockedValue {
                 $0 = Task {
                     while let due = answers.due(limit: limit) {
                         try await Task.sleep(until: due)
                     }
-                    race.work.withLock { $0 }?.cancel()
+                    race.work.withLockedValue { $0 }?.cancel()
                     race.finish(.failure(DataQueueError(.transport, "cannot \(what): PostgreSQL did not answer within \(Int(seconds)) s")))
                 }
             }
-            race.work.withLock {
+            race.work.withLockedValue {
                 $0 = Task {
                     do {
                         race.finish(.success(try await $answers.withValue(answers) { try await body() }))
@@ -310,7 +310,7 @@ extension PostgresQueueStore {
 
     /// The schema, made once per store; after a failure (the server down at start) the next operation tries again.
     func schemaReady() async throws {
-        let task = migration.withLock { current -> Task<Void, any Error> in
+        let task = migration.withLockedValue { current -> Task<Void, any Error> in
             if let current { return current }
             let made = Task { [client, readOnly, displayURL, logger, probeConfiguration] in
                 if let probeConfiguration { try await Self.probe(probeConfiguration, display: displayURL, logger: logger) }
@@ -322,7 +322,7 @@ extension PostgresQueueStore {
         do {
             try await task.value
         } catch {
-            migration.withLock { if $0 == task { $0 = nil } }
+            migration.withLockedValue { if $0 == task { $0 = nil } }
             throw error
         }
     }

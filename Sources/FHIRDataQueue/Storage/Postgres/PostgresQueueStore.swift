@@ -1,8 +1,8 @@
 import Foundation
 import Logging
+import NIOConcurrencyHelpers
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 /// The queue in PostgreSQL, shared by several dq instances: the same contract as the SQLite store
 /// (``QueueStorage``), with a lease instead of a file lock for the right to flush.
@@ -26,7 +26,7 @@ final class PostgresQueueStore: QueueStorage {
     let logger: Logger
     /// The task that runs the client dq made (nil for a host's client, which the host runs).
     let runTask: Task<Void, Never>?
-    let migration = Mutex<Task<Void, any Error>?>(nil)
+    let migration = NIOLockedValueBox<Task<Void, any Error>?>(nil)
     let readOnly: Bool
     /// One connection of its own, made before the first operation: the pool retries a refused connection
     /// silently until the deadline, where this one names the cause at once.

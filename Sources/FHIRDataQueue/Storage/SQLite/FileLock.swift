@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 import Synchronization
 
 #if canImport(Glibc)
@@ -20,15 +21,15 @@ import Synchronization
 /// and, if the lock was made with `guardsDeletion`, moves to the new one (``moveToFileAtPath()``): it keeps
 /// going when it gets the new file's `flock` and nobody has flushed under that file; otherwise it stops sending.
 ///
-/// `@unchecked Sendable`: the descriptor is behind a Mutex, and only the holder's own calls replace it.
+/// `@unchecked Sendable`: the descriptor is behind a lock, and only the holder's own calls replace it.
 final class FileLock: FlushOwnership, @unchecked Sendable {
     /// The open lock file; replaced when the file at `path` was deleted or replaced since it was opened.
-    private let opened: Mutex<Int32>
+    private let opened: NIOLockedValueBox<Int32>
     let path: String
     /// Whether a holder of a deleted file at `path` counts as holding this lock (see the type's notes).
     private let guardsDeletion: Bool
 
-    private var descriptor: Int32 { opened.withLock { $0 } }
+    private var descriptor: Int32 { opened.withLockedValue { $0 } }
 
     /// Opens (creating with mode 0600, or 0660 in a directory shared with a group) the lock file at `path`.
     ///
@@ -39,7 +40,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
     ///   lock too (Linux), so that deleting the file while it is held does not let a second locker in.
     init(path: String, guardsDeletion: Bool = false) throws {
         self.path = path
-        opened = Mutex(try Self.openLockFile(path))
+        opened = NIOLockedValueBox(try Self.openLockFile(path))
         self.guardsDeletion = guardsDeletion
     }
 
@@ -79,7 +80,7 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
         if isCurrent(fd) { return true }
         flock(fd, LOCK_UN)
         let fresh = try Self.openLockFile(path)
-        opened.withLock { current in
+        opened.withLockedValue { current in
             close(current)
             current = fresh
         }
@@ -128,21 +129,21 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
         }
     }
 
-    func unlock() { opened.withLock { _ = flock($0, LOCK_UN) } }
+    func unlock() { opened.withLockedValue { _ = flock($0, LOCK_UN) } }
 
     /// Unlocks (the flush right of ``FlushOwnership``), first clearing a marker that was cleared lazily.
     func release() {
-        if note.withLock({ $0.release() }) { writeMarker("") }
+        if note.withLockedValue({ $0.release() }) { writeMarker("") }
         unlock()
     }
 
     // MARK: - The in-flight marker
 
     /// What this holder last wrote to the marker (its time is the end of the window it covers).
-    private let note = Mutex(InFlightNoteWindow())
+    private let note = NIOLockedValueBox(InFlightNoteWindow())
     /// How many times the marker was written (for tests of how often a flush writes it).
-    var markerWrites: Int { writes.withLock { $0 } }
-    private let writes = Mutex(0)
+    var markerWrites: Int { writes.withLockedValue { $0 } }
+    private let writes = NIOLockedValueBox(0)
 
     /// How long one written marker covers the sends after it, in seconds.
     static let noteWindow: TimeInterval = 1
@@ -161,11 +162,11 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
     ///   held it and it cannot take the new one (``moveToFileAtPath()``): another flusher may hold that, so
     ///   nothing more may be sent under this lock.
     func markInFlight(sequence: Int64) async throws {
-        if !opened.withLock({ isCurrent($0) }) { try await moveToFileAtPath() }
+        if !opened.withLockedValue({ isCurrent($0) }) { try await moveToFileAtPath() }
         let now = ContinuousClock.now
-        if note.withLock({ $0.covers(now) }) { return }
+        if note.withLockedValue({ $0.covers(now) }) { return }
         writeMarker("\(sequence) \(Date().addingTimeInterval(Self.noteWindow).timeIntervalSince1970)")
-        note.withLock { $0.wrote(at: now, covering: .milliseconds(Int64(Self.noteWindow * 1000))) }
+        note.withLockedValue { $0.wrote(at: now, covering: .milliseconds(Int64(Self.noteWindow * 1000))) }
     }
 
     /// The lock file was deleted or replaced while this flusher held it: takes the `flock` of the file at `path`
@@ -207,12 +208,12 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
                     throw stop("another flusher has used the new one")
                 }
                 // Held both for a moment; the old one goes now (closing it lets go of its lock).
-                opened.withLock { current in
+                opened.withLockedValue { current in
                     close(current)
                     current = fresh
                 }
                 // The new file holds no marker yet: the next send writes one, whatever window was open.
-                _ = note.withLock { $0.release() }
+                _ = note.withLockedValue { $0.release() }
                 return
             }
             let failure = errno
@@ -231,14 +232,14 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
     /// Notes `sequence` as sent at `date`.
     func markInFlight(sequence: Int64, at date: Date) {
         writeMarker("\(sequence) \(date.timeIntervalSince1970)")
-        note.withLock { $0.wrote(at: .now, covering: nil) }
+        note.withLockedValue { $0.wrote(at: .now, covering: nil) }
     }
 
     /// Clears the marker, lazily: the answer came (or the request was given up) while this flusher was alive.
     /// The next ``markInFlight(sequence:)`` renews it and ``release()`` clears it, so a flush writes nothing
     /// per answer. A flusher that dies between an answer and its next send leaves the marker: the next one
     /// waits out the rest of its settle delay, which costs time, never a resource.
-    func clearInFlight() { note.withLock { $0.clear() } }
+    func clearInFlight() { note.withLockedValue { $0.clear() } }
 
     /// The width of the marker record (the text, padded with spaces, and a newline).
     static let markerWidth = 64
@@ -246,15 +247,15 @@ final class FileLock: FlushOwnership, @unchecked Sendable {
     private func writeMarker(_ text: String) {
         var record = Array(text.utf8.prefix(Self.markerWidth - 1))
         record += [UInt8](repeating: UInt8(ascii: " "), count: Self.markerWidth - 1 - record.count) + [UInt8(ascii: "\n")]
-        opened.withLock { fd in _ = record.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } }
-        writes.withLock { $0 += 1 }
+        opened.withLockedValue { fd in _ = record.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } }
+        writes.withLockedValue { $0 += 1 }
     }
 
     /// The marker a flusher left behind: the item it was sending and when.
     func inFlight() -> (sequence: Int64, sentAt: Date)? {
-        if note.withLock({ $0.cleared }) { return nil }
+        if note.withLockedValue({ $0.cleared }) { return nil }
         var buffer = [UInt8](repeating: 0, count: Self.markerWidth)
-        let count = opened.withLock { fd in buffer.withUnsafeMutableBytes { pread(fd, $0.baseAddress, $0.count, 0) } }
+        let count = opened.withLockedValue { fd in buffer.withUnsafeMutableBytes { pread(fd, $0.baseAddress, $0.count, 0) } }
         guard count > 0 else { return nil }
         let fields = String(decoding: buffer[0..<count], as: UTF8.self).split(whereSeparator: \.isWhitespace)
         guard fields.count == 2, let sequence = Int64(fields[0]), let seconds = Double(fields[1]) else { return nil }

@@ -2,7 +2,7 @@ import CSQLite
 import Foundation
 import GRDB
 import Logging
-import Synchronization
+import NIOConcurrencyHelpers
 
 #if canImport(Glibc)
     import Glibc
@@ -20,7 +20,7 @@ final class SQLiteQueueStore: QueueStorage {
     let fileIdentity: (device: UInt64, inode: UInt64)?
     /// The device and inode of the `-wal` and `-shm` files beside the database while it is the one opened: what is
     /// moved aside when the database is found deleted or replaced (see ``checkFileIdentity()``).
-    private let companions = Mutex<[String: FileIdentity]>([:])
+    private let companions = NIOLockedValueBox<[String: FileIdentity]>([:])
 
     /// Opens or creates the database at `path` (mode 0600, directory 0700), migrating the schema under
     /// an exclusive file lock so that several processes may open a new file at once.
@@ -106,14 +106,14 @@ final class SQLiteQueueStore: QueueStorage {
         guard let fileIdentity else { return }
         let now = FileIdentity(path)
         if let now, now.device == fileIdentity.device && now.inode == fileIdentity.inode {
-            companions.withLock { known in
+            companions.withLockedValue { known in
                 for suffix in Self.companionSuffixes where known[suffix] == nil {
                     known[suffix] = FileIdentity(path + suffix)
                 }
             }
             return
         }
-        let ours = companions.withLock { known in
+        let ours = companions.withLockedValue { known in
             Self.companionSuffixes.filter { suffix in known[suffix].map { FileIdentity(path + suffix) == $0 } ?? false }
         }
         database.writeWithoutTransaction { db in _ = dq_sqlite3_no_checkpoint_on_close(db.sqliteConnection, 1) }
