@@ -5,7 +5,6 @@ import Foundation
 import Logging
 import Metrics
 import Prometheus
-import Synchronization
 
 enum FlushCommandSupport {
     static func describe(_ stop: FlushReport.Stop) -> String {

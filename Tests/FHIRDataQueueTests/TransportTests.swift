@@ -516,13 +516,12 @@ final class OpenSSLServer: Sendable {
 }
 
 /// The actions a scripted server takes, one per request, in order.
-private final class ScriptLine: @unchecked Sendable {
-    private let lock = NSLock()
-    private var actions: [ScriptedServer.Action] = []
+private final class ScriptLine: Sendable {
+    private let actions = NIOLockedValueBox<[ScriptedServer.Action]>([])
 
-    func set(_ actions: [ScriptedServer.Action]) { lock.withLock { self.actions = actions } }
+    func set(_ actions: [ScriptedServer.Action]) { self.actions.withLockedValue { $0 = actions } }
 
     func next() -> ScriptedServer.Action {
-        lock.withLock { actions.isEmpty ? .respond(.init(status: 500)) : actions.removeFirst() }
+        actions.withLockedValue { $0.isEmpty ? .respond(.init(status: 500)) : $0.removeFirst() }
     }
 }

@@ -2,7 +2,6 @@ import AsyncHTTPClient
 import Crypto
 import Foundation
 import Logging
-import Synchronization
 
 extension DataQueue {
     /// A request as it will be queued: what ``DataQueue/prepareRequest(for:method:itemID:)`` makes of a resource.

@@ -4,7 +4,6 @@ import NIOConcurrencyHelpers
 import NIOCore
 import NIOPosix
 import NIOSSL
-import Synchronization
 
 /// dq's HTTP clients: async-http-client, one client per proxy (and one for direct connections) for each
 /// ``NetworkConfiguration``, shared by every queue and OAuth2 client of the process that uses it, as

@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 /// libpq's password file: the URL's `passfile`, else `$PGPASSFILE`, else `~/.pgpass`; lines `host:port:database:user:password`, `*`
 /// matching anything, `\:` and `\\` escaped; the first matching line wins. Like libpq, a file others can

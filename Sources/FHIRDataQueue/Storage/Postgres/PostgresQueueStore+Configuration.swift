@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 // The database URL and libpq's environment, read into postgres-nio's configuration.
 extension PostgresQueueStore {

@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 // Storing new items, single (grouped) and many.
 extension PostgresQueueStore {

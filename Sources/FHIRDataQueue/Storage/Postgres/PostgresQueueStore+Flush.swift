@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 // What a flush reads and records, each write fenced by the lease's token.
 extension PostgresQueueStore {

@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 // Moving a SQLite queue in (dq migrate).
 extension PostgresQueueStore {

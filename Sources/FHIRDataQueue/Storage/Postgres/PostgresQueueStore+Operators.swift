@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 // What operators see and do.
 extension PostgresQueueStore {

@@ -2,7 +2,6 @@ import Foundation
 import Logging
 import NIOSSL
 import PostgresNIO
-import Synchronization
 
 // Rows to dq's types, with damage named.
 extension PostgresQueueStore {

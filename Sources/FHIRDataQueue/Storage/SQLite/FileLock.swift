@@ -1,6 +1,5 @@
 import Foundation
 import NIOConcurrencyHelpers
-import Synchronization
 
 #if canImport(Glibc)
     import Glibc
