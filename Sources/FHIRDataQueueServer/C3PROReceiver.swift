@@ -524,6 +524,11 @@ public struct C3PROReceiver: Sendable {
     /// `endpointPath` is the route the router resolved (`RequestContext.endpointPath`); another route's is not counted.
     public func countRefusal(_ request: Request, endpointPath: String?, status: HTTPResponse.Status) {
         guard let endpoint = endpoint(of: request, route: endpointPath) else { return }
+        count(endpoint, status)
+    }
+
+    /// One answer of `endpoint`, in `dq_serve_requests_total`.
+    private func count(_ endpoint: Endpoint, _ status: HTTPResponse.Status) {
         Counter(label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint.rawValue), ("status", String(status.code))])
             .increment()
     }
@@ -571,9 +576,7 @@ public struct C3PROReceiver: Sendable {
                 "a request could not be committed", metadata: ["endpoint": "\(endpoint.rawValue)", "error": "\(Self.describe(error))"])
             response = FHIRExchange.outcome(.serviceUnavailable, "transient", "the receiver cannot store it now; try again later")
         }
-        Counter(
-            label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint.rawValue), ("status", String(response.status.code))]
-        ).increment()
+        count(endpoint, response.status)
         if endpoint.isIngest {
             let elapsed = ContinuousClock.now - start
             Timer(label: "dq_serve_ingest_duration_seconds", dimensions: [("endpoint", endpoint.rawValue)])
