@@ -8,6 +8,7 @@
 #                                         the CA signed, its CN the role (pg_hba's `cert` method)
 #   scripts/postgres.sh stop DIR          stop it (fast shutdown) and wait
 #   scripts/postgres.sh kill DIR          stop it at once (immediate shutdown: what a crash leaves)
+#   scripts/postgres.sh remove DIR        stop it and remove its files
 #   scripts/postgres.sh bouncer DIR PORT PGPORT
 #                                         PgBouncer in transaction pooling mode on 127.0.0.1:PORT in front of
 #                                         the server on PGPORT (every database, the same role); prints the URL;
@@ -20,7 +21,8 @@
 #   scripts/postgres.sh promote DIR       promote a standby to primary (pg_ctl promote)
 #
 # The cluster has one role, `dq`, with a generated password (scram-sha-256) kept in DIR/password, and a
-# database `dq`. As root the server runs as `nobody` (PostgreSQL refuses to run as root).
+# database `dq`. As root the server runs as `nobody` (PostgreSQL refuses to run as root); when nobody cannot
+# traverse the folders above DIR (a clone in a 0700 folder), DIR is a link to a folder in /var/tmp/dq-postgres.
 set -euo pipefail
 
 bin=""
@@ -31,7 +33,7 @@ if [ -z "$bin" ]; then
 fi
 
 as_owner() { # run as the cluster's owner
-  if [ "$(id -u)" = 0 ]; then runuser -u nobody -- "$@"; else "$@"; fi
+  if [ "$(id -u)" = 0 ]; then (cd / && runuser -u nobody -- "$@"); else "$@"; fi
 }
 
 daemon_as_owner() { # as_owner, for a command that leaves a daemon behind: without the descriptors this
@@ -46,14 +48,46 @@ daemon_as_owner() { # as_owner, for a command that leaves a daemon behind: witho
   )
 }
 
-start() { # DIR PORT [TLSDIR]
-  local dir="$1" port="$2" tls="${3:-}"
-  mkdir -p "$dir"
-  dir="$(cd "$dir" && pwd)"
-  if [ "$(id -u)" = 0 ] && ! runuser -u nobody -- test -x "$(dirname "$dir")"; then
-    echo "postgres: $(dirname "$dir") cannot be reached by the server's user (nobody); use a folder it can traverse" >&2
+physical() { # DIR: its path with every link resolved (the path the server's user is given)
+  (cd "$1" && pwd -P)
+}
+
+place() { # DIR: make DIR (once) where the server's user can reach it; prints its physical path.
+  # As root the server runs as nobody, which must traverse every folder above DIR. A clone in a folder of mode
+  # 0700 (mktemp -d, a home folder) cannot be traversed: the cluster is then kept in /var/tmp/dq-postgres/HASH
+  # (HASH from DIR's path) and DIR is made a link to it. A DIR that did not exist gets a new, empty folder there.
+  local dir="$1"
+  if [ "$(id -u)" != 0 ] || [ -L "$dir" ]; then
+    mkdir -p "$dir"
+    physical "$dir"
+    return 0
+  fi
+  mkdir -p "$(dirname "$dir")"
+  local parent
+  parent="$(physical "$(dirname "$dir")")"
+  if runuser -u nobody -- test -x "$parent"; then
+    mkdir -p "$dir"
+    physical "$dir"
+    return 0
+  fi
+  if [ -e "$dir" ]; then
+    echo "postgres: $parent cannot be reached by the server's user (nobody), and $dir already exists as a folder; remove it or use a folder nobody can traverse" >&2
     exit 73
   fi
+  local base=/var/tmp/dq-postgres hash
+  hash="$(printf '%s' "$parent/$(basename "$dir")" | sha256sum | cut -c1-16)"
+  mkdir -p "$base"
+  chmod 755 "$base"
+  rm -rf "${base:?}/$hash"
+  mkdir -m 755 "$base/$hash"
+  ln -s "$base/$hash" "$dir"
+  echo "postgres: $parent cannot be reached by the server's user (nobody); the cluster is kept in $base/$hash ($dir links to it)" >&2
+  physical "$dir"
+}
+
+start() { # DIR PORT [TLSDIR]
+  local dir port="$2" tls="${3:-}"
+  dir="$(place "$1")"
   if [ ! -f "$dir/data/PG_VERSION" ]; then
     rm -rf "$dir/data"
     mkdir -p "$dir/data"
@@ -84,8 +118,8 @@ start() { # DIR PORT [TLSDIR]
 }
 
 bouncer() { # DIR PORT PGPORT
-  local dir="$1" port="$2" pg_port="$3"
-  dir="$(cd "$dir" && pwd)"
+  local dir port="$2" pg_port="$3"
+  dir="$(physical "$1")"
   local pgbouncer=/usr/sbin/pgbouncer
   if [ ! -x "$pgbouncer" ]; then
     echo "postgres: no PgBouncer (apt-get install pgbouncer)" >&2
@@ -126,9 +160,8 @@ INI
 }
 
 standby() { # DIR PORT PRIMARY_DIR PRIMARY_PORT
-  local dir="$1" port="$2" primary="$3" primary_port="$4"
-  mkdir -p "$dir"
-  dir="$(cd "$dir" && pwd)"
+  local dir port="$2" primary="$3" primary_port="$4"
+  dir="$(place "$1")"
   rm -rf "$dir/data"
   cp "$primary/password" "$dir/password"
   mkdir -p "$dir/data"
@@ -152,7 +185,7 @@ standby() { # DIR PORT PRIMARY_DIR PRIMARY_PORT
 }
 
 promote() { # DIR
-  daemon_as_owner "$bin/pg_ctl" -D "$1/data" -w -t 60 promote > /dev/null
+  daemon_as_owner "$bin/pg_ctl" -D "$(physical "$1")/data" -w -t 60 promote > /dev/null
 }
 
 stop_bouncer() { # DIR
@@ -166,18 +199,32 @@ stop_bouncer() { # DIR
 }
 
 stop() { # DIR MODE
-  local dir="$1" mode="$2"
+  local dir mode="$2"
+  [ -d "$1" ] || return 0
+  dir="$(physical "$1")"
   stop_bouncer "$dir"
   [ -f "$dir/data/postmaster.pid" ] || return 0
   as_owner "$bin/pg_ctl" -D "$dir/data" -m "$mode" -w -t 60 stop > /dev/null || true
+}
+
+remove() { # DIR: stop it and remove its files (and the folder DIR links to, if it is a link)
+  local dir="$1"
+  stop "$dir" fast
+  if [ -L "$dir" ]; then
+    [ -d "$dir" ] && rm -rf "$(physical "$dir")"
+    rm -f "$dir"
+  else
+    rm -rf "$dir"
+  fi
 }
 
 case "${1:-}" in
   start) start "$2" "$3" "${4:-}" ;;
   stop) stop "$2" fast ;;
   kill) stop "$2" immediate ;;
+  remove) remove "$2" ;;
   bouncer) bouncer "$2" "$3" "$4" ;;
   standby) standby "$2" "$3" "$4" "$5" ;;
   promote) promote "$2" ;;
-  *) echo "usage: $0 start DIR PORT [TLSDIR] | stop DIR | kill DIR | bouncer DIR PORT PGPORT | standby DIR PORT PRIMARY_DIR PRIMARY_PORT | promote DIR" >&2; exit 64 ;;
+  *) echo "usage: $0 start DIR PORT [TLSDIR] | stop DIR | kill DIR | remove DIR | bouncer DIR PORT PGPORT | standby DIR PORT PRIMARY_DIR PRIMARY_PORT | promote DIR" >&2; exit 64 ;;
 esac

@@ -27,11 +27,12 @@ struct PostgresConnectionTests {
         private let script = Peers.packageRoot.appendingPathComponent("scripts/postgres.sh").path
 
         init(in work: TemporaryDirectory) async throws {
-            // The server runs as `nobody` under root: its folder must be one that user can reach.
+            // Under root the server runs as `nobody`. Its folder here is one nobody cannot traverse (as a clone in
+            // `mktemp -d` or a 0700 home folder is): the script keeps the cluster where nobody can reach it.
             directory = work.file("pg")
             let tls = work.file("pg-tls")
             try FileManager.default.createDirectory(atPath: tls, withIntermediateDirectories: true)
-            chmod(work.path, 0o755)
+            chmod(work.path, 0o700)
             func openssl(_ arguments: [String]) async throws {
                 let result = try await ChildProcess("/usr/bin/openssl", arguments).wait()
                 try #require(result.status == 0, "openssl \(arguments.first ?? ""): \(result.stderr.suffix(400))")
@@ -58,10 +59,15 @@ struct PostgresConnectionTests {
             let started = try await ChildProcess(script, ["start", directory, String(port), tls]).wait(timeout: .seconds(180))
             try #require(started.status == 0, "the private PostgreSQL did not start: \(started.stderr.suffix(600))")
             password = try String(contentsOfFile: directory + "/password", encoding: .utf8).trimmingCharacters(in: .whitespacesAndNewlines)
+            if getuid() == 0 {
+                let link = try? FileManager.default.destinationOfSymbolicLink(atPath: directory)
+                #expect(link?.hasPrefix("/var/tmp/dq-postgres/") == true, "the cluster's folder: \(link ?? "not a link")")
+            }
         }
 
+        /// Stops the server and removes its files (and the folder its directory links to).
         func stop() async {
-            _ = try? await ChildProcess(script, ["stop", directory]).wait(timeout: .seconds(120))
+            _ = try? await ChildProcess(script, ["remove", directory]).wait(timeout: .seconds(120))
         }
     }
 
