@@ -205,6 +205,7 @@ extension ServeTests {
                 ["path": "/c3pro/oauth", "form": "grant_type=client_credentials&client_assertion=e30.e30.AAAA"],
             ])
         #expect(refused.map(\.status) == [401, 400], "\(refused)")
+        #expect(refused.first?.challenge.hasPrefix("Basic") == true, "a 401 names a scheme: \(refused)")
         #expect(refused.allSatisfy { $0.object["access_token"] == nil }, "\(refused)")
         // The edge's client has no secret: Basic with any secret is refused.
         let basic = try await client(inside.base, [tokenRequest(("edge-1", Self.keySetOnlyHash))])
@@ -213,8 +214,10 @@ extension ServeTests {
         _ = await inside.stop()
     }
 
-    @Test("Updates are not repeats: PUT A, B, then A again of one Patient through dq serve leaves A on the server")
-    func updatesAreNotRepeats() async throws {
+    @Test(
+        "Updates are not repeats: A, B, then A again of one Patient through dq serve, as plain PUTs or as envelopes, leaves A on the server",
+        arguments: [false, true])
+    func updatesAreNotRepeats(sealedUpdates: Bool) async throws {
         let server = try await FHIRServer.start()
         let keys = try await TestKeys()
         try await install(keys, as: "k1", layout: .pem)
@@ -225,7 +228,10 @@ extension ServeTests {
         let id = "u-" + UUID().uuidString.prefix(8).lowercased()
         func patient(_ family: String) -> Step {
             let body = #"{"resourceType":"Patient","id":"\#(id)","name":[{"family":"\#(family)"}]}"#
-            return ["path": "/c3pro/fhir/Patient/\(id)", "method": "PUT", "bearer": token, "fhir": body]
+            // An envelope holding a resource with an id is forwarded as its update (PUT), as C3-PRO's consumer did.
+            return sealedUpdates
+                ? sealed("/c3pro/encfhir/Patient", body, certificate: keys.certificate, keyID: "k1", token: token)
+                : ["path": "/c3pro/fhir/Patient/\(id)", "method": "PUT", "bearer": token, "fhir": body]
         }
         let answers = try await client(receiver.base, [patient("Alpha"), patient("Beta"), patient("Alpha")])
         #expect(answers.allSatisfy { [200, 201, 202].contains($0.status) }, "\(answers)")

@@ -388,7 +388,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 attempts: info.attempts, enqueuedAt: info.enqueuedAt, lastAttemptAt: info.lastAttemptAt,
                 lastStatus: info.lastStatus, lastError: info.lastError, outcome: info.outcome, size: resource.data.count)
             opened.body = resource.data
-            opened.digest = stored.clientID.map { ContentDigest(clientID: $0, plaintext: resource.data) }
+            // Creates only, as for plain items (prefetch): an update sent again (A, B, then A) is a change, not a repeat.
+            opened.digest = update ? nil : stored.clientID.map { ContentDigest(clientID: $0, plaintext: resource.data) }
             opened.contentType = "application/fhir+json"
             opened.conditionalCreate = !update && !bundle
         } catch {
