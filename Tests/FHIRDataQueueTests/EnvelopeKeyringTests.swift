@@ -139,7 +139,9 @@ struct EnvelopeKeyringTests {
         #expect(keyring.takeOpenCounts() == ["k1": 1])
     }
 
-    @Test("each failure has its reason: unknown key_id, a key that does not open it, no resource inside, a path for a key id")
+    @Test(
+        "each failure has its reason: unknown key_id, a key that does not open it, a path for a key id; a bad padding and no resource inside are one failure"
+    )
     func failures() async throws {
         let right = try await makeKey("right")
         let other = try await makeKey("other")
@@ -155,14 +157,20 @@ struct EnvelopeKeyringTests {
         // Wrapped for another key than the one its key_id names.
         let wrongKey = try await envelope(observation("x"), for: other.publicPEM, keyID: "k1")
         #expect(throws: EnvelopeKeyring.Failure.doesNotOpen("k1")) { try keyring.open(wrongKey) }
+        // What decrypts (good padding) to something that is not a resource fails exactly as a bad padding does:
+        // the same reason, the same metric label (no padding oracle).
         let notResource = try await envelope(Data("just text".utf8), for: right.publicPEM, keyID: "k1")
-        do {
-            _ = try keyring.open(notResource)
-            Issue.record("opened something that is not a resource")
-        } catch {
-            guard case .notAResource = error else { Issue.record("wrong reason: \(error)"); return }
-            #expect(!error.description.contains("just text"), "the reason holds no plaintext")
-        }
+        #expect(throws: EnvelopeKeyring.Failure.doesNotOpen("k1")) { try keyring.open(notResource) }
+        let notAnObject = try await envelope(Data(#"{"resourceType":"Observation","status":"#.utf8), for: right.publicPEM, keyID: "k1")
+        #expect(throws: EnvelopeKeyring.Failure.doesNotOpen("k1")) { try keyring.open(notAnObject) }
+        let good = try await envelope(observation("x"), for: right.publicPEM, keyID: "k1")
+        var badPadding = try #require(try JSONSerialization.jsonObject(with: good) as? [String: String])
+        var message = try #require(Data(base64Encoded: badPadding["message"] ?? ""))
+        message[message.count - 1] ^= 0x5a  // the last block's last byte: its padding no longer checks
+        badPadding["message"] = message.base64EncodedString()
+        let tampered = try JSONSerialization.data(withJSONObject: badPadding)
+        #expect(throws: EnvelopeKeyring.Failure.doesNotOpen("k1")) { try keyring.open(tampered) }
+        #expect(!EnvelopeKeyring.Failure.doesNotOpen("k1").description.contains("just text"), "the reason holds no plaintext")
     }
 
     @Test(
