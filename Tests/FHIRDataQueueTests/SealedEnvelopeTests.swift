@@ -32,13 +32,26 @@ struct SealedEnvelopeTests {
     }
 
     @Test(
+        "Every FHIR version C3-PRO apps were built with is taken, those the original allow-list left out (1.4.0, the STU3 ballots) included",
+        arguments: ["0.5.0", "0.9.0", "1.0.2", "1.4.0", "1.6.0", "1.8.0", "3.0.0", "3.0.2", "4.0.1", "5.0.0-ballot", "6.0.0-cibuild.1"])
+    func versions(version: String) throws {
+        let json = #"{"key_id":"k1","symmetric_key":"AAEC","message":"AwQF","version":"\#(version)"}"#
+        let envelope = try SealedEnvelope(json: Data(json.utf8), resourceType: "Observation")
+        #expect(envelope.version == version && envelope.data == Data(json.utf8))
+    }
+
+    @Test(
         "A malformed envelope is refused naming what is wrong",
         arguments: [
             (#"[1]"#, "not a JSON object"), (#"{"key_id":"k","symmetric_key":"AA==","message":"AA=="}"#, "\"version\""),
             (#"{"key_id":1,"symmetric_key":"AA==","message":"AA==","version":"1.0.2"}"#, "\"key_id\""),
             (#"{"key_id":"k","symmetric_key":"not base64!","message":"AA==","version":"1.0.2"}"#, "\"symmetric_key\""),
             (#"{"key_id":"k","symmetric_key":"AA==","message":"%%%","version":"1.0.2"}"#, "\"message\""),
-            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"9.9.9"}"#, "\"version\""),
+            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"3.0"}"#, "\"version\""),
+            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"latest"}"#, "\"version\""),
+            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"3.0.0-"}"#, "\"version\""),
+            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"3.0.0-a b"}"#, "\"version\""),
+            (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2.0.0.0.0.0.0.0.0.0.0.0.0.0.0"}"#, "\"version\""),
             (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2","alg":"none"}"#, "\"alg\""),
             (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2","resourceType":"Patient"}"#, "resourceType"),
             (#"{"key_id":"k","symmetric_key":"AA==","message":"AA==","version":"1.0.2","alg":7}"#, "\"alg\""),
