@@ -59,6 +59,10 @@ public struct C3PROReceiver: Sendable {
         /// unmatched resources go to the receiver's queue. An envelope's type is the one its path names (it is
         /// sealed); a plain resource has no version. Empty by default.
         public var routes: [Route] = []
+        /// How often expired tokens are removed from the database: when a token is issued and this long has passed
+        /// since the last removal (each receiver sharing the database removes them; what has expired is never valid
+        /// again, so nothing valid goes). One hour by default.
+        public var tokenPruneInterval: Duration = .seconds(3600)
 
         /// A configuration with C3-PRO's defaults.
         public init(
@@ -106,6 +110,8 @@ public struct C3PROReceiver: Sendable {
     public let configuration: Configuration
     private let registry: any ClientRegistry
     private let tokens = TokenCache()
+    /// When expired tokens were last removed (nil: not yet, by this receiver).
+    private let tokensPruned = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     private let limiter: RateLimiter
     private let antispam: AntispamSecrets
     private let assertions: ClientAssertionVerifier
@@ -183,12 +189,15 @@ public struct C3PROReceiver: Sendable {
         if let wait = limiter.refuse(clientAddress(request, peer: address)) { return tooMany(wait) }
         let offered = request.headers[.init("Antispam")!] ?? ""
         guard !offered.isEmpty, antispam.accepts(offered) else {
-            return oauthError(.unauthorized, "unauthorized_client", "the Antispam header is missing or wrong")
+            // A 401 names its scheme (RFC 9110 §11.6.1): here C3-PRO's own header.
+            var refused = oauthError(.unauthorized, "unauthorized_client", "the Antispam header is missing or wrong")
+            refused.headers[.wwwAuthenticate] = #"Antispam realm="dq""#
+            return refused
         }
         var request = request
         let body: ByteBuffer
         do {
-            body = try await request.collectBody(upTo: 1 << 20)
+            body = try await request.collectBody(upTo: Self.registrationBodyLimit)
         } catch is NIOTooManyBytesError {
             return oauthError(.contentTooLarge, "invalid_request", "the registration is too large")
         }
@@ -219,7 +228,7 @@ public struct C3PROReceiver: Sendable {
         var request = request
         let body: ByteBuffer
         do {
-            body = try await request.collectBody(upTo: 64 << 10)
+            body = try await request.collectBody(upTo: Self.tokenRequestBodyLimit)
         } catch is NIOTooManyBytesError {
             return oauthError(.contentTooLarge, "invalid_request", "the request is too large")
         }
@@ -271,7 +280,7 @@ public struct C3PROReceiver: Sendable {
         case .success(let id): client = id
         case .failure(let refusal):
             logger.notice("a client assertion was refused", metadata: ["reason": "\(refusal.description)"])
-            return oauthError(.unauthorized, "invalid_client", refusal.description)
+            return oauthError(.unauthorized, "invalid_client", refusal.description, challenge: true)
         }
         // Tokens belong to a registered client: one with a key set gets a row whose hash no secret matches.
         if try await registry.secretHash(clientID: client) == nil {
@@ -292,9 +301,30 @@ public struct C3PROReceiver: Sendable {
         let lifetime = Int(configuration.tokenLifetime.components.seconds)
         try await registry.issueToken(
             tokenHash: ClientSecrets.tokenHash(token), clientID: client, expiresAt: Date().addingTimeInterval(Double(lifetime)))
+        await pruneTokensWhenDue()
         var response = json(.ok, ["access_token": token, "token_type": "bearer", "expires_in": lifetime])
         response.headers[.cacheControl] = "no-store"
         return response
+    }
+
+    /// Removes the expired tokens once per ``Configuration/tokenPruneInterval``: every token request adds a row,
+    /// and a fleet asks for one each token lifetime, so without this the table grows for good.
+    private func pruneTokensWhenDue() async {
+        let now = ContinuousClock.now
+        let due = tokensPruned.withLockedValue { last in
+            guard last.map({ last in last.duration(to: now) >= configuration.tokenPruneInterval }) ?? true else { return false }
+            last = now
+            return true
+        }
+        guard due else { return }
+        do {
+            let removed = try await registry.pruneTokens(before: Date())
+            if removed > 0 { logger.info("removed expired tokens", metadata: ["tokens": "\(removed)"]) }
+        } catch {
+            logger.warning(
+                "cannot remove expired tokens; tried again in an interval",
+                metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(type(of: error))")"])
+        }
     }
 
     /// The client a request's bearer token was issued to, or the 401 to answer.
@@ -527,6 +557,47 @@ public struct C3PROReceiver: Sendable {
         count(endpoint, status)
     }
 
+    /// The body limit of a request to one of the receiver's routes whose bodies are small (`register` 1 MiB, `oauth`
+    /// 64 KiB), for ``BodyLimitMiddleware``'s `limit`: what a client that has not authenticated can make the receiver
+    /// hold. Nil for the others (the host's maximum).
+    public func bodyLimit(_ request: Request, endpointPath: String?) -> Int? {
+        switch endpoint(of: request, route: endpointPath) {
+        case .register: Self.registrationBodyLimit
+        case .oauth: Self.tokenRequestBodyLimit
+        default: nil
+        }
+    }
+
+    /// The answer to a request to a bearer route (`encfhir`, `fhir`) whose token is missing, unknown or expired, from
+    /// its head alone, for ``BodyLimitMiddleware``'s `admit`: its body is then read and thrown away, never kept.
+    /// Nil for a request that goes on (the route checks the token again, from the cache). Counted as the route's
+    /// answers are.
+    public func admit(_ request: Request, endpointPath: String?) async -> Response? {
+        guard let endpoint = endpoint(of: request, route: endpointPath),
+            [.envelope, .envelopeBatch, .plain].contains(endpoint),
+            case .failure(let refused) = try? await authorize(request)
+        else { return nil }
+        count(endpoint, refused.response.status)
+        return refused.response
+    }
+
+    /// The ``BodyLimitMiddleware`` for a router that serves these routes: bodies up to `maximumBytes` (the
+    /// configuration's ``Configuration/maximumBodyBytes`` by default) within `deadline`, the small endpoints' own
+    /// limits (``bodyLimit(_:endpointPath:)``), a request with no valid token answered without its body being kept
+    /// (``admit(_:endpointPath:)``), and each refusal counted with the route's answers (``countRefusal(_:endpointPath:status:)``).
+    public func bodyLimitMiddleware<Context: RequestContext>(
+        maximumBytes: Int? = nil, deadline: Duration? = .seconds(60)
+    ) -> BodyLimitMiddleware<Context> {
+        BodyLimitMiddleware(
+            maximumBytes: maximumBytes ?? configuration.maximumBodyBytes, deadline: deadline,
+            refused: { request, context, status in countRefusal(request, endpointPath: context.endpointPath, status: status) },
+            limit: { request, context in bodyLimit(request, endpointPath: context.endpointPath) },
+            admit: { request, context in await admit(request, endpointPath: context.endpointPath) })
+    }
+
+    static let registrationBodyLimit = 1 << 20
+    static let tokenRequestBodyLimit = 64 << 10
+
     /// One answer of `endpoint`, in `dq_serve_requests_total`.
     private func count(_ endpoint: Endpoint, _ status: HTTPResponse.Status) {
         Counter(label: "dq_serve_requests_total", dimensions: [("endpoint", endpoint.rawValue), ("status", String(status.code))])
@@ -685,25 +756,66 @@ extension C3PROReceiver {
 }
 
 /// A fixed window per source address: at most `perMinute` requests in each minute.
+///
+/// An IPv6 address is counted by its /64 (what one host or subscriber is given: counting each address would give
+/// it 2^64 budgets), an IPv4-mapped one as its IPv4 address. The table is bounded: windows over a minute old are
+/// swept at most once a second once it holds more than ``sweepAbove``, and past ``capacity`` addresses a new one
+/// shares one window with every other new one (under a flood from many addresses, new addresses are limited
+/// together rather than the table growing, and the addresses already counted keep their own windows).
 final class RateLimiter: Sendable {
+    /// The most addresses with their own window.
+    static let capacity = 100_000
+    /// The size above which expired windows are swept (at most once a second).
+    static let sweepAbove = 10_000
+    /// The window new addresses share once the table is full.
+    static let overflow = "(overflow)"
+
+    private struct State {
+        var windows: [String: (start: ContinuousClock.Instant, count: Int)] = [:]
+        var swept: ContinuousClock.Instant?
+    }
+
     private let perMinute: Int
-    private let windows = NIOLockedValueBox<[String: (start: ContinuousClock.Instant, count: Int)]>([:])
+    private let capacity: Int
+    private let state = NIOLockedValueBox(State())
 
-    init(perMinute: Int) { self.perMinute = perMinute }
+    init(perMinute: Int, capacity: Int = RateLimiter.capacity) {
+        self.perMinute = perMinute
+        self.capacity = capacity
+    }
 
-    /// Nil when a request from `key` (a client address) may go; else the seconds to wait.
-    func refuse(_ key: String) -> Int? {
+    /// How many addresses have a window now (for tests).
+    var count: Int { state.withLockedValue { $0.windows.count } }
+
+    /// Nil when a request from `address` (a client address) may go at `now`; else the seconds to wait.
+    func refuse(_ address: String, now: ContinuousClock.Instant = .now) -> Int? {
         guard perMinute > 0 else { return nil }
-        let now = ContinuousClock.now
-        return windows.withLockedValue { windows in
-            if windows.count > 10_000 { windows = windows.filter { now - $0.value.start < .seconds(60) } }
-            var window = windows[key] ?? (now, 0)
+        var key = Self.bucket(address)
+        return state.withLockedValue { state in
+            if state.windows.count > min(Self.sweepAbove, capacity), state.swept.map({ now - $0 >= .seconds(1) }) ?? true {
+                state.windows = state.windows.filter { now - $0.value.start < .seconds(60) }
+                state.swept = now
+            }
+            if state.windows[key] == nil, state.windows.count >= capacity { key = Self.overflow }
+            var window = state.windows[key] ?? (now, 0)
             if now - window.start >= .seconds(60) { window = (now, 0) }
             window.count += 1
-            windows[key] = window
+            state.windows[key] = window
             guard window.count > perMinute else { return nil }
             return max(1, Int((window.start + .seconds(60) - now).components.seconds) + 1)
         }
+    }
+
+    /// What `address` is counted as: an IPv6 address's /64 (`2001:db8:0:1::/64`), an IPv4-mapped IPv6 address's
+    /// IPv4 address, anything else itself.
+    static func bucket(_ address: String) -> String {
+        var bytes = [UInt8](repeating: 0, count: 16)
+        guard address.contains(":"), inet_pton(AF_INET6, address, &bytes) == 1 else { return address }
+        if bytes[0..<10].allSatisfy({ $0 == 0 }) && bytes[10] == 0xff && bytes[11] == 0xff {
+            return bytes[12...].map(String.init).joined(separator: ".")
+        }
+        let groups = stride(from: 0, to: 8, by: 2).map { String(UInt16(bytes[$0]) << 8 | UInt16(bytes[$0 + 1]), radix: 16) }
+        return groups.joined(separator: ":") + "::/64"
     }
 }
 

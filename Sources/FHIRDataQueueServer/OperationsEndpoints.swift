@@ -89,6 +89,12 @@ public struct OperationsEndpoints: Sendable {
 /// Refuses a request whose body is larger than a limit with `413 Content Too Large`, before any route sees it, and
 /// one whose body does not arrive within a deadline with `408 Request Timeout` (a client that sends a byte a second
 /// holds one connection, not the receiver); a body within both is collected for the route.
+///
+/// Two optional checks come before the body is kept: `limit` gives a request a smaller limit than `maximumBytes` (an
+/// endpoint whose bodies are small), and `admit` may answer a request from its head alone (a bearer token that is not
+/// valid). A request `admit` answers has its body read and thrown away (within the same limit and deadline), not
+/// kept: an unauthenticated client cannot make the receiver hold `maximumBytes` for it, and the answer still reaches
+/// a client that is sending its body (closing with the body unread would reset the connection under it).
 public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
     /// The largest body taken, in bytes.
     public let maximumBytes: Int
@@ -97,53 +103,71 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
     /// Told of each refusal (413 or 408) before it is answered, with the request and its context (its route
     /// resolved): where a host counts them with the answers of its routes.
     public let refused: (@Sendable (Request, Context, HTTPResponse.Status) -> Void)?
+    /// A request's own limit, when smaller than ``maximumBytes``; nil: the maximum.
+    public let limit: (@Sendable (Request, Context) -> Int?)?
+    /// The answer to a request refused from its head (its body is then read and thrown away); nil: it goes on.
+    public let admit: (@Sendable (Request, Context) async -> Response?)?
 
-    /// Refuses bodies larger than `maximumBytes`, or slower than `deadline`, telling `refused` of each.
+    /// Refuses bodies larger than `maximumBytes` (or a request's own `limit`), or slower than `deadline`, telling
+    /// `refused` of each; answers what `admit` refuses without keeping its body.
     public init(
-        maximumBytes: Int, deadline: Duration? = nil, refused: (@Sendable (Request, Context, HTTPResponse.Status) -> Void)? = nil
+        maximumBytes: Int, deadline: Duration? = nil, refused: (@Sendable (Request, Context, HTTPResponse.Status) -> Void)? = nil,
+        limit: (@Sendable (Request, Context) -> Int?)? = nil, admit: (@Sendable (Request, Context) async -> Response?)? = nil
     ) {
         self.maximumBytes = maximumBytes
         self.deadline = deadline
         self.refused = refused
+        self.limit = limit
+        self.admit = admit
     }
 
-    /// Answers 413 to a body over the limit, declared or sent, and 408 to one that takes too long; passes others on
-    /// with the body collected.
+    /// Answers 413 to a body over the limit, declared or sent, and 408 to one that takes too long; answers what
+    /// `admit` refuses once its body is read; passes others on with the body collected.
     public func handle(
         _ request: Request, context: Context, next: (Request, Context) async throws -> Response
     ) async throws -> Response {
-        if let declared = request.headers[.contentLength].flatMap({ Int($0) }), declared > maximumBytes {
-            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes", request, context)
+        let maximum = min(maximumBytes, limit?(request, context) ?? maximumBytes)
+        if let declared = request.headers[.contentLength].flatMap({ Int($0) }), declared > maximum {
+            return refusal(.contentTooLarge, "the request body is larger than \(maximum) bytes", request, context)
         }
+        let answer = await admit?(request, context)
         var request = request
         do {
-            guard let deadline else {
-                _ = try await request.collectBody(upTo: maximumBytes)
-                return try await next(request, context)
-            }
-            let reading = request
-            let maximum = maximumBytes
-            let body: ByteBuffer? = try await withThrowingTaskGroup(of: ByteBuffer?.self) { group in
-                group.addTask {
-                    var request = reading
-                    return try await request.collectBody(upTo: maximum)
-                }
-                group.addTask {
-                    try await Task.sleep(for: deadline)
-                    return nil
-                }
-                defer { group.cancelAll() }
-                return try await group.next() ?? nil
-            }
-            guard let body else {
+            guard let body = try await Self.read(request, upTo: maximum, keep: answer == nil, deadline: deadline) else {
                 return refusal(
-                    .requestTimeout, "the request body did not arrive within \(deadline.components.seconds) s", request, context)
+                    .requestTimeout, "the request body did not arrive within \(deadline?.components.seconds ?? 0) s", request, context)
             }
+            if let answer { return answer }
             request.body = .init(buffer: body)
         } catch is NIOTooManyBytesError {
-            return refusal(.contentTooLarge, "the request body is larger than \(maximumBytes) bytes", request, context)
+            return refusal(.contentTooLarge, "the request body is larger than \(maximum) bytes", request, context)
         }
         return try await next(request, context)
+    }
+
+    /// The body, read within `deadline` (nil when it ran out); kept, or read and dropped (an empty buffer).
+    /// - Throws: `NIOTooManyBytesError` past `maximum` bytes.
+    private static func read(_ request: Request, upTo maximum: Int, keep: Bool, deadline: Duration?) async throws -> ByteBuffer? {
+        @Sendable func body() async throws -> ByteBuffer {
+            var request = request
+            if keep { return try await request.collectBody(upTo: maximum) }
+            var seen = 0
+            for try await part in request.body {
+                seen += part.readableBytes
+                if seen > maximum { throw NIOTooManyBytesError(maxBytes: maximum) }
+            }
+            return ByteBuffer()
+        }
+        guard let deadline else { return try await body() }
+        return try await withThrowingTaskGroup(of: ByteBuffer?.self) { group in
+            group.addTask { try await body() }
+            group.addTask {
+                try await Task.sleep(for: deadline)
+                return nil
+            }
+            defer { group.cancelAll() }
+            return try await group.next() ?? nil
+        }
     }
 
     private func refusal(_ status: HTTPResponse.Status, _ text: String, _ request: Request, _ context: Context) -> Response {

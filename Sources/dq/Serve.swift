@@ -362,6 +362,12 @@ extension DQ {
                     "serving plain HTTP on \(host), not loopback: tokens, client secrets and plain resources cross the network unencrypted; set \"serve.tls\", or listen on 127.0.0.1 behind a TLS proxy"
                 )
             }
+            if options.tls == nil && ListenAddress.isLoopback(host) && options.trustedProxies.isEmpty && options.authRequestsPerMinute > 0 {
+                // Plain HTTP on loopback is the TLS proxy's setup, where every device has the proxy's address.
+                logger.warning(
+                    "plain HTTP on loopback and no \"serve.trusted_proxies\": behind a TLS proxy every device has the proxy's address, so register and oauth are limited to \(options.authRequestsPerMinute) a minute for all devices together; name the proxy in \"serve.trusted_proxies\""
+                )
+            }
             if let keyring = queue.configuration.envelopeKeyring {
                 do {
                     let ids = try keyring.check()
@@ -402,9 +408,8 @@ extension DQ {
                 logger: logger)
             let router = Router(context: ReceiverRequestContext.self)
             router.add(
-                middleware: BodyLimitMiddleware(maximumBytes: options.maxBodyBytes, deadline: .seconds(options.bodyTimeoutSeconds)) {
-                    request, context, status in receiver.countRefusal(request, endpointPath: context.endpointPath, status: status)
-                })
+                middleware: receiver.bodyLimitMiddleware(
+                    maximumBytes: options.maxBodyBytes, deadline: .seconds(options.bodyTimeoutSeconds)))
             receiver.addRoutes(to: router)
             OperationsEndpoints(
                 metrics: { Exposition.emit(registry) }, readiness: { await delivery.readiness() },

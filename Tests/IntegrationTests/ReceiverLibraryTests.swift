@@ -44,14 +44,18 @@ struct ReceiverLibraryTests {
     }
 
     /// Mounts a receiver that waits `deliveryWait` for a plain resource's delivery, on a queue for `server`.
-    func host(server: String, deliveryWait: Duration) async throws -> Host {
+    func host(
+        server: String, deliveryWait: Duration, configure: (inout FHIRDataQueueServer.C3PROReceiver.Configuration) -> Void = { _ in }
+    ) async throws -> Host {
         var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
         configuration.retryPolicy = RetryPolicy(initialDelay: 0.1, maximumDelay: 0.5)
         configuration.requestTimeout = 30
         let queue = try await DataQueue(baseURL: URL(string: server)!, configuration: configuration)
-        let receiver = try FHIRDataQueueServer.C3PROReceiver(
-            queue: queue, configuration: .init(antispamSecrets: [antispam], deliveryWait: deliveryWait), logger: Self.quiet)
+        var receiving = FHIRDataQueueServer.C3PROReceiver.Configuration(antispamSecrets: [antispam], deliveryWait: deliveryWait)
+        configure(&receiving)
+        let receiver = try FHIRDataQueueServer.C3PROReceiver(queue: queue, configuration: receiving, logger: Self.quiet)
         let router = Router(context: ReceiverRequestContext.self)
+        router.add(middleware: receiver.bodyLimitMiddleware())
         receiver.addRoutes(to: router)
         let (bound, binding) = AsyncStream.makeStream(of: Int.self)
         let app = Application(
@@ -92,12 +96,23 @@ struct ReceiverLibraryTests {
 
     /// Registers with the antispam secret and gets a token, as a C3-PRO app does; the bearer token.
     func bearer(_ host: Host) async throws -> String {
+        let (id, secret) = try await register(host)
+        return try await bearer(host, id: id, secret: secret)
+    }
+
+    /// Registers with the antispam secret, as a C3-PRO app does: the client id and secret.
+    func register(_ host: Host) async throws -> (id: String, secret: String) {
         let registered = try await send(
             .POST, host.base + "/register", headers: [("Antispam", antispam), ("Content-Type", "application/json")],
             body: #"{"sandbox": false, "receipt-data": "NO-APP-RECEIPT"}"#)
         #expect(registered.status == 201, "\(registered)")
         let id = try #require(registered.object["client_id"] as? String, "\(registered)")
         let secret = try #require(registered.object["client_secret"] as? String, "\(registered)")
+        return (id, secret)
+    }
+
+    /// A token for the client `id` with `secret`, sent in HTTP Basic.
+    func bearer(_ host: Host, id: String, secret: String) async throws -> String {
         let basic = Data("\(id):\(secret)".utf8).base64EncodedString()
         let token = try await send(
             .POST, host.base + "/oauth",
@@ -166,5 +181,49 @@ struct ReceiverLibraryTests {
         #expect(try await host.queue.journalRecord(queued)?.event == .delivered)
         try await host.stop()
         #expect(try await server.values("Observation", system: resources.system) == ["3"], "once")
+    }
+
+    @Test("Expired tokens are removed from the database when a token is issued (every prune interval); the valid one stays")
+    func expiredTokensRemoved() async throws {
+        let server = try FHIRServer()  // no delivery is needed
+        let host = try await host(server: server.base, deliveryWait: .milliseconds(100)) {
+            $0.tokenLifetime = .seconds(1)
+            $0.tokenPruneInterval = .zero
+        }
+        let (id, secret) = try await register(host)
+        let registry = host.queue.clientRegistry
+        _ = try await bearer(host, id: id, secret: secret)
+        _ = try await bearer(host, id: id, secret: secret)
+        try await Task.sleep(for: .milliseconds(1100))  // both expire (their lifetime is 1 s of wall clock)
+        let fresh = try await bearer(host, id: id, secret: secret)
+        #expect(try await registry.token(hash: ClientSecrets.tokenHash(fresh), now: Date()) != nil, "the new token is valid")
+        #expect(try await registry.pruneTokens(before: .distantFuture) == 1, "only the new token was left")
+        try await host.stop()
+    }
+
+    @Test(
+        "Mounted with its body middleware: a 3 MiB envelope with no valid token is answered 401 with its challenge (its body read and dropped, no route run), a 2 MiB registration 413; a valid client is served meanwhile"
+    )
+    func refusedFromTheHead() async throws {
+        let server = try await FHIRServer.start()
+        let host = try await host(server: server.base, deliveryWait: .seconds(120))
+        let big = String(repeating: "A", count: 3 << 20)
+        for authorization in [[], [("Authorization", "Bearer not-a-token")], [("Authorization", "Basic eDp5")]] {
+            let refused = try await send(
+                .POST, host.base + "/encfhir/Observation", headers: authorization + [("Content-Type", "application/json")], body: big)
+            #expect(refused.status == 401, "\(refused)")
+            #expect(refused.headers.first(name: "WWW-Authenticate")?.hasPrefix("Bearer") == true, "\(refused.headers)")
+        }
+        let registration = try await send(
+            .POST, host.base + "/register", headers: [("Antispam", antispam), ("Content-Type", "application/json")],
+            body: #"{"receipt-data": ""# + String(repeating: "A", count: 2 << 20) + #""}"#)
+        #expect(registration.status == 413, "\(registration)")
+        let token = try await bearer(host)
+        let answer = try await postObservation(host, 5, token: token)
+        #expect(answer.status == 201, "\(answer)")
+        #expect(try await server.values("Observation", system: resources.system) == ["5"])
+        let queueStatus = try await host.queue.status()
+        #expect(queueStatus.pending == 0 && queueStatus.delivered == 1, "nothing of the refused was queued: \(queueStatus)")
+        try await host.stop()
     }
 }

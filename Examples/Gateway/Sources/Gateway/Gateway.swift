@@ -76,6 +76,8 @@ struct Gateway {
         if let antispamSecrets = options.c3proAntispamSecrets {
             let receiver = try C3PROReceiver(
                 queue: queue, configuration: .init(pathPrefix: "/c3pro", antispamSecrets: antispamSecrets), logger: logger)
+            // Its bodies' limits: a request with no valid token is answered without its body being kept.
+            router.add(middleware: receiver.bodyLimitMiddleware())
             receiver.addRoutes(to: router)
         }
         OperationsEndpoints(

@@ -1,0 +1,53 @@
+import Foundation
+import Testing
+
+@testable import FHIRDataQueueServer
+
+/// The receiver's rate limit on `register` and `oauth` (one decision each: what an address is counted as, and how the
+/// table stays bounded). That a 429 with `Retry-After` is answered end to end is ServeTests' part.
+@Suite("The receiver's rate limit per source address")
+struct RateLimiterTests {
+    let start = ContinuousClock.now
+
+    @Test("An IPv6 address is counted by its /64, an IPv4-mapped one as its IPv4 address, anything else as itself")
+    func buckets() {
+        #expect(RateLimiter.bucket("2001:db8:0:1:aaaa::1") == "2001:db8:0:1::/64")
+        #expect(RateLimiter.bucket("2001:0db8:0000:0001:ffff:1:2:3") == "2001:db8:0:1::/64")
+        #expect(RateLimiter.bucket("2001:db8:0:2::1") == "2001:db8:0:2::/64")
+        #expect(RateLimiter.bucket("::ffff:203.0.113.5") == "203.0.113.5")
+        #expect(RateLimiter.bucket("203.0.113.5") == "203.0.113.5")
+        #expect(RateLimiter.bucket("unknown") == "unknown")
+        #expect(RateLimiter.bucket("fe80::1:zz") == "fe80::1:zz", "not an address: itself")
+    }
+
+    @Test("Addresses of one /64 share one budget; another /64 has its own")
+    func onePrefixOneBudget() {
+        let limiter = RateLimiter(perMinute: 2)
+        #expect(limiter.refuse("2001:db8:0:1::1", now: start) == nil)
+        #expect(limiter.refuse("2001:db8:0:1::2", now: start) == nil)
+        #expect(limiter.refuse("2001:db8:0:1::3", now: start) != nil, "a third address of the same /64 is refused")
+        #expect(limiter.refuse("2001:db8:0:2::1", now: start) == nil)
+        #expect(limiter.refuse("2001:db8:0:1::4", now: start + .seconds(61)) == nil, "a new minute, a new budget")
+    }
+
+    @Test("Past its capacity, new addresses share one window; those already counted keep theirs")
+    func bounded() {
+        let limiter = RateLimiter(perMinute: 2, capacity: 100)
+        for index in 0..<100 { #expect(limiter.refuse("198.51.100.\(index)", now: start) == nil) }
+        #expect(limiter.count == 100)
+        #expect(limiter.refuse("203.0.113.1", now: start) == nil)
+        #expect(limiter.refuse("203.0.113.2", now: start) == nil)
+        #expect(limiter.refuse("203.0.113.3", now: start) != nil, "the third new address in the full table: the shared window is spent")
+        #expect(limiter.count == 101, "the 100 and the shared window")
+        #expect(limiter.refuse("198.51.100.7", now: start) == nil, "an address already counted has its own window")
+    }
+
+    @Test("Windows over a minute old are swept once the table is large, at most once a second")
+    func swept() {
+        let limiter = RateLimiter(perMinute: 5)
+        for index in 0...RateLimiter.sweepAbove { _ = limiter.refuse("10.\(index >> 16).\((index >> 8) & 255).\(index & 255)", now: start) }
+        #expect(limiter.count == RateLimiter.sweepAbove + 1)
+        _ = limiter.refuse("203.0.113.9", now: start + .seconds(61))
+        #expect(limiter.count == 1, "only the new window is left")
+    }
+}
