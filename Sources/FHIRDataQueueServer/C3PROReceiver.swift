@@ -41,6 +41,11 @@ public struct C3PROReceiver: Sendable {
         public var acceptsPlainResources: Bool
         /// Requests per minute one source address may make to `register` and `oauth` (429 above it).
         public var authRequestsPerMinute: Int
+        /// Secret hashings and checks (scrypt: tens of milliseconds of CPU and 32 MiB each) per minute, for all
+        /// addresses together: a registration is one, a token request with a secret one. Past it, 503 with
+        /// `Retry-After`: many addresses, each within ``authRequestsPerMinute``, cannot take every core from the
+        /// ingest. 1,200 by default (20 a second); 0: no limit.
+        public var secretChecksPerMinute: Int = 1200
         /// The addresses of proxies in front of the receiver (e.g. `["127.0.0.1"]` for a TLS proxy on the same host)
         /// whose `X-Forwarded-For` names the device: a request from one of them is limited by the address that header
         /// gives (the rightmost that is not itself a trusted proxy), not by the proxy's. From any other peer the header
@@ -113,6 +118,8 @@ public struct C3PROReceiver: Sendable {
     /// When expired tokens were last removed (nil: not yet, by this receiver).
     private let tokensPruned = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     private let limiter: RateLimiter
+    /// ``Configuration/secretChecksPerMinute``: one window for every address.
+    private let secretChecks: RateLimiter
     private let antispam: AntispamSecrets
     private let assertions: ClientAssertionVerifier
     private let logger: Logger
@@ -130,6 +137,7 @@ public struct C3PROReceiver: Sendable {
         self.configuration = configuration
         self.registry = queue.clientRegistry
         self.limiter = RateLimiter(perMinute: configuration.authRequestsPerMinute)
+        self.secretChecks = RateLimiter(perMinute: configuration.secretChecksPerMinute)
         self.antispam = AntispamSecrets(configuration.antispamSecrets)
         self.logger = logger
     }
@@ -194,6 +202,7 @@ public struct C3PROReceiver: Sendable {
             refused.headers[.wwwAuthenticate] = #"Antispam realm="dq""#
             return refused
         }
+        if let wait = secretChecks.refuse(Self.everyone) { return busy(wait) }
         var request = request
         let body: ByteBuffer
         do {
@@ -245,6 +254,7 @@ public struct C3PROReceiver: Sendable {
         guard let (id, secret) = Self.basicCredentials(request.headers[.authorization]) else {
             return oauthError(.unauthorized, "invalid_client", "HTTP Basic client authentication is required", challenge: true)
         }
+        if let wait = secretChecks.refuse(Self.everyone) { return busy(wait) }
         // The id and secret raw, or form-encoded before Base64 (RFC 6749 2.3.1, as p2/OAuth2 sends them).
         var candidates = [(id, secret)]
         if let decodedID = Self.formDecode(id), let decodedSecret = Self.formDecode(secret), (decodedID, decodedSecret) != (id, secret) {
@@ -676,6 +686,17 @@ public struct C3PROReceiver: Sendable {
     private func bearerChallenge(_ description: String, error: String? = nil) -> Response {
         var response = FHIRExchange.outcome(.unauthorized, "login", description)
         response.headers[.wwwAuthenticate] = #"Bearer realm="dq""# + (error.map { #", error="\#($0)""# } ?? "")
+        return response
+    }
+
+    /// The key of ``secretChecks``' one window.
+    private static let everyone = "*"
+
+    /// 503 with `Retry-After`: the receiver takes no more secret checks this minute (from anyone).
+    private func busy(_ wait: Int) -> Response {
+        var response = oauthError(
+            .serviceUnavailable, "temporarily_unavailable", "the receiver is checking too many secrets now; try again later")
+        response.headers[.retryAfter] = String(wait)
         return response
     }
 

@@ -41,6 +41,9 @@ struct ServeSettings: Sendable, Equatable {
     var plainAtRest = false
     /// `auth_requests_per_minute`: per source address, for `register` and `oauth` (default 60; 0: no limit).
     var authRequestsPerMinute = 60
+    /// `secret_checks_per_minute`: secret hashings and checks (scrypt) for all addresses together (default 1,200;
+    /// 0: no limit).
+    var secretChecksPerMinute = 1200
     /// `trusted_proxies`: the IP addresses of proxies whose `X-Forwarded-For` names the device (default none).
     var trustedProxies: [String] = []
     /// `body_timeout_seconds`: how long a request's body may take to arrive (default 60; 408 after it).
@@ -73,10 +76,9 @@ struct ServeSettings: Sendable, Equatable {
 
     static let keys: Set<String> = [
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
-        "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute", "trusted_proxies",
-        "body_timeout_seconds", "idle_timeout_seconds", "dedupe_window_days", "role", "forward_to", "forward_certificate", "forward_key_id",
-        "edges", "routes",
-        "tls",
+        "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
+        "secret_checks_per_minute", "trusted_proxies", "body_timeout_seconds", "idle_timeout_seconds", "dedupe_window_days",
+        "role", "forward_to", "forward_certificate", "forward_key_id", "edges", "routes", "tls",
     ]
 
     /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
@@ -126,6 +128,7 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try flag("plain_fhir") { settings.plainFHIR = value }
         if let value = try flag("plain_at_rest") { settings.plainAtRest = value }
         if let value = try integer("auth_requests_per_minute", 0...1_000_000) { settings.authRequestsPerMinute = value }
+        if let value = try integer("secret_checks_per_minute", 0...1_000_000) { settings.secretChecksPerMinute = value }
         if let value = object["trusted_proxies"] {
             guard let addresses = value as? [String],
                 addresses.allSatisfy({ (try? SocketAddress(ipAddress: $0, port: 0)) != nil })
@@ -395,6 +398,7 @@ extension DQ {
                 deliveryWait: options.role == .edge ? .zero : .seconds(2))
             receiving.clientKeySets = try options.edgeKeySets()
             receiving.trustedProxies = Set(options.trustedProxies)
+            receiving.secretChecksPerMinute = options.secretChecksPerMinute
             receiving.routes = try await Self.routeQueues(options.routes, settings: settings, logger: logger)
             let receiver = try C3PROReceiver(queue: queue, configuration: receiving, logger: Logger(label: "dq.serve"))
             try await receiver.loadClientKeySets()
@@ -504,6 +508,7 @@ struct ServeReload: Service {
             ("questionnaires_dir", { $0.questionnairesDirectory ?? "" }), ("max_body_bytes", { "\($0.maxBodyBytes)" }),
             ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
             ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
+            ("secret_checks_per_minute", { "\($0.secretChecksPerMinute)" }),
             ("trusted_proxies", { $0.trustedProxies.description }),
             ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }),
             ("idle_timeout_seconds", { "\($0.idleTimeoutSeconds)" }),

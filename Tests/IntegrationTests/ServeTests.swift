@@ -859,7 +859,7 @@ struct ServeTests {
     }
 
     @Test(
-        "SIGHUP: dq serve goes on serving and reads the antispam file and the keys again; register and oauth are limited per address (429 with Retry-After); an expired token is refused (401)"
+        "SIGHUP: dq serve goes on serving and reads the antispam file and the keys again; register and oauth are limited per address (429 with Retry-After); an expired token is refused (401); secret checks are limited for all addresses together (503 with Retry-After)"
     )
     func hangupAndRateLimit() async throws {
         let server = try await FHIRServer.start()
@@ -930,6 +930,26 @@ struct ServeTests {
             [sealed("/c3pro/encfhir/Observation", observation("h3"), certificate: keys.certificate, keyID: "k1", token: short)])
         #expect(expired.first?.status == 401, "expired: \(expired)")
         #expect(try await eventually { try await values(server) == ["h0", "h1", "h2"] }, "\(receiver.log.suffix(2000))")
+        #expect(await receiver.stop().status == 0)
+
+        // Two secret checks (scrypt) a minute from all addresses together, none per address: a registration and a
+        // token request take them; the next of each is answered 503 with Retry-After; a wrong Antispam costs none.
+        let checked = try await configure(
+            server: server.base, serve: ["auth_requests_per_minute": 0, "secret_checks_per_minute": 2], name: "checked.json")
+        receiver = try await start(checked)
+        let checks = try await client(
+            receiver.base,
+            [registration(antispam), tokenRequest(registered), tokenRequest(registered), registration(antispam), registration("wrong")])
+        #expect(checks.map(\.status) == [201, 200, 503, 503, 401], "\(checks)")
+        for answer in checks[2...3] {
+            let wait = Int(answer.retryAfter) ?? 0
+            #expect((1...60).contains(wait) && answer.strictJSON, "\(answer) Retry-After \(answer.retryAfter)")
+            #expect(answer.object["error"] as? String == "temporarily_unavailable", "\(answer)")
+        }
+        let stillPosting = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("h4"), certificate: keys.certificate, keyID: "k1", token: bearer)])
+        #expect(stillPosting.first?.status == 202, "a device with a token goes on posting: \(stillPosting)")
         #expect(await receiver.stop().status == 0)
     }
 
