@@ -23,7 +23,7 @@ extension DQ {
             } else {
                 guard let data = FileManager.default.contents(atPath: file) else {
                     printError("dq: \(file): cannot be read")
-                    throw ExitCode(Exit.dataError)
+                    throw ExitCode(Exit.noInput)
                 }
                 envelope = data
             }

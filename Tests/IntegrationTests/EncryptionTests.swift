@@ -216,5 +216,9 @@ struct EncryptionTests {
         #expect(badKey.status == 78)
         let missingKey = try await dq(["decrypt", "--key", work.file("nope.pem"), corrupt], [:])
         #expect(missingKey.status == 78)
+        // An envelope file that cannot be read is missing input (66), as for dq enqueue, not bad data (65).
+        let missingEnvelope = try await dq(["decrypt", "--key", keys.privateKey, work.file("nope.json")], [:])
+        #expect(missingEnvelope.status == 66, "\(missingEnvelope.stderr)")
+        #expect(missingEnvelope.stderr.contains("nope.json: cannot be read"), "\(missingEnvelope.stderr)")
     }
 }
