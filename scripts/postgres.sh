@@ -24,6 +24,7 @@
 # database `dq`. As root the server runs as `nobody` (PostgreSQL refuses to run as root); when nobody cannot
 # traverse the folders above DIR (a clone in a 0700 folder), DIR is a link to a folder in /var/tmp/dq-postgres.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) ends the script too
 
 bin=""
 for candidate in /usr/lib/postgresql/*/bin; do [ -x "$candidate/initdb" ] && bin="$candidate"; done
@@ -57,10 +58,13 @@ place() { # DIR: make DIR (once) where the server's user can reach it; prints it
   # 0700 (mktemp -d, a home folder) cannot be traversed: the cluster is then kept in /var/tmp/dq-postgres/HASH
   # (HASH from DIR's path) and DIR is made a link to it. A DIR that did not exist gets a new, empty folder there.
   local dir="$1"
+  if [ -L "$dir" ] && [ ! -e "$dir" ]; then
+    rm -f "$dir"  # a link to a folder that is gone (/var/tmp cleaned): placed again below, empty
+  fi
   if [ "$(id -u)" != 0 ] || [ -L "$dir" ]; then
     mkdir -p "$dir"
     physical "$dir"
-    return 0
+    return
   fi
   mkdir -p "$(dirname "$dir")"
   local parent
@@ -68,7 +72,7 @@ place() { # DIR: make DIR (once) where the server's user can reach it; prints it
   if runuser -u nobody -- test -x "$parent"; then
     mkdir -p "$dir"
     physical "$dir"
-    return 0
+    return
   fi
   if [ -e "$dir" ]; then
     echo "postgres: $parent cannot be reached by the server's user (nobody), and $dir already exists as a folder; remove it or use a folder nobody can traverse" >&2
@@ -77,8 +81,13 @@ place() { # DIR: make DIR (once) where the server's user can reach it; prints it
   local base=/var/tmp/dq-postgres hash
   hash="$(printf '%s' "$parent/$(basename "$dir")" | sha256sum | cut -c1-16)"
   mkdir -p "$base"
+  # /var/tmp is everyone's: the folder root works in must be root's own, not a link or another user's.
+  if [ -L "$base" ] || [ ! -d "$base" ] || [ "$(stat -c %u "$base")" != 0 ]; then
+    echo "postgres: $base is not a folder of root's own; remove it" >&2
+    exit 73
+  fi
   chmod 755 "$base"
-  rm -rf "${base:?}/$hash"
+  rm -rf "${base:?}/${hash:?}"
   mkdir -m 755 "$base/$hash"
   ln -s "$base/$hash" "$dir"
   echo "postgres: $parent cannot be reached by the server's user (nobody); the cluster is kept in $base/$hash ($dir links to it)" >&2
@@ -88,6 +97,7 @@ place() { # DIR: make DIR (once) where the server's user can reach it; prints it
 start() { # DIR PORT [TLSDIR]
   local dir port="$2" tls="${3:-}"
   dir="$(place "$1")"
+  [ -n "$dir" ] || { echo "postgres: cannot place $1" >&2; exit 73; }
   if [ ! -f "$dir/data/PG_VERSION" ]; then
     rm -rf "$dir/data"
     mkdir -p "$dir/data"
@@ -162,6 +172,7 @@ INI
 standby() { # DIR PORT PRIMARY_DIR PRIMARY_PORT
   local dir port="$2" primary="$3" primary_port="$4"
   dir="$(place "$1")"
+  [ -n "$dir" ] || { echo "postgres: cannot place $1" >&2; exit 73; }
   rm -rf "$dir/data"
   cp "$primary/password" "$dir/password"
   mkdir -p "$dir/data"
