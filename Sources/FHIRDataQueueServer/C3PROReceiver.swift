@@ -254,16 +254,24 @@ public struct C3PROReceiver: Sendable {
         guard let (id, secret) = Self.basicCredentials(request.headers[.authorization]) else {
             return oauthError(.unauthorized, "invalid_client", "HTTP Basic client authentication is required", challenge: true)
         }
-        if let wait = secretChecks.refuse(Self.everyone) { return busy(wait) }
         // The id and secret raw, or form-encoded before Base64 (RFC 6749 2.3.1, as p2/OAuth2 sends them).
         var candidates = [(id, secret)]
         if let decodedID = Self.formDecode(id), let decodedSecret = Self.formDecode(secret), (decodedID, decodedSecret) != (id, secret) {
             candidates.append((decodedID, decodedSecret))
         }
-        var client: String?
+        var registered: [(id: String, secret: String, stored: String)] = []
         for (id, secret) in candidates {
-            let stored = try await registry.secretHash(clientID: id)
-            guard try await ClientSecrets.verifyOffPool(secret: secret, against: stored), let stored else { continue }
+            if let stored = try await registry.secretHash(clientID: id) { registered.append((id, secret, stored)) }
+        }
+        // An id no client has costs no scrypt (and none of the secret checks' budget, which made-up credentials
+        // could otherwise spend for everyone): ids are random UUIDs, so answering faster for one tells nothing usable.
+        guard !registered.isEmpty else {
+            return oauthError(.unauthorized, "invalid_client", "the client id or secret is wrong", challenge: true)
+        }
+        if let wait = secretChecks.refuse(Self.everyone) { return busy(wait) }
+        var client: String?
+        for (id, secret, stored) in registered {
+            guard try await ClientSecrets.verifyOffPool(secret: secret, against: stored) else { continue }
             if ClientSecrets.isLegacy(stored) {
                 // A secret imported from the C3-PRO server's unsalted hash, re-hashed on its first use.
                 _ = try await registry.replaceSecretHash(
@@ -559,8 +567,9 @@ public struct C3PROReceiver: Sendable {
 
     // MARK: - Answers
 
-    /// Counts an answer given to one of the receiver's routes before it ran (a body refused by
-    /// ``BodyLimitMiddleware``, 413 or 408) as the route's own answers are counted: per endpoint and status.
+    /// Counts an answer given to one of the receiver's routes before it ran (by ``BodyLimitMiddleware``: a body
+    /// refused, 413 or 408, or a request ``admit(_:endpointPath:)`` answered) as the route's own answers are counted:
+    /// per endpoint and status.
     /// `endpointPath` is the route the router resolved (`RequestContext.endpointPath`); another route's is not counted.
     public func countRefusal(_ request: Request, endpointPath: String?, status: HTTPResponse.Status) {
         guard let endpoint = endpoint(of: request, route: endpointPath) else { return }
@@ -580,14 +589,14 @@ public struct C3PROReceiver: Sendable {
 
     /// The answer to a request to a bearer route (`encfhir`, `fhir`) whose token is missing, unknown or expired, from
     /// its head alone, for ``BodyLimitMiddleware``'s `admit`: its body is then read and thrown away, never kept.
-    /// Nil for a request that goes on (the route checks the token again, from the cache). Counted as the route's
-    /// answers are.
+    /// Nil for a request that goes on (the route checks the token again, from the cache). The middleware tells
+    /// ``countRefusal(_:endpointPath:status:)`` of what it answers in the end (this 401, or a 413 or 408 while the
+    /// body was being read).
     public func admit(_ request: Request, endpointPath: String?) async -> Response? {
         guard let endpoint = endpoint(of: request, route: endpointPath),
             [.envelope, .envelopeBatch, .plain].contains(endpoint),
             case .failure(let refused) = try? await authorize(request)
         else { return nil }
-        count(endpoint, refused.response.status)
         return refused.response
     }
 

@@ -100,8 +100,8 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
     public let maximumBytes: Int
     /// How long the whole body may take to arrive; nil: no limit.
     public let deadline: Duration?
-    /// Told of each refusal (413 or 408) before it is answered, with the request and its context (its route
-    /// resolved): where a host counts them with the answers of its routes.
+    /// Told of each answer given here (413, 408, or what `admit` answered) before it is sent, with the request and
+    /// its context (its route resolved): where a host counts them with the answers of its routes.
     public let refused: (@Sendable (Request, Context, HTTPResponse.Status) -> Void)?
     /// A request's own limit, when smaller than ``maximumBytes``; nil: the maximum.
     public let limit: (@Sendable (Request, Context) -> Int?)?
@@ -137,7 +137,10 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
                 return refusal(
                     .requestTimeout, "the request body did not arrive within \(deadline?.components.seconds ?? 0) s", request, context)
             }
-            if let answer { return answer }
+            if let answer {
+                refused?(request, context, answer.status)
+                return answer
+            }
             request.body = .init(buffer: body)
         } catch is NIOTooManyBytesError {
             return refusal(.contentTooLarge, "the request body is larger than \(maximum) bytes", request, context)

@@ -525,16 +525,20 @@ struct ServeTests {
                 ["path": "/c3pro/encfhir/QuestionnaireResponse", "bearer": bearer, "pad_bytes": 20 * megabyte],
                 ["path": "/c3pro/fhir/Observation", "bearer": bearer, "pad_bytes": 20 * megabyte, "chunked": true],
                 ["path": "/c3pro/register", "headers": ["Antispam": antispam], "pad_bytes": 20 * megabyte],
+                // No valid token and a chunked body over the limit: answered 413 once read that far, counted once.
+                ["path": "/c3pro/encfhir/Observation", "bearer": "not-a-token", "pad_bytes": 20 * megabyte, "chunked": true],
             ])
+        #expect(huge.count == 4)
         for answer in huge { #expect(answer.status == 413, "\(answer)") }
-        // Refused before their routes ran, and counted with their routes' answers.
+        // Refused before their routes ran, and counted with their routes' answers: each once, as sent.
         let afterHuge = try await metricLines(receiver, "dq_serve_requests_total")
         for line in [
-            #"dq_serve_requests_total{endpoint="encfhir",status="413"} 1"#, #"dq_serve_requests_total{endpoint="fhir",status="413"} 1"#,
+            #"dq_serve_requests_total{endpoint="encfhir",status="413"} 2"#, #"dq_serve_requests_total{endpoint="fhir",status="413"} 1"#,
             #"dq_serve_requests_total{endpoint="register",status="413"} 1"#,
         ] {
             #expect(afterHuge.contains(line), "\(line) in \(afterHuge)")
         }
+        #expect(!afterHuge.contains { $0.contains(#"endpoint="encfhir",status="401""#) }, "no 401 was sent: \(afterHuge)")
         // Still serving, and the token still valid after the restart.
         let after = try await client(
             receiver.base,

@@ -25,26 +25,18 @@ public struct SealedEnvelope: Sendable, Hashable {
     /// device that posts to the bare encrypted endpoint. The type inside is known once it is opened.
     public static let unnamedType = "Resource"
 
-    /// Whether `version` has the form of a FHIR version: `MAJOR.MINOR.PATCH`, each a number, and an optional
-    /// `-label` of letters, digits and dots (`3.0.0`, `1.4.0`, `1.8.0`, `5.0.0-ballot`), at most 32 characters.
+    /// Whether `version` is taken: 1 to 32 printable ASCII characters, not all spaces (`3.0.0`, `1.4.0`,
+    /// `5.0.0-draft-final`, `dstu 3`).
     ///
     /// C3-PRO apps sent the FHIR version their framework was built with: `1.0.2`, later `1.4.0` to `3.0.0` (and
-    /// their servers defaulted to `0.5.0` or `1.0.2`). The original receiver never checked it, and a device's queue
-    /// stops at its first refusal, so any version of this form is taken: an allow-list would block, for good, every
-    /// device built against one it left out. The version only routes (`serve.routes`) and is kept.
+    /// their servers defaulted to `0.5.0` or `1.0.2`); C3-PRO's Android framework names it `dstu 3`. The original
+    /// receiver never checked it, and a device's queue stops at its first refusal, so any such text is taken: an
+    /// allow-list or a pattern would block, for good, every device built with one it left out. The version only
+    /// routes (`serve.routes`) and is kept.
     public static func isVersion(_ version: String) -> Bool {
-        let bytes = Array(version.utf8)
-        guard bytes.count <= 32 else { return false }
-        let dash = bytes.firstIndex(of: UInt8(ascii: "-"))
-        let numbers = bytes[..<(dash ?? bytes.endIndex)].split(separator: UInt8(ascii: "."), omittingEmptySubsequences: false)
-        let isDigit = { (byte: UInt8) in (UInt8(ascii: "0")...UInt8(ascii: "9")).contains(byte) }
-        guard numbers.count == 3, numbers.allSatisfy({ (1...6).contains($0.count) && $0.allSatisfy(isDigit) }) else { return false }
-        guard let dash else { return true }
-        let label = bytes[(dash + 1)...]
-        let isLetter = { (byte: UInt8) in
-            (UInt8(ascii: "A")...UInt8(ascii: "Z")).contains(byte) || (UInt8(ascii: "a")...UInt8(ascii: "z")).contains(byte)
-        }
-        return !label.isEmpty && label.allSatisfy { isDigit($0) || isLetter($0) || $0 == UInt8(ascii: ".") }
+        let bytes = version.utf8
+        return (1...32).contains(bytes.count) && bytes.allSatisfy { (0x20...0x7E).contains($0) }
+            && bytes.contains { $0 != 0x20 }
     }
 
     /// The members an envelope may have.
@@ -79,7 +71,7 @@ public struct SealedEnvelope: Sendable, Hashable {
             throw invalid("\"\(field)\" is not standard base64")
         }
         guard let version = fields["version"], Self.isVersion(version) else {
-            throw invalid("\"version\" is not a FHIR version (MAJOR.MINOR.PATCH, as 3.0.0)")
+            throw invalid("\"version\" is not a version (1 to 32 printable ASCII characters, as 3.0.0)")
         }
         if let alg = document.members["alg"], JSONScanner.string(in: json, alg) != EnvelopeSealer.Format.authenticatedMarker {
             throw invalid("\"alg\" is not \(EnvelopeSealer.Format.authenticatedMarker)")
