@@ -7,7 +7,9 @@ extension DQ {
         static let configuration = CommandConfiguration(
             commandName: "decrypt",
             abstract: "Decrypt an envelope (C3-PRO or authenticated format) and print the resource.",
-            discussion: "For receivers and operators. Exit 65 for a corrupt envelope, 78 for an unreadable key.")
+            discussion:
+                "For receivers and operators. Exit 65 for a corrupt envelope, 66 for an envelope file that cannot be read, 78 for an unreadable key."
+        )
 
         @Option(help: "The receiver's RSA private key (PEM).") var key: String
         @Argument(help: "The envelope file, or - for standard input.") var file: String
