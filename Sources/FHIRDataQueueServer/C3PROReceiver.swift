@@ -319,15 +319,17 @@ public struct C3PROReceiver: Sendable {
         let lifetime = Int(configuration.tokenLifetime.components.seconds)
         try await registry.issueToken(
             tokenHash: ClientSecrets.tokenHash(token), clientID: client, expiresAt: Date().addingTimeInterval(Double(lifetime)))
-        await pruneTokensWhenDue()
+        pruneTokensWhenDue()
         var response = json(.ok, ["access_token": token, "token_type": "bearer", "expires_in": lifetime])
         response.headers[.cacheControl] = "no-store"
         return response
     }
 
     /// Removes the expired tokens once per ``Configuration/tokenPruneInterval``: every token request adds a row,
-    /// and a fleet asks for one each token lifetime, so without this the table grows for good.
-    private func pruneTokensWhenDue() async {
+    /// and a fleet asks for one each token lifetime, so without this the table grows for good. It runs beside the
+    /// answer, not before it, in transactions of at most ``tokenPruneBatch`` rows, so that the commits of the
+    /// ingest go between them (the first run after an upgrade may find a year of tokens).
+    private func pruneTokensWhenDue() {
         let now = ContinuousClock.now
         let due = tokensPruned.withLockedValue { last in
             guard last.map({ last in last.duration(to: now) >= configuration.tokenPruneInterval }) ?? true else { return false }
@@ -335,15 +337,26 @@ public struct C3PROReceiver: Sendable {
             return true
         }
         guard due else { return }
-        do {
-            let removed = try await registry.pruneTokens(before: Date())
+        Task { [registry, logger] in
+            let cutoff = Date()
+            var removed = 0
+            do {
+                while true {
+                    let batch = try await registry.pruneTokens(before: cutoff, limit: Self.tokenPruneBatch)
+                    removed += batch
+                    if batch < Self.tokenPruneBatch { break }
+                }
+            } catch {
+                logger.warning(
+                    "cannot remove expired tokens; tried again in an interval",
+                    metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(type(of: error))")"])
+            }
             if removed > 0 { logger.info("removed expired tokens", metadata: ["tokens": "\(removed)"]) }
-        } catch {
-            logger.warning(
-                "cannot remove expired tokens; tried again in an interval",
-                metadata: ["error": "\((error as? DataQueueError)?.message ?? "\(type(of: error))")"])
         }
     }
+
+    /// The most expired tokens removed in one transaction.
+    static let tokenPruneBatch = 10_000
 
     /// The client a request's bearer token was issued to, or the 401 to answer.
     private func authorize(_ request: Request) async throws -> Result<String, Refused> {

@@ -166,6 +166,24 @@ struct ClientRegistryTests {
         try await queue.shutdown()
     }
 
+    @Test("Pruning in batches removes at most the limit in each, the expired only, until none is left", arguments: kinds)
+    func pruneTokensInBatches(kind: StoreKind) async throws {
+        let queue = try await queue(kind)
+        let registry = queue.clientRegistry
+        try await registry.register(clientID: "c1", secretHash: "h", at: Self.start)
+        for index in 0..<5 {
+            try await registry.issueToken(tokenHash: "old\(index)", clientID: "c1", expiresAt: Self.start + Double(index))
+        }
+        try await registry.issueToken(tokenHash: "valid", clientID: "c1", expiresAt: Self.start + 3600)
+        let cutoff = Self.start + 60
+        #expect(try await registry.pruneTokens(before: cutoff, limit: 2) == 2)
+        #expect(try await registry.pruneTokens(before: cutoff, limit: 2) == 2)
+        #expect(try await registry.pruneTokens(before: cutoff, limit: 2) == 1)
+        #expect(try await registry.pruneTokens(before: cutoff, limit: 2) == 0)
+        #expect(try await registry.client(tokenHash: "valid", now: Self.start) == "c1", "the valid token stays")
+        try await queue.shutdown()
+    }
+
     // MARK: - Durability and sharing
 
     @Test("Clients and tokens survive closing the queue: a new queue on the same database sees them", arguments: reopenable)

@@ -47,8 +47,15 @@ package protocol ClientRegistry: Sendable {
     /// The client and expiry of a token that has not expired at `now` (its expiry is later than `now`), or nil.
     func token(hash tokenHash: String, now: Date) async throws -> (clientID: String, expiresAt: Date)?
 
-    /// Removes tokens that expired before `cutoff`; returns how many.
-    func pruneTokens(before cutoff: Date) async throws -> Int
+    /// Removes tokens that expired before `cutoff`, at most `limit` of them in one transaction; returns how many.
+    func pruneTokens(before cutoff: Date, limit: Int) async throws -> Int
+}
+
+extension ClientRegistry {
+    /// Removes every token that expired before `cutoff`; returns how many.
+    func pruneTokens(before cutoff: Date) async throws -> Int {
+        try await pruneTokens(before: cutoff, limit: .max)
+    }
 }
 
 extension DataQueue {
@@ -82,5 +89,5 @@ private struct NoClientRegistry: ClientRegistry {
     func replaceSecretHash(clientID: String, old: String, new: String) async throws -> Bool { throw refusal }
     func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws { throw refusal }
     func token(hash tokenHash: String, now: Date) async throws -> (clientID: String, expiresAt: Date)? { throw refusal }
-    func pruneTokens(before cutoff: Date) async throws -> Int { throw refusal }
+    func pruneTokens(before cutoff: Date, limit: Int) async throws -> Int { throw refusal }
 }

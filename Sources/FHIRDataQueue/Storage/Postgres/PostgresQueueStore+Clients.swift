@@ -82,13 +82,20 @@ extension PostgresQueueStore: ClientRegistry {
         }
     }
 
-    func pruneTokens(before cutoff: Date) async throws -> Int {
+    func pruneTokens(before cutoff: Date, limit: Int) async throws -> Int {
         try await run("remove expired tokens") { [self] in
             var removed = 0
-            for try await _ in try await client.query(
-                "DELETE FROM dq_tokens WHERE expires_at < \(cutoff.timeIntervalSince1970) RETURNING 1", logger: logger
-            ) {
-                removed += 1
+            let most = Int64(clamping: limit)
+            for try await count in try await client.query(
+                """
+                WITH gone AS (
+                  DELETE FROM dq_tokens WHERE token_hash IN (
+                    SELECT token_hash FROM dq_tokens WHERE expires_at < \(cutoff.timeIntervalSince1970) LIMIT \(most))
+                  RETURNING 1)
+                SELECT count(*) FROM gone
+                """, logger: logger
+            ).decode(Int64.self) {
+                removed = Int(count)
             }
             return removed
         }

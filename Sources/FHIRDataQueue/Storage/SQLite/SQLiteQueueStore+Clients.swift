@@ -64,9 +64,11 @@ extension SQLiteQueueStore: ClientRegistry {
         }
     }
 
-    func pruneTokens(before cutoff: Date) async throws -> Int {
+    func pruneTokens(before cutoff: Date, limit: Int) async throws -> Int {
         try await immediate("remove expired tokens") { db in
-            try db.execute(sql: "DELETE FROM dq_tokens WHERE expires_at < ?", arguments: [cutoff.timeIntervalSince1970])
+            try db.execute(
+                sql: "DELETE FROM dq_tokens WHERE rowid IN (SELECT rowid FROM dq_tokens WHERE expires_at < ? LIMIT ?)",
+                arguments: [cutoff.timeIntervalSince1970, Int64(clamping: limit)])
             return db.changesCount
         }
     }
