@@ -51,6 +51,15 @@ extension C3PROReceiver {
             guard let record else { return nil }
             switch record.event {
             case .delivered, .alreadyPresent: return .delivered(record)
+            // Refused by the write policy when it was sent (a `PUT` over a resource on the server that is not the
+            // client's): the 403 the receiver gives when it can tell at once.
+            case .parked where record.note?.hasPrefix(DataQueue.quarantinePrefix + WritePolicy.refusalPrefix) == true:
+                let reason = String(record.note?.dropFirst(DataQueue.quarantinePrefix.count) ?? "")
+                let issue: [String: Any] = ["severity": "error", "code": "forbidden", "diagnostics": reason]
+                let json =
+                    (try? JSONSerialization.data(
+                        withJSONObject: ["resourceType": "OperationOutcome", "issue": [issue]], options: [.sortedKeys])) ?? Data()
+                return Answer(status: 403, contentType: "application/fhir+json", body: json)
             // Parked for an operator (dq list --parked): the device is told it is taken. A refusal would make it
             // send the resource again and again (each copy parked again), and its queue, which stops at its first
             // error, would never move past it.

@@ -525,13 +525,16 @@ public struct C3PROReceiver: Sendable {
         if let id, resource.id != id {
             return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
         }
+        let target = route(version: nil, type: resource.resourceType)
+        if let refused = try await writeRefusal(resource, method: id == nil ? .post : .put, pathType: type, client: client, queue: target) {
+            return refused
+        }
         let path = "fhir/\(type)" + (id.map { "/\($0)" } ?? "")
         let fingerprint = key == nil ? "" : Self.plainFingerprint(method: id == nil ? "POST" : "PUT", path: path, body: resource.data)
         if let key, let first = try await queue.receipt(clientID: client, key: key) {
             return try await answerRepeat(first, fingerprint: fingerprint)
         }
         let idempotency = key.map { IdempotentRequest(key: $0, fingerprint: fingerprint) }
-        let target = route(version: nil, type: resource.resourceType)
         let item: QueuedItem
         do {
             // A queue that seals what it takes (an edge's) posts every envelope: the update is the opener's to make.
@@ -564,6 +567,28 @@ public struct C3PROReceiver: Sendable {
                 answer, for: Receipt(clientID: client, key: idempotency.key, fingerprint: fingerprint, itemID: item.id))
         }
         return answer.response
+    }
+
+    /// The 403 for a plain write the queue's ``WritePolicy`` refuses: a type devices may not write, a `DELETE` or
+    /// conditional entry in a Bundle, a path that names another type, or a `PUT` over a resource another client
+    /// wrote. Nil when it may be queued (whether a `PUT`'s id is new on the server is asked when it is sent).
+    private func writeRefusal(
+        _ resource: FHIRResource, method: FHIRMethod, pathType: String, client: String, queue: DataQueue
+    ) async throws -> Response? {
+        switch queue.configuration.writePolicy.evaluate(resource, method: method, pathType: pathType) {
+        case .refused(let why):
+            Counter(label: "dq_write_policy_refusals_total").increment()
+            return FHIRExchange.outcome(.forbidden, "forbidden", WritePolicy.refusalPrefix + why)
+        case .allowed(let targets):
+            for target in targets {
+                if let owner = try await registry.resourceOwner(queue: queue.queueName, target: target.path), owner != client {
+                    Counter(label: "dq_write_policy_refusals_total").increment()
+                    return FHIRExchange.outcome(
+                        .forbidden, "forbidden", WritePolicy.refusalPrefix + "\(target.path) was written by another client")
+                }
+            }
+            return nil
+        }
     }
 
     private func questionnaire(_ request: Request, id: String) async throws -> Response {

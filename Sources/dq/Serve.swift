@@ -71,6 +71,20 @@ struct ServeSettings: Sendable, Equatable {
     /// `routes`: resources that go to another FHIR server, by the envelope's version or the resource type: each
     /// `{"version": "1.0.2" | "resource_type": "Observation", "server": "https://…/fhir"}`, the first match wins.
     var routes: [ServeRoute] = []
+    /// `write_policy`: what devices may write, as SMART v2 scopes (`["system/Observation.c", "system/Patient.cu"]`);
+    /// default C3-PRO's writes plus Consent (``WritePolicy/c3pro``).
+    var writePolicy = WritePolicy.c3pro
+    /// `max_connections_per_address`: connections one address (an IPv6 /64) may hold open; a trusted proxy's count
+    /// only towards `max_connections` (default 64; 0: no limit).
+    var maxConnectionsPerAddress = 64
+    /// `max_connections`: connections open in all (default 4,096; 0: no limit), never more than the open-file limit
+    /// less what the delivery, the database and the keys need.
+    var maxConnections = 4096
+    /// `lingering_time_seconds`: how long a connection closing after its answer (a 413, a 408) is still read from,
+    /// so that a client still sending reads its answer (default 30, as nginx).
+    var lingeringTimeSeconds = 30
+    /// `lingering_timeout_seconds`: how long such a connection may send nothing before it is closed (default 5).
+    var lingeringTimeoutSeconds = 5
     /// Whether the file has a `serve` object at all.
     var present = false
 
@@ -78,7 +92,8 @@ struct ServeSettings: Sendable, Equatable {
         "listen", "path_prefix", "antispam_file", "keys_dir", "default_key_id", "token_lifetime_seconds",
         "questionnaires_dir", "max_body_bytes", "plain_fhir", "plain_at_rest", "auth_requests_per_minute",
         "secret_checks_per_minute", "trusted_proxies", "body_timeout_seconds", "idle_timeout_seconds", "dedupe_window_days",
-        "role", "forward_to", "forward_certificate", "forward_key_id", "edges", "routes", "tls",
+        "role", "forward_to", "forward_certificate", "forward_key_id", "edges", "routes", "tls", "write_policy",
+        "max_connections_per_address", "max_connections", "lingering_time_seconds", "lingering_timeout_seconds",
     ]
 
     /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
@@ -138,6 +153,10 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try integer("body_timeout_seconds", 1...3600) { settings.bodyTimeoutSeconds = value }
         if let value = try integer("idle_timeout_seconds", 1...3600) { settings.idleTimeoutSeconds = value }
         if let value = try integer("dedupe_window_days", 1...365) { settings.dedupeWindowDays = value }
+        if let value = try integer("max_connections_per_address", 0...1_000_000) { settings.maxConnectionsPerAddress = value }
+        if let value = try integer("max_connections", 0...1_000_000) { settings.maxConnections = value }
+        if let value = try integer("lingering_time_seconds", 1...3600) { settings.lingeringTimeSeconds = value }
+        if let value = try integer("lingering_timeout_seconds", 1...3600) { settings.lingeringTimeoutSeconds = value }
         if let value = try string("role") {
             guard let role = ServeRole(rawValue: value) else { throw invalid("\"serve.role\" must be \(ServeRole.choices)") }
             settings.role = role
@@ -164,6 +183,16 @@ struct ServeSettings: Sendable, Equatable {
                     throw invalid("\"serve.routes\" route \(index + 1): \"server\" must be an http(s) URL with a host")
                 }
                 return ServeRoute(version: route["version"] as? String, resourceType: route["resource_type"] as? String, server: server)
+            }
+        }
+        if let value = object["write_policy"] {
+            guard let scopes = value as? [String] else {
+                throw invalid("\"serve.write_policy\" must be a list of scopes, such as [\"system/Observation.c\", \"system/Patient.cu\"]")
+            }
+            do {
+                settings.writePolicy = try WritePolicy(scopes: scopes)
+            } catch {
+                throw invalid("\"serve.write_policy\": \(error.message)")
             }
         }
         return settings
@@ -279,6 +308,7 @@ extension DQ {
                         settings.envelopeKeyring = EnvelopeKeyring(directory: keys, defaultKeyID: loaded.defaultKeyID)
                     }
                     settings.duplicateWindow = TimeInterval(loaded.dedupeWindowDays) * 86_400
+                    settings.writePolicy = loaded.writePolicy
                     serve.withLockedValue { $0 = loaded }
                 }, waitsForDatabase: true
             ) { queue, settings, daemon in
@@ -423,7 +453,14 @@ extension DQ {
             // A connection that sends nothing HTTP can use (no request head, no body part) for the idle time is closed:
             // a device that trickles its headers, or a TLS handshake, a byte at a time holds a connection that long, not
             // for good (the body has its own deadline, above).
-            let http1 = HTTP1Channel.Configuration(idleTimeout: .seconds(Int64(options.idleTimeoutSeconds)))
+            let connections = ConnectionGuard(
+                .init(
+                    perAddress: options.maxConnectionsPerAddress,
+                    total: ConnectionBudget.connections(wanted: options.maxConnections, logger: logger),
+                    exempt: Set(options.trustedProxies), lingeringTime: .seconds(options.lingeringTimeSeconds),
+                    lingeringTimeout: .seconds(options.lingeringTimeoutSeconds)))
+            let http1 = HTTP1Channel.Configuration(
+                additionalChannelHandlers: connections.channelHandlers(), idleTimeout: .seconds(Int64(options.idleTimeoutSeconds)))
             let app = Application(
                 router: router,
                 server: try tls.map { try .tls(.http1(configuration: http1), tlsConfiguration: $0.configuration()) }
@@ -515,9 +552,42 @@ struct ServeReload: Service {
             ("dedupe_window_days", { "\($0.dedupeWindowDays)" }), ("role", { $0.role.rawValue }),
             ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
             ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),
-            ("routes", { $0.routes.description }),
+            ("routes", { $0.routes.description }), ("write_policy", { $0.writePolicy.description }),
+            ("max_connections_per_address", { "\($0.maxConnectionsPerAddress)" }), ("max_connections", { "\($0.maxConnections)" }),
+            ("lingering_time_seconds", { "\($0.lingeringTimeSeconds)" }),
+            ("lingering_timeout_seconds", { "\($0.lingeringTimeoutSeconds)" }),
             ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),
         ]
         return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)
+    }
+}
+
+/// The open files dq serve may give to connections: the soft limit raised to the hard one at start, less what the
+/// delivery (its HTTP connections), the database (its file, WAL, lock, or PostgreSQL connections), the keys and the
+/// logs need, so that a flood of connections can never stop the delivery ("Too many open files").
+enum ConnectionBudget {
+    /// The files kept for everything but connections.
+    static let reserved = 256
+
+    /// `wanted` (0: as many as the budget allows), at most the open-file limit less ``reserved``; said when lowered.
+    static func connections(wanted: Int, logger: Logger) -> Int {
+        var limit = rlimit()
+        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return wanted }
+        if limit.rlim_cur < limit.rlim_max {
+            var raised = limit
+            raised.rlim_cur = limit.rlim_max
+            if setrlimit(Int32(RLIMIT_NOFILE.rawValue), &raised) == 0 { limit = raised }
+        }
+        let files = Int(clamping: limit.rlim_cur)
+        let budget = max(16, files - reserved)
+        if wanted == 0 || wanted > budget {
+            if wanted != 0 {
+                logger.warning(
+                    "\"serve.max_connections\" is more than the open-file limit allows; lowered (raise LimitNOFILE to serve more)",
+                    metadata: ["max_connections": "\(budget)", "open_files": "\(files)"])
+            }
+            return budget
+        }
+        return wanted
     }
 }

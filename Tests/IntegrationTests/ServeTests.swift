@@ -742,6 +742,8 @@ struct ServeTests {
             ("nokeys.json", "nokeys-db.sqlite", ["keys_dir": nil], "serve.keys_dir"),
             ("nospam.json", "nospam-db.sqlite", ["antispam_file": nil], "serve.antispam_file"),
             ("missing.json", "missing-db.sqlite", ["antispam_file": "absent.txt"], "serve.antispam_file"),
+            ("delete.json", "delete-db.sqlite", ["write_policy": ["system/Patient.cud"]], "never delete"),
+            ("scope.json", "scope-db.sqlite", ["write_policy": ["Patient"]], "serve.write_policy"),
         ]
         for (name, database, serve, named) in cases {
             let config = try await configure(

@@ -243,11 +243,16 @@ public final class EnvelopeKeyring: Sendable {
     ///
     /// Each envelope opened is also counted per key id, for the durable counts `dq serve keys` shows.
     public func open(_ envelope: Data) throws(Failure) -> FHIRResource {
+        try openNamingKey(envelope).resource
+    }
+
+    /// The resource inside `envelope` and the id of the key that opened it, counted as ``open(_:)`` counts.
+    public func openNamingKey(_ envelope: Data) throws(Failure) -> (resource: FHIRResource, keyID: String) {
         do {
             let (resource, id) = try openCounted(envelope)
             Counter(label: "dq_envelopes_opened_total", dimensions: [("key_id", id)]).increment()
             openCounts.withLockedValue { $0[id, default: 0] += 1 }
-            return resource
+            return (resource, id)
         } catch {
             let (id, reason): (String, String) =
                 switch error {

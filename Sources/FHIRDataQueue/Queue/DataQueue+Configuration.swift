@@ -194,6 +194,12 @@ extension DataQueue {
         /// batch of up to ``batchSize`` (100 when automatic) and ``batchMaxBytes``, committed there all or none, in
         /// order. A receiver that refuses a batch gets one envelope per request from then on. The default is false.
         public var envelopeBatches = false
+        /// What a receiver's clients may write (``WritePolicy``; `serve.write_policy`): applied to every item a
+        /// receiver queued with its client, when it is sent (an envelope once opened). A write the policy refuses is
+        /// quarantined (parked with a reason that begins ``DataQueue/quarantinePrefix``, never sent). Items queued
+        /// without a client (`dq enqueue`, a library host's own) are not subject to it. The default is
+        /// ``WritePolicy/c3pro``.
+        public var writePolicy: WritePolicy = .c3pro
 
         /// Creates a configuration. Every parameter has the default stated on its property.
         public init(
@@ -459,6 +465,7 @@ extension DataQueue.Configuration: RedactedDescription {
             .custom("atRest", atRest.map(\.ids), shown: atRest.map(\.ids)),
             .custom("envelopeKeyring", envelopeKeyring.map(\.directory), shown: envelopeKeyring.map(\.directory)),
             .plain("duplicateWindow", duplicateWindow), .plain("envelopeBatches", envelopeBatches),
+            .plain("writePolicy", writePolicy),
         ]
     }
 }

@@ -151,6 +151,36 @@ struct Delivery: Sendable {
     }
 
     /// What `base/metadata` answered (nil when no answer came), with the current credential.
+    /// Whether a resource is on the server, as a `GET` of `url` answers: for the write policy's `PUT` targets.
+    func existence(of url: String) async -> Existence {
+        let header: String?
+        do {
+            header = try await authorization?.authorizationHeader(forceRefresh: false, logger: logger)
+        } catch {
+            return .authentication(status: nil, message: "cannot get a token to read the server")
+        }
+        let response: TransportResponse
+        do {
+            response = try await transport.get(url, authorization: header, logger: logger)
+        } catch {
+            return .unknown(status: nil, message: "the server did not answer whether the resource exists")
+        }
+        switch response.status {
+        case 200...299: return .present
+        case 404: return .absent
+        case 410: return .deleted
+        case 401, 403: return .authentication(status: response.status, message: "the server refused dq's credentials (HTTP \(response.status))")
+        default: return .unknown(status: response.status, message: "the server answered HTTP \(response.status) to whether the resource exists")
+        }
+    }
+
+    /// What a `GET` of a resource said (``existence(of:)``).
+    enum Existence: Equatable {
+        case present, absent, deleted
+        case authentication(status: Int?, message: String)
+        case unknown(status: Int?, message: String)
+    }
+
     func capabilityStatement(base: String) async -> TransportResponse? {
         let header = try? await authorization?.authorizationHeader(forceRefresh: false, logger: logger)
         return try? await transport.get(base + "/metadata", authorization: header, logger: logger)

@@ -1,5 +1,6 @@
 import Foundation
 import Logging
+import Metrics
 import NIOConcurrencyHelpers
 import NIOCore
 
@@ -173,6 +174,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 try await refill(to: batchSize)
             }
             if try await skipDuplicate() { continue }
+            if case .stop = try await claimWriteTargets() { return }
             handled = []
             let step: Step
             if head.info.encrypted && context.configuration.envelopeBatches && batchesEnvelopes {
@@ -230,6 +232,72 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         return true
     }
 
+    // MARK: - Write policy
+
+    /// The receiver's write policy on an item of `clientID`'s: nil when allowed (its `PUT` targets, if any, left
+    /// for ``claimWriteTargets()``), else the quarantine reason. Counted in `dq_write_policy_refusals_total`.
+    static func applyPolicy(
+        _ policy: WritePolicy, to item: inout StoredItem, resource: FHIRResource, method: FHIRMethod, pathType: String?
+    ) -> String? {
+        item.policyApplied = true
+        switch policy.evaluate(resource, method: method, pathType: pathType) {
+        case .allowed(let targets):
+            item.writeTargets = targets
+            return nil
+        case .refused(let why):
+            Counter(label: "dq_write_policy_refusals_total").increment()
+            return DataQueue.quarantinePrefix + WritePolicy.refusalPrefix + why
+        }
+    }
+
+    /// Checks the head's `PUT` targets (``WritePolicy/Target``) before it is sent: each must be the client's own
+    /// (claimed by it before) or new on the server, and is then claimed for it. A target another client wrote, or
+    /// that is on the server and no client wrote, quarantines the head (parked by the step, never sent). A server
+    /// that cannot say stops the flush as a failed send does (the head is sent later, in order).
+    private func claimWriteTargets() async throws -> Step? {
+        guard var head = prefetched.first, !head.writeTargets.isEmpty, head.unreadable == nil, let client = head.clientID
+        else { return nil }
+        func refuse(_ why: String) -> Step? {
+            Counter(label: "dq_write_policy_refusals_total").increment()
+            head.unreadable = DataQueue.quarantinePrefix + WritePolicy.refusalPrefix + why
+            head.writeTargets = []
+            prefetched[prefetched.startIndex] = head
+            return nil
+        }
+        let base = (context.store as? SealedStorage)?.inner ?? context.store
+        guard let registry = base as? any ClientRegistry else {
+            return refuse("this queue's store keeps no record of who wrote what")
+        }
+        for target in head.writeTargets {
+            let owner = try await registry.resourceOwner(queue: context.queueName, target: target.path)
+            if let owner, owner != client { return refuse("\(target.path) was written by another client") }
+            if owner == client && target.mayUpdate { continue }
+            switch await context.delivery.existence(of: context.endpoints.plain + "/" + target.path) {
+            case .absent:
+                guard target.mayCreate else { return refuse("devices may not create \(target.type) resources") }
+            case .present:
+                return refuse(
+                    owner == client
+                        ? "devices may not update \(target.type) resources"
+                        : "\(target.path) is on the server and was not written by this client")
+            case .deleted:
+                return refuse("\(target.path) was deleted on the server")
+            case .authentication(let status, let message):
+                try await recordAuthentication(head.info, status: status, message: message)
+                return .stop
+            case .unknown(let status, let message):
+                try await recordTransient(head.info, status: status, message: message, retryAfter: nil)
+                return .stop
+            }
+            report.requests += 1
+            let holder = try await registry.claimResource(queue: context.queueName, target: target.path, clientID: client, at: Date())
+            if holder != client { return refuse("\(target.path) was written by another client") }
+        }
+        head.writeTargets = []
+        prefetched[prefetched.startIndex] = head
+        return nil
+    }
+
     // MARK: - Fetching and composing
 
     /// Fetches until `count` items are prefetched (or the queue, `through` or the byte limit is reached), then starts
@@ -275,6 +343,14 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                     exhausted = true
                     return
                 }
+                if !item.policyApplied, item.clientID != nil, !item.info.encrypted, item.unreadable == nil {
+                    // A receiver's plain item: the receiver refused what the policy refuses, so this finds its `PUT` targets.
+                    if let resource = try? FHIRResource(json: item.body) {
+                        item.unreadable = Self.applyPolicy(
+                            context.configuration.writePolicy, to: &item, resource: resource, method: item.info.method,
+                            pathType: item.info.url.isEmpty ? nil : item.info.resourceType)
+                    }
+                }
                 // Creates only: an update sent again (A, B, then A) is a change, not a repeat.
                 if item.digest == nil, let client = item.clientID, !item.info.encrypted, item.unreadable == nil,
                     item.info.method == .post
@@ -294,7 +370,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             queue: context.queueName, after: sequence, maxCount: maxCount,
             maxBytes: max(4 << 20, context.configuration.batchMaxBytes))
         return Fetched(
-            items: await opened(batch, keyring: context.configuration.envelopeKeyring, hooks: context.hooks),
+            items: await opened(
+                batch, keyring: context.configuration.envelopeKeyring, policy: context.configuration.writePolicy, hooks: context.hooks),
             hadEnvelopes: batch.contains { $0.info.encrypted && $0.unreadable == nil })
     }
 
@@ -349,7 +426,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// The opening threads run at a background priority: a drain is CPU work that can wait, while the receiver's
     /// requests and a FHIR server or database on the same machine (the requests the flush waits on) should not. With
     /// nothing else running the opening still has every core.
-    private static func opened(_ batch: [StoredItem], keyring: EnvelopeKeyring?, hooks: TestHooks) async -> [StoredItem] {
+    private static func opened(
+        _ batch: [StoredItem], keyring: EnvelopeKeyring?, policy: WritePolicy, hooks: TestHooks
+    ) async -> [StoredItem] {
         guard let keyring, batch.contains(where: { $0.info.encrypted && $0.unreadable == nil }) else { return batch }
         let results = NIOLockedValueBox([StoredItem?](repeating: nil, count: batch.count))
         let hook = hooks.openingEnvelope
@@ -357,7 +436,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             try await OwnThread.run("dq-envelopes", priority: .background) {
                 ParallelWork.forEach(batch.count) { index in
                     hook?()
-                    let item = opened(batch[index], keyring: keyring)
+                    let item = opened(batch[index], keyring: keyring, policy: policy)
                     results.withLockedValue { $0[index] = item }
                 }
             }
@@ -370,11 +449,11 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// An envelope as the plain create of the resource inside (opened in memory; the stored row stays the envelope),
     /// which then travels as any plain item does; one that does not open, quarantined: parked with the reason,
     /// nothing sent.
-    private static func opened(_ stored: StoredItem, keyring: EnvelopeKeyring) -> StoredItem {
+    private static func opened(_ stored: StoredItem, keyring: EnvelopeKeyring, policy: WritePolicy) -> StoredItem {
         guard stored.info.encrypted, stored.unreadable == nil else { return stored }
         var opened = stored
         do {
-            let resource = try keyring.open(stored.body)
+            let (resource, keyID) = try keyring.openNamingKey(stored.body)
             let info = stored.info
             // As a queue sends a resource it is given (DataQueue.defaultMethod): one with an id is an update (C3-PRO's
             // consumer PUT a Patient; an edge seals a device's PUT), a transaction or batch Bundle goes to the base,
@@ -392,6 +471,16 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             opened.digest = update ? nil : stored.clientID.map { ContentDigest(clientID: $0, plaintext: resource.data) }
             opened.contentType = "application/fhir+json"
             opened.conditionalCreate = !update && !bundle
+            // What a device may write: known only now that the envelope is open. The path's type is the sender's word,
+            // which must name what it sealed (an unnamed path names nothing).
+            if stored.clientID != nil {
+                let named = info.resourceType == SealedEnvelope.unnamedType ? nil : info.resourceType
+                if let refusal = applyPolicy(policy, to: &opened, resource: resource, method: update ? .put : .post, pathType: named) {
+                    Counter(label: "dq_envelopes_quarantined_total", dimensions: [("key_id", keyID), ("reason", "write_policy")])
+                        .increment()
+                    opened.unreadable = refusal
+                }
+            }
         } catch {
             opened.unreadable = DataQueue.quarantinePrefix + error.description
         }
@@ -412,6 +501,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 // yet) waits to be the head, where ``skipDuplicate()`` decides after the earlier one's answer.
                 if digests.contains(digest) || deliveredDigests[digest] != nil || !checkedDigests.contains(digest) { break }
             }
+            // Its `PUT` targets are checked when it is the head (``claimWriteTargets()``).
+            if !stored.writeTargets.isEmpty && !run.isEmpty { break }
             if let digest = stored.digest { digests.insert(digest) }
             let batchable = maximum > 1 && !stored.info.encrypted && !stored.info.url.isEmpty
             if !batchable && !run.isEmpty { break }

@@ -20,6 +20,7 @@ extension DataQueueSettings: RedactedDescription {
             .plain("noProxy", noProxy), .plain("tls", tls), .plain("environmentNetwork", environmentNetwork), .plain("auth", auth),
             .plain("encryption", encryption), .plain("atRest", atRest),
             .plain("envelopeKeyring", envelopeKeyring?.directory), .plain("duplicateWindow", duplicateWindow),
+            .plain("writePolicy", writePolicy),
             .plain("envelopeBatches", envelopeBatches),
             .plain("baseDirectory", baseDirectory),
             .plain("sourcePath", sourcePath), .plain("fileHoldsSecret", fileHoldsSecret),

@@ -179,6 +179,7 @@ extension DataQueueSettings {
         configuration.atRest = try resolveAtRest()
         configuration.envelopeKeyring = envelopeKeyring
         if let duplicateWindow { configuration.duplicateWindow = duplicateWindow }
+        if let writePolicy { configuration.writePolicy = writePolicy }
         configuration.envelopeBatches = envelopeBatches
         return Resolved(
             server: serverURL, configuration: configuration, authorization: authorization,
@@ -195,6 +196,7 @@ extension DataQueueSettings {
         configuration.atRest = try resolveAtRest()
         configuration.envelopeKeyring = envelopeKeyring
         if let duplicateWindow { configuration.duplicateWindow = duplicateWindow }
+        if let writePolicy { configuration.writePolicy = writePolicy }
         configuration.envelopeBatches = envelopeBatches
         return configuration
     }

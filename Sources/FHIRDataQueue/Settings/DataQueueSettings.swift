@@ -65,6 +65,9 @@ package struct DataQueueSettings: Sendable {
     /// How long `dq serve` recognises repeats (from `serve.dedupe_window_days`; see
     /// ``DataQueue/Configuration/duplicateWindow``); nil: the default.
     package var duplicateWindow: TimeInterval?
+    /// What a receiver's clients may write (`serve.write_policy`, ``DataQueue/Configuration/writePolicy``); nil: the
+    /// default.
+    package var writePolicy: WritePolicy?
     /// Whether envelopes go to the encrypted endpoint in batches (`dq serve --role edge`; see
     /// ``DataQueue/Configuration/envelopeBatches``).
     package var envelopeBatches = false

@@ -1,3 +1,4 @@
+import Crypto
 import Foundation
 
 /// Clients registered with a receiver (`dq serve`) and the bearer tokens issued to them, kept in the queue's database
@@ -49,6 +50,24 @@ package protocol ClientRegistry: Sendable {
 
     /// Removes tokens that expired before `cutoff`, at most `limit` of them in one transaction; returns how many.
     func pruneTokens(before cutoff: Date, limit: Int) async throws -> Int
+
+    /// Records that `clientID` writes `target` (`Type/id` on the server `queue` names) unless another client did
+    /// first, and returns the client that holds it: `clientID` when the claim is (or already was) its own. Kept as
+    /// the SHA-256 of queue and target (no resource id in the database), for the receiver's write policy
+    /// (``WritePolicy``): a device updates only what it wrote.
+    func claimResource(queue: String, target: String, clientID: String, at: Date) async throws -> String
+
+    /// The client that holds `target` on `queue` (see ``claimResource(queue:target:clientID:at:)``), or nil.
+    func resourceOwner(queue: String, target: String) async throws -> String?
+}
+
+/// The key a resource's claim is kept under: the SHA-256 of the queue and `Type/id`, in hex.
+func resourceClaimKey(queue: String, target: String) -> String {
+    var hash = SHA256()
+    hash.update(data: Data(queue.utf8))
+    hash.update(data: Data([0]))
+    hash.update(data: Data(target.utf8))
+    return hash.finalize().hexString
 }
 
 extension ClientRegistry {
@@ -90,4 +109,6 @@ private struct NoClientRegistry: ClientRegistry {
     func issueToken(tokenHash: String, clientID: String, expiresAt: Date) async throws { throw refusal }
     func token(hash tokenHash: String, now: Date) async throws -> (clientID: String, expiresAt: Date)? { throw refusal }
     func pruneTokens(before cutoff: Date, limit: Int) async throws -> Int { throw refusal }
+    func claimResource(queue: String, target: String, clientID: String, at: Date) async throws -> String { throw refusal }
+    func resourceOwner(queue: String, target: String) async throws -> String? { throw refusal }
 }

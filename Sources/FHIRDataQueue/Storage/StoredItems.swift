@@ -64,4 +64,8 @@ struct StoredItem: Sendable {
     /// Made in memory when the item is read for sending: the client and the SHA-256 of its plaintext (an envelope
     /// opened, or a plain body), by which a repeat of a delivered resource is recognised.
     var digest: ContentDigest? = nil
+    /// Made in memory when a receiver's item is read for sending: whether the write policy was applied to it, and the
+    /// `PUT` targets it allowed only once each is found new or the client's own (see ``WritePolicy/Target``).
+    var policyApplied = false
+    var writeTargets: [WritePolicy.Target] = []
 }

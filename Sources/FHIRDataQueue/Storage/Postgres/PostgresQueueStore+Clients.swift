@@ -101,3 +101,36 @@ extension PostgresQueueStore: ClientRegistry {
         }
     }
 }
+
+// The resources a receiver's clients wrote (``WritePolicy``): table `dq_resource_claims` (see ``schema``).
+extension PostgresQueueStore {
+    func claimResource(queue: String, target: String, clientID: String, at: Date) async throws -> String {
+        let key = resourceClaimKey(queue: queue, target: target)
+        return try await run("record a resource's writer") { [self] in
+            // The insert and the read in one statement: of two receivers claiming at once, both read the one that won.
+            for try await owner in try await client.query(
+                """
+                WITH claimed AS (
+                  INSERT INTO dq_resource_claims (claim, client_id, claimed_at) VALUES (\(key), \(clientID), \(at.timeIntervalSince1970))
+                  ON CONFLICT (claim) DO NOTHING RETURNING client_id)
+                SELECT client_id FROM claimed UNION ALL SELECT client_id FROM dq_resource_claims WHERE claim = \(key)
+                """, logger: logger
+            ).decode(String.self) {
+                return owner
+            }
+            return clientID
+        }
+    }
+
+    func resourceOwner(queue: String, target: String) async throws -> String? {
+        let key = resourceClaimKey(queue: queue, target: target)
+        return try await run("read a resource's writer") { [self] in
+            for try await owner in try await client.query(
+                "SELECT client_id FROM dq_resource_claims WHERE claim = \(key)", logger: logger
+            ).decode(String.self) {
+                return owner
+            }
+            return nil
+        }
+    }
+}

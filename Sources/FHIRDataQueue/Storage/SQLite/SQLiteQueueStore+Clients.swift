@@ -73,3 +73,24 @@ extension SQLiteQueueStore: ClientRegistry {
         }
     }
 }
+
+// The resources a receiver's clients wrote (``WritePolicy``): table `dq_resource_claims` (migration v9-claims).
+extension SQLiteQueueStore {
+    func claimResource(queue: String, target: String, clientID: String, at: Date) async throws -> String {
+        let key = resourceClaimKey(queue: queue, target: target)
+        return try await immediate("record a resource's writer") { db in
+            try db.execute(
+                sql: "INSERT INTO dq_resource_claims (claim, client_id, claimed_at) VALUES (?, ?, ?) ON CONFLICT (claim) DO NOTHING",
+                arguments: [key, clientID, at.timeIntervalSince1970])
+            return try String.fetchOne(db, sql: "SELECT client_id FROM dq_resource_claims WHERE claim = ?", arguments: [key])
+                ?? clientID
+        }
+    }
+
+    func resourceOwner(queue: String, target: String) async throws -> String? {
+        let key = resourceClaimKey(queue: queue, target: target)
+        return try await read("read a resource's writer") { db in
+            try String.fetchOne(db, sql: "SELECT client_id FROM dq_resource_claims WHERE claim = ?", arguments: [key])
+        }
+    }
+}

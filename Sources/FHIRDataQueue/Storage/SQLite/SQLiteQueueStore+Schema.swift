@@ -276,6 +276,12 @@ extension SQLiteQueueStore {
         }
         registerKeyOpensMigration(&migrator)
         registerReceiptsMigration(&migrator)
+        migrator.registerMigration("v9-claims") { db in
+            // Which client of a receiver wrote a resource (see ``ClientRegistry/claimResource(queue:target:clientID:at:)``):
+            // the SHA-256 of the queue and `Type/id`, never the id itself.
+            try db.execute(
+                sql: "CREATE TABLE dq_resource_claims (claim TEXT PRIMARY KEY, client_id TEXT NOT NULL, claimed_at REAL NOT NULL)")
+        }
         return migrator
     }
 
