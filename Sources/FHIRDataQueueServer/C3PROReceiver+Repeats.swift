@@ -24,9 +24,14 @@ extension C3PROReceiver {
                 body: body.isEmpty ? .init() : .init(byteBuffer: ByteBuffer(bytes: body)))
         }
 
-        /// 201 with the server's `Location`: delivered.
-        static func delivered(_ record: DeliveryRecord) -> Answer {
-            Answer(status: 201, location: record.location, contentType: nil, body: Data())
+        /// 201 with the resource's `Location` under `locationBase` (the receiver's own `<prefix>/fhir`, never the FHIR
+        /// server's address): `<base>/<type>/<id>/_history/<version>`, as much of it as the server said.
+        static func delivered(_ record: DeliveryRecord, locationBase: String) -> Answer {
+            var location: String?
+            if let id = record.serverID {
+                location = "\(locationBase)/\(record.resourceType)/\(id)" + (record.versionID.map { "/_history/\($0)" } ?? "")
+            }
+            return Answer(status: 201, location: location, contentType: nil, body: Data())
         }
 
         /// 202 with the queued item's id: taken, not sent yet.
@@ -47,10 +52,10 @@ extension C3PROReceiver {
         }()
 
         /// What a plain resource's journal line answers, nil while it has none.
-        static func of(_ record: DeliveryRecord?, item: UUID) -> Answer? {
+        static func of(_ record: DeliveryRecord?, item: UUID, locationBase: String) -> Answer? {
             guard let record else { return nil }
             switch record.event {
-            case .delivered, .alreadyPresent: return .delivered(record)
+            case .delivered, .alreadyPresent: return .delivered(record, locationBase: locationBase)
             // Refused by the write policy when it was sent (a `PUT` over a resource on the server that is not the
             // client's): the 403 the receiver gives when it can tell at once.
             case .parked where record.note?.hasPrefix(DataQueue.quarantinePrefix + WritePolicy.refusalPrefix) == true:
@@ -93,18 +98,26 @@ extension C3PROReceiver {
         return .success(String(key))
     }
 
-    /// The fingerprint of an envelope request: what stays the same when a C3-PRO app sends it again. The app wraps its
-    /// AES key anew on each attempt (RSA-OAEP is randomised), so `symmetric_key` is left out; `message` (the same while
-    /// the app keeps its AES key), `key_id`, `version` and the path's type are the request.
-    static func envelopeFingerprint(_ envelope: SealedEnvelope) -> String {
-        let object = (try? JSONSerialization.jsonObject(with: envelope.data)) as? [String: Any]
-        let message = object?["message"] as? String ?? ""
+    /// The fingerprint of an envelope request: what stays the same when a C3-PRO app sends it again. The app seals
+    /// each try anew (a fresh AES key and IV, a fresh RSA-OAEP wrap), so no byte of `message` or `symmetric_key` is
+    /// kept: the path's type, `key_id` and `version` are, and, where the receiver holds the key, the SHA-256 of the
+    /// client and the plaintext inside (opened in memory for keyed requests only, never stored). A different resource
+    /// under a reused key is then refused (422); an edge, which holds no key, cannot tell it from a retry.
+    func envelopeFingerprint(_ envelope: SealedEnvelope, client: String) -> String {
         var hash = SHA256()
-        for part in ["encfhir", envelope.resourceType, envelope.keyID, envelope.version, message] {
+        for part in ["encfhir", envelope.resourceType, envelope.keyID, envelope.version] {
             hash.update(data: Data(part.utf8))
             hash.update(data: Data([0]))
         }
-        return hash.finalize().hexString
+        let outer = hash.finalize().hexString
+        guard let keyring = queue.configuration.envelopeKeyring, let resource = try? keyring.openUncounted(envelope.data) else {
+            return outer
+        }
+        var inner = SHA256()
+        inner.update(data: Data(client.utf8))
+        inner.update(data: Data([0]))
+        inner.update(data: resource.data)
+        return outer + ":" + inner.finalize().hexString
     }
 
     /// The fingerprint of a plain request: its method, path and body.
@@ -139,7 +152,9 @@ extension C3PROReceiver {
             return response
         }
         let answer =
-            Answer.of(try await queue.journalRecord(receipt.itemID.uuidString.lowercased()), item: receipt.itemID)
+            Answer.of(
+                try await queue.journalRecord(receipt.itemID.uuidString.lowercased()), item: receipt.itemID,
+                locationBase: locationBase)
             ?? .queued(receipt.itemID)
         try await record(answer, for: receipt)
         return answer.response

@@ -68,6 +68,12 @@ public struct C3PROReceiver: Sendable {
         /// since the last removal (each receiver sharing the database removes them; what has expired is never valid
         /// again, so nothing valid goes). One hour by default.
         public var tokenPruneInterval: Duration = .seconds(3600)
+        /// The most items one client may have waiting in the database (pending, parked or quarantined): past it a
+        /// request is answered 429 with `Retry-After`, and the device keeps it for later. 10,000 by default; 0: no
+        /// limit. Envelope batches from an edge are not limited here (the edge limits its devices).
+        public var maximumWaitingPerClient: Int = 10_000
+        /// The most bytes (as stored) one client may have waiting: past it, 507. 256 MiB by default; 0: no limit.
+        public var maximumWaitingBytesPerClient: Int = 256 << 20
 
         /// A configuration with C3-PRO's defaults.
         public init(
@@ -120,6 +126,10 @@ public struct C3PROReceiver: Sendable {
     private let limiter: RateLimiter
     /// ``Configuration/secretChecksPerMinute``: one window for every address.
     private let secretChecks: RateLimiter
+    /// Wrong secrets per client id (``FailureBackoff``).
+    private let failedSecrets = FailureBackoff()
+    /// What each client has waiting, read from the database at most once a second per client.
+    private let waitingCounts = WaitingCounts()
     private let antispam: AntispamSecrets
     private let assertions: ClientAssertionVerifier
     private let logger: Logger
@@ -189,6 +199,23 @@ public struct C3PROReceiver: Sendable {
         router.get(path("fhir/Questionnaire/{id}")) { request, context in
             await measured(.questionnaire) { try await questionnaire(request, id: context.parameters.get("id") ?? "") }
         }
+        // Another method on a path the receiver serves is 405 with the methods it takes (RFC 9110 15.5.6), not 404.
+        let posts = ["register", "oauth", "encfhir", "encfhir/{type}", "fhirenc", "fhirenc/{type}", "fhir/{type}"]
+        for route in posts {
+            for method in [HTTPRequest.Method.get, .head, .put, .delete, .patch] {
+                router.on(path(route), method: method) { _, _ in Self.methodNotAllowed("POST") }
+            }
+        }
+        for method in [HTTPRequest.Method.get, .head, .post, .delete, .patch] {
+            router.on(path("fhir/{type}/{id}"), method: method) { _, _ in Self.methodNotAllowed("PUT") }
+        }
+    }
+
+    /// 405 naming the methods a path takes.
+    static func methodNotAllowed(_ allowed: String) -> Response {
+        var response = FHIRExchange.outcome(.methodNotAllowed, "not-supported", "this path takes \(allowed) only")
+        response.headers[.allow] = allowed
+        return response
     }
 
     // MARK: - Registration and tokens
@@ -224,12 +251,15 @@ public struct C3PROReceiver: Sendable {
         let hash = try await ClientSecrets.hashOffPool(secret: secret)
         try await registry.register(clientID: clientID, secretHash: hash, at: Date())
         logger.info("registered a client", metadata: ["client": "\(clientID)"])
-        return json(
+        var response = json(
             .created,
             [
                 "client_id": clientID, "client_secret": secret, "grant_types": ["client_credentials"],
                 "token_endpoint_auth_method": "client_secret_basic",
             ])
+        // It carries the client's secret: no cache may keep it (RFC 7591 3.2.1 points to RFC 6749 5.1's no-store).
+        response.headers[.cacheControl] = "no-store"
+        return response
     }
 
     private func token(_ request: Request, from address: SocketAddress?) async throws -> Response {
@@ -259,19 +289,20 @@ public struct C3PROReceiver: Sendable {
         if let decodedID = Self.formDecode(id), let decodedSecret = Self.formDecode(secret), (decodedID, decodedSecret) != (id, secret) {
             candidates.append((decodedID, decodedSecret))
         }
-        var registered: [(id: String, secret: String, stored: String)] = []
+        // An id that failed too often waits, whoever asks for it: guessing one client's secret from many addresses
+        // spends that id's turns, not the secret checks every device shares.
+        if let wait = failedSecrets.refuse(id) { return tooMany(wait) }
+        var registered: [(id: String, secret: String, stored: String?)] = []
         for (id, secret) in candidates {
             if let stored = try await registry.secretHash(clientID: id) { registered.append((id, secret, stored)) }
         }
-        // An id no client has costs no scrypt (and none of the secret checks' budget, which made-up credentials
-        // could otherwise spend for everyone): ids are random UUIDs, so answering faster for one tells nothing usable.
-        guard !registered.isEmpty else {
-            return oauthError(.unauthorized, "invalid_client", "the client id or secret is wrong", challenge: true)
-        }
+        // An id no client has is checked as a known one is (a hash of nothing, the same cost and budget), so that its
+        // answer comes in the same time: imported C3-PRO ids need not be random.
+        if registered.isEmpty { registered = [(id, secret, nil)] }
         if let wait = secretChecks.refuse(Self.everyone) { return busy(wait) }
         var client: String?
         for (id, secret, stored) in registered {
-            guard try await ClientSecrets.verifyOffPool(secret: secret, against: stored) else { continue }
+            guard try await ClientSecrets.verifyOffPool(secret: secret, against: stored), let stored else { continue }
             if ClientSecrets.isLegacy(stored) {
                 // A secret imported from the C3-PRO server's unsalted hash, re-hashed on its first use.
                 _ = try await registry.replaceSecretHash(
@@ -281,8 +312,10 @@ public struct C3PROReceiver: Sendable {
             break
         }
         guard let client else {
+            failedSecrets.failed(id)
             return oauthError(.unauthorized, "invalid_client", "the client id or secret is wrong", challenge: true)
         }
+        failedSecrets.succeeded(id)
         return try await issueToken(to: client)
     }
 
@@ -412,10 +445,11 @@ public struct C3PROReceiver: Sendable {
         } catch let error as DataQueueError {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
+        if let refused = try await overQuota(client, adding: body.readableBytes) { return refused }
         // With a key: a repeat is answered as the first was (202, nothing stored again); the receipt commits with
         // the item. Without one, the queue recognises a repeat when it opens it (client and plaintext digest).
         // The fingerprint only for a request with a key (it costs a parse and a hash: a tenth of an envelope's time).
-        let fingerprint = key == nil ? "" : Self.envelopeFingerprint(envelope)
+        let fingerprint = key == nil ? "" : envelopeFingerprint(envelope, client: client)
         if let key, let first = try await queue.receipt(clientID: client, key: key) {
             return try await answerRepeat(first, fingerprint: fingerprint)
         }
@@ -429,6 +463,13 @@ public struct C3PROReceiver: Sendable {
             return FHIRExchange.outcome(.badRequest, "invalid", error.message)
         }
         return Response(status: .accepted)
+    }
+
+    /// Where the receiver's answers say a delivered resource is: `<prefix>/fhir`, a path of the receiver's own (the
+    /// FHIR server behind it is not a device's business, nor reachable by it).
+    var locationBase: String {
+        let prefix = configuration.pathPrefix.split(separator: "/").joined(separator: "/")
+        return (prefix.isEmpty ? "" : "/" + prefix) + "/fhir"
     }
 
     /// The queue of the first route that matches, else the receiver's.
@@ -526,6 +567,7 @@ public struct C3PROReceiver: Sendable {
             return FHIRExchange.outcome(.badRequest, "invalid", "the resource's id is not the one in the path")
         }
         let target = route(version: nil, type: resource.resourceType)
+        if let refused = try await overQuota(client, adding: resource.data.count) { return refused }
         if let refused = try await writeRefusal(resource, method: id == nil ? .post : .put, pathType: type, client: client, queue: target) {
             return refused
         }
@@ -552,7 +594,9 @@ public struct C3PROReceiver: Sendable {
         let deadline = ContinuousClock.now + configuration.deliveryWait
         var answer: Answer
         while true {
-            if let made = Answer.of(try await target.journalRecord(item.id.uuidString.lowercased()), item: item.id) {
+            if let made = Answer.of(
+                try await target.journalRecord(item.id.uuidString.lowercased()), item: item.id, locationBase: locationBase)
+            {
                 answer = made
                 break
             }
@@ -567,6 +611,32 @@ public struct C3PROReceiver: Sendable {
                 answer, for: Receipt(clientID: client, key: idempotency.key, fingerprint: fingerprint, itemID: item.id))
         }
         return answer.response
+    }
+
+    /// The answer to a request that would take `client` past what it may have waiting (429 by count, 507 by bytes),
+    /// or nil; counts the request when it goes on. Nothing is stored for a refused request.
+    private func overQuota(_ client: String, adding bytes: Int) async throws -> Response? {
+        let count = configuration.maximumWaitingPerClient
+        let most = configuration.maximumWaitingBytesPerClient
+        guard count > 0 || most > 0 else { return nil }
+        let waiting = try await waitingCounts.waiting(client) { try await registry.waiting(clientID: client) }
+        if count > 0 && waiting.count >= count {
+            Counter(label: "dq_serve_quota_refusals_total", dimensions: [("limit", "count")]).increment()
+            var response = FHIRExchange.outcome(
+                .tooManyRequests, "throttled", "this device has \(count) resources waiting at the receiver; send again later")
+            response.headers[.retryAfter] = "60"
+            return response
+        }
+        if most > 0 && waiting.bytes + bytes > most {
+            Counter(label: "dq_serve_quota_refusals_total", dimensions: [("limit", "bytes")]).increment()
+            var response = FHIRExchange.outcome(
+                .init(code: 507, reasonPhrase: "Insufficient Storage"), "too-costly",
+                "this device has \(most) bytes waiting at the receiver; send again later")
+            response.headers[.retryAfter] = "60"
+            return response
+        }
+        waitingCounts.add(client, bytes: bytes)
+        return nil
     }
 
     /// The 403 for a plain write the queue's ``WritePolicy`` refuses: a type devices may not write, a `DELETE` or
@@ -679,11 +749,14 @@ public struct C3PROReceiver: Sendable {
         let prefix = configuration.pathPrefix.split(separator: "/")
         guard var parts = route?.split(separator: "/"), parts.starts(with: prefix) else { return nil }
         parts.removeFirst(prefix.count)
-        switch parts.first {
-        case "register": return .register
-        case "oauth": return .oauth
-        case "encfhir", "fhirenc": return EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) ? .envelopeBatch : .envelope
-        case "fhir": return request.method == .get ? .questionnaire : .plain
+        // A method the path does not take is none of these (its route answers 405).
+        switch (parts.first, request.method) {
+        case ("register", .post): return .register
+        case ("oauth", .post): return .oauth
+        case ("encfhir", .post), ("fhirenc", .post):
+            return EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) ? .envelopeBatch : .envelope
+        case ("fhir", .get): return .questionnaire
+        case ("fhir", .post), ("fhir", .put): return .plain
         default: return nil
         }
     }
@@ -923,6 +996,111 @@ final class TokenCache: Sendable {
                 if entries.count >= Self.capacity { entries.removeAll(keepingCapacity: true) }
             }
             entries[tokenHash] = (clientID, until)
+        }
+    }
+}
+
+/// Failed secret checks per client id: the first ``free`` in a row go at once; after them each next check of that id
+/// waits twice as long as the last (1 s, 2 s, 4 s… at most ``longest``), whichever address asks. A success clears
+/// the id; an id with no failure for ``forgetAfter`` is forgotten. The table is bounded as ``RateLimiter``'s is.
+///
+/// An attacker guessing one device's secret from many addresses then spends that id's turns, not the secret checks
+/// all devices share; the device itself waits while its id is being guessed (Retry-After says how long).
+final class FailureBackoff: Sendable {
+    /// Failures in a row that cost nothing extra.
+    static let free = 5
+    /// The longest wait.
+    static let longest: Duration = .seconds(300)
+    /// How long an id's failures are remembered after its last.
+    static let forgetAfter: Duration = .seconds(900)
+    /// The most ids remembered; past it, the oldest half go.
+    static let capacity = 100_000
+
+    private struct Record {
+        var failures: Int
+        var last: ContinuousClock.Instant
+    }
+
+    private let records = NIOLockedValueBox<[String: Record]>([:])
+
+    /// Nil when `id` may be checked at `now`; else the seconds to wait.
+    func refuse(_ id: String, now: ContinuousClock.Instant = .now) -> Int? {
+        records.withLockedValue { records in
+            guard let record = records[id] else { return nil }
+            if now - record.last >= Self.forgetAfter {
+                records[id] = nil
+                return nil
+            }
+            guard record.failures >= Self.free else { return nil }
+            let until = record.last + Self.wait(afterFailures: record.failures)
+            guard now < until else { return nil }
+            return max(1, Int((until - now).components.seconds) + 1)
+        }
+    }
+
+    /// The wait after `failures` in a row (none before ``free``).
+    static func wait(afterFailures failures: Int) -> Duration {
+        guard failures >= free else { return .zero }
+        let doublings = min(failures - free, 20)
+        return min(.seconds(1 << doublings), longest)
+    }
+
+    /// Counts a failed check of `id` at `now`.
+    func failed(_ id: String, now: ContinuousClock.Instant = .now) {
+        records.withLockedValue { records in
+            if records[id] == nil, records.count >= Self.capacity {
+                let keep = records.sorted { $0.value.last > $1.value.last }.prefix(Self.capacity / 2)
+                records = Dictionary(uniqueKeysWithValues: keep.map { ($0.key, $0.value) })
+            }
+            var record = records[id] ?? Record(failures: 0, last: now)
+            if now - record.last >= Self.forgetAfter { record.failures = 0 }
+            record.failures += 1
+            record.last = now
+            records[id] = record
+        }
+    }
+
+    /// Clears `id` after a check that passed.
+    func succeeded(_ id: String) {
+        records.withLockedValue { _ = $0.removeValue(forKey: id) }
+    }
+}
+
+/// What each client has waiting in the database, as ``C3PROReceiver`` limits it: read at most once per ``freshFor``
+/// per client, with what this receiver took since added (so a fast device cannot pass the limit between two reads).
+/// Bounded: past ``capacity`` clients, the table starts again.
+final class WaitingCounts: Sendable {
+    static let freshFor: Duration = .seconds(1)
+    static let capacity = 50_000
+
+    private struct Entry {
+        var count: Int
+        var bytes: Int
+        var readAt: ContinuousClock.Instant
+    }
+
+    private let entries = NIOLockedValueBox<[String: Entry]>([:])
+
+    /// The client's count and bytes: cached, or read with `read` when stale.
+    func waiting(
+        _ client: String, now: ContinuousClock.Instant = .now, read: () async throws -> (count: Int, bytes: Int)
+    ) async throws -> (count: Int, bytes: Int) {
+        if let entry = entries.withLockedValue({ $0[client] }), now - entry.readAt < Self.freshFor {
+            return (entry.count, entry.bytes)
+        }
+        let read = try await read()
+        entries.withLockedValue { entries in
+            if entries.count >= Self.capacity { entries.removeAll(keepingCapacity: true) }
+            entries[client] = Entry(count: read.count, bytes: read.bytes, readAt: now)
+        }
+        return read
+    }
+
+    /// Counts an item of `bytes` taken for `client` since its last read.
+    func add(_ client: String, bytes: Int) {
+        entries.withLockedValue { entries in
+            entries[client]?.count += 1
+            entries[client]?.bytes += bytes
         }
     }
 }

@@ -1,5 +1,6 @@
 import FHIRDataQueue
 import Foundation
+import HTTPTypes
 import Hummingbird
 import NIOCore
 
@@ -126,6 +127,10 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
     public func handle(
         _ request: Request, context: Context, next: (Request, Context) async throws -> Response
     ) async throws -> Response {
+        // RFC 9112 3.2: a request with no Host, or more than one, is answered 400 (the HTTP/2 `:authority` counts as one).
+        if request.head.authority == nil || request.headers[values: Self.host].count > 0 {
+            return refusal(.badRequest, "the request must have exactly one Host header", request, context)
+        }
         let maximum = min(maximumBytes, limit?(request, context) ?? maximumBytes)
         if let declared = request.headers[.contentLength].flatMap({ Int($0) }), declared > maximum {
             return refusal(.contentTooLarge, "the request body is larger than \(maximum) bytes", request, context)
@@ -172,6 +177,9 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
             return try await group.next() ?? nil
         }
     }
+
+    /// A `Host` field beyond the first (the first is the request's authority).
+    private static var host: HTTPField.Name { HTTPField.Name("Host")! }
 
     private func refusal(_ status: HTTPResponse.Status, _ text: String, _ request: Request, _ context: Context) -> Response {
         refused?(request, context, status)

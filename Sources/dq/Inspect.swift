@@ -213,6 +213,18 @@ extension DQ {
                 let checked = Self.settingsFindings(settings)
                 findings += checked.findings
                 findings += Self.serveFindings(settings)
+                if !QueuePaths.isPostgresURL(database), !FileManager.default.fileExists(atPath: database) {
+                    // Before the first start (the quick start's order): dq makes the file then, where it may.
+                    let folder = URL(fileURLWithPath: database).deletingLastPathComponent().path
+                    if access(folder, W_OK | X_OK) == 0 {
+                        if !json { print("\(QueueAdministration.displayDatabase(database)): not made yet (dq makes it at its first start)") }
+                    } else {
+                        findings.append(
+                            Finding(
+                                about: "database", problem: "there is no queue database at \(database), and its folder \(folder) cannot be written",
+                                remedy: "create \(folder) writable by dq's user, or name another \"database\"", exitCode: Exit.ioError))
+                    }
+                } else {
                 do {
                     let problems = try await QueueAdministration.integrityCheck(databasePath: database)
                     if problems == ["ok"] {
@@ -231,6 +243,7 @@ extension DQ {
                             about: "database", problem: error.message,
                             remedy: "check that \"database\" (DQ_DATABASE, --database) names the queue and that this user can read it",
                             exitCode: Exit.code(for: error)))
+                }
                 }
                 if !offline, let values = checked.values {
                     let network = await Self.networkFindings(values, resolved: checked.resolved)

@@ -44,10 +44,11 @@ extension DQ {
                     let items = try await quarantined(queue)
                     if json { try printJSON(items); return }
                     if items.isEmpty { print("no quarantined envelopes"); return }
-                    print("SEQ\tID\tENQUEUED\tREASON")
+                    print("SEQ\tID\tENQUEUED\tCLIENT\tREASON")
                     for item in items {
                         let reason = Quarantine.reason(item) ?? "-"
-                        print("\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(formatDate(item.enqueuedAt))\t\(reason)")
+                        print(
+                            "\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(formatDate(item.enqueuedAt))\t\(item.clientID ?? "-")\t\(reason)")
                     }
                 }
             }
@@ -86,22 +87,46 @@ extension DQ {
             }
         }
 
+        /// Which quarantined items a bulk action takes: every one, or those matching each filter given.
+        struct Selection: ParsableArguments {
+            @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N).") var id: String?
+            @Flag(help: "Every quarantined envelope (with the filters below, every one that matches them).") var all = false
+            @Option(help: "Those whose reason contains this text (e.g. \"unknown_key\", \"key_id k2\", \"write policy\").")
+            var reason: String?
+            @Option(help: "Those the client with this id sent.") var client: String?
+            @Option(help: "Those enqueued more than this many days ago.") var olderThanDays: Double?
+
+            var filtered: Bool { all || reason != nil || client != nil || olderThanDays != nil }
+
+            func validate() throws {
+                if (id == nil) == !filtered {
+                    throw ValidationError("give an item id, or --all, --reason, --client or --older-than-days (not both)")
+                }
+                if let days = olderThanDays, !(days >= 0) { throw ValidationError("--older-than-days must be 0 or more") }
+            }
+
+            /// The quarantined items selected, in order.
+            func items(_ queue: DataQueue) async throws -> [QueuedItem] {
+                guard filtered else { return [try await quarantinedItem(queue, id ?? "").0] }
+                let cutoff = olderThanDays.map { Date().addingTimeInterval(-$0 * 86_400) }
+                return try await quarantined(queue).filter { item in
+                    (reason.map { Quarantine.reason(item)?.contains($0) == true } ?? true)
+                        && (client.map { item.clientID == $0 } ?? true) && (cutoff.map { item.enqueuedAt < $0 } ?? true)
+                }
+            }
+        }
+
         struct Replay: AsyncParsableCommand {
             static let configuration = CommandConfiguration(
                 commandName: "replay",
                 abstract: "Put quarantined envelopes back in line (after adding the missing key): the next flush opens them.")
             @OptionGroup var queueOptions: QueueOptions
-            @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N).") var id: String?
-            @Flag(help: "Replay every quarantined envelope.") var all = false
+            @OptionGroup var selection: Selection
             @Flag(help: "Print what was put back as JSON.") var json = false
-
-            func validate() throws {
-                if (id == nil) == !all { throw ValidationError("give an item id or --all (not both)") }
-            }
 
             func run() async throws {
                 try await withQueue(queueOptions) { queue in
-                    let items = all ? try await quarantined(queue) : [try await quarantinedItem(queue, id ?? "").0]
+                    let items = try await selection.items(queue)
                     for item in items { _ = try await queue.retry("#\(item.sequence)", conditionalCreate: nil) }
                     let names = items.map { $0.id.uuidString.lowercased() }
                     if json {
@@ -115,19 +140,38 @@ extension DQ {
 
         struct Drop: AsyncParsableCommand {
             static let configuration = CommandConfiguration(
-                commandName: "drop", abstract: "Remove a quarantined envelope without sending it (recorded in the journal).")
+                commandName: "drop",
+                abstract: "Remove quarantined envelopes without sending them (each recorded in the journal).",
+                discussion: """
+                    One by id, or all that match --all, --reason, --client and --older-than-days in one run. The space \
+                    they held is reused by the database; --vacuum also gives it back to the file system (SQLite's \
+                    VACUUM: it needs room for a copy of the file, and waits for a running dq serve's writes).
+                    """)
             @OptionGroup var queueOptions: QueueOptions
-            @Argument(help: "The item's id, a unique prefix or suffix of it, or its sequence number (#N).") var id: String
-            @Flag(help: "Print the dropped item as JSON.") var json = false
+            @OptionGroup var selection: Selection
+            @Flag(help: "Give the space back to the file system afterwards (SQLite VACUUM; nothing to do on PostgreSQL).")
+            var vacuum = false
+            @Flag(help: "Print the dropped items as JSON.") var json = false
 
             func run() async throws {
                 try await withQueue(queueOptions) { queue in
-                    let (item, _) = try await quarantinedItem(queue, id)
-                    _ = try await queue.drop("#\(item.sequence)")
+                    let items = try await selection.items(queue)
+                    var dropped: [String] = []
+                    for item in items {
+                        _ = try await queue.drop("#\(item.sequence)")
+                        dropped.append(item.id.uuidString.lowercased())
+                    }
+                    if vacuum && !dropped.isEmpty { try await queue.vacuum() }
                     if json {
-                        try printJSON(["dropped": item.id.uuidString.lowercased()])
+                        if selection.filtered {
+                            try printJSON(["dropped": dropped])
+                        } else {
+                            try printJSON(["dropped": dropped.first ?? ""])
+                        }
+                    } else if selection.filtered {
+                        print("dropped \(dropped.count) quarantined envelope(s)" + (vacuum && !dropped.isEmpty ? "; space given back" : ""))
                     } else {
-                        print("dropped quarantined envelope \(item.id.uuidString.lowercased())")
+                        print("dropped quarantined envelope \(dropped.first ?? "")")
                     }
                 }
             }

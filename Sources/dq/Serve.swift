@@ -85,6 +85,11 @@ struct ServeSettings: Sendable, Equatable {
     var lingeringTimeSeconds = 30
     /// `lingering_timeout_seconds`: how long such a connection may send nothing before it is closed (default 5).
     var lingeringTimeoutSeconds = 5
+    /// `max_waiting_per_client`: items one device may have waiting (pending, parked, quarantined) before it gets 429
+    /// (default 10,000; 0: no limit).
+    var maxWaitingPerClient = 10_000
+    /// `max_waiting_bytes_per_client`: their bytes before it gets 507 (default 256 MiB; 0: no limit).
+    var maxWaitingBytesPerClient = 256 << 20
     /// Whether the file has a `serve` object at all.
     var present = false
 
@@ -94,6 +99,7 @@ struct ServeSettings: Sendable, Equatable {
         "secret_checks_per_minute", "trusted_proxies", "body_timeout_seconds", "idle_timeout_seconds", "dedupe_window_days",
         "role", "forward_to", "forward_certificate", "forward_key_id", "edges", "routes", "tls", "write_policy",
         "max_connections_per_address", "max_connections", "lingering_time_seconds", "lingering_timeout_seconds",
+        "max_waiting_per_client", "max_waiting_bytes_per_client",
     ]
 
     /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
@@ -157,6 +163,8 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try integer("max_connections", 0...1_000_000) { settings.maxConnections = value }
         if let value = try integer("lingering_time_seconds", 1...3600) { settings.lingeringTimeSeconds = value }
         if let value = try integer("lingering_timeout_seconds", 1...3600) { settings.lingeringTimeoutSeconds = value }
+        if let value = try integer("max_waiting_per_client", 0...100_000_000) { settings.maxWaitingPerClient = value }
+        if let value = try integer("max_waiting_bytes_per_client", 0...(1 << 50)) { settings.maxWaitingBytesPerClient = value }
         if let value = try string("role") {
             guard let role = ServeRole(rawValue: value) else { throw invalid("\"serve.role\" must be \(ServeRole.choices)") }
             settings.role = role
@@ -199,6 +207,35 @@ struct ServeSettings: Sendable, Equatable {
     }
 
     private static func invalid(_ message: String) -> DataQueueError { DataQueueError(.invalidConfiguration, message) }
+
+    /// The secrets dq serve reads that others than their owner can read (a root-owned file its group may only read
+    /// is private, as libpq has it): the Antispam file, each private key of `keys_dir`, the TLS key. Each with what
+    /// it is and its mode.
+    func exposedSecrets() -> [(what: String, path: String, mode: Int)] {
+        var found: [(String, String, Int)] = []
+        func check(_ what: String, _ path: String?) {
+            if let path, let mode = FilePermissions.exposedMode(path) { found.append((what, path, mode)) }
+        }
+        check("the Antispam file", antispamFile)
+        if let keys = keysDirectory, let names = try? FileManager.default.contentsOfDirectory(atPath: keys) {
+            for name in names.sorted() {
+                if name.hasSuffix(".pem") { check("the private key", keys + "/" + name) }
+                check("the private key", keys + "/" + name + "/private-c3pro.der")
+            }
+        }
+        check("the TLS key", tls?.key)
+        return found.filter { secret in
+            var isDirectory: ObjCBool = false
+            return FileManager.default.fileExists(atPath: secret.1, isDirectory: &isDirectory) && !isDirectory.boolValue
+        }
+    }
+
+    /// One warning line per secret of ``exposedSecrets()``, as `dq` warns of its own (`dq: warning: …; run: chmod 600`).
+    func exposureWarnings() -> [String] {
+        exposedSecrets().map { secret in
+            "\(secret.what) \(secret.path) is readable by others (mode \(String(secret.mode, radix: 8))); run: chmod 600 \(secret.path)"
+        }
+    }
 
     /// The key sets of `edges`, read: client id → JWKS JSON.
     func edgeKeySets() throws -> [String: String] {
@@ -316,6 +353,7 @@ extension DQ {
                 guard let loaded = serve.withLockedValue({ $0 }) else { return }
                 var options = loaded
                 if let listen { options.listen = listen }
+                for warning in loaded.exposureWarnings() { logger.warning("\(warning)") }
                 try await run(
                     queue: queue, settings: settings, daemon: daemon, loaded: loaded, options: options, hangups: hangups,
                     registry: registry, logger: logger)
@@ -429,6 +467,8 @@ extension DQ {
             receiving.clientKeySets = try options.edgeKeySets()
             receiving.trustedProxies = Set(options.trustedProxies)
             receiving.secretChecksPerMinute = options.secretChecksPerMinute
+            receiving.maximumWaitingPerClient = options.maxWaitingPerClient
+            receiving.maximumWaitingBytesPerClient = options.maxWaitingBytesPerClient
             receiving.routes = try await Self.routeQueues(options.routes, settings: settings, logger: logger)
             let receiver = try C3PROReceiver(queue: queue, configuration: receiving, logger: Logger(label: "dq.serve"))
             try await receiver.loadClientKeySets()
@@ -518,9 +558,14 @@ struct ServeReload: Service {
                 let later = Self.changes(running, loaded).filter {
                     $0 != "antispam_file" && ($0 != "tls" || !Self.tlsReloaded(running, loaded))
                 }
-                logger.notice(
-                    "configuration reloaded: the antispam secrets and the keys are read again",
-                    metadata: ["at the next start": "\(later.isEmpty ? "nothing" : later.joined(separator: ","))"])
+                if later.isEmpty {
+                    logger.notice("configuration reloaded: the antispam secrets and the keys are read again")
+                } else {
+                    // Named, so that an operator knows the file and the running receiver differ until a restart.
+                    logger.notice(
+                        "configuration reloaded: the antispam secrets and the keys are read again; other changed settings take effect only after a restart",
+                        metadata: ["changed_until_restart": "\(later.joined(separator: ","))"])
+                }
                 if let keyring {
                     do {
                         try keyring.check()
@@ -556,6 +601,8 @@ struct ServeReload: Service {
             ("max_connections_per_address", { "\($0.maxConnectionsPerAddress)" }), ("max_connections", { "\($0.maxConnections)" }),
             ("lingering_time_seconds", { "\($0.lingeringTimeSeconds)" }),
             ("lingering_timeout_seconds", { "\($0.lingeringTimeoutSeconds)" }),
+            ("max_waiting_per_client", { "\($0.maxWaitingPerClient)" }),
+            ("max_waiting_bytes_per_client", { "\($0.maxWaitingBytesPerClient)" }),
             ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),
         ]
         return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)

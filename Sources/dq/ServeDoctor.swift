@@ -46,8 +46,16 @@ extension DQ.Doctor {
                 "plain FHIR resources would be stored readable: \"serve.plain_fhir\" is on and there is no \"at_rest\" key",
                 "set \"at_rest\" (dq keygen --at-rest), or \"serve.plain_fhir\": false")
         }
+        for secret in serve.exposedSecrets() {
+            findings.append(
+                Finding(
+                    about: "serve", problem: "\(secret.what) \(secret.path) is readable by others (mode \(String(secret.mode, radix: 8)))",
+                    remedy: "chmod 600 \(secret.path) (or 0640 owned by root, group dq)", exitCode: Exit.configuration))
+        }
         findings += tlsFindings(serve)
-        if let (host, port) = ListenAddress.parse(serve.listen), let reason = addressProblem(host: host, port: port) {
+        if let (host, port) = ListenAddress.parse(serve.listen), let reason = addressProblem(host: host, port: port),
+            !isDQServe(host: host, port: port)
+        {
             findings.append(
                 Finding(
                     about: "serve", problem: "cannot listen on \(serve.listen): \(reason)",
@@ -55,6 +63,36 @@ extension DQ.Doctor {
                     exitCode: Exit.unavailable))
         }
         return findings
+    }
+
+    /// Whether what listens on `host:port` is a dq serve (its `/metrics` names `dq_build_info`): then the address is
+    /// in use by the receiver these settings are for, not a problem. Plain HTTP only, two seconds at most.
+    static func isDQServe(host: String, port: Int) -> Bool {
+        var hints = addrinfo()
+        hints.ai_flags = AI_NUMERICSERV
+        hints.ai_socktype = Int32(SOCK_STREAM.rawValue)
+        var found: UnsafeMutablePointer<addrinfo>?
+        let target = ["0.0.0.0", "::", ""].contains(host) ? "localhost" : host
+        guard getaddrinfo(target, String(port), &hints, &found) == 0, let address = found else { return false }
+        defer { freeaddrinfo(found) }
+        let socket = Glibc.socket(address.pointee.ai_family, address.pointee.ai_socktype, address.pointee.ai_protocol)
+        guard socket >= 0 else { return false }
+        defer { close(socket) }
+        var wait = timeval(tv_sec: 2, tv_usec: 0)
+        setsockopt(socket, SOL_SOCKET, SO_RCVTIMEO, &wait, socklen_t(MemoryLayout<timeval>.size))
+        setsockopt(socket, SOL_SOCKET, SO_SNDTIMEO, &wait, socklen_t(MemoryLayout<timeval>.size))
+        guard connect(socket, address.pointee.ai_addr, address.pointee.ai_addrlen) == 0 else { return false }
+        let request = Array("GET /metrics HTTP/1.1\r\nHost: \(target)\r\nConnection: close\r\n\r\n".utf8)
+        guard send(socket, request, request.count, Int32(MSG_NOSIGNAL)) == request.count else { return false }
+        var answer: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 65_536)
+        while answer.count < 4 << 20 {
+            let count = recv(socket, &buffer, buffer.count, 0)
+            if count <= 0 { break }
+            answer += buffer[0..<count]
+            if answer.count > 64, String(decoding: answer, as: UTF8.self).contains("dq_build_info") { return true }
+        }
+        return String(decoding: answer, as: UTF8.self).contains("dq_build_info")
     }
 
     /// Why `host:port` cannot be listened on now (bound and released at once), or nil when it can.

@@ -44,6 +44,7 @@ extension DQ.Serve {
                     throw DataQueueError(.invalidConfiguration, "\"serve.keys_dir\" is not set: there are no keys to list")
                 }
                 let keyring = EnvelopeKeyring(directory: directory, defaultKeyID: serve.defaultKeyID)
+                for warning in serve.exposureWarnings() { printError("dq: warning: \(warning)") }
                 let listed = try await Self.list(keyring, opens: queue.keyOpenLog, now: Date())
                 if json {
                     try printJSON(listed)

@@ -50,4 +50,27 @@ struct RateLimiterTests {
         _ = limiter.refuse("203.0.113.9", now: start + .seconds(61))
         #expect(limiter.count == 1, "only the new window is left")
     }
+
+    @Test("Wrong secrets per client id: five go at once, then each waits twice the last (capped); a success clears the id; an old failure is forgotten")
+    func failureBackoff() {
+        let backoff = FailureBackoff()
+        for index in 0..<FailureBackoff.free {
+            #expect(backoff.refuse("c1", now: start) == nil, "\(index)")
+            backoff.failed("c1", now: start)
+        }
+        #expect(backoff.refuse("c1", now: start) == 2, "1 s after the fifth failure (rounded up, at least 1)")
+        #expect(backoff.refuse("c2", now: start) == nil, "another id is not touched")
+        #expect(backoff.refuse("c1", now: start + .seconds(1)) == nil)
+        backoff.failed("c1", now: start + .seconds(1))
+        #expect(backoff.refuse("c1", now: start + .seconds(2)) != nil, "2 s after the sixth")
+        #expect(backoff.refuse("c1", now: start + .seconds(3)) == nil)
+        #expect(FailureBackoff.wait(afterFailures: 4) == .zero)
+        #expect(FailureBackoff.wait(afterFailures: 7) == .seconds(4))
+        #expect(FailureBackoff.wait(afterFailures: 40) == FailureBackoff.longest)
+        backoff.succeeded("c1")
+        #expect(backoff.refuse("c1", now: start + .seconds(2)) == nil, "a success clears it")
+        for _ in 0..<20 { backoff.failed("c3", now: start) }
+        #expect(backoff.refuse("c3", now: start + .seconds(60)) != nil)
+        #expect(backoff.refuse("c3", now: start + FailureBackoff.forgetAfter) == nil, "forgotten after a quiet while")
+    }
 }

@@ -131,4 +131,127 @@ extension ServeTests {
         try await anotherDeviceServed(receiver, keys, bearer)
         #expect(await receiver.stop().status == 0)
     }
+
+    @Test(
+        "HTTP as RFC 9110 and 9112 have it: no Host or two Host headers is 400, another method on a receiver's path is 405 with Allow, the registration's 201 is not cached, a plain delivery's Location names the receiver's path, not the FHIR server"
+    )
+    func httpPapercuts() async throws {
+        let (server, _, _, receiver, bearer) = try await startWithClient(serve: [:])
+        let output = try await python(
+            """
+            import socket, json, urllib.request
+            def raw(data):
+                s = socket.create_connection(("127.0.0.1", PORT), timeout=10)
+                s.sendall(data)
+                answer = b""
+                while b"\\r\\n\\r\\n" not in answer:
+                    part = s.recv(4096)
+                    if not part:
+                        break
+                    answer += part
+                s.close()
+                return answer.decode(errors="replace")
+            print("nohost", raw(b"GET /healthz HTTP/1.1\\r\\n\\r\\n").split("\\r\\n")[0], flush=True)
+            print("twohosts", raw(b"GET /healthz HTTP/1.1\\r\\nHost: a\\r\\nHost: b\\r\\n\\r\\n").split("\\r\\n")[0], flush=True)
+            print("onehost", raw(b"GET /healthz HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n").split("\\r\\n")[0], flush=True)
+            answer = raw(b"GET /c3pro/oauth HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n")
+            print("getoauth", answer.split("\\r\\n")[0], "allow" if "\\r\\nallow: post" in answer.lower() else "no-allow", flush=True)
+            answer = raw(b"DELETE /c3pro/fhir/Patient/p1 HTTP/1.1\\r\\nHost: a\\r\\n\\r\\n")
+            print("delete", answer.split("\\r\\n")[0], flush=True)
+            request = urllib.request.Request("http://127.0.0.1:%d/c3pro/register" % PORT, data=json.dumps({"sandbox": False}).encode(),
+                                             headers={"Antispam": "\(antispam)", "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=20) as response:
+                print("register", response.status, "cache-control=" + str(response.headers.get("Cache-Control")), flush=True)
+            """, port: receiver.port)
+        #expect(output.contains("nohost HTTP/1.1 400"), "\(output)")
+        #expect(output.contains("twohosts HTTP/1.1 400"), "\(output)")
+        #expect(output.contains("onehost HTTP/1.1 200"), "\(output)")
+        #expect(output.contains("getoauth HTTP/1.1 405") && output.contains("405 Method Not Allowed allow"), "\(output)")
+        #expect(output.contains("delete HTTP/1.1 405"), "\(output)")
+        #expect(output.contains("register 201 cache-control=no-store"), "\(output)")
+        let answers = try await client(receiver.base, [plain("/c3pro/fhir/Observation", observation("loc"), token: bearer)])
+        let answer = try #require(answers.first)
+        #expect(answer.status == 201, "delivered within the answer's wait, sekmet being up: \(answer)")
+        #expect(answer.location.hasPrefix("/c3pro/fhir/Observation/") && answer.location.contains("/_history/"), "\(answer.location)")
+        #expect(!answer.location.contains("127.0.0.1") && !answer.location.contains(server.base), "\(answer.location)")
+        #expect(await receiver.stop().status == 0)
+    }
+
+    @Test(
+        "Wrong secrets for one client id back off per id (429 with Retry-After after five), whichever address sends them; another client gets its token meanwhile; an unknown id is treated as a known one"
+    )
+    func tokenBackoff() async throws {
+        let (_, _, _, receiver, _) = try await startWithClient(serve: [:])
+        let victim = try await register(receiver.base)
+        let other = try await register(receiver.base)
+        let guesses = (0..<6).map { index in tokenRequest((victim.id, "wrong-\(index)")) }
+        let answers = try await client(receiver.base, guesses)
+        #expect(answers.prefix(5).allSatisfy { $0.status == 401 }, "\(answers)")
+        #expect(answers.last?.status == 429 && !(answers.last?.retryAfter.isEmpty ?? true), "\(answers.last.map(\.description) ?? "")")
+        // The shared budget was not spent on the guesses past five: another device is answered.
+        let token = try await client(receiver.base, [tokenRequest(other)])
+        #expect(token.first?.status == 200, "\(token)")
+        let unknown = (0..<6).map { index in tokenRequest(("imported-user-7", "wrong-\(index)")) }
+        let unknownAnswers = try await client(receiver.base, unknown)
+        #expect(unknownAnswers.prefix(5).allSatisfy { $0.status == 401 }, "\(unknownAnswers)")
+        #expect(unknownAnswers.last?.status == 429, "an unknown id backs off as a known one: \(unknownAnswers)")
+        #expect(await receiver.stop().status == 0)
+    }
+
+    @Test(
+        "What one device may have waiting is limited (max_waiting_per_client: 429, max_waiting_bytes_per_client: 507), quarantined items included; other devices are served; quarantined envelopes are dropped in bulk by client and by reason, which gives the device its room back"
+    )
+    func quotaAndBulkQuarantine() async throws {
+        let (server, keys, config, receiver, bearer) = try await startWithClient(serve: [
+            "max_waiting_per_client": 3, "max_waiting_bytes_per_client": 60_000,
+        ])
+        let spammer = try await register(receiver.base)
+        let spamToken = try await token(receiver.base, spammer)
+        func unopenable(_ value: String, _ token: String) -> Step {
+            sealed("/c3pro/encfhir/Observation", observation(value), certificate: keys.certificate, keyID: "k9", token: token)
+        }
+        let flood = try await client(receiver.base, (0..<5).map { unopenable("u\($0)", spamToken) })
+        #expect(flood.map(\.status) == [202, 202, 202, 429, 429], "\(flood)")
+        #expect(!(flood.last?.retryAfter.isEmpty ?? true), "\(flood)")
+        // Quarantined (no key k9), they still count against the device.
+        #expect(
+            try await eventually {
+                let list = try await dqCommand(["quarantine", "list", "--json"], config: config)
+                return (try json(list) as? [Any])?.count == 3
+            })
+        let still = try await client(receiver.base, [unopenable("u5", spamToken)])
+        #expect(still.first?.status == 429, "\(still)")
+        // A body that would take a device past its bytes: 507.
+        let big = observation("big", extra: String(repeating: " padding", count: 9_000))
+        let tooBig = try await client(
+            receiver.base, [sealed("/c3pro/encfhir/Observation", big, certificate: keys.certificate, keyID: "k1", token: bearer)])
+        #expect(tooBig.first?.status == 507, "\(tooBig)")
+        // Another device is served all along.
+        try await anotherDeviceServed(receiver, keys, bearer)
+
+        // Dropped in one run by client: the device has its room back.
+        let dropped = try await dqCommand(["quarantine", "drop", "--client", spammer.id, "--vacuum", "--json"], config: config)
+        #expect(dropped.status == 0, "\(dropped.stderr)")
+        #expect(((try json(dropped) as? [String: Any])?["dropped"] as? [String])?.count == 3, "\(dropped.stdout)")
+        #expect(
+            try await eventually {
+                try await client(receiver.base, [unopenable("v0", spamToken)]).first?.status == 202
+            }, "taken again once its quarantined envelopes are gone")
+        #expect(
+            try await eventually {
+                let list = try await dqCommand(["quarantine", "list", "--json"], config: config)
+                return (try json(list) as? [Any])?.count == 1
+            })
+        let none = try await dqCommand(["quarantine", "drop", "--older-than-days", "1", "--json"], config: config)
+        #expect(((try json(none) as? [String: Any])?["dropped"] as? [String])?.isEmpty == true, "\(none.stdout)")
+        let byReason = try await dqCommand(["quarantine", "drop", "--reason", "key_id k9", "--json"], config: config)
+        #expect(((try json(byReason) as? [String: Any])?["dropped"] as? [String])?.count == 1, "\(byReason.stdout)")
+        let bad = try await dqCommand(["quarantine", "drop"], config: config)
+        #expect(bad.status != 0, "nothing selected is an error: \(bad.stderr)")
+        let metrics = try await metricLines(receiver, "dq_serve_quota_refusals_total")
+        #expect(metrics.contains { $0.contains(#"limit="bytes""#) && $0.hasSuffix(" 1") }, "\(metrics)")
+        #expect(metrics.contains { $0.contains(#"limit="count""#) }, "\(metrics)")
+        #expect(try await values(server).contains("fast"))
+        #expect(await receiver.stop().status == 0)
+    }
 }

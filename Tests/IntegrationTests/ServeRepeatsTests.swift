@@ -106,6 +106,12 @@ extension ServeTests {
         #expect([201, 202].contains(answers[2].status), "\(answers[2])")
         #expect(answers[4].status == 422 && answers[5].status == 422, "the key with another request: \(answers[4]) \(answers[5])")
         #expect(answers[6].status == 400, "a key longer than 255 characters: \(answers[6])")
+        // A new session seals the same resource anew (another AES key and IV: no byte of `message` in common) under the
+        // same key, as an app's retry does: the first request again, not 422 (which stopped the device's queue for good).
+        let resealed = try await client(receiver.base, [keyed(envelope, "qr-1")])
+        #expect(
+            resealed.first.map { $0.status == answers[0].status && $0.body == answers[0].body } == true,
+            "a re-sealed retry is answered as the first: \(resealed) | \(answers[0])")
 
         let arrived = try await eventually(timeout: .seconds(60)) { try await values(server).count >= 2 }
         #expect(arrived, "\(receiver.log.suffix(2000))")

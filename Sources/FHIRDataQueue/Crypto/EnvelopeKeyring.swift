@@ -268,6 +268,12 @@ public final class EnvelopeKeyring: Sendable {
         }
     }
 
+    /// The resource inside `envelope`, opened as ``open(_:)`` opens it but counted nowhere: for a receiver that
+    /// looks inside a request before it is queued (a keyed repeat's fingerprint), which its delivery opens again.
+    package func openUncounted(_ envelope: Data) throws(Failure) -> FHIRResource {
+        try openCounted(envelope).0
+    }
+
     private func openCounted(_ envelope: Data) throws(Failure) -> (FHIRResource, String) {
         guard let object = (try? JSONSerialization.jsonObject(with: envelope)) as? [String: Any] else {
             throw .malformed("not a JSON object")

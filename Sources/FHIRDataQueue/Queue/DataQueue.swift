@@ -430,7 +430,7 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
             sequence: sequence, id: item.id, queue: item.queue, method: item.method, url: item.url,
             resourceType: item.resourceType, resourceID: item.resourceID, encrypted: item.encrypted, state: .pending,
             attempts: 0, enqueuedAt: enqueuedAt, lastAttemptAt: nil, lastStatus: nil, lastError: nil, outcome: nil,
-            size: size ?? item.body.count)
+            size: size ?? item.body.count, clientID: item.clientID)
     }
 
     // MARK: - Sending

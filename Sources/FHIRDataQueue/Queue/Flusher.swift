@@ -465,7 +465,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 url: bundle ? "" : update ? "\(resource.resourceType)/\(resource.id ?? "")" : resource.resourceType,
                 resourceType: resource.resourceType, resourceID: update ? resource.id : nil, encrypted: false, state: info.state,
                 attempts: info.attempts, enqueuedAt: info.enqueuedAt, lastAttemptAt: info.lastAttemptAt,
-                lastStatus: info.lastStatus, lastError: info.lastError, outcome: info.outcome, size: resource.data.count)
+                lastStatus: info.lastStatus, lastError: info.lastError, outcome: info.outcome, size: resource.data.count,
+                clientID: info.clientID)
             opened.body = resource.data
             // Creates only, as for plain items (prefetch): an update sent again (A, B, then A) is a change, not a repeat.
             opened.digest = update ? nil : stored.clientID.map { ContentDigest(clientID: $0, plaintext: resource.data) }

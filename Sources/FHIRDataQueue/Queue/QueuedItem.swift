@@ -53,6 +53,8 @@ public struct QueuedItem: Sendable, Encodable, Hashable {
     public let outcome: String?
     /// The size of the body in bytes.
     public let size: Int
+    /// The client of a receiver (`dq serve`) that sent it; nil for an item queued otherwise.
+    public var clientID: String? = nil
 }
 
 /// One line of the delivery journal: the chain-of-custody record of an item (no resource body).
@@ -113,7 +115,7 @@ public struct DeliveryRecord: Sendable, Encodable, Hashable {
 extension QueuedItem {
     private enum CodingKeys: String, CodingKey {
         case sequence, id, queue, method, url, resourceType, resourceID, encrypted, state, attempts, enqueuedAt
-        case lastAttemptAt, lastStatus, lastError, outcome, size
+        case lastAttemptAt, lastStatus, lastError, outcome, size, clientID
     }
 
     /// Encodes the item with its id in lowercase, as dq prints ids everywhere.
@@ -142,6 +144,7 @@ extension QueuedItem {
             }
         }
         try container.encode(size, forKey: .size)
+        try container.encodeIfPresent(clientID, forKey: .clientID)
     }
 }
 

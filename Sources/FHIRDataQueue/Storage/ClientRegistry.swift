@@ -59,6 +59,10 @@ package protocol ClientRegistry: Sendable {
 
     /// The client that holds `target` on `queue` (see ``claimResource(queue:target:clientID:at:)``), or nil.
     func resourceOwner(queue: String, target: String) async throws -> String?
+
+    /// How many items a client sent that are still in the database (pending or parked, any queue), and their bytes as
+    /// stored: what a receiver limits per client.
+    func waiting(clientID: String) async throws -> (count: Int, bytes: Int)
 }
 
 /// The key a resource's claim is kept under: the SHA-256 of the queue and `Type/id`, in hex.
@@ -111,4 +115,5 @@ private struct NoClientRegistry: ClientRegistry {
     func pruneTokens(before cutoff: Date, limit: Int) async throws -> Int { throw refusal }
     func claimResource(queue: String, target: String, clientID: String, at: Date) async throws -> String { throw refusal }
     func resourceOwner(queue: String, target: String) async throws -> String? { throw refusal }
+    func waiting(clientID: String) async throws -> (count: Int, bytes: Int) { throw refusal }
 }

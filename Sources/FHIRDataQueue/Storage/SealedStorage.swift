@@ -315,7 +315,7 @@ final class SealedStorage: QueueStorage {
             sequence: item.sequence, id: item.id, queue: item.queue, method: item.method, url: url, resourceType: item.resourceType,
             resourceID: resourceID, encrypted: item.encrypted, state: item.state, attempts: item.attempts, enqueuedAt: item.enqueuedAt,
             lastAttemptAt: item.lastAttemptAt, lastStatus: item.lastStatus, lastError: item.lastError, outcome: outcome,
-            size: item.size)
+            size: item.size, clientID: item.clientID)
     }
 
     /// The stored forms of `fullURLs` to look for: each one's keyed hash, and the value itself (journal lines

@@ -134,3 +134,18 @@ extension PostgresQueueStore {
         }
     }
 }
+
+// What a receiver's client has waiting (index dq_item_by_client).
+extension PostgresQueueStore {
+    func waiting(clientID: String) async throws -> (count: Int, bytes: Int) {
+        try await run("count a client's items") { [self] in
+            for try await (count, bytes) in try await client.query(
+                "SELECT count(*)::bigint, coalesce(sum(length(body)), 0)::bigint FROM dq_item WHERE client_id = \(clientID)",
+                logger: logger
+            ).decode((Int64, Int64).self) {
+                return (Int(count), Int(bytes))
+            }
+            return (0, 0)
+        }
+    }
+}

@@ -41,8 +41,8 @@ extension PostgresQueueStore {
     }
 
     static let itemColumns =
-        "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size"
-    static let storedColumns = itemColumns + ", content_type, conditional_create, body, full_url, client_id"
+        "seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size, client_id"
+    static let storedColumns = itemColumns + ", content_type, conditional_create, body, full_url"
 
     func pendingBatch(queue: String, after: Int64, maxCount: Int, maxBytes: Int) async throws -> [StoredItem] {
         try await run("read the queue") { [self] in

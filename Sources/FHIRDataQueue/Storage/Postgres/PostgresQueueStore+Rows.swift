@@ -42,7 +42,8 @@ extension PostgresQueueStore {
             enqueuedAt: Date(timeIntervalSince1970: try cells["enqueued_at"].decode(Double.self)),
             lastAttemptAt: try cells["last_attempt_at"].decode(Double?.self).map(Date.init(timeIntervalSince1970:)),
             lastStatus: try cells["last_status"].decode(Int?.self), lastError: try cells["last_error"].decode(String?.self),
-            outcome: try cells["outcome"].decode(String?.self), size: try cells["size"].decode(Int.self))
+            outcome: try cells["outcome"].decode(String?.self), size: try cells["size"].decode(Int.self),
+            clientID: cells.contains("client_id") ? try cells["client_id"].decode(String?.self) : nil)
     }
 
     static func storedItem(_ row: PostgresRow) throws -> StoredItem {

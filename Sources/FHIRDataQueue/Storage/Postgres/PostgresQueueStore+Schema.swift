@@ -89,6 +89,7 @@ extension PostgresQueueStore {
         "CREATE INDEX IF NOT EXISTS dq_digests_by_age ON dq_digests (delivered_at)",
         // Which client of a receiver wrote a resource (see ``ClientRegistry/claimResource(queue:target:clientID:at:)``).
         "CREATE TABLE IF NOT EXISTS dq_resource_claims (claim text PRIMARY KEY, client_id text NOT NULL, claimed_at double precision NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS dq_item_by_client ON dq_item (client_id) WHERE client_id IS NOT NULL",
         // The enqueue procedures (see ``EnqueueOne``): made once under their versioned names, never replaced, so
         // that a start does not rewrite the catalog and two dq versions sharing a database each call their own. v2
         // stores the client a receiver's item came from. v1 is not made here: a dq before v2 that shares the
@@ -152,7 +153,7 @@ extension PostgresQueueStore {
            AND to_regclass('dq_clients') IS NOT NULL AND to_regclass('dq_tokens') IS NOT NULL
            AND to_regclass('dq_tokens_by_expiry') IS NOT NULL AND to_regclass('dq_key_opens') IS NOT NULL
            AND to_regclass('dq_receipts_by_age') IS NOT NULL AND to_regclass('dq_digests_by_age') IS NOT NULL
-           AND to_regclass('dq_resource_claims') IS NOT NULL
+           AND to_regclass('dq_resource_claims') IS NOT NULL AND to_regclass('dq_item_by_client') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('dq_item')
                        AND attname = 'client_id' AND NOT attisdropped)
            AND to_regprocedure('\(enqueueOneV2)') IS NOT NULL AND to_regprocedure('\(enqueueManyV2)') IS NOT NULL

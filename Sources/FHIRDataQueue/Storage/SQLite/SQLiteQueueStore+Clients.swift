@@ -94,3 +94,15 @@ extension SQLiteQueueStore {
         }
     }
 }
+
+// What a receiver's client has waiting (index item_by_client, migration v9-claims).
+extension SQLiteQueueStore {
+    func waiting(clientID: String) async throws -> (count: Int, bytes: Int) {
+        try await read("count a client's items") { db in
+            let row = try Row.fetchOne(
+                db.cachedStatement(sql: "SELECT count(*), coalesce(sum(length(body)), 0) FROM item WHERE client_id = ?"),
+                arguments: [clientID])
+            return (row?[0] ?? 0, row?[1] ?? 0)
+        }
+    }
+}

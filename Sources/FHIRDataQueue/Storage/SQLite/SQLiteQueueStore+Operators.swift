@@ -50,7 +50,7 @@ extension SQLiteQueueStore {
     func items(queue: String?, state: QueuedItem.State?, limit: Int) async throws -> [QueuedItem] {
         try await read("list the queue") { db in
             var sql =
-                "SELECT seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size FROM item WHERE 1"
+                "SELECT seq, uuid, queue, method, url, resource_type, resource_id, encrypted, state, attempts, enqueued_at, last_attempt_at, last_status, last_error, outcome, length(body) AS size, client_id FROM item WHERE 1"
             var arguments: StatementArguments = []
             if let queue { sql += " AND queue = ?"; arguments += [queue] }
             if let state { sql += " AND state = ?"; arguments += [state.rawValue] }

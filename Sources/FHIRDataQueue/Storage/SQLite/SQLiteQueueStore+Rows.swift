@@ -36,7 +36,8 @@ extension SQLiteQueueStore {
             resourceType: row["resource_type"], resourceID: row["resource_id"], encrypted: row["encrypted"], state: state,
             attempts: row["attempts"], enqueuedAt: Date(timeIntervalSince1970: row["enqueued_at"]),
             lastAttemptAt: lastAttempt.map(Date.init(timeIntervalSince1970:)), lastStatus: row["last_status"],
-            lastError: row["last_error"], outcome: row["outcome"], size: size ?? body?.count ?? 0)
+            lastError: row["last_error"], outcome: row["outcome"], size: size ?? body?.count ?? 0,
+            clientID: row.hasColumn("client_id") ? row["client_id"] : nil)
     }
 
     static func storedItem(_ row: Row) throws -> StoredItem {

@@ -280,7 +280,10 @@ extension SQLiteQueueStore {
             // Which client of a receiver wrote a resource (see ``ClientRegistry/claimResource(queue:target:clientID:at:)``):
             // the SHA-256 of the queue and `Type/id`, never the id itself.
             try db.execute(
-                sql: "CREATE TABLE dq_resource_claims (claim TEXT PRIMARY KEY, client_id TEXT NOT NULL, claimed_at REAL NOT NULL)")
+                sql: """
+                    CREATE TABLE dq_resource_claims (claim TEXT PRIMARY KEY, client_id TEXT NOT NULL, claimed_at REAL NOT NULL);
+                    CREATE INDEX item_by_client ON item(client_id) WHERE client_id IS NOT NULL;
+                    """)
         }
         return migrator
     }
