@@ -583,30 +583,34 @@ struct ServeReload: Service {
 
     /// The `serve` settings that differ, by name.
     static func changes(_ old: ServeSettings, _ new: ServeSettings) -> [String] {
-        let fields: [(String, (ServeSettings) -> String)] = [
-            ("listen", { $0.listen }), ("path_prefix", { $0.pathPrefix }), ("antispam_file", { $0.antispamFile ?? "" }),
-            ("keys_dir", { $0.keysDirectory ?? "" }), ("default_key_id", { $0.defaultKeyID ?? "" }),
-            ("token_lifetime_seconds", { "\($0.tokenLifetimeSeconds)" }),
-            ("questionnaires_dir", { $0.questionnairesDirectory ?? "" }), ("max_body_bytes", { "\($0.maxBodyBytes)" }),
-            ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
-            ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
-            ("secret_checks_per_minute", { "\($0.secretChecksPerMinute)" }),
-            ("trusted_proxies", { $0.trustedProxies.description }),
-            ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }),
-            ("idle_timeout_seconds", { "\($0.idleTimeoutSeconds)" }),
-            ("dedupe_window_days", { "\($0.dedupeWindowDays)" }), ("role", { $0.role.rawValue }),
-            ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
-            ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),
-            ("routes", { $0.routes.description }), ("write_policy", { $0.writePolicy.description }),
-            ("max_connections_per_address", { "\($0.maxConnectionsPerAddress)" }), ("max_connections", { "\($0.maxConnections)" }),
-            ("lingering_time_seconds", { "\($0.lingeringTimeSeconds)" }),
-            ("lingering_timeout_seconds", { "\($0.lingeringTimeoutSeconds)" }),
-            ("max_waiting_per_client", { "\($0.maxWaitingPerClient)" }),
-            ("max_waiting_bytes_per_client", { "\($0.maxWaitingBytesPerClient)" }),
-            ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),
-        ]
-        return fields.filter { $0.1(old) != $0.1(new) }.map(\.0)
+        ServeSettings.fields.filter { $0.1(old) != $0.1(new) }.map(\.0)
     }
+}
+
+extension ServeSettings {
+    /// Each setting of the `serve` object by its key, as text (what `dq config` shows and a reload compares).
+    static let fields: [(String, @Sendable (ServeSettings) -> String)] = [
+        ("listen", { $0.listen }), ("path_prefix", { $0.pathPrefix }), ("antispam_file", { $0.antispamFile ?? "" }),
+        ("keys_dir", { $0.keysDirectory ?? "" }), ("default_key_id", { $0.defaultKeyID ?? "" }),
+        ("token_lifetime_seconds", { "\($0.tokenLifetimeSeconds)" }),
+        ("questionnaires_dir", { $0.questionnairesDirectory ?? "" }), ("max_body_bytes", { "\($0.maxBodyBytes)" }),
+        ("plain_fhir", { "\($0.plainFHIR)" }), ("plain_at_rest", { "\($0.plainAtRest)" }),
+        ("auth_requests_per_minute", { "\($0.authRequestsPerMinute)" }),
+        ("secret_checks_per_minute", { "\($0.secretChecksPerMinute)" }),
+        ("trusted_proxies", { $0.trustedProxies.description }),
+        ("body_timeout_seconds", { "\($0.bodyTimeoutSeconds)" }),
+        ("idle_timeout_seconds", { "\($0.idleTimeoutSeconds)" }),
+        ("dedupe_window_days", { "\($0.dedupeWindowDays)" }), ("role", { $0.role.rawValue }),
+        ("forward_to", { $0.forwardTo ?? "" }), ("forward_certificate", { $0.forwardCertificate ?? "" }),
+        ("forward_key_id", { $0.forwardKeyID ?? "" }), ("edges", { $0.edges.sorted { $0.key < $1.key }.description }),
+        ("routes", { $0.routes.description }), ("write_policy", { $0.writePolicy.description }),
+        ("max_connections_per_address", { "\($0.maxConnectionsPerAddress)" }), ("max_connections", { "\($0.maxConnections)" }),
+        ("lingering_time_seconds", { "\($0.lingeringTimeSeconds)" }),
+        ("lingering_timeout_seconds", { "\($0.lingeringTimeoutSeconds)" }),
+        ("max_waiting_per_client", { "\($0.maxWaitingPerClient)" }),
+        ("max_waiting_bytes_per_client", { "\($0.maxWaitingBytesPerClient)" }),
+        ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),
+    ]
 }
 
 /// The open files dq serve may give to connections: the soft limit raised to the hard one at start, less what the

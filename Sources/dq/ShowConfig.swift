@@ -50,6 +50,15 @@ struct ShowConfig: AsyncParsableCommand {
         }
     }
 
+    /// The keys the `serve` object of the file at `path` gives.
+    static func serveKeys(_ path: String?) -> Set<String> {
+        guard let path, let data = FileManager.default.contents(atPath: path),
+            let root = (try? JSONSerialization.jsonObject(with: data)) as? [String: Any],
+            let serve = root["serve"] as? [String: Any]
+        else { return [] }
+        return Set(serve.keys)
+    }
+
     /// `url` with the password of its user info replaced (a PostgreSQL URL's), safe to print.
     static func redacted(_ url: String) -> String {
         guard var components = URLComponents(string: url), components.password != nil else { return url }
@@ -203,6 +212,17 @@ struct ShowConfig: AsyncParsableCommand {
         ]
         for (key, value) in encryptionText {
             add("encryption." + key, value ?? "none", origin("encryption." + key))
+        }
+        // dq serve's own settings, when the file has a `serve` object (read as dq serve reads them).
+        let serve = try ServeSettings.load(from: settings.sourcePath)
+        if serve.present {
+            let given = Self.serveKeys(settings.sourcePath)
+            for (key, value) in ServeSettings.fields {
+                let shown = value(serve)
+                add(
+                    "serve." + key, shown.isEmpty ? "none" : shown,
+                    given.contains(key) ? "\(settings.sourcePath ?? "the config file"): serve.\(key)" : "default")
+            }
         }
         return entries
     }

@@ -471,7 +471,8 @@ struct InputHardeningTests {
         #expect(before.count == 3)
         #expect(after == before, "every column of every item, in order")
         #expect(!schema.uppercased().contains("AUTOINCREMENT"), "\(schema)")
-        #expect(indexes == ["item_by_full_url", "item_by_queue"])
+        // v4's own two, and the receiver's index by client (v9-claims) after it.
+        #expect(indexes == ["item_by_client", "item_by_full_url", "item_by_queue"])
         #expect(floor == 4)
         let next = NewItem(
             id: UUID(), queue: "http://h/fhir", method: .post, url: "Patient", resourceType: "Patient", resourceID: nil,

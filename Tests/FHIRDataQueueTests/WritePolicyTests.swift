@@ -112,3 +112,27 @@ struct WritePolicyTests {
         }
     }
 }
+
+/// `meta.source` put into a receiver's create (the condition of its exactly-once send), bytes otherwise unchanged.
+@Suite("meta.source stamping")
+struct SourceStampTests {
+    func stamped(_ json: String) -> String? {
+        ConditionalCreate.stampingSource(Data(json.utf8), source: "urn:uuid:1").map { String(decoding: $0, as: UTF8.self) }
+    }
+
+    @Test("Added as the first member, into an existing meta (empty or not); a meta.source of the app's own is left, and nothing is stamped")
+    func cases() throws {
+        #expect(stamped(#"{"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
+            == #"{"meta":{"source":"urn:uuid:1"},"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
+        #expect(stamped(#" {"resourceType":"Observation","meta":{}}"#) == #" {"resourceType":"Observation","meta":{"source":"urn:uuid:1"}}"#)
+        #expect(stamped(#"{"resourceType":"Observation","meta":{"tag":[]}}"#)
+            == #"{"resourceType":"Observation","meta":{"source":"urn:uuid:1","tag":[]}}"#)
+        #expect(stamped(#"{"resourceType":"Observation","meta":{"source":"app#1"}}"#) == nil)
+        #expect(stamped(#"["resourceType"]"#) == nil)
+        for json in [#"{"resourceType":"Observation","meta":{}}"#, #"{"resourceType":"Observation","meta":{"tag":[]}}"#] {
+            let data = try #require(stamped(json))
+            let object = try #require(try JSONSerialization.jsonObject(with: Data(data.utf8)) as? [String: Any])
+            #expect((object["meta"] as? [String: Any])?["source"] as? String == "urn:uuid:1")
+        }
+    }
+}

@@ -127,6 +127,15 @@ struct ServeDoctorTests {
         #expect(first.status == 0, "\(first.stdout) \(first.stderr)")
         #expect(first.stdout.contains("not made yet"), "\(first.stdout)")
         #expect(!FileManager.default.fileExists(atPath: work.file("never.sqlite")), "doctor makes nothing")
+        // dq config shows the serve object's settings too, each with its origin.
+        let shown = try await dq(["config", "--json", "--config", fresh], ["HOME": work.path])
+        #expect(shown.status == 0, "\(shown.stderr)")
+        let entries = try #require(try JSONSerialization.jsonObject(with: Data(shown.stdout.utf8)) as? [String: [String: String]])
+        #expect(entries["serve.keys_dir"]?["origin"]?.hasSuffix("serve.keys_dir") == true, "\(entries["serve.keys_dir"] ?? [:])")
+        #expect(entries["serve.plain_fhir"]?["value"] == "false", "\(entries["serve.plain_fhir"] ?? [:])")
+        #expect(entries["serve.write_policy"]?["origin"] == "default", "\(entries["serve.write_policy"] ?? [:])")
+        #expect(entries["serve.write_policy"]?["value"]?.contains("system/Patient.cu") == true, "\(entries["serve.write_policy"] ?? [:])")
+        #expect(entries["serve.max_connections_per_address"]?["value"] == "64")
         let nowhere = try work.write(
             "nowhere.json",
             #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("absent-folder/q.sqlite"))", "serve": {"listen": "127.0.0.1:\#(Peers.freePort())", "keys_dir": "keys", "antispam_file": "antispam", "plain_fhir": false}}"#

@@ -34,6 +34,7 @@ extension ServeTests {
                 "x509", "-req", "-in", request, "-CA", ca, "-CAkey", caKey, "-CAcreateserial", "-out", cert, "-days", "2", "-extfile",
                 extensions,
             ])
+            chmod(key, 0o600)  // as the README asks of a TLS key (dq doctor fails on one others can read)
             return (cert, key)
         }
         let one = try await signed("one")
@@ -80,6 +81,7 @@ extension ServeTests {
         for (from, to) in [(pair.cert, "cert.pem"), (pair.key, "key.pem")] {
             let data = try Data(contentsOf: URL(fileURLWithPath: from))
             try data.write(to: URL(fileURLWithPath: "\(folder)/\(to)"), options: .atomic)
+            chmod("\(folder)/\(to)", 0o600)
         }
     }
 

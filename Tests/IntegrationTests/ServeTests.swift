@@ -52,11 +52,13 @@ struct ServeTests {
         switch layout {
         case .pem:
             try FileManager.default.copyItem(atPath: keys.privateKey, toPath: "\(directory)/\(id).pem")
+            chmod("\(directory)/\(id).pem", 0o600)
         case .der:
             try FileManager.default.createDirectory(atPath: "\(directory)/\(id)", withIntermediateDirectories: true)
             try await TestKeys.openssl([
                 "pkcs8", "-topk8", "-nocrypt", "-in", keys.privateKey, "-outform", "DER", "-out", "\(directory)/\(id)/private-c3pro.der",
             ])
+            chmod("\(directory)/\(id)/private-c3pro.der", 0o600)
         }
     }
 
@@ -68,6 +70,8 @@ struct ServeTests {
         database: String = "queue.sqlite"
     ) async throws -> String {
         _ = try work.write("antispam.txt", "# the apps' secret\n\(antispam)\n")
+        // Readable by its owner only, as the README asks (dq doctor fails on one others can read).
+        chmod(work.file("antispam.txt"), 0o600)
         var serve: [String: Any] = [
             "antispam_file": "antispam.txt", "keys_dir": "keys", "default_key_id": "k1", "path_prefix": "/c3pro",
         ]

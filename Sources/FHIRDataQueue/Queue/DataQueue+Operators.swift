@@ -19,7 +19,11 @@ extension DataQueue {
     public func serverCapabilities() async throws -> DataQueue.ServerCapabilities {
         let support = try await store.bundleSupport(queue: queueName)
         return DataQueue.ServerCapabilities(
-            transactions: support.transactions, conditionalCreate: support.conditionalCreate.map { $0.sorted() },
+            transactions: support.transactions,
+            conditionalCreate: support.conditionalCreate.map { $0.filter { !$0.hasSuffix(Flusher.sourceSearchSuffix) }.sorted() },
+            sourceSearch: support.conditionalCreate.map {
+                $0.filter { $0.hasSuffix(Flusher.sourceSearchSuffix) }.map { String($0.dropLast(Flusher.sourceSearchSuffix.count)) }.sorted()
+            },
             readAt: support.checkedAt)
     }
 

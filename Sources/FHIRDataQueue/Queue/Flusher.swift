@@ -548,12 +548,35 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         do {
             var request = try context.delivery.outgoingRequest(for: stored, url: url, declared: support?.conditionalCreate)
             request.isBundle = stored.info.url.isEmpty  // a Bundle queued as one item
+            if request.ifNoneExist == nil, let source = sourceCondition(for: stored),
+                let stamped = ConditionalCreate.stampingSource(request.body, source: source)
+            {
+                request.body = stamped
+                request.ifNoneExist = "_source=" + source
+            }
             return Prepared(stored: stored, request: request)
         } catch let error as DataQueueError where error.code == .invalidResource {
             let request = OutgoingRequest(method: stored.info.method, url: url, contentType: stored.contentType, body: stored.body)
             return Prepared(stored: stored, request: request, failure: error.message)
         }
     }
+
+    /// The `meta.source` that makes a receiver's create exactly once (`urn:uuid:<item id>`, with `If-None-Exist:
+    /// _source=…`): for a create a receiver queued with its client, when idempotent mode is on and the server declares
+    /// both conditional create and the `_source` search for its type. A create sent again after a stop while it was
+    /// on the wire then finds the first (200, journaled as already present) instead of making a second copy. Nil
+    /// otherwise.
+    private func sourceCondition(for stored: StoredItem) -> String? {
+        guard stored.clientID != nil, stored.conditionalCreate, stored.info.method == .post, !stored.info.url.isEmpty,
+            !stored.info.encrypted, context.configuration.idempotent != .never,
+            let declared = support?.conditionalCreate, declared.contains(stored.info.resourceType),
+            declared.contains(stored.info.resourceType + Self.sourceSearchSuffix)
+        else { return nil }
+        return "urn:uuid:" + stored.info.id.lowercasedString
+    }
+
+    /// How the types whose `_source` search the server declares are kept among its conditional-create types.
+    static let sourceSearchSuffix = "?_source"
 
     /// References to `urn:uuid` fullUrls that the same request does not declare are rewritten to where the
     /// server put those resources (from the journal). An item whose reference points to a resource that was
@@ -658,8 +681,15 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         }
         var conditional: Set<String> = []
         for part in server {
+            // `_source` searchable on every type (the rest's own search parameters) or on the type.
+            func searches(_ object: [String: Any]) -> Bool {
+                (object["searchParam"] as? [[String: Any]] ?? []).contains { $0["name"] as? String == "_source" }
+            }
+            let everywhere = searches(part)
             for resource in part["resource"] as? [[String: Any]] ?? [] where resource["conditionalCreate"] as? Bool == true {
-                if let type = resource["type"] as? String { conditional.insert(type) }
+                guard let type = resource["type"] as? String else { continue }
+                conditional.insert(type)
+                if everywhere || searches(resource) { conditional.insert(type + Self.sourceSearchSuffix) }
             }
         }
         context.logger.debug(

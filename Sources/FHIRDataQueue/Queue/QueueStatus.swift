@@ -63,13 +63,19 @@ extension DataQueue {
         public var transactions: Bool?
         /// The resource types whose conditional create (`If-None-Exist`) it declares, sorted; nil when not read yet.
         public var conditionalCreate: [String]?
+        /// Those of ``conditionalCreate`` whose `_source` search it declares too, sorted: a receiver's creates of
+        /// them are conditioned on the `meta.source` naming their queue item (exactly once without touching content).
+        public var sourceSearch: [String]?
         /// When it was read.
         public var readAt: Date?
 
         /// Nothing read yet.
-        public init(transactions: Bool? = nil, conditionalCreate: [String]? = nil, readAt: Date? = nil) {
+        public init(
+            transactions: Bool? = nil, conditionalCreate: [String]? = nil, sourceSearch: [String]? = nil, readAt: Date? = nil
+        ) {
             self.transactions = transactions
             self.conditionalCreate = conditionalCreate
+            self.sourceSearch = sourceSearch
             self.readAt = readAt
         }
     }

@@ -194,6 +194,22 @@ enum ConditionalCreate {
         return uuid.lowercasedString
     }
 
+    /// The resource with `meta.source` set to `source` (inserted into the bytes, nothing else re-serialized), or nil
+    /// when it has a `meta.source` of its own (or its JSON cannot be read): a receiver's create is then conditioned on
+    /// `_source`, which names its queue item, so that the research content the app wrote is left as it is.
+    static func stampingSource(_ body: Data, source: String) -> Data? {
+        guard let document = try? JSONScanner.scan(body, 0..<body.count, keys: ["meta"]), document.isObject,
+            let open = body.firstIndex(of: UInt8(ascii: "{"))
+        else { return nil }
+        let value = Array(#""source":"\#(source)""#.utf8)
+        guard let meta = document.members["meta"] else {
+            return apply([(open - body.startIndex + 1, Array(#""meta":{"#.utf8) + value + Array("},".utf8))], to: body)
+        }
+        guard let inner = try? JSONScanner.scan(body, meta, keys: ["source"]), inner.isObject, inner.members["source"] == nil
+        else { return nil }
+        return apply([(meta.lowerBound + 1, value + (inner.memberCount > 0 ? Array(",".utf8) : []))], to: body)
+    }
+
     private static func apply(_ insertions: [(offset: Int, bytes: [UInt8])], to data: Data) -> Data {
         guard !insertions.isEmpty else { return data }
         var result = Data()
