@@ -539,6 +539,8 @@ extension DQ {
             abstract: "Show the delivery journal: when, where, status and the server's id of each item.")
         @OptionGroup var queueOptions: QueueOptions
         @Option(parsing: .unconditional, help: "The newest this many lines.") var limit = 100
+        @Flag(help: "Only deliveries that may have put a second copy on the server (sent again after a stop).")
+        var possibleDuplicates = false
         @Flag(help: "Print as JSON.") var json = false
 
         func validate() throws {
@@ -547,7 +549,11 @@ extension DQ {
 
         func run() async throws {
             try await withQueue(queueOptions, readOnly: true) { queue in
-                let records = try await queue.deliveries(limit: limit)
+                var records = try await queue.deliveries(limit: possibleDuplicates ? max(limit, 1_000_000) : limit)
+                if possibleDuplicates {
+                    records = Array(
+                        records.filter { $0.note?.hasPrefix(DeliveryRecord.possibleDuplicateNote) == true }.suffix(limit))
+                }
                 if json { try printJSON(records); return }
                 if records.isEmpty { print("no deliveries"); return }
                 print("AT\tEVENT\tID\tMETHOD\tTYPE\tSTATUS\tLOCATION\tATTEMPTS\tBUNDLE\tNOTE")

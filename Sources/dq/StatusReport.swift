@@ -33,6 +33,11 @@ enum StatusReport {
             "delivered:  \(status.delivered)",
             "oldest:     \(formatDate(status.oldestPendingAt))",
         ]
+        if status.possibleDuplicates > 0 {
+            lines.insert(
+                "possible duplicates: \(status.possibleDuplicates) (sent again after a stop while on the way, with no condition the server could check: dq log --possible-duplicates)",
+                at: 4)
+        }
         if status.duplicates > 0 {
             lines.insert("duplicates: \(status.duplicates) (repeats of delivered resources, not sent: dq log)", at: 4)
         }

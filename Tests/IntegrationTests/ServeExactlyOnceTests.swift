@@ -38,4 +38,43 @@ extension ServeTests {
         #expect(stored["identifier"] == nil, "nothing added to the research content: \(stored)")
         #expect(await receiver.stop().status == 0)
     }
+
+    @Test(
+        "Where the server offers no condition (no conditional create), a create sent again after its answer was lost is journaled as a possible duplicate: noted, counted by dq status and /metrics, listed by dq log --possible-duplicates"
+    )
+    func possibleDuplicateNamed() async throws {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server, options: ["--no-conditional-create"])
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: proxy.base)
+        let receiver = try await start(config)
+        let bearer = try await token(receiver.base, try await register(receiver.base))
+        try await proxy.inject(["drop-after"])
+        let answers = try await client(
+            receiver.base,
+            [
+                sealed("/c3pro/encfhir/Observation", observation("p1"), certificate: keys.certificate, keyID: "k1", token: bearer),
+                sealed("/c3pro/encfhir/Observation", observation("p2"), certificate: keys.certificate, keyID: "k1", token: bearer),
+            ])
+        #expect(answers.map(\.status) == [202, 202], "\(answers)")
+        #expect(try await eventually(timeout: .seconds(60)) { try await counts(config).delivered == 2 }, "\(receiver.log.suffix(3000))")
+        // What the lost answer covered (p1 alone, or p1 and p2 in one Bundle) is on the server twice: dq could not
+        // prevent it, and says so, once for each.
+        let onServer = try await values(server)
+        let twice = Set(onServer.filter { value in onServer.filter { $0 == value }.count == 2 })
+        #expect(Set(onServer) == ["p1", "p2"] && twice.contains("p1") && onServer.count == 2 + twice.count, "\(onServer)")
+        let status = try await dqCommand(["status", "--json"], config: config)
+        let object = try #require(try json(status) as? [String: Any], "\(status.stdout)")
+        #expect(object["possibleDuplicates"] as? Int == twice.count, "\(status.stdout)")
+        let text = try await dqCommand(["status"], config: config)
+        #expect(text.stdout.contains("possible duplicates: \(twice.count)"), "\(text.stdout)")
+        let listed = try await dqCommand(["log", "--possible-duplicates", "--json"], config: config)
+        let lines = try #require(try json(listed) as? [[String: Any]], "\(listed.stdout)")
+        #expect(lines.count == twice.count, "\(lines)")
+        #expect(lines.allSatisfy { ($0["note"] as? String)?.hasPrefix("possible duplicate: ") == true }, "\(lines)")
+        let metrics = try await metricLines(receiver, "dq_items_possible_duplicates_total")
+        #expect(metrics.contains { $0.hasSuffix(" \(twice.count)") }, "\(metrics)")
+        #expect(await receiver.stop().status == 0)
+    }
 }

@@ -561,7 +561,8 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
 
         // A flusher that died with a request on the wire left a marker: let the server finish that request
         // before sending it (or anything) again, or a non-atomic conditional create could run twice.
-        if let orphan = try await lock.inFlight() {
+        let orphan = try await lock.inFlight()
+        if let orphan {
             let wait = orphan.sentAt.addingTimeInterval(configuration.settleDelay).timeIntervalSinceNow
             if wait > 0 {
                 logger.warning(
@@ -577,7 +578,8 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
         }
 
         let flusher = Flusher(
-            context: flushContext(), lock: lock, limit: limit, through: through, tracking: tracking, progress: progress)
+            context: flushContext(), lock: lock, limit: limit, through: through, tracking: tracking, progress: progress,
+            resentThrough: orphan?.sequence)
         try await flusher.run()
         report = flusher.report
         try await fillCounts(&report)

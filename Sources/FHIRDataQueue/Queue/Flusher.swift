@@ -22,6 +22,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     private let through: Int64?
     private let tracking: Int64?
     private let progress: (@Sendable (FlushReport.Progress) -> Void)?
+    /// The last item an earlier flush of this queue was sending when it stopped (its in-flight note): a pending item
+    /// up to it was sent then (its answer or its journal line lost), and may be on the server already.
+    private let resentThrough: Int64?
 
     private(set) var report = FlushReport()
     private(set) var tracked: SendOutcome?
@@ -97,8 +100,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
 
     init(
         context: FlushContext, lock: any FlushOwnership, limit: Int?, through: Int64?, tracking: Int64?,
-        progress: (@Sendable (FlushReport.Progress) -> Void)?
+        progress: (@Sendable (FlushReport.Progress) -> Void)?, resentThrough: Int64? = nil
     ) {
+        self.resentThrough = resentThrough
         self.context = context
         self.lock = lock
         self.limit = limit
@@ -755,7 +759,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 method: .post, url: context.queueName, contentType: "application/fhir+json",
                 body: TransactionBundle.build(entries), isBundle: true)
             let first = part[part.startIndex].item
-            let result = try await send(request, first: first, encrypted: false)
+            let result = try await send(request, first: first, through: part[part.endIndex - 1].item.sequence, encrypted: false)
             report.bundleEntries += part.count
             context.metrics.bundleSize.record(part.count)
             switch result {
@@ -838,7 +842,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             method: .post, url: try context.endpoints.endpoint(encrypted: true), contentType: EnvelopeBatch.contentType,
             body: body)
         let first = group[0].item
-        let result = try await send(request, first: first, encrypted: true)
+        let result = try await send(request, first: first, through: group[group.count - 1].item.sequence, encrypted: true)
         switch result {
         case .delivered(let response, _) where Self.acceptedCount(response.body) == group.count:
             for prepared in group {
@@ -891,7 +895,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             }
             group.append(prepared)
         }
-        try await lock.markInFlight(sequence: group[0].item.sequence)
+        try await lock.markInFlight(sequence: group[group.count - 1].item.sequence)
         let results = await withTaskGroup(of: (Int, Delivery.Outcome).self) { tasks in
             for (index, prepared) in group.enumerated() {
                 let request = prepared.request
@@ -938,9 +942,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         return .next
     }
 
-    /// Sends one request with the in-flight marker set, and counts it.
-    private func send(_ request: OutgoingRequest, first: QueuedItem, encrypted: Bool) async throws -> Delivery.Outcome {
-        try await lock.markInFlight(sequence: first.sequence)
+    /// Sends one request with the in-flight marker set (naming the last of its items, `through`: after a stop, every
+    /// pending item up to it may be on the server), and counts it.
+    private func send(
+        _ request: OutgoingRequest, first: QueuedItem, through: Int64? = nil, encrypted: Bool
+    ) async throws -> Delivery.Outcome {
+        try await lock.markInFlight(sequence: max(through ?? first.sequence, first.sequence))
         let started = ContinuousClock.now
         let result = await context.delivery.deliver(request, encrypted: encrypted)
         context.metrics.requestDuration.record(duration: ContinuousClock.now - started)
@@ -987,10 +994,22 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 metadata: ["type": "\(item.resourceType)"])
         }
         let event: DeliveryRecord.Event = conditional && declared && status == 200 ? .alreadyPresent : .delivered
+        var note = identity.note
+        if event == .delivered, !(conditional && declared), let resentThrough, item.sequence <= resentThrough, !item.encrypted {
+            // Sent before a stop (its answer or its journal line lost) and again now, with nothing the server could
+            // recognise it by: said, counted and listed (dq status, dq log --possible-duplicates), never hidden.
+            note = DeliveryRecord.possibleDuplicateNote
+                + "sent again after a stop while it or its journal line was on the way; the server may hold it twice"
+                + (identity.note.map { "; \($0)" } ?? "")
+            context.metrics.possibleDuplicate()
+            context.logger.warning(
+                "delivered an item that an earlier flush may have delivered already (a possible second copy)",
+                metadata: ["item": "\(item.id.lowercasedString)"])
+        }
         recorder.append(
             CompletedDelivery(
                 item: item, event: event, url: prepared.url, status: status, location: location, serverID: serverID,
-                versionID: versionID, note: identity.note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries,
+                versionID: versionID, note: note, fullURL: prepared.stored.fullURL, bundle: bundle, entries: entries,
                 digest: prepared.stored.digest))
         if let digest = prepared.stored.digest { deliveredDigests[digest] = item.id }
         handled.insert(item.sequence)

@@ -9,6 +9,8 @@ struct QueueMetrics: Sendable {
     let enqueued: Counter
     let delivered: Counter
     let parked: Counter
+    /// Deliveries that may have put a second copy on the server (``QueueStatus/possibleDuplicates``).
+    let possibleDuplicates: Counter
     /// Failed requests by cause: `network` (no answer), `server` (5xx), `throttled` (429, 408),
     /// `authentication` (401/403 after a fresh credential).
     let failed: [String: Counter]
@@ -31,6 +33,7 @@ struct QueueMetrics: Sendable {
         enqueued = Counter(label: "dq_items_enqueued_total", dimensions: dimensions)
         delivered = Counter(label: "dq_items_delivered_total", dimensions: dimensions)
         parked = Counter(label: "dq_items_parked_total", dimensions: dimensions)
+        possibleDuplicates = Counter(label: "dq_items_possible_duplicates_total", dimensions: dimensions)
         failed = Dictionary(
             uniqueKeysWithValues: ["network", "server", "throttled", "authentication"].map { cause in
                 (cause, Counter(label: "dq_requests_failed_total", dimensions: dimensions + [("cause", cause)]))
@@ -83,6 +86,9 @@ struct QueueMetrics: Sendable {
         let backoff = status.nextAttemptAt.map(\.timeIntervalSince1970) ?? 0
         backoffUntil.record(backoff > Date().timeIntervalSince1970 ? backoff : 0)
     }
+
+    /// A delivery that may be a second copy.
+    func possibleDuplicate() { possibleDuplicates.increment() }
 
     /// A delivery now: counted, and its time kept.
     func deliveredOne() {

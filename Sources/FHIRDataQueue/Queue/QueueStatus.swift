@@ -37,14 +37,19 @@ public struct QueueStatus: Sendable, Codable, Hashable {
     public let lastDeliveryAt: Date?
     /// A receiver's items journaled as duplicates: repeats of a resource delivered before, not sent again.
     public let duplicates: Int
+    /// Deliveries that may have put a second copy on the server: items sent again after a stop while they (or
+    /// their journal line) were on the way, with no condition that lets the server recognise them (the journal's
+    /// note begins ``DeliveryRecord/possibleDuplicateNote``).
+    public let possibleDuplicates: Int
 
     /// Creates a status from its counts.
     public init(
         queue: String, pending: Int, parked: Int, delivered: Int, oldestPendingAt: Date?, consecutiveFailures: Int,
-        nextAttemptAt: Date?, lastError: String?, lastDeliveryAt: Date? = nil, duplicates: Int = 0
+        nextAttemptAt: Date?, lastError: String?, lastDeliveryAt: Date? = nil, duplicates: Int = 0, possibleDuplicates: Int = 0
     ) {
         self.lastDeliveryAt = lastDeliveryAt
         self.duplicates = duplicates
+        self.possibleDuplicates = possibleDuplicates
         self.queue = queue
         self.pending = pending
         self.parked = parked

@@ -59,6 +59,9 @@ public struct QueuedItem: Sendable, Encodable, Hashable {
 
 /// One line of the delivery journal: the chain-of-custody record of an item (no resource body).
 public struct DeliveryRecord: Sendable, Encodable, Hashable {
+    /// How the note of a delivery that may be a second copy begins (``QueueStatus/possibleDuplicates``).
+    public static let possibleDuplicateNote = "possible duplicate: "
+
     /// What happened to the item.
     public enum Event: String, Sendable, Codable {
         /// The server accepted the item (and created or updated the resource).

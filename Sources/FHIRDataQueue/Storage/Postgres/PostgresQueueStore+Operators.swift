@@ -14,7 +14,8 @@ extension PostgresQueueStore {
             var oldest: Double?
             var lastDelivery: Double?
             var duplicates = 0
-            for try await (p, k, d, o, l, u) in try await client.query(
+            var possible = 0
+            for try await (p, k, d, o, l, u, m) in try await client.query(
                 """
                 SELECT (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'pending'),
                        (SELECT count(*) FROM dq_item WHERE queue = \(queue) AND state = 'parked'),
@@ -23,17 +24,20 @@ extension PostgresQueueStore {
                        (SELECT enqueued_at FROM dq_item WHERE queue = \(queue) AND state = 'pending' ORDER BY seq LIMIT 1),
                        (SELECT at FROM dq_delivery WHERE queue = \(queue) AND event IN ('delivered', 'already-present')
                         ORDER BY seq DESC LIMIT 1),
-                       (SELECT count(*) FROM dq_delivery WHERE \(countingJournal) AND queue = \(queue) AND event = 'duplicate')
+                       (SELECT count(*) FROM dq_delivery WHERE \(countingJournal) AND queue = \(queue) AND event = 'duplicate'),
+                       (SELECT count(*) FROM dq_delivery WHERE \(countingJournal) AND queue = \(queue) AND event = 'delivered'
+                        AND note LIKE 'possible duplicate: %')
                 """, logger: logger
-            ).decode((Int, Int, Int, Double?, Double?, Int).self) {
-                (pending, parked, delivered, oldest, lastDelivery, duplicates) = (p, k, d, o, l, u)
+            ).decode((Int, Int, Int, Double?, Double?, Int, Int).self) {
+                (pending, parked, delivered, oldest, lastDelivery, duplicates, possible) = (p, k, d, o, l, u, m)
             }
             let state = try await serverState(queue: queue)
             return QueueStatus(
                 queue: queue, pending: pending, parked: parked, delivered: delivered,
                 oldestPendingAt: oldest.map(Date.init(timeIntervalSince1970:)), consecutiveFailures: state.failures,
                 nextAttemptAt: state.nextAttemptAt, lastError: state.lastError,
-                lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)), duplicates: duplicates)
+                lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)), duplicates: duplicates,
+                possibleDuplicates: possible)
         }
     }
 

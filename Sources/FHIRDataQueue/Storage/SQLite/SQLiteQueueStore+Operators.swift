@@ -27,6 +27,8 @@ extension SQLiteQueueStore {
             let parked = try Int.fetchOne(db, sql: StatusQueries.parked, arguments: [queue]) ?? 0
             let delivered = countingJournal ? try Int.fetchOne(db, sql: StatusQueries.delivered, arguments: [queue]) ?? 0 : 0
             let duplicates = countingJournal ? try Int.fetchOne(db, sql: StatusQueries.duplicates, arguments: [queue]) ?? 0 : 0
+            let possible =
+                countingJournal ? try Int.fetchOne(db, sql: StatusQueries.possibleDuplicates, arguments: [queue]) ?? 0 : 0
             try Self.checkStates(queue: queue, db: db)
             let oldest = try Double.fetchOne(db, sql: StatusQueries.oldestPending, arguments: [queue])
             let server = try Row.fetchOne(db, sql: StatusQueries.serverState, arguments: [queue])
@@ -38,7 +40,7 @@ extension SQLiteQueueStore {
                 consecutiveFailures: server?["failures"] ?? 0,
                 nextAttemptAt: next.map(Date.init(timeIntervalSince1970:)),
                 lastError: server?["last_error"], lastDeliveryAt: lastDelivery.map(Date.init(timeIntervalSince1970:)),
-                duplicates: duplicates)
+                duplicates: duplicates, possibleDuplicates: possible)
         }
     }
 

@@ -8,6 +8,9 @@ enum StatusQueries {
     static let delivered = "SELECT count(*) FROM delivery WHERE queue = ? AND event IN ('delivered', 'already-present')"
     /// Journal lines of a queue that are a receiver's duplicates (not sent).
     static let duplicates = "SELECT count(*) FROM delivery WHERE queue = ? AND event = 'duplicate'"
+    /// Deliveries journaled as possible second copies (``DeliveryRecord/possibleDuplicateNote``).
+    static let possibleDuplicates =
+        "SELECT count(*) FROM delivery WHERE queue = ? AND event = 'delivered' AND note LIKE 'possible duplicate: %'"
     /// The first row of a queue in a state dq does not know (a damaged or edited row): `seq, state`.
     static let damaged = "SELECT seq, state FROM item WHERE queue = ? AND state NOT IN ('pending', 'parked') LIMIT 1"
     /// When the oldest pending item of a queue was enqueued.
