@@ -2,7 +2,9 @@ import HTTPTypes
 import Metrics
 import NIOConcurrencyHelpers
 import NIOCore
+import NIOHTTP1
 import NIOHTTPTypes
+import NIOHTTPTypesHTTP1
 
 /// What a receiver lets connections hold: how many one address and all together may open, and how long a connection
 /// is kept after an answer that closes it (a lingering close, as nginx's `lingering_time` and `lingering_timeout`).
@@ -120,9 +122,19 @@ final class ConnectionGuardHandler: ChannelDuplexHandler, RemovableChannelHandle
 
     init(guard limits: ConnectionGuard) { self.limits = limits }
 
+    /// Whether the request being answered asked for the connection to end with its answer: `Connection: close`, or
+    /// HTTP/1.0 without keep-alive (its version is known only before the HTTP codec: ``KeepAliveSniffer`` says).
+    fileprivate var requestCloses = false
+
     func handlerAdded(context: ChannelHandlerContext) {
         admitted = limits.admit(context.channel.remoteAddress?.ipAddress)
-        if admitted == nil { context.close(promise: nil) }
+        if admitted == nil {
+            context.close(promise: nil)
+            return
+        }
+        if let codec = try? context.pipeline.syncOperations.handler(type: HTTP1ToHTTPServerCodec.self) {
+            try? context.pipeline.syncOperations.addHandler(KeepAliveSniffer(self), position: .before(codec))
+        }
     }
 
     func handlerRemoved(context: ChannelHandlerContext) {
@@ -155,7 +167,7 @@ final class ConnectionGuardHandler: ChannelDuplexHandler, RemovableChannelHandle
         let part = unwrapOutboundIn(data)
         switch part {
         case .head(let head):
-            closing = head.headerFields[values: .connection].contains { $0.lowercased().contains("close") }
+            closing = requestCloses || head.headerFields[values: .connection].contains { $0.lowercased().contains("close") }
             context.write(data, promise: promise)
         case .body:
             context.write(data, promise: promise)
@@ -196,6 +208,24 @@ final class ConnectionGuardHandler: ChannelDuplexHandler, RemovableChannelHandle
             return
         }
         context.fireUserInboundEventTriggered(event)
+    }
+}
+
+/// Before the HTTP codec: tells ``ConnectionGuardHandler`` whether each request asks to end the connection with its
+/// answer (HTTP/1.0 without `keep-alive`, or `Connection: close`), which the version-less HTTP types after the codec
+/// cannot say. An HTTP/1.0 client waits for the end of the connection: it gets it with its answer, not at the idle
+/// timeout.
+final class KeepAliveSniffer: ChannelInboundHandler, RemovableChannelHandler {
+    typealias InboundIn = HTTPServerRequestPart
+    typealias InboundOut = HTTPServerRequestPart
+
+    private let connection: ConnectionGuardHandler
+
+    init(_ connection: ConnectionGuardHandler) { self.connection = connection }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        if case .head(let head) = unwrapInboundIn(data) { connection.requestCloses = !head.isKeepAlive }
+        context.fireChannelRead(data)
     }
 }
 

@@ -73,4 +73,22 @@ struct RateLimiterTests {
         #expect(backoff.refuse("c3", now: start + .seconds(60)) != nil)
         #expect(backoff.refuse("c3", now: start + FailureBackoff.forgetAfter) == nil, "forgotten after a quiet while")
     }
+
+    @Test("Connections: per address (an IPv6 /64 as one), in all, a trusted proxy counted in all only; a closed one gives its place back")
+    func connectionGuard() {
+        let guarded = ConnectionGuard(.init(perAddress: 2, total: 5, exempt: ["10.0.0.1"]))
+        let a1 = guarded.admit("192.0.2.1"), a2 = guarded.admit("192.0.2.1")
+        #expect(a1 != nil && a2 != nil)
+        #expect(guarded.admit("192.0.2.1") == nil, "a third from one address")
+        #expect(guarded.admit("2001:db8:0:1::1") != nil)
+        #expect(guarded.admit("2001:db8:0:1::2") != nil)
+        #expect(guarded.admit("2001:db8:0:1::3") == nil, "one /64 is one address")
+        #expect(guarded.openConnections == 4)
+        #expect(guarded.admit("10.0.0.1") != nil, "the proxy: not per address")
+        #expect(guarded.admit("10.0.0.1") == nil, "but within the total of 5")
+        #expect(guarded.admit("198.51.100.7") == nil, "the total holds for everyone")
+        if let a1 { guarded.release(a1) }
+        #expect(guarded.openConnections == 4)
+        #expect(guarded.admit("192.0.2.1") != nil, "its place given back")
+    }
 }

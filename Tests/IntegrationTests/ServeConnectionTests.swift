@@ -74,6 +74,18 @@ extension ServeTests {
                     break
                 answer += part
             print("keepalive", answer.split(b"\\r\\n")[0].decode(), "ended after %.1f" % (time.monotonic() - start), flush=True)
+
+            # HTTP/1.0 without keep-alive: the client reads to the end of the connection, which comes with the answer.
+            s = socket.create_connection(("127.0.0.1", PORT), timeout=30)
+            s.sendall(b"GET /healthz HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+            start = time.monotonic()
+            answer = b""
+            while True:
+                part = s.recv(4096)
+                if not part:
+                    break
+                answer += part
+            print("http10", answer.split(b"\\r\\n")[0].decode(), "ended after %.1f" % (time.monotonic() - start), flush=True)
             """, port: receiver.port)
         let lines = output.split(separator: "\n").map(String.init)
         let trickles = lines.filter { $0.hasPrefix("trickle ") }
@@ -90,6 +102,9 @@ extension ServeTests {
         #expect(keepAlive.contains("HTTP/1.1 413"), "\(keepAlive)")
         // idle_timeout_seconds is 60: the end comes with the answer, not then.
         #expect((Double(keepAlive.split(separator: " ").last ?? "") ?? .infinity) < 30, "\(keepAlive)")
+        let http10 = try #require(lines.first { $0.hasPrefix("http10") }, "\(output)")
+        #expect(http10.contains(" 200 "), "\(http10)")
+        #expect((Double(http10.split(separator: " ").last ?? "") ?? .infinity) < 30, "not at the idle timeout (60 s): \(http10)")
         // The receiver still serves.
         try await anotherDeviceServed(receiver, keys, bearer)
         #expect(await receiver.stop().status == 0)
