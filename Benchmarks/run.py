@@ -785,13 +785,18 @@ class ServeBench:
     def start(self, server, database, port, batch=None, extra_env=None, edge=None):
         """dq serve on `database`; with `edge` (inside base URL, client id, secret) a --role edge forwarding there."""
         config = os.path.join(self.work, "serve-%f.json" % time.time())
-        settings = {"server": server, "serve": {"antispam_file": self.antispam, "keys_dir": self.keys, "default_key_id": "k1",
-                                                "plain_fhir": False, "auth_requests_per_minute": 1000000}}
+        # One bench client posts far more than a device would: its waiting items are limited far above what a run
+        # queues (the check itself is measured), and wrk's connections come from one address.
+        limits = {"max_waiting_per_client": 100000000, "max_waiting_bytes_per_client": 1 << 50,
+                  "max_connections_per_address": 1024}
+        settings = {"server": server, "serve": dict({"antispam_file": self.antispam, "keys_dir": self.keys,
+                                                     "default_key_id": "k1", "plain_fhir": False,
+                                                     "auth_requests_per_minute": 1000000}, **limits)}
         if edge:
             inside, client_id, secret = edge
-            settings = {"serve": {"role": "edge", "antispam_file": self.antispam, "forward_to": inside + "/c3pro",
-                                  "forward_certificate": self.certificate(), "forward_key_id": "k1", "plain_fhir": False,
-                                  "auth_requests_per_minute": 1000000},
+            settings = {"serve": dict({"role": "edge", "antispam_file": self.antispam, "forward_to": inside + "/c3pro",
+                                       "forward_certificate": self.certificate(), "forward_key_id": "k1",
+                                       "plain_fhir": False, "auth_requests_per_minute": 1000000}, **limits),
                         "auth": {"client_id": client_id, "client_secret": secret, "token_uri": inside + "/c3pro/oauth"}}
         if batch:
             settings["batch_size"] = batch

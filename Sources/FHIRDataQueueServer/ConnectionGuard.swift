@@ -40,9 +40,9 @@ public final class ConnectionGuard: Sendable {
         /// How long such a connection may send nothing before it is closed.
         public var lingeringTimeout: Duration
 
-        /// Limits with defaults: 64 connections per address, 4,096 in all, lingering 30 s at most and 5 s between reads.
+        /// Limits with defaults: 256 connections per address, 4,096 in all, lingering 30 s at most and 5 s between reads.
         public init(
-            perAddress: Int = 64, total: Int = 4096, exempt: Set<String> = [], lingeringTime: Duration = .seconds(30),
+            perAddress: Int = 256, total: Int = 4096, exempt: Set<String> = [], lingeringTime: Duration = .seconds(30),
             lingeringTimeout: Duration = .seconds(5)
         ) {
             self.perAddress = perAddress

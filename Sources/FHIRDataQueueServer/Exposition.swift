@@ -42,7 +42,13 @@ package enum Exposition {
         "dq_build_info": "The dq version (always 1).",
         "dq_envelopes_opened_total": "Envelopes opened with the receiver's keys (dq serve), by key id.",
         "dq_envelopes_quarantined_total":
-            "Envelopes that could not be opened and were quarantined, by key id (unknown: not in keys_dir) and reason.",
+            "Envelopes quarantined, by key id (unknown: not in keys_dir) and reason (one that does not open, write_policy).",
+        "dq_items_possible_duplicates_total":
+            "Items delivered again after a stop while they were on the way, with no condition the server could check.",
+        "dq_write_policy_refusals_total": "Writes of dq serve's devices that the write policy refused (403 or quarantined).",
+        "dq_serve_connections": "Connections dq serve holds open now.",
+        "dq_serve_connections_refused_total": "Connections dq serve closed as accepted, by limit (per_address, total).",
+        "dq_serve_quota_refusals_total": "Requests refused because the device has too much waiting, by limit (count, bytes).",
         "dq_serve_requests_total": "Requests dq serve answered, by endpoint and status.",
         "dq_serve_ingest_duration_seconds": "Time from a request's arrival to its answer after the commit (dq serve).",
     ]

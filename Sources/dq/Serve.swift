@@ -75,8 +75,8 @@ struct ServeSettings: Sendable, Equatable {
     /// default C3-PRO's writes plus Consent (``WritePolicy/c3pro``).
     var writePolicy = WritePolicy.c3pro
     /// `max_connections_per_address`: connections one address (an IPv6 /64) may hold open; a trusted proxy's count
-    /// only towards `max_connections` (default 64; 0: no limit).
-    var maxConnectionsPerAddress = 64
+    /// only towards `max_connections` (default 256: many phones share one carrier-grade NAT address; 0: no limit).
+    var maxConnectionsPerAddress = 256
     /// `max_connections`: connections open in all (default 4,096; 0: no limit), never more than the open-file limit
     /// less what the delivery, the database and the keys need.
     var maxConnections = 4096

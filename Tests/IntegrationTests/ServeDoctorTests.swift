@@ -135,7 +135,7 @@ struct ServeDoctorTests {
         #expect(entries["serve.plain_fhir"]?["value"] == "false", "\(entries["serve.plain_fhir"] ?? [:])")
         #expect(entries["serve.write_policy"]?["origin"] == "default", "\(entries["serve.write_policy"] ?? [:])")
         #expect(entries["serve.write_policy"]?["value"]?.contains("system/Patient.cu") == true, "\(entries["serve.write_policy"] ?? [:])")
-        #expect(entries["serve.max_connections_per_address"]?["value"] == "64")
+        #expect(entries["serve.max_connections_per_address"]?["value"] == "256")
         let nowhere = try work.write(
             "nowhere.json",
             #"{"server": "http://127.0.0.1:9/fhir", "database": "\#(work.file("absent-folder/q.sqlite"))", "serve": {"listen": "127.0.0.1:\#(Peers.freePort())", "keys_dir": "keys", "antispam_file": "antispam", "plain_fhir": false}}"#

@@ -12,8 +12,8 @@ import Foundation
 /// - the type a request's path names is the type of what it holds.
 ///
 /// A `PUT` is a ``Target``: before it is sent the queue asks the server whether `Type/id` exists, and records
-/// which client wrote it (``ClientRegistry/claimResource(queue:target:clientID:)``). A `PUT` over a resource that
-/// another client wrote, or that exists on the server and no client of the receiver wrote, is refused.
+/// which client wrote it (as the SHA-256 of the server and `Type/id`, in the queue's database). A `PUT` over a
+/// resource that another client wrote, or that exists on the server and no client of the receiver wrote, is refused.
 ///
 /// The default (``c3pro``) is what the receiver C3-PRO deployed accepted (`POST QuestionnaireResponse`,
 /// `Contract`, `Observation`, `PUT Patient/{id}`), plus `Consent`.
