@@ -217,33 +217,36 @@ extension DQ {
                     // Before the first start (the quick start's order): dq makes the file then, where it may.
                     let folder = URL(fileURLWithPath: database).deletingLastPathComponent().path
                     if access(folder, W_OK | X_OK) == 0 {
-                        if !json { print("\(QueueAdministration.displayDatabase(database)): not made yet (dq makes it at its first start)") }
+                        if !json {
+                            print("\(QueueAdministration.displayDatabase(database)): not made yet (dq makes it at its first start)")
+                        }
                     } else {
                         findings.append(
                             Finding(
-                                about: "database", problem: "there is no queue database at \(database), and its folder \(folder) cannot be written",
+                                about: "database",
+                                problem: "there is no queue database at \(database), and its folder \(folder) cannot be written",
                                 remedy: "create \(folder) writable by dq's user, or name another \"database\"", exitCode: Exit.ioError))
                     }
                 } else {
-                do {
-                    let problems = try await QueueAdministration.integrityCheck(databasePath: database)
-                    if problems == ["ok"] {
-                        if !json { print("\(QueueAdministration.displayDatabase(database)): ok") }
-                        if !json, let line = await StatusReport.doctorDeliveryLine(settings) { print(line) }
-                    } else {
-                        damage = Array(problems.prefix(20))
+                    do {
+                        let problems = try await QueueAdministration.integrityCheck(databasePath: database)
+                        if problems == ["ok"] {
+                            if !json { print("\(QueueAdministration.displayDatabase(database)): ok") }
+                            if !json, let line = await StatusReport.doctorDeliveryLine(settings) { print(line) }
+                        } else {
+                            damage = Array(problems.prefix(20))
+                            findings.append(
+                                Finding(
+                                    about: "database", problem: "\(QueueAdministration.displayDatabase(database)) is damaged",
+                                    remedy: damageRemedy(database), exitCode: Exit.ioError))
+                        }
+                    } catch let error as DataQueueError {
                         findings.append(
                             Finding(
-                                about: "database", problem: "\(QueueAdministration.displayDatabase(database)) is damaged",
-                                remedy: damageRemedy(database), exitCode: Exit.ioError))
+                                about: "database", problem: error.message,
+                                remedy: "check that \"database\" (DQ_DATABASE, --database) names the queue and that this user can read it",
+                                exitCode: Exit.code(for: error)))
                     }
-                } catch let error as DataQueueError {
-                    findings.append(
-                        Finding(
-                            about: "database", problem: error.message,
-                            remedy: "check that \"database\" (DQ_DATABASE, --database) names the queue and that this user can read it",
-                            exitCode: Exit.code(for: error)))
-                }
                 }
                 if !offline, let values = checked.values {
                     let network = await Self.networkFindings(values, resolved: checked.resolved)

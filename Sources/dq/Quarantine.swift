@@ -48,7 +48,8 @@ extension DQ {
                     for item in items {
                         let reason = Quarantine.reason(item) ?? "-"
                         print(
-                            "\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(formatDate(item.enqueuedAt))\t\(item.clientID ?? "-")\t\(reason)")
+                            "\(item.sequence)\t\(item.id.uuidString.lowercased())\t\(formatDate(item.enqueuedAt))\t\(item.clientID ?? "-")\t\(reason)"
+                        )
                     }
                 }
             }

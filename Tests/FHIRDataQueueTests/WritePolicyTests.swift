@@ -30,7 +30,9 @@ struct WritePolicyTests {
         #expect(policy.scopes == ["system/Consent.u", "system/Observation.c", "system/Patient.cu"])
         let any = try WritePolicy(scopes: ["*.c"])
         #expect(any.allows("Basic", .create) && !any.allows("Basic", .update))
-        for bad in ["Observation.d", "Observation.cud", "Observation.r", "Observation", "observation.c", "system/.c", "Observation.", "a/b.c"] {
+        for bad in [
+            "Observation.d", "Observation.cud", "Observation.r", "Observation", "observation.c", "system/.c", "Observation.", "a/b.c",
+        ] {
             #expect(throws: DataQueueError.self, "\(bad)") { try WritePolicy(scopes: [bad]) }
         }
         do {
@@ -91,7 +93,10 @@ struct WritePolicyTests {
             (["request": ["method": "PATCH", "url": "Patient/r2"], "resource": ["resourceType": "Patient", "id": "r2"]], "PATCH"),
             (["request": ["method": "GET", "url": "Patient/r2"]], "GET"),
             (["request": ["method": "PUT", "url": "Patient?identifier=x"], "resource": ["resourceType": "Patient"]], "conditional"),
-            (["request": ["method": "POST", "url": "http://other/fhir/Observation"], "resource": ["resourceType": "Observation"]], "absolute"),
+            (
+                ["request": ["method": "POST", "url": "http://other/fhir/Observation"], "resource": ["resourceType": "Observation"]],
+                "absolute"
+            ),
             (["request": ["method": "POST", "url": "Basic"], "resource": ["resourceType": "Basic"]], "may not create Basic"),
             (["request": ["method": "POST", "url": "Observation"], "resource": ["resourceType": "Patient"]], "goes to Patient"),
             (["request": ["method": "PUT", "url": "Patient/p2"], "resource": ["resourceType": "Patient", "id": "p3"]], "own id"),
@@ -122,11 +127,14 @@ struct SourceStampTests {
 
     @Test("Added as the first member, into an existing meta (empty or not); a meta.source of the app's own is left, and nothing is stamped")
     func cases() throws {
-        #expect(stamped(#"{"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
-            == #"{"meta":{"source":"urn:uuid:1"},"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
-        #expect(stamped(#" {"resourceType":"Observation","meta":{}}"#) == #" {"resourceType":"Observation","meta":{"source":"urn:uuid:1"}}"#)
-        #expect(stamped(#"{"resourceType":"Observation","meta":{"tag":[]}}"#)
-            == #"{"resourceType":"Observation","meta":{"source":"urn:uuid:1","tag":[]}}"#)
+        #expect(
+            stamped(#"{"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
+                == #"{"meta":{"source":"urn:uuid:1"},"resourceType":"Observation","valueQuantity":{"value":1.50}}"#)
+        #expect(
+            stamped(#" {"resourceType":"Observation","meta":{}}"#) == #" {"resourceType":"Observation","meta":{"source":"urn:uuid:1"}}"#)
+        #expect(
+            stamped(#"{"resourceType":"Observation","meta":{"tag":[]}}"#)
+                == #"{"resourceType":"Observation","meta":{"source":"urn:uuid:1","tag":[]}}"#)
         #expect(stamped(#"{"resourceType":"Observation","meta":{"source":"app#1"}}"#) == nil)
         #expect(stamped(#"["resourceType"]"#) == nil)
         for json in [#"{"resourceType":"Observation","meta":{}}"#, #"{"resourceType":"Observation","meta":{"tag":[]}}"#] {

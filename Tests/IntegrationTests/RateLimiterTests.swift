@@ -51,7 +51,9 @@ struct RateLimiterTests {
         #expect(limiter.count == 1, "only the new window is left")
     }
 
-    @Test("Wrong secrets per client id: five go at once, then each waits twice the last (capped); a success clears the id; an old failure is forgotten")
+    @Test(
+        "Wrong secrets per client id: five go at once, then each waits twice the last (capped); a success clears the id; an old failure is forgotten"
+    )
     func failureBackoff() {
         let backoff = FailureBackoff()
         for index in 0..<FailureBackoff.free {

@@ -63,29 +63,23 @@ extension ServeTests {
             except Exception as error:
                 print("urllib failed", type(error).__name__, flush=True)
 
-            # Keep-alive: a 413 from the head, and the client sends nothing more; the receiver ends the connection.
-            s = socket.create_connection(("127.0.0.1", PORT), timeout=30)
-            s.sendall(b"POST /c3pro/encfhir/Observation HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 5000000\\r\\n\\r\\n")
-            start = time.monotonic()
-            answer = b""
-            while True:
-                part = s.recv(4096)
-                if not part:
-                    break
-                answer += part
-            print("keepalive", answer.split(b"\\r\\n")[0].decode(), "ended after %.1f" % (time.monotonic() - start), flush=True)
+            # Sends `request` and reads until the receiver ends the connection; prints the status and when.
+            def read_to_end(name, request):
+                s = socket.create_connection(("127.0.0.1", PORT), timeout=30)
+                s.sendall(request)
+                start = time.monotonic()
+                answer = b""
+                while True:
+                    part = s.recv(4096)
+                    if not part:
+                        break
+                    answer += part
+                print(name, answer.split(b"\\r\\n")[0].decode(), "ended after %.1f" % (time.monotonic() - start), flush=True)
 
+            # Keep-alive: a 413 from the head, and the client sends nothing more; the receiver ends the connection.
+            read_to_end("keepalive", b"POST /c3pro/encfhir/Observation HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 5000000\\r\\n\\r\\n")
             # HTTP/1.0 without keep-alive: the client reads to the end of the connection, which comes with the answer.
-            s = socket.create_connection(("127.0.0.1", PORT), timeout=30)
-            s.sendall(b"GET /healthz HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
-            start = time.monotonic()
-            answer = b""
-            while True:
-                part = s.recv(4096)
-                if not part:
-                    break
-                answer += part
-            print("http10", answer.split(b"\\r\\n")[0].decode(), "ended after %.1f" % (time.monotonic() - start), flush=True)
+            read_to_end("http10", b"GET /healthz HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
             """, port: receiver.port)
         let lines = output.split(separator: "\n").map(String.init)
         let trickles = lines.filter { $0.hasPrefix("trickle ") }

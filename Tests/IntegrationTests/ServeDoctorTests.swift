@@ -89,7 +89,9 @@ struct ServeDoctorTests {
         let found = try await serveFindings(config)
         #expect(found.status == 78, "\(found.problems)")
         #expect(found.problems.count == 2, "\(found.problems)")
-        #expect(found.problems.contains { $0.contains("the Antispam file") && $0.contains("readable by others (mode 644)") }, "\(found.problems)")
+        #expect(
+            found.problems.contains { $0.contains("the Antispam file") && $0.contains("readable by others (mode 644)") },
+            "\(found.problems)")
         #expect(found.problems.contains { $0.contains("the private key") && $0.contains("k1.pem") }, "\(found.problems)")
         let keys = try await dq(["serve", "keys", "--config", config], ["HOME": work.path])
         #expect(keys.status == 0, "\(keys.stderr)")
@@ -105,14 +107,17 @@ struct ServeDoctorTests {
         #expect(!running.stdout.contains("address is in use"), "\(running.stdout)")
         serve.kill(SIGTERM)
         let stopped = await serve.wait(timeout: .seconds(60))
-        #expect(stopped.stderr.contains("the Antispam file") && stopped.stderr.contains("readable by others"), "\(stopped.stderr.suffix(2000))")
+        #expect(
+            stopped.stderr.contains("the Antispam file") && stopped.stderr.contains("readable by others"), "\(stopped.stderr.suffix(2000))")
 
         chmod(work.file("antispam"), 0o600)
         chmod(work.file("keys/k1.pem"), 0o600)
         #expect(try await serveFindings(config).problems == [])
     }
 
-    @Test("dq doctor before the first start (no database yet, as the quick start goes) passes; a database folder that cannot be written is named (74)")
+    @Test(
+        "dq doctor before the first start (no database yet, as the quick start goes) passes; a database folder that cannot be written is named (74)"
+    )
     func beforeFirstStart() async throws {
         try FileManager.default.createDirectory(atPath: work.file("keys"), withIntermediateDirectories: true)
         let openssl = await (try ChildProcess("/usr/bin/openssl", ["genrsa", "-out", work.file("keys/k1.pem"), "2048"])).wait()

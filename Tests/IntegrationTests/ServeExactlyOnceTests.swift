@@ -17,7 +17,8 @@ extension ServeTests {
         let bearer = try await token(receiver.base, try await register(receiver.base))
         // No identifier: nothing of the research content to make a condition of.
         let text = "no identifier \(marker)"
-        let observation = #"{"resourceType":"Observation","status":"final","code":{"text":"\#(text)"},"valueQuantity":{"value":1.50,"unit":"kg"}}"#
+        let observation =
+            #"{"resourceType":"Observation","status":"final","code":{"text":"\#(text)"},"valueQuantity":{"value":1.50,"unit":"kg"}}"#
         try await proxy.inject(["drop-after"])
         let answers = try await client(
             receiver.base, [sealed("/c3pro/encfhir/Observation", observation, certificate: keys.certificate, keyID: "k1", token: bearer)])

@@ -7,7 +7,8 @@ import Testing
 extension ServeTests {
     func patient(_ id: String?, _ value: String, active: Bool = true) -> String {
         let idMember = id.map { #""id":"\#($0)","# } ?? ""
-        return #"{"resourceType":"Patient",\#(idMember)"identifier":[{"system":"\#(resources.system)","value":"\#(value)"}],"active":\#(active)}"#
+        return
+            #"{"resourceType":"Patient",\#(idMember)"identifier":[{"system":"\#(resources.system)","value":"\#(value)"}],"active":\#(active)}"#
     }
 
     func transactionBundle(_ entries: [[String: Any]]) throws -> String {
@@ -27,7 +28,8 @@ extension ServeTests {
 
         // A Patient made on the research server directly, not through the receiver.
         let foreignID = "foreign-" + UUID().uuidString.prefix(8).lowercased()
-        let made = try await client(server.base, [["path": "/Patient/\(foreignID)", "method": "PUT", "fhir": patient(foreignID, "foreign")]])
+        let made = try await client(
+            server.base, [["path": "/Patient/\(foreignID)", "method": "PUT", "fhir": patient(foreignID, "foreign")]])
         #expect(made.first.map { [200, 201].contains($0.status) } == true, "\(made)")
 
         let a = try await register(receiver.base)
@@ -115,7 +117,9 @@ extension ServeTests {
         #expect(lines.filter { $0["event"] as? String == "parked" }.count == 6, "\(log.stdout.prefix(3000))")
 
         let metrics = String(decoding: try await HTTP.get(receiver.base + "/metrics").1, as: UTF8.self).split(separator: "\n")
-        let refusals = metrics.first { $0.hasPrefix("dq_write_policy_refusals_total") }.flatMap { Double($0.split(separator: " ").last ?? "") }
+        let refusals = metrics.first { $0.hasPrefix("dq_write_policy_refusals_total") }.flatMap {
+            Double($0.split(separator: " ").last ?? "")
+        }
         #expect((refusals ?? 0) >= 9, "six quarantined, three 403: \(metrics.filter { $0.contains("policy") })")
         #expect(
             metrics.contains { $0.hasPrefix("dq_envelopes_quarantined_total{") && $0.contains(#"reason="write_policy""#) },

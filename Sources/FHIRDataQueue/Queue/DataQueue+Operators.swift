@@ -22,7 +22,8 @@ extension DataQueue {
             transactions: support.transactions,
             conditionalCreate: support.conditionalCreate.map { $0.filter { !$0.hasSuffix(Flusher.sourceSearchSuffix) }.sorted() },
             sourceSearch: support.conditionalCreate.map {
-                $0.filter { $0.hasSuffix(Flusher.sourceSearchSuffix) }.map { String($0.dropLast(Flusher.sourceSearchSuffix.count)) }.sorted()
+                $0.filter { $0.hasSuffix(Flusher.sourceSearchSuffix) }.map { String($0.dropLast(Flusher.sourceSearchSuffix.count)) }
+                    .sorted()
             },
             readAt: support.checkedAt)
     }

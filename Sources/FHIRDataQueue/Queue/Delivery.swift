@@ -169,8 +169,10 @@ struct Delivery: Sendable {
         case 200...299: return .present
         case 404: return .absent
         case 410: return .deleted
-        case 401, 403: return .authentication(status: response.status, message: "the server refused dq's credentials (HTTP \(response.status))")
-        default: return .unknown(status: response.status, message: "the server answered HTTP \(response.status) to whether the resource exists")
+        case 401, 403:
+            return .authentication(status: response.status, message: "the server refused dq's credentials (HTTP \(response.status))")
+        default:
+            return .unknown(status: response.status, message: "the server answered HTTP \(response.status) to whether the resource exists")
         }
     }
 

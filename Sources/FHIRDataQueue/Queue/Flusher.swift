@@ -998,7 +998,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         if event == .delivered, !(conditional && declared), let resentThrough, item.sequence <= resentThrough, !item.encrypted {
             // Sent before a stop (its answer or its journal line lost) and again now, with nothing the server could
             // recognise it by: said, counted and listed (dq status, dq log --possible-duplicates), never hidden.
-            note = DeliveryRecord.possibleDuplicateNote
+            note =
+                DeliveryRecord.possibleDuplicateNote
                 + "sent again after a stop while it or its journal line was on the way; the server may hold it twice"
                 + (identity.note.map { "; \($0)" } ?? "")
             context.metrics.possibleDuplicate()
