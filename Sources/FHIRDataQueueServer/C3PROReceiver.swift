@@ -1068,32 +1068,47 @@ final class FailureBackoff: Sendable {
 
 /// What each client has waiting in the database, as ``C3PROReceiver`` limits it: read at most once per ``freshFor``
 /// per client, with what this receiver took since added (so a fast device cannot pass the limit between two reads).
+/// When an entry is stale, one request reads it again while the others go on with the stale figures (a count read
+/// by every request at once held a fast device's requests for most of a second: 64 connections, one scan each).
 /// Bounded: past ``capacity`` clients, the table starts again.
 final class WaitingCounts: Sendable {
-    static let freshFor: Duration = .seconds(1)
+    static let freshFor: Duration = .seconds(5)
     static let capacity = 50_000
 
     private struct Entry {
         var count: Int
         var bytes: Int
         var readAt: ContinuousClock.Instant
+        /// Whether a request is reading it again now.
+        var refreshing = false
     }
 
     private let entries = NIOLockedValueBox<[String: Entry]>([:])
 
-    /// The client's count and bytes: cached, or read with `read` when stale.
+    /// The client's count and bytes: cached, or read with `read` by one request when stale.
     func waiting(
         _ client: String, now: ContinuousClock.Instant = .now, read: () async throws -> (count: Int, bytes: Int)
     ) async throws -> (count: Int, bytes: Int) {
-        if let entry = entries.withLockedValue({ $0[client] }), now - entry.readAt < Self.freshFor {
-            return (entry.count, entry.bytes)
+        let cached: (count: Int, bytes: Int)? = entries.withLockedValue { entries in
+            guard var entry = entries[client] else { return nil }
+            if now - entry.readAt < Self.freshFor || entry.refreshing { return (entry.count, entry.bytes) }
+            entry.refreshing = true
+            entries[client] = entry
+            return nil
         }
-        let read = try await read()
+        if let cached { return cached }
+        let counted: (count: Int, bytes: Int)
+        do {
+            counted = try await read()
+        } catch {
+            entries.withLockedValue { $0[client]?.refreshing = false }
+            throw error
+        }
         entries.withLockedValue { entries in
             if entries.count >= Self.capacity { entries.removeAll(keepingCapacity: true) }
-            entries[client] = Entry(count: read.count, bytes: read.bytes, readAt: now)
+            entries[client] = Entry(count: counted.count, bytes: counted.bytes, readAt: now)
         }
-        return read
+        return counted
     }
 
     /// Counts an item of `bytes` taken for `client` since its last read.
