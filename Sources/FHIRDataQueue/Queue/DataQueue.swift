@@ -574,7 +574,8 @@ open class DataQueue: @unchecked Sendable {  // unchecked: an open class cannot 
                     "a previous flush stopped while sending; its request has had time to settle",
                     metadata: ["item": "\(orphan.sequence)"])
             }
-            try await lock.clearInFlight()
+            // The flusher clears the note once every item it names is sent again (or gone): a stop before then leaves
+            // them marked as possibly delivered for the next flush.
         }
 
         let flusher = Flusher(

@@ -25,6 +25,12 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     /// The last item an earlier flush of this queue was sending when it stopped (its in-flight note): a pending item
     /// up to it was sent then (its answer or its journal line lost), and may be on the server already.
     private let resentThrough: Int64?
+    /// Whether every pending item up to ``resentThrough`` is behind this flush (the head is past it, or the queue
+    /// is empty): until then the in-flight note keeps naming it, so that a second stop before they are sent again
+    /// leaves them marked for the next flush.
+    private var resentPassed: Bool
+    /// Whether the last request ended without an answer (its note must stay for the next flush).
+    private var unanswered = false
 
     private(set) var report = FlushReport()
     private(set) var tracked: SendOutcome?
@@ -103,6 +109,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         progress: (@Sendable (FlushReport.Progress) -> Void)?, resentThrough: Int64? = nil
     ) {
         self.resentThrough = resentThrough
+        self.resentPassed = resentThrough == nil
         self.context = context
         self.lock = lock
         self.limit = limit
@@ -120,6 +127,8 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             try await recordHeldDeliveries()
             try await loop()
             try await recorder.finish()
+            // The note of the stop before this flush is settled once all it named is behind it.
+            if resentThrough != nil, resentPassed, !unanswered { try await lock.clearInFlight() }
         } catch {
             // Whatever stopped the flush, deliveries already made reach the journal first; those that cannot
             // (the database stopped taking writes) are held for the next flush of this process.
@@ -160,6 +169,9 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 return
             }
             try await refill(to: max(batchSize, 1))
+            if !resentPassed, let resentThrough, prefetched.first.map({ $0.info.sequence > resentThrough }) ?? true {
+                resentPassed = true
+            }
             guard let head = prefetched.first else { return }
             if support == nil && context.configuration.idempotent == .always {
                 // Idempotent mode trusts a 200 only where the server declares conditional create.
@@ -895,7 +907,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
             }
             group.append(prepared)
         }
-        try await lock.markInFlight(sequence: group[group.count - 1].item.sequence)
+        try await markInFlight(through: group[group.count - 1].item.sequence)
         let results = await withTaskGroup(of: (Int, Delivery.Outcome).self) { tasks in
             for (index, prepared) in group.enumerated() {
                 let request = prepared.request
@@ -930,7 +942,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
                 if authentication == nil { authentication = (prepared.item, status, message) }
             }
         }
-        if !unsettled { try await lock.clearInFlight() }
+        try await settleInFlight(answered: !unsettled)
         if let (item, status, message) = authentication {
             try await recordAuthentication(item, status: status, message: message)
             return .stop
@@ -947,7 +959,7 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
     private func send(
         _ request: OutgoingRequest, first: QueuedItem, through: Int64? = nil, encrypted: Bool
     ) async throws -> Delivery.Outcome {
-        try await lock.markInFlight(sequence: max(through ?? first.sequence, first.sequence))
+        try await markInFlight(through: max(through ?? first.sequence, first.sequence))
         let started = ContinuousClock.now
         let result = await context.delivery.deliver(request, encrypted: encrypted)
         context.metrics.requestDuration.record(duration: ContinuousClock.now - started)
@@ -959,8 +971,25 @@ final class Flusher: @unchecked Sendable {  // unchecked: mutable state used by 
         }
         // Without an answer (connection lost, timeout) the request may still be at the server: the marker stays,
         // so that the next flush lets it settle first. A request that never left leaves nothing to settle.
-        if case .transient(nil, _, _, mayHaveArrived: true) = result {} else { try await lock.clearInFlight() }
+        if case .transient(nil, _, _, mayHaveArrived: true) = result {
+            try await settleInFlight(answered: false)
+        } else {
+            try await settleInFlight(answered: true)
+        }
         return result
+    }
+
+    /// Notes the request about to go (naming its last item, and never less than ``resentThrough`` while items up to
+    /// it wait to be sent again).
+    private func markInFlight(through sequence: Int64) async throws {
+        try await lock.markInFlight(sequence: resentPassed ? sequence : max(sequence, resentThrough ?? sequence))
+    }
+
+    /// Clears the note after a request that was answered (or never left), unless it must still name the items an
+    /// earlier stop left unsettled; keeps it after one without an answer.
+    private func settleInFlight(answered: Bool) async throws {
+        unanswered = !answered
+        if answered && resentPassed { try await lock.clearInFlight() }
     }
 
     // MARK: - Recording
