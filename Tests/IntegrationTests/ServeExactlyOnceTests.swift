@@ -8,13 +8,7 @@ extension ServeTests {
         "A create whose answer is lost after sekmet stored it is sent again conditioned on the meta.source naming its item: one copy, journaled already present, its content as the app wrote it"
     )
     func exactlyOnceBySource() async throws {
-        let server = try await FHIRServer.start()
-        let proxy = try await FaultProxy(upstream: server)
-        let keys = try await TestKeys()
-        try await install(keys, as: "k1", layout: .pem)
-        let config = try await configure(server: proxy.base)
-        let receiver = try await start(config)
-        let bearer = try await token(receiver.base, try await register(receiver.base))
+        let (server, proxy, keys, config, receiver, bearer) = try await startBehindProxy()
         // No identifier: nothing of the research content to make a condition of.
         let text = "no identifier \(marker)"
         let observation =
@@ -44,13 +38,7 @@ extension ServeTests {
         "Where the server offers no condition (no conditional create), a create sent again after its answer was lost is journaled as a possible duplicate: noted, counted by dq status and /metrics, listed by dq log --possible-duplicates"
     )
     func possibleDuplicateNamed() async throws {
-        let server = try await FHIRServer.start()
-        let proxy = try await FaultProxy(upstream: server, options: ["--no-conditional-create"])
-        let keys = try await TestKeys()
-        try await install(keys, as: "k1", layout: .pem)
-        let config = try await configure(server: proxy.base)
-        let receiver = try await start(config)
-        let bearer = try await token(receiver.base, try await register(receiver.base))
+        let (server, proxy, keys, config, receiver, bearer) = try await startBehindProxy(options: ["--no-conditional-create"])
         // The answer is lost after sekmet stored the first request, and the first resend is refused (503): the flush
         // that stops on that refusal must leave the items marked for the next one.
         try await proxy.inject(["drop-after", "503:0"])

@@ -835,14 +835,7 @@ struct ServeTests {
         "A plain resource is answered within a short wait while the FHIR server holds an answer (202, queued), then delivered after what was posted before it"
     )
     func plainAnsweredPromptly() async throws {
-        let server = try await FHIRServer.start()
-        let proxy = try await FaultProxy(upstream: server)
-        let keys = try await TestKeys()
-        try await install(keys, as: "k1", layout: .pem)
-        let config = try await configure(server: proxy.base)
-        let receiver = try await start(config)
-        let registered = try await register(receiver.base)
-        let bearer = try await token(receiver.base, registered)
+        let (server, proxy, keys, _, receiver, bearer) = try await startBehindProxy()
         try await proxy.inject(["hold"])
         let first = try await client(
             receiver.base,
@@ -1080,6 +1073,20 @@ struct ServeTests {
         let receiver = try await start(config)
         let bearer = try await token(receiver.base, try await register(receiver.base))
         return (server, keys, config, receiver, bearer)
+    }
+
+    /// As ``startWithClient(serve:)``, with scripts/faultproxy.py (its `options`) between the receiver and sekmet.
+    func startBehindProxy(options: [String] = []) async throws -> (
+        server: FHIRServer, proxy: FaultProxy, keys: TestKeys, config: String, receiver: Receiver, bearer: String
+    ) {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server, options: options)
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: proxy.base)
+        let receiver = try await start(config)
+        let bearer = try await token(receiver.base, try await register(receiver.base))
+        return (server, proxy, keys, config, receiver, bearer)
     }
 
     /// The lines of the receiver's `/metrics` that start with `name`.
