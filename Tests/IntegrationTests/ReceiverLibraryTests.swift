@@ -178,11 +178,14 @@ struct ReceiverLibraryTests {
         #expect(try await host.queue.journalRecord(queued) == nil, "not delivered, parked or dropped")
 
         try await server.start()
-        let arrived = try await eventually(timeout: .seconds(60)) {
-            try await server.values("Observation", system: resources.system) == ["3"]
+        // The journal, not the server, says when delivery is done: sekmet stores the resource before its answer
+        // reaches the flusher, which records the delivery only then. Waiting on the server's copy and reading the
+        // journal at once raced that commit (a CI run on a busy machine saw no record yet).
+        let delivered = try await eventually(timeout: .seconds(60)) {
+            try await host.queue.journalRecord(queued)?.event == .delivered
         }
-        #expect(arrived, "the DataQueueService beside the routes delivered it without another request")
-        #expect(try await host.queue.journalRecord(queued)?.event == .delivered)
+        #expect(delivered, "the DataQueueService beside the routes delivered it without another request")
+        #expect(try await server.values("Observation", system: resources.system) == ["3"])
         try await host.stop()
         #expect(try await server.values("Observation", system: resources.system) == ["3"], "once")
     }
