@@ -376,7 +376,9 @@ struct ServeTests {
             }
         }
         let expected = (0..<10).map { "m\($0)" }
-        let arrived = try await eventually(timeout: .seconds(60)) { try await values(server).count >= 10 }
+        // The queue's own count says when the deliveries are committed (sekmet stores each before its answer reaches
+        // the flusher, which records it only then); the server's copy is checked after.
+        let arrived = try await eventually(timeout: .seconds(60)) { try await counts(config).delivered >= 10 }
         let onServer = try await stored(server)
         #expect(arrived && onServer.count == 10, "\(onServer.map(\.0)) \(receiver.log.suffix(2000))")
         #expect(onServer.map(\.0) == expected, "once each, in the order posted")
@@ -548,7 +550,8 @@ struct ServeTests {
             receiver.base,
             [sealed("/c3pro/encfhir/Observation", observation("g2"), certificate: keys.certificate, keyID: "k1", token: bearer)])
         #expect(after.first?.status == 202, "\(after)")
-        #expect(try await eventually { try await values(server).count >= 3 }, "\(receiver.log.suffix(2000))")
+        // g2's delivery is committed after sekmet's answer reaches the flusher: wait on the queue's count, not the server.
+        #expect(try await eventually { try await counts(standard).delivered >= 3 }, "\(receiver.log.suffix(2000))")
 
         #expect(try await values(server) == ["g0", "g1", "g2"], "only the good ones")
         let (pending, parked, delivered) = try await counts(standard)
@@ -1145,7 +1148,8 @@ struct ServeTests {
         #expect(ended.stdout.contains("answer HTTP/1.1 408"), "\(ended.stdout) \(ended.stderr)")
         let requests = try await metricLines(receiver, "dq_serve_requests_total")
         #expect(requests.contains(#"dq_serve_requests_total{endpoint="encfhir",status="408"} 1"#), "\(requests)")
-        #expect(try await eventually(timeout: .seconds(60)) { try await values(server) == ["fast"] }, "\(receiver.log.suffix(2000))")
+        #expect(try await eventually(timeout: .seconds(60)) { try await counts(config).delivered >= 1 }, "\(receiver.log.suffix(2000))")
+        #expect(try await values(server) == ["fast"])
         let counted = try await counts(config)
         #expect(counted.pending == 0 && counted.parked == 0 && counted.delivered == 1, "\(counted)")
         #expect(await receiver.stop().status == 0)

@@ -486,10 +486,17 @@ struct ServiceTests {
         // The new setting is the one in use: seven items go in one Bundle, not one by one.
         let file = try work.write("seven.ndjson", resources.ndjson(0..<7))
         #expect(try await dq(["enqueue", "--config", config, "--ndjson", file], env).status == 0)
-        #expect(try await eventually { (try await server.values("Observation", system: resources.system)).count == 7 })
-        let journal = try await dq(["log", "--json", "--config", config], env)
-        let lines = try #require(try JSONSerialization.jsonObject(with: Data(journal.stdout.utf8)) as? [[String: Any]])
-        #expect(lines.count == 7)
+        // The seven journal lines commit after the Bundle's answer reaches the flusher (sekmet has stored it before):
+        // wait on the journal, then check the server's copy.
+        var journal = try await dq(["log", "--json", "--config", config], env)
+        var lines: [[String: Any]] = []
+        let journaled = try await eventually {
+            journal = try await dq(["log", "--json", "--config", config], env)
+            lines = (try? JSONSerialization.jsonObject(with: Data(journal.stdout.utf8)) as? [[String: Any]]) ?? []
+            return lines.count == 7
+        }
+        #expect(journaled, "\(journal.stdout.prefix(600))")
+        #expect(try await server.values("Observation", system: resources.system).count == 7)
         #expect(Set(lines.compactMap { $0["bundle"] as? String }).count == 1, "one Bundle of seven: \(journal.stdout.prefix(600))")
         let metrics = String(decoding: try await HTTP.get("http://127.0.0.1:\(port)/metrics").1, as: UTF8.self)
         #expect(metrics.contains("dq_"), "\(metrics.prefix(500))")
