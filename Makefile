@@ -78,10 +78,11 @@ deb: release
 peers:
 	scripts/peers.sh install
 
-# The library's documentation (DocC: the API, and the articles in Sources/FHIRDataQueue/FHIRDataQueue.docc),
+# The libraries' documentation (DocC: the API, and the articles in Sources/FHIRDataQueue/FHIRDataQueue.docc and
+# Sources/FHIRDataQueueServer/FHIRDataQueueServer.docc),
 # as a static site in .build/docs; warnings (a broken link, an undocumented symbol in a topic) fail it.
 docs:
-	$(SWIFT) package --allow-writing-to-directory .build/docs generate-documentation --target FHIRDataQueue \
+	$(SWIFT) package --allow-writing-to-directory .build/docs generate-documentation --target FHIRDataQueue --target FHIRDataQueueServer \
 	  --warnings-as-errors --disable-indexing --transform-for-static-hosting --output-path .build/docs
 
 # Every test: a short torture run, then unit and integration tests against real servers started here.

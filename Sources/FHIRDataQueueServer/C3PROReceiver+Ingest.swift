@@ -10,18 +10,9 @@ import NIOCore
 extension C3PROReceiver {
     // MARK: - Envelopes and plain resources
 
-    func envelope(_ request: Request, type: String?) async throws -> Response {
-        let client: String
-        let key: String?
-        switch try await authorizedWithKey(request) {
-        case .failure(let refused): return refused.response
-        case .success(let given): (client, key) = given
-        }
-        let body: ByteBuffer
-        switch try await collectedBody(of: request) {
-        case .failure(let refused): return refused.response
-        case .success(let collected): body = collected
-        }
+    func envelope(_ request: Request, client: String, type: String?) async throws -> Response {
+        let key = try Self.idempotencyKey(request)
+        let body = try await collectedBody(of: request)
         // The path's type is the sender's word only (the type inside counts once opened): one this queue does not
         // take (a DSTU2 type such as DiagnosticOrder, which C3-PRO apps may name) is queued unnamed, not refused:
         // a refusal would stop the device's queue at it for good.
@@ -72,15 +63,14 @@ extension C3PROReceiver {
     }
 
     /// The request's body, up to ``Configuration/maximumBodyBytes``, or the 413 to answer.
-    func collectedBody(of request: Request) async throws -> Result<ByteBuffer, Refused> {
+    /// - Throws: ``Refused`` (413) past the limit.
+    func collectedBody(of request: Request) async throws -> ByteBuffer {
         var request = request
         do {
-            return .success(try await request.collectBody(upTo: configuration.maximumBodyBytes))
+            return try await request.collectBody(upTo: configuration.maximumBodyBytes)
         } catch is NIOTooManyBytesError {
-            return .failure(
-                Refused(
-                    response: FHIRExchange.outcome(
-                        .contentTooLarge, "too-costly", "the body is larger than \(configuration.maximumBodyBytes) bytes")))
+            throw Refused(
+                FHIRExchange.outcome(.contentTooLarge, "too-costly", "the body is larger than \(configuration.maximumBodyBytes) bytes"))
         }
     }
 
@@ -88,17 +78,8 @@ extension C3PROReceiver {
     /// checks one, then all committed in one transaction, in order, before the 202; any bad one refuses the batch
     /// (400), nothing stored. Each is kept with the client the edge took it from, under the edge's own id
     /// (`<edge>/<origin>`), so that the repeat check tells an edge's devices apart and no client can speak for another's.
-    func envelopeBatch(_ request: Request) async throws -> Response {
-        let client: String
-        switch try await authorize(request) {
-        case .failure(let refused): return refused.response
-        case .success(let authorized): client = authorized
-        }
-        let body: ByteBuffer
-        switch try await collectedBody(of: request) {
-        case .failure(let refused): return refused.response
-        case .success(let collected): body = collected
-        }
+    func envelopeBatch(_ request: Request, client: String) async throws -> Response {
+        let body = try await collectedBody(of: request)
         var envelopes: [(envelope: SealedEnvelope, clientID: String)] = []
         do {
             let entries = try EnvelopeBatch.decode(Data(buffer: body))
@@ -136,16 +117,12 @@ extension C3PROReceiver {
         return json(.accepted, ["accepted": envelopes.count])
     }
 
-    func plain(_ request: Request, type: String, id: String?) async throws -> Response {
+    func plain(_ request: Request, client: () async throws -> String, type: String, id: String?) async throws -> Response {
         guard configuration.acceptsPlainResources else {
             return FHIRExchange.outcome(.notFound, "not-supported", "this receiver takes encrypted envelopes only")
         }
-        let client: String
-        let key: String?
-        switch try await authorizedWithKey(request) {
-        case .failure(let refused): return refused.response
-        case .success(let given): (client, key) = given
-        }
+        let client = try await client()
+        let key = try Self.idempotencyKey(request)
         let resource: FHIRResource
         do {
             resource = try await FHIRExchange.resource(from: request, maximumBytes: configuration.maximumBodyBytes, types: [type])
@@ -251,7 +228,7 @@ extension C3PROReceiver {
     }
 
     func questionnaire(_ request: Request, id: String) async throws -> Response {
-        if case .failure(let refused) = try await authorize(request) { return refused.response }
+        _ = try await authorize(request)
         let valid = !id.isEmpty && id.count <= 64 && id.allSatisfy { $0.isASCII && ($0.isLetter || $0.isNumber || $0 == "-" || $0 == ".") }
         guard valid, id != ".", id != "..", let directory = configuration.questionnairesDirectory,
             let data = FileManager.default.contents(atPath: directory + "/" + id + ".json")

@@ -181,32 +181,31 @@ extension C3PROReceiver {
     /// The most expired tokens removed in one transaction.
     static let tokenPruneBatch = 10_000
 
-    /// The client a request's bearer token was issued to, or the 401 to answer.
-    func authorize(_ request: Request) async throws -> Result<String, Refused> {
+    /// The client a request's bearer token was issued to.
+    /// - Throws: ``Refused``, the 401 to answer; a storage error when the token could not be looked up.
+    func authorize(_ request: Request) async throws -> String {
         guard let header = request.headers[.authorization] else {
-            return .failure(Refused(response: bearerChallenge("a bearer token is required")))
+            throw Refused(bearerChallenge("a bearer token is required"))
         }
         let parts = header.split(separator: " ", omittingEmptySubsequences: true)
         guard parts.count == 2, parts[0].lowercased() == "bearer" else {
-            return .failure(Refused(response: bearerChallenge("a bearer token is required")))
+            throw Refused(bearerChallenge("a bearer token is required"))
         }
         let hash = ClientSecrets.tokenHash(String(parts[1]))
         let now = Date()
-        if let client = tokens.client(tokenHash: hash, now: now) { return .success(client) }
+        if let client = tokens.client(tokenHash: hash, now: now) { return client }
         guard let token = try await registry.token(hash: hash, now: now) else {
-            return .failure(Refused(response: bearerChallenge("the token is unknown or expired", error: "invalid_token")))
+            throw Refused(bearerChallenge("the token is unknown or expired", error: "invalid_token"))
         }
         tokens.remember(tokenHash: hash, clientID: token.clientID, expiresAt: token.expiresAt, now: now)
-        return .success(token.clientID)
+        return token.clientID
     }
 
-    /// The client a request's bearer token was issued to and the request's `Idempotency-Key` (if any), or the
-    /// refusal to answer (401, or 400 for a malformed key).
-    func authorizedWithKey(_ request: Request) async throws -> Result<(client: String, key: String?), Refused> {
-        switch try await authorize(request) {
-        case .failure(let refused): return .failure(refused)
-        case .success(let client): return Self.idempotencyKey(request).map { (client, $0) }
-        }
+    /// The client of a request on a bearer route: the one `bodyLimitMiddleware(maximumBytes:deadline:)` found
+    /// (``AuthenticatedClientContext``), so that the token is checked once per request, else checked here.
+    func client(of request: Request, found: String?) async throws -> String {
+        if let found { return found }
+        return try await authorize(request)
     }
 
     // MARK: - Parsing

@@ -75,27 +75,28 @@ extension C3PROReceiver {
         }
     }
 
-    /// The request's `Idempotency-Key`: nil when it has none, or the 400 that says why it is not one. The draft
-    /// gives the key as a Structured Field string (`"…"`); a bare value is taken as well.
-    static func idempotencyKey(_ request: Request) -> Result<String?, Refused> {
+    /// The request's `Idempotency-Key`, nil when it has none. The draft gives the key as a Structured Field string
+    /// (`"…"`); a bare value is taken as well.
+    /// - Throws: ``Refused``, the 400 that says why it is not one.
+    static func idempotencyKey(_ request: Request) throws -> String? {
         let values: [String] = request.headers[values: .init("Idempotency-Key")!]
-        guard let value = values.first else { return .success(nil) }
-        func refuse(_ why: String) -> Result<String?, Refused> {
-            .failure(Refused(response: FHIRExchange.outcome(.badRequest, "invalid", "the Idempotency-Key header \(why)")))
+        guard let value = values.first else { return nil }
+        func refuse(_ why: String) -> Refused {
+            Refused(FHIRExchange.outcome(.badRequest, "invalid", "the Idempotency-Key header \(why)"))
         }
-        guard values.count == 1 else { return refuse("is given more than once") }
+        guard values.count == 1 else { throw refuse("is given more than once") }
         var key = Substring(value.trimmingCharacters(in: .whitespaces))
         if key.count >= 2, key.hasPrefix("\""), key.hasSuffix("\"") { key = key.dropFirst().dropLast() }
         guard !key.isEmpty, key.count <= Receipt.maximumKeyLength else {
-            return refuse("must be 1 to \(Receipt.maximumKeyLength) characters")
+            throw refuse("must be 1 to \(Receipt.maximumKeyLength) characters")
         }
         func printable(_ scalar: Unicode.Scalar) -> Bool {
             (0x20..<0x7F).contains(scalar.value) && scalar != "\"" && scalar != "\\"
         }
         guard key.unicodeScalars.allSatisfy(printable) else {
-            return refuse("must be printable ASCII without quotes or backslashes")
+            throw refuse("must be printable ASCII without quotes or backslashes")
         }
-        return .success(String(key))
+        return String(key)
     }
 
     /// The fingerprint of an envelope request: what stays the same when a C3-PRO app sends it again. The app seals

@@ -168,7 +168,26 @@ public struct C3PROReceiver: Sendable {
     }
 
     /// Adds the receiver's routes to `router`.
+    ///
+    /// Each bearer route checks the request's token itself: mount `bodyLimitMiddleware(maximumBytes:deadline:)`
+    /// in front of the routes with a context that is also an ``AuthenticatedClientContext`` (as
+    /// ``ReceiverRequestContext`` is) and the token is checked there once, before the body is read.
+    @_disfavoredOverload  // a context that can carry the client takes the overload below
     public func addRoutes<Context: RemoteAddressRequestContext>(to router: some RouterMethods<Context>) {
+        addRoutes(to: router) { _ in nil }
+    }
+
+    /// Adds the receiver's routes to `router`, whose requests carry the client their token names once
+    /// `bodyLimitMiddleware(maximumBytes:deadline:)` has checked it: the routes do not check it again.
+    public func addRoutes<Context: RemoteAddressRequestContext & AuthenticatedClientContext>(
+        to router: some RouterMethods<Context>
+    ) {
+        addRoutes(to: router) { $0.authenticatedClient }
+    }
+
+    private func addRoutes<Context: RemoteAddressRequestContext>(
+        to router: some RouterMethods<Context>, found: @escaping @Sendable (Context) -> String?
+    ) {
         let prefix = configuration.pathPrefix.split(separator: "/").joined(separator: "/")
         func path(_ rest: String) -> RouterPath { prefix.isEmpty ? RouterPath(rest) : RouterPath("\(prefix)/\(rest)") }
         router.post(path("register")) { request, context in
@@ -181,19 +200,27 @@ public struct C3PROReceiver: Sendable {
             router.post(path(route)) { request, context in
                 // Envelopes forwarded in batches by a dq edge (EnvelopeBatch), or one from a device.
                 if EnvelopeBatch.isBatch(contentType: request.headers[.contentType]) {
-                    return await measured(.envelopeBatch) { try await envelopeBatch(request) }
+                    return await measured(.envelopeBatch) {
+                        try await envelopeBatch(request, client: client(of: request, found: found(context)))
+                    }
                 }
                 return await measured(.envelope) {
-                    try await envelope(request, type: context.parameters.get("type"))
+                    try await envelope(request, client: client(of: request, found: found(context)), type: context.parameters.get("type"))
                 }
             }
         }
         router.post(path("fhir/{type}")) { request, context in
-            await measured(.plain) { try await plain(request, type: context.parameters.get("type") ?? "", id: nil) }
+            await measured(.plain) {
+                try await plain(
+                    request, client: { try await client(of: request, found: found(context)) }, type: context.parameters.get("type") ?? "",
+                    id: nil)
+            }
         }
         router.put(path("fhir/{type}/{id}")) { request, context in
             await measured(.plain) {
-                try await plain(request, type: context.parameters.get("type") ?? "", id: context.parameters.get("id"))
+                try await plain(
+                    request, client: { try await client(of: request, found: found(context)) }, type: context.parameters.get("type") ?? "",
+                    id: context.parameters.get("id"))
             }
         }
         router.get(path("fhir/Questionnaire/{id}")) { request, context in
@@ -246,17 +273,58 @@ public struct C3PROReceiver: Sendable {
     /// ``countRefusal(_:endpointPath:status:)`` of what it answers in the end (this 401, or a 413 or 408 while the
     /// body was being read).
     public func admit(_ request: Request, endpointPath: String?) async -> Response? {
-        guard let endpoint = endpoint(of: request, route: endpointPath),
-            [.envelope, .envelopeBatch, .plain].contains(endpoint),
-            case .failure(let refused) = try? await authorize(request)
-        else { return nil }
-        return refused.response
+        guard case .refused(let response) = await authenticate(request, endpointPath: endpointPath) else { return nil }
+        return response
+    }
+
+    /// What the head of a request to a bearer route says of its client: refused (the 401), the client its token
+    /// names, or not known here (another route, or the token could not be looked up: the route says).
+    enum Authentication {
+        case refused(Response)
+        case client(String)
+        case unknown
+    }
+
+    func authenticate(_ request: Request, endpointPath: String?) async -> Authentication {
+        guard let endpoint = endpoint(of: request, route: endpointPath), [.envelope, .envelopeBatch, .plain].contains(endpoint)
+        else { return .unknown }
+        do {
+            return .client(try await authorize(request))
+        } catch let refused as Refused {
+            return .refused(refused.response)
+        } catch {
+            return .unknown
+        }
     }
 
     /// The ``BodyLimitMiddleware`` for a router that serves these routes: bodies up to `maximumBytes` (the
     /// configuration's ``Configuration/maximumBodyBytes`` by default) within `deadline`, the small endpoints' own
     /// limits (``bodyLimit(_:endpointPath:)``), a request with no valid token answered without its body being kept
     /// (``admit(_:endpointPath:)``), and each refusal counted with the route's answers (``countRefusal(_:endpointPath:status:)``).
+    ///
+    /// With a context that is an ``AuthenticatedClientContext`` the client the token names is set on it, and the
+    /// routes do not check the token again.
+    public func bodyLimitMiddleware<Context: AuthenticatedClientContext>(
+        maximumBytes: Int? = nil, deadline: Duration? = .seconds(60)
+    ) -> BodyLimitMiddleware<Context> {
+        BodyLimitMiddleware(
+            maximumBytes: maximumBytes ?? configuration.maximumBodyBytes, deadline: deadline,
+            refused: { request, context, status in countRefusal(request, endpointPath: context.endpointPath, status: status) },
+            limit: { request, context in bodyLimit(request, endpointPath: context.endpointPath) },
+            authenticate: { request, context in
+                switch await authenticate(request, endpointPath: context.endpointPath) {
+                case .refused(let response): return response
+                case .client(let client):
+                    context.authenticatedClient = client
+                    return nil
+                case .unknown: return nil
+                }
+            })
+    }
+
+    /// The ``BodyLimitMiddleware`` for a router that serves these routes, as above, for a context that cannot carry
+    /// the client: the routes check the token again (from the cache).
+    @_disfavoredOverload  // a context that can carry the client takes the overload above
     public func bodyLimitMiddleware<Context: RequestContext>(
         maximumBytes: Int? = nil, deadline: Duration? = .seconds(60)
     ) -> BodyLimitMiddleware<Context> {
@@ -289,7 +357,7 @@ public struct C3PROReceiver: Sendable {
         var isIngest: Bool { self == .envelope || self == .plain }
     }
 
-    /// The endpoint ``addRoutes(to:)`` counts a request to `route` under; nil for a route not its own.
+    /// The endpoint `addRoutes(to:)` counts a request to `route` under; nil for a route not its own.
     func endpoint(of request: Request, route: String?) -> Endpoint? {
         let prefix = configuration.pathPrefix.split(separator: "/")
         guard var parts = route?.split(separator: "/"), parts.starts(with: prefix) else { return nil }
@@ -306,8 +374,16 @@ public struct C3PROReceiver: Sendable {
         }
     }
 
-    struct Refused: Error {
+    /// A refusal a route throws: the answer, counted and sent as it is (Hummingbird sends an `HTTPResponseError`'s
+    /// response; ``measured(_:_:)`` counts it first).
+    struct Refused: HTTPResponseError {
         let response: Response
+
+        init(_ response: Response) { self.response = response }
+
+        var status: HTTPResponse.Status { response.status }
+
+        func response(from request: Request, context: some RequestContext) throws -> Response { response }
     }
 
     /// Runs a handler, counts its answer per endpoint and status, and turns an unexpected error (storage) into a
@@ -317,6 +393,8 @@ public struct C3PROReceiver: Sendable {
         let response: Response
         do {
             response = try await handler()
+        } catch let refused as Refused {
+            response = refused.response
         } catch {
             logger.error(
                 "a request could not be committed", metadata: ["endpoint": "\(endpoint.rawValue)", "error": "\(Self.describe(error))"])

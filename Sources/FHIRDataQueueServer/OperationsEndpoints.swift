@@ -108,18 +108,23 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
     public let limit: (@Sendable (Request, Context) -> Int?)?
     /// The answer to a request refused from its head (its body is then read and thrown away); nil: it goes on.
     public let admit: (@Sendable (Request, Context) async -> Response?)?
+    /// As `admit`, and may set what it found on the context the routes get (the client a bearer token names, so
+    /// that they do not check it again). Used instead of `admit` when given.
+    public let authenticate: (@Sendable (Request, inout Context) async -> Response?)?
 
     /// Refuses bodies larger than `maximumBytes` (or a request's own `limit`), or slower than `deadline`, telling
     /// `refused` of each; answers what `admit` refuses without keeping its body.
     public init(
         maximumBytes: Int, deadline: Duration? = nil, refused: (@Sendable (Request, Context, HTTPResponse.Status) -> Void)? = nil,
-        limit: (@Sendable (Request, Context) -> Int?)? = nil, admit: (@Sendable (Request, Context) async -> Response?)? = nil
+        limit: (@Sendable (Request, Context) -> Int?)? = nil, admit: (@Sendable (Request, Context) async -> Response?)? = nil,
+        authenticate: (@Sendable (Request, inout Context) async -> Response?)? = nil
     ) {
         self.maximumBytes = maximumBytes
         self.deadline = deadline
         self.refused = refused
         self.limit = limit
         self.admit = admit
+        self.authenticate = authenticate
     }
 
     /// Answers 413 to a body over the limit, declared or sent, and 408 to one that takes too long; answers what
@@ -135,7 +140,13 @@ public struct BodyLimitMiddleware<Context: RequestContext>: RouterMiddleware {
         if let declared = request.headers[.contentLength].flatMap({ Int($0) }), declared > maximum {
             return refusal(.contentTooLarge, "the request body is larger than \(maximum) bytes", request, context)
         }
-        let answer = await admit?(request, context)
+        var context = context
+        let answer: Response?
+        if let authenticate {
+            answer = await authenticate(request, &context)
+        } else {
+            answer = await admit?(request, context)
+        }
         var request = request
         do {
             guard let body = try await Self.read(request, upTo: maximum, keep: answer == nil, deadline: deadline) else {

@@ -4,6 +4,7 @@ import FHIRDataQueueServer
 import Foundation
 import Hummingbird
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOFoundationCompat
 import NIOHTTP1
@@ -45,7 +46,8 @@ struct ReceiverLibraryTests {
 
     /// Mounts a receiver that waits `deliveryWait` for a plain resource's delivery, on a queue for `server`.
     func host(
-        server: String, deliveryWait: Duration, configure: (inout FHIRDataQueueServer.C3PROReceiver.Configuration) -> Void = { _ in }
+        server: String, deliveryWait: Duration, impostor: NIOLockedValueBox<String?>? = nil,
+        configure: (inout FHIRDataQueueServer.C3PROReceiver.Configuration) -> Void = { _ in }
     ) async throws -> Host {
         var configuration = DataQueue.Configuration(databasePath: work.file("queue.sqlite"))
         configuration.retryPolicy = RetryPolicy(initialDelay: 0.1, maximumDelay: 0.5)
@@ -56,7 +58,14 @@ struct ReceiverLibraryTests {
         let receiver = try FHIRDataQueueServer.C3PROReceiver(queue: queue, configuration: receiving, logger: Self.quiet)
         let router = Router(context: ReceiverRequestContext.self)
         router.add(middleware: receiver.bodyLimitMiddleware())
+        if let impostor { router.add(middleware: ImpostorMiddleware(impostor: impostor)) }
         receiver.addRoutes(to: router)
+        return try await start(router, queue: queue)
+    }
+
+    /// Runs `router` with the queue's delivery beside it, on a free port.
+    func start<Context: RequestContext>(_ router: Router<Context>, queue: DataQueue) async throws -> Host
+    where Context.Source == ApplicationRequestContextSource {
         let (bound, binding) = AsyncStream.makeStream(of: Int.self)
         let app = Application(
             router: router, configuration: .init(address: .hostname("127.0.0.1", port: 0)),
@@ -241,6 +250,78 @@ struct ReceiverLibraryTests {
         #expect(try await server.values("Observation", system: resources.system) == ["5"])
         let queueStatus = try await host.queue.status()
         #expect(queueStatus.pending == 0 && queueStatus.delivered == 1, "nothing of the refused was queued: \(queueStatus)")
+        try await host.stop()
+    }
+
+    /// Set after the receiver's body middleware: whatever client it found, the routes are told it is `impostor`.
+    struct ImpostorMiddleware: RouterMiddleware {
+        let impostor: NIOLockedValueBox<String?>
+
+        func handle(
+            _ request: Request, context: ReceiverRequestContext, next: (Request, ReceiverRequestContext) async throws -> Response
+        ) async throws -> Response {
+            var context = context
+            if context.authenticatedClient != nil, let impostor = impostor.withLockedValue({ $0 }) {
+                context.authenticatedClient = impostor
+            }
+            return try await next(request, context)
+        }
+    }
+
+    @Test(
+        "The bearer token is checked once per request: the routes take the client the body middleware found on the context (a middleware that changes it changes the stored client), and do not read the token again"
+    )
+    func tokenCheckedOnce() async throws {
+        let server = try FHIRServer()  // not started: what is posted stays queued, with its client
+        let impostor = NIOLockedValueBox<String?>(nil)
+        let host = try await host(server: server.base, deliveryWait: .milliseconds(100), impostor: impostor)
+        let (id, secret) = try await register(host)
+        let token = try await bearer(host, id: id, secret: secret)
+        let other = try await register(host).id
+        impostor.withLockedValue { $0 = other }
+        let plain = try await postObservation(host, 1, token: token)
+        #expect(plain.status == 202, "\(plain)")
+        let waiting = try await host.queue.items(state: .pending)
+        #expect(waiting.count == 1, "\(waiting.map(\.clientID))")
+        #expect(waiting.first?.clientID == other, "the route used the context's client: \(waiting.map(\.clientID)) \(other)")
+        // Without a token the middleware answers 401 before any route runs: nothing more is stored.
+        let refused = try await postObservation(host, 2, token: "not-a-token")
+        #expect(refused.status == 401, "\(refused)")
+        #expect(try await host.queue.items(state: .pending).count == 1)
+        try await host.stop()
+    }
+
+    /// A host's own context that knows its peer's address and cannot carry the client.
+    struct AddressOnlyContext: RequestContext, RemoteAddressRequestContext {
+        var coreContext: CoreRequestContextStorage
+        let remoteAddress: SocketAddress?
+        init(source: ApplicationRequestContextSource) {
+            coreContext = .init(source: source)
+            remoteAddress = source.channel.remoteAddress
+        }
+    }
+
+    @Test(
+        "With a context that cannot carry the client and no body middleware, the routes check the bearer token themselves: 401 without one, and the token's own client stored with one"
+    )
+    func routesCheckTheTokenWithoutMiddleware() async throws {
+        let server = try FHIRServer()  // not started
+        var configuration = DataQueue.Configuration(databasePath: work.file("plain-context.sqlite"))
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0.1, maximumDelay: 0.5)
+        let queue = try await DataQueue(baseURL: URL(string: server.base)!, configuration: configuration)
+        let receiver = try FHIRDataQueueServer.C3PROReceiver(
+            queue: queue, configuration: .init(antispamSecrets: [antispam], deliveryWait: .milliseconds(100)), logger: Self.quiet)
+        let router = Router(context: AddressOnlyContext.self)
+        receiver.addRoutes(to: router)
+        let host = try await start(router, queue: queue)
+        let (id, secret) = try await register(host)
+        let token = try await bearer(host, id: id, secret: secret)
+        let refused = try await postObservation(host, 1, token: "not-a-token")
+        #expect(refused.status == 401, "\(refused)")
+        let taken = try await postObservation(host, 2, token: token)
+        #expect(taken.status == 202, "\(taken)")
+        let waiting = try await host.queue.items(state: .pending)
+        #expect(waiting.count == 1 && waiting.first?.clientID == id, "\(waiting.map(\.clientID)) \(id)")
         try await host.stop()
     }
 }
