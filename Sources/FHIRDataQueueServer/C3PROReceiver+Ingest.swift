@@ -74,7 +74,7 @@ extension C3PROReceiver {
         }
     }
 
-    /// A batch of envelopes from a `dq serve --role edge` (``EnvelopeBatch``): each checked as ``envelope(_:type:)``
+    /// A batch of envelopes from a `dq serve --role edge` (`EnvelopeBatch`): each checked as ``envelope(_:type:)``
     /// checks one, then all committed in one transaction, in order, before the 202; any bad one refuses the batch
     /// (400), nothing stored. Each is kept with the client the edge took it from, under the edge's own id
     /// (`<edge>/<origin>`), so that the repeat check tells an edge's devices apart and no client can speak for another's.
@@ -185,7 +185,9 @@ extension C3PROReceiver {
         let count = configuration.maximumWaitingPerClient
         let most = configuration.maximumWaitingBytesPerClient
         guard count > 0 || most > 0 else { return nil }
-        let waiting = try await waitingCounts.waiting(client) { try await registry.waiting(clientID: client) }
+        let waiting = try await waitingCounts.waiting(client, now: configuration.time.instant()) {
+            try await registry.waiting(clientID: client)
+        }
         if count > 0 && waiting.count >= count {
             Counter(label: "dq_serve_quota_refusals_total", dimensions: [("limit", "count")]).increment()
             var response = FHIRExchange.outcome(
@@ -205,7 +207,7 @@ extension C3PROReceiver {
         return nil
     }
 
-    /// The 403 for a plain write the queue's ``WritePolicy`` refuses: a type devices may not write, a `DELETE` or
+    /// The 403 for a plain write the queue's `WritePolicy` refuses: a type devices may not write, a `DELETE` or
     /// conditional entry in a Bundle, a path that names another type, or a `PUT` over a resource another client
     /// wrote. Nil when it may be queued (whether a `PUT`'s id is new on the server is asked when it is sent).
     func writeRefusal(

@@ -11,7 +11,7 @@ extension C3PROReceiver {
     // MARK: - Registration and tokens
 
     func register(_ request: Request, from address: SocketAddress?) async throws -> Response {
-        if let wait = limiter.refuse(clientAddress(request, peer: address)) { return tooMany(wait) }
+        if let wait = limiter.refuse(clientAddress(request, peer: address), now: configuration.time.instant()) { return tooMany(wait) }
         let offered = request.headers[.init("Antispam")!] ?? ""
         guard !offered.isEmpty, antispam.accepts(offered) else {
             // A 401 names its scheme (RFC 9110 §11.6.1): here C3-PRO's own header.
@@ -19,7 +19,7 @@ extension C3PROReceiver {
             refused.headers[.wwwAuthenticate] = #"Antispam realm="dq""#
             return refused
         }
-        if let wait = secretChecks.refuse(Self.everyone) { return busy(wait) }
+        if let wait = secretChecks.refuse(Self.everyone, now: configuration.time.instant()) { return busy(wait) }
         var request = request
         let body: ByteBuffer
         do {
@@ -39,7 +39,7 @@ extension C3PROReceiver {
         let clientID = ClientSecrets.newClientID()
         let secret = ClientSecrets.newSecret()
         let hash = try await ClientSecrets.hashOffPool(secret: secret)
-        try await registry.register(clientID: clientID, secretHash: hash, at: Date())
+        try await registry.register(clientID: clientID, secretHash: hash, at: configuration.time.now())
         logger.info("registered a client", metadata: ["client": "\(clientID)"])
         var response = json(
             .created,
@@ -53,7 +53,7 @@ extension C3PROReceiver {
     }
 
     func token(_ request: Request, from address: SocketAddress?) async throws -> Response {
-        if let wait = limiter.refuse(clientAddress(request, peer: address)) { return tooMany(wait) }
+        if let wait = limiter.refuse(clientAddress(request, peer: address), now: configuration.time.instant()) { return tooMany(wait) }
         var request = request
         let body: ByteBuffer
         do {
@@ -81,7 +81,7 @@ extension C3PROReceiver {
         }
         // An id that failed too often waits, whoever asks for it: guessing one client's secret from many addresses
         // spends that id's turns, not the secret checks every device shares.
-        if let wait = failedSecrets.refuse(id) { return tooMany(wait) }
+        if let wait = failedSecrets.refuse(id, now: configuration.time.instant()) { return tooMany(wait) }
         var registered: [(id: String, secret: String, stored: String?)] = []
         for (id, secret) in candidates {
             if let stored = try await registry.secretHash(clientID: id) { registered.append((id, secret, stored)) }
@@ -89,7 +89,7 @@ extension C3PROReceiver {
         // An id no client has is checked as a known one is (a hash of nothing, the same cost and budget), so that its
         // answer comes in the same time: imported C3-PRO ids need not be random.
         if registered.isEmpty { registered = [(id, secret, nil)] }
-        if let wait = secretChecks.refuse(Self.everyone) { return busy(wait) }
+        if let wait = secretChecks.refuse(Self.everyone, now: configuration.time.instant()) { return busy(wait) }
         var client: String?
         for (id, secret, stored) in registered {
             guard try await ClientSecrets.verifyOffPool(secret: secret, against: stored), let stored else { continue }
@@ -102,7 +102,7 @@ extension C3PROReceiver {
             break
         }
         guard let client else {
-            failedSecrets.failed(id)
+            failedSecrets.failed(id, now: configuration.time.instant())
             return oauthError(.unauthorized, "invalid_client", "the client id or secret is wrong", challenge: true)
         }
         failedSecrets.succeeded(id)
@@ -117,7 +117,7 @@ extension C3PROReceiver {
                 "client_assertion and client_assertion_type (\(ClientAssertionVerifier.assertionType)) go together")
         }
         let client: String
-        switch await assertions.verify(assertion, tokenPath: path) {
+        switch await assertions.verify(assertion, tokenPath: path, now: configuration.time.now()) {
         case .success(let id): client = id
         case .failure(let refusal):
             logger.notice("a client assertion was refused", metadata: ["reason": "\(refusal.description)"])
@@ -126,7 +126,7 @@ extension C3PROReceiver {
         // Tokens belong to a registered client: one with a key set gets a row whose hash no secret matches.
         if try await registry.secretHash(clientID: client) == nil {
             do {
-                try await registry.register(clientID: client, secretHash: Self.keySetOnly, at: Date())
+                try await registry.register(clientID: client, secretHash: Self.keySetOnly, at: configuration.time.now())
             } catch {
                 // Another request (or receiver) registered it first, or the store is down: the token's insert says.
             }
@@ -140,8 +140,8 @@ extension C3PROReceiver {
     func issueToken(to client: String) async throws -> Response {
         let token = ClientSecrets.newToken()
         let lifetime = Int(configuration.tokenLifetime.components.seconds)
-        try await registry.issueToken(
-            tokenHash: ClientSecrets.tokenHash(token), clientID: client, expiresAt: Date().addingTimeInterval(Double(lifetime)))
+        let expiresAt = configuration.time.now().addingTimeInterval(Double(lifetime))
+        try await registry.issueToken(tokenHash: ClientSecrets.tokenHash(token), clientID: client, expiresAt: expiresAt)
         pruneTokensWhenDue()
         var response = json(.ok, ["access_token": token, "token_type": "bearer", "expires_in": lifetime])
         response.headers[.cacheControl] = "no-store"
@@ -153,15 +153,15 @@ extension C3PROReceiver {
     /// answer, not before it, in transactions of at most ``tokenPruneBatch`` rows, so that the commits of the
     /// ingest go between them (the first run after an upgrade may find a year of tokens).
     func pruneTokensWhenDue() {
-        let now = ContinuousClock.now
+        let now = configuration.time.instant()
         let due = tokensPruned.withLockedValue { last in
             guard last.map({ last in last.duration(to: now) >= configuration.tokenPruneInterval }) ?? true else { return false }
             last = now
             return true
         }
         guard due else { return }
-        Task { [registry, logger] in
-            let cutoff = Date()
+        Task { [registry, logger, time = configuration.time] in
+            let cutoff = time.now()
             var removed = 0
             do {
                 while true {
@@ -192,7 +192,7 @@ extension C3PROReceiver {
             throw Refused(bearerChallenge("a bearer token is required"))
         }
         let hash = ClientSecrets.tokenHash(String(parts[1]))
-        let now = Date()
+        let now = configuration.time.now()
         if let client = tokens.client(tokenHash: hash, now: now) { return client }
         guard let token = try await registry.token(hash: hash, now: now) else {
             throw Refused(bearerChallenge("the token is unknown or expired", error: "invalid_token"))

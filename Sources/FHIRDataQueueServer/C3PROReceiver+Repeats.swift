@@ -144,6 +144,7 @@ extension C3PROReceiver {
         // A plain resource's first answer is recorded once it is made. Until then the first request is in progress
         // (409, the draft's answer to a concurrent repeat); a receipt older than that lost its answer to a stop of
         // the receiver, and the item's state answers (and is kept, so that later repeats get it too).
+        // The receipt's time is the store's (the queue's wall clock), so its age is read on that clock too.
         let age = Date().timeIntervalSince(receipt.createdAt)
         let wait = configuration.deliveryWait.components
         if age < Double(wait.seconds) + Double(wait.attoseconds) / 1e18 + 30 {

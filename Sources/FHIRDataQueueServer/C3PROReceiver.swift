@@ -15,7 +15,7 @@ import NIOCore
 /// - `POST /oauth`: client credentials for a bearer token (200; valid across restarts and on every receiver
 ///   sharing the database until it expires).
 /// - `POST /encfhir`, `/encfhir/{type}`, `/fhirenc/{type}`: an encrypted envelope, checked for shape, committed
-///   unchanged, then answered 202. The queue opens it later with its ``EnvelopeKeyring`` (or forwards it as it is).
+///   unchanged, then answered 202. The queue opens it later with its `EnvelopeKeyring` (or forwards it as it is).
 /// - `POST /fhir/{type}`, `PUT /fhir/{type}/{id}`: a plain resource, committed, then forwarded by the queue's
 ///   delivery (a `DataQueueService` beside the routes): 201 with the server's `Location` when it is delivered within
 ///   ``Configuration/deliveryWait``, 202 when it is still queued then (or the server rejected it: parked).
@@ -74,6 +74,10 @@ public struct C3PROReceiver: Sendable {
         public var maximumWaitingPerClient: Int = 10_000
         /// The most bytes (as stored) one client may have waiting: past it, 507. 256 MiB by default; 0: no limit.
         public var maximumWaitingBytesPerClient: Int = 256 << 20
+        /// Where the receiver reads the time: token expiry, registration times and pruning by the wall clock, rate
+        /// limits, backoff and waiting counts by the monotonic one. The system's clocks by default; a test gives a
+        /// source it advances. (How long a request took, for metrics, and the wait for a delivery are real time.)
+        public var time: TimeSource = .system
 
         /// A configuration with C3-PRO's defaults.
         public init(
@@ -135,7 +139,7 @@ public struct C3PROReceiver: Sendable {
     let logger: Logger
 
     /// A receiver that commits to `queue` (and keeps its clients and tokens in `queue`'s database).
-    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` when a key set of
+    /// - Throws: `DataQueueError` with `.invalidConfiguration` when a key set of
     ///   ``Configuration/clientKeySets`` is not a JWKS with a signing key.
     public init(queue: DataQueue, configuration: Configuration, logger: Logger = Logger(label: "dq.serve")) throws {
         do {
@@ -153,7 +157,7 @@ public struct C3PROReceiver: Sendable {
     }
 
     /// Loads the key sets of ``Configuration/clientKeySets`` (a host calls it once, before serving).
-    /// - Throws: ``DataQueueError`` with `.invalidConfiguration` naming a key that cannot be used.
+    /// - Throws: `DataQueueError` with `.invalidConfiguration` naming a key that cannot be used.
     public func loadClientKeySets() async throws {
         do {
             try await assertions.load()

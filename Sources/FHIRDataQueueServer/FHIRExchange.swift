@@ -32,6 +32,7 @@ public enum FHIRExchange {
     /// Reads the request's body as one FHIR resource, as `dq enqueue` checks input.
     ///
     /// - Parameters:
+    ///   - request: the request whose body is read.
     ///   - maximumBytes: the largest body taken; a larger one is refused with 413.
     ///   - types: the resource types taken (nil: any); another is refused with 400 `not-supported`.
     /// - Throws: ``Refusal`` for a body that is too large, not JSON, not one resource, or of a type not taken.

@@ -324,4 +324,60 @@ struct ReceiverLibraryTests {
         #expect(waiting.count == 1 && waiting.first?.clientID == id, "\(waiting.map(\.clientID)) \(id)")
         try await host.stop()
     }
+
+    /// A time source the test moves: the wall clock and the monotonic instant both advance by what it is told.
+    final class ManualTime: Sendable {
+        private let offset = NIOLockedValueBox<Duration>(.zero)
+        private let start = Date()
+        private let startInstant = ContinuousClock.now
+
+        func advance(_ by: Duration) { offset.withLockedValue { $0 += by } }
+
+        var source: TimeSource {
+            TimeSource(
+                now: { [self] in
+                    let moved = offset.withLockedValue { $0 }.components
+                    return start.addingTimeInterval(Double(moved.seconds) + Double(moved.attoseconds) / 1e18)
+                },
+                instant: { [self] in startInstant + offset.withLockedValue { $0 } })
+        }
+    }
+
+    @Test(
+        "The receiver reads the time from its time source: a token is taken until its lifetime has passed on that source and refused (401, invalid_token) after, and a rate-limit window passes when the source moves a minute, with no sleep"
+    )
+    func timeSource() async throws {
+        let server = try FHIRServer()  // not started
+        let time = ManualTime()
+        let host = try await host(server: server.base, deliveryWait: .milliseconds(100)) {
+            $0.time = time.source
+            $0.authRequestsPerMinute = 3
+            $0.tokenLifetime = .seconds(600)
+        }
+        let (id, secret) = try await register(host)
+        let token = try await bearer(host, id: id, secret: secret)
+        let third = try await send(
+            .POST, host.base + "/register", headers: [("Antispam", antispam), ("Content-Type", "application/json")],
+            body: #"{"sandbox": false, "receipt-data": "NO-APP-RECEIPT"}"#)
+        #expect(third.status == 201, "\(third)")
+        let fourth = try await send(
+            .POST, host.base + "/register", headers: [("Antispam", antispam), ("Content-Type", "application/json")],
+            body: #"{"sandbox": false, "receipt-data": "NO-APP-RECEIPT"}"#)
+        #expect(fourth.status == 429, "the fourth in the minute: \(fourth)")
+        #expect(try await postObservation(host, 1, token: token).status == 202)
+
+        // A minute later on the source: the window has passed.
+        time.advance(.seconds(61))
+        #expect(try await register(host).id.isEmpty == false)
+        // Still within the token's 600 s: taken (from the cache and from the database alike).
+        time.advance(.seconds(500))
+        #expect(try await postObservation(host, 2, token: token).status == 202)
+        // Past it: refused, and nothing more stored.
+        time.advance(.seconds(40))
+        let expired = try await postObservation(host, 3, token: token)
+        #expect(expired.status == 401, "\(expired)")
+        #expect(expired.headers.first(name: "WWW-Authenticate")?.contains("invalid_token") == true, "\(expired.headers)")
+        #expect(try await host.queue.items(state: .pending).count == 2)
+        try await host.stop()
+    }
 }

@@ -5,7 +5,7 @@ import Testing
 /// for as long as the client trickled bytes; a client that sent `Connection: close` and a large body never read its
 /// 413 (the receiver stopped reading, the client's send blocked); a keep-alive 413 left the socket open for the idle
 /// timeout; one address could hold any number of connections.
-extension ServeTests {
+extension ServeConnectionSuite {
     /// Runs `script` (Python, independent of dq) with the receiver's port as `PORT`; its standard output.
     func python(_ script: String, port: Int) async throws -> String {
         let result = try await ChildProcess(

@@ -4,7 +4,7 @@ import Testing
 /// `dq serve import-credentials`: the clients of a C3-PRO server, from a CSV export of its `Users` table hashed as
 /// its Java receiver hashed (SHA-1, then Base64: here by Python's hashlib, independent of dq), in SQLite and in
 /// PostgreSQL.
-extension ServeTests {
+extension ServeTrustSuite {
     /// Clients as C3-PRO's `RegisterServer` made them (a UUID and the Base64 of 64 random bytes, which holds `+`, `/`
     /// and `=`), and a CSV of their `Users` rows as an export writes it: a header and every field quoted. The rows
     /// after the good ones are malformed: a hash that is not Base64, one that is not 20 bytes, a row with one

@@ -3,7 +3,7 @@ import Testing
 
 /// A receiver's creates exactly once without touching what the app wrote: before, a resource with no identifier whose
 /// answer was lost (the server had stored it; dq killed, the connection cut) was sent again and stored twice.
-extension ServeTests {
+extension ServeRepeatsSuite {
     @Test(
         "A create whose answer is lost after sekmet stored it is sent again conditioned on the meta.source naming its item: one copy, journaled already present, its content as the app wrote it"
     )

@@ -7,7 +7,7 @@ import Testing
 
 /// Key states in `keys_dir` (`key-states.json`) and `dq serve keys`, with envelopes made by the Python client
 /// (`cryptography`), in SQLite and in PostgreSQL.
-extension ServeTests {
+extension ServeTrustSuite {
     /// The fingerprint openssl gives the key: SHA-256 of its public key as DER SubjectPublicKeyInfo.
     func opensslFingerprint(_ keys: TestKeys) async throws -> String {
         let der = keys.directory.file("public.der")

@@ -11,7 +11,7 @@ import Testing
 ///
 /// The queue's idempotent mode is off in these tests, so sekmet's conditional create cannot hide a second send: one
 /// copy on sekmet is dq's doing.
-extension ServeTests {
+extension ServeHarness {
     /// `dq.json` for the queue in SQLite (`queue.sqlite`) or a fresh PostgreSQL database, idempotent mode off: the
     /// file, the database (a path or a URL), and the environment dq needs for it.
     func configureRepeats(server: String, store: String, serve: [String: Any?] = [:]) async throws -> (
@@ -66,6 +66,9 @@ extension ServeTests {
         }
     }
 
+}
+
+extension ServeRepeatsSuite {
     @Test(
         "With an Idempotency-Key, the same QuestionnaireResponse posted twice with fresh key wraps (and a plain Observation posted twice) is answered the same byte for byte and stored once; the key with another body is 422",
         arguments: ["sqlite", "postgres"])

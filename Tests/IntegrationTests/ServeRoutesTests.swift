@@ -3,7 +3,7 @@ import Testing
 
 /// `serve.routes`: resources go to another FHIR server by the envelope's version or the resource type, each route
 /// its own queue (order, backoff) in the receiver's database.
-extension ServeTests {
+extension ServeTrustSuite {
     @Test(
         "Routes by version and by resource type to two sekmet servers and one that is down: the others' resources flow, each server gets its own in order, the down route's wait"
     )

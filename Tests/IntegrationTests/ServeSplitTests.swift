@@ -7,7 +7,7 @@ import Testing
 
 /// Split trust: a public-facing `dq serve --role edge` that holds no private key, forwarding through its own queue
 /// to an inside `dq serve --role decrypt` that opens and forwards to sekmet.
-extension ServeTests {
+extension ServeTrustSuite {
     /// The edge's `dq.json`: no `server`, no key, no `at_rest`; its queue's `auth` is the client it registered as
     /// at the inside receiver.
     func configureEdge(

@@ -7,7 +7,7 @@ import Testing
 
 /// `serve.tls`: `dq serve` speaking HTTPS itself, its certificate read again on SIGHUP without dropping the listener;
 /// certificates made with the openssl CLI, checked by Python's `ssl` against the test CA.
-extension ServeTests {
+extension ServeTrustSuite {
     /// A test CA and certificates it signed for 127.0.0.1: `one` and `two` (each with its key), and `expired` (one's
     /// key, valid only in January 2020).
     struct TLSFiles {

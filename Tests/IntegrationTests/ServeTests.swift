@@ -10,7 +10,7 @@ import Testing
 /// behind it: what a device is told was taken reaches the server once, in order, opened; what cannot be opened
 /// waits in quarantine; what is refused leaves nothing behind; plain resources are sealed at rest.
 @Suite("dq serve: the C3-PRO receiving half", .serialized, .enabled(if: Peers.enabled))
-struct ServeTests {
+struct ServeTests: ServeHarness {
     let work: TemporaryDirectory
     let resources = Resources()
     /// In the content of the resources of the at-rest test; must appear in no byte the queue stores.
@@ -18,32 +18,225 @@ struct ServeTests {
     let antispam = "spam-" + UUID().uuidString.lowercased()
 
     init() throws { work = try TemporaryDirectory() }
+}
 
-    // MARK: - The receiver
+/// `dq serve`'s tests, part: connections, slow clients and what one client may use (ServeConnectionTests.swift). A suite of its own, serialized within, beside the others.
+@Suite("dq serve: connections, slow clients and what one client may use", .serialized, .enabled(if: Peers.enabled))
+struct ServeConnectionSuite: ServeHarness {
+    let work: TemporaryDirectory
+    let resources = Resources()
+    let marker = "SRVMARK" + UUID().uuidString.prefix(8).lowercased()
+    let antispam = "spam-" + UUID().uuidString.lowercased()
 
-    /// A running `dq serve` on a free loopback port.
-    final class Receiver: Sendable {
-        let process: ChildProcess
-        let port: Int
-        var base: String { "http://127.0.0.1:\(port)" }
-        var log: String { (try? String(contentsOfFile: process.stderrPath, encoding: .utf8)) ?? "" }
+    init() throws { work = try TemporaryDirectory() }
+}
 
-        init(process: ChildProcess, port: Int) {
-            self.process = process
-            self.port = port
-        }
+/// `dq serve`'s tests, part: repeats, exactly once and the write policy (ServeRepeatsTests.swift, ServeExactlyOnceTests.swift, ServeWritePolicyTests.swift). A suite of its own, serialized within, beside the others.
+@Suite("dq serve: repeats, exactly once and the write policy", .serialized, .enabled(if: Peers.enabled))
+struct ServeRepeatsSuite: ServeHarness {
+    let work: TemporaryDirectory
+    let resources = Resources()
+    let marker = "SRVMARK" + UUID().uuidString.prefix(8).lowercased()
+    let antispam = "spam-" + UUID().uuidString.lowercased()
 
-        /// SIGTERM, and how it ended.
-        func stop() async -> ProcessResult {
-            process.kill(SIGTERM)
-            return await process.wait(timeout: .seconds(60))
-        }
+    init() throws { work = try TemporaryDirectory() }
+}
 
-        deinit { process.killInBackground() }
+/// `dq serve`'s tests, part: split trust, keys, imported credentials, routes and TLS (ServeSplitTests.swift, ServeKeysTests.swift, ServeCredentialsTests.swift, ServeRoutesTests.swift, ServeTLSTests.swift). A suite of its own, serialized within, beside the others.
+@Suite("dq serve: split trust, keys, imported credentials, routes and TLS", .serialized, .enabled(if: Peers.enabled))
+struct ServeTrustSuite: ServeHarness {
+    let work: TemporaryDirectory
+    let resources = Resources()
+    let marker = "SRVMARK" + UUID().uuidString.prefix(8).lowercased()
+    let antispam = "spam-" + UUID().uuidString.lowercased()
+
+    init() throws { work = try TemporaryDirectory() }
+}
+
+/// What every suite of `dq serve`'s tests has: a directory of its own, the test resources, a marker for the
+/// at-rest checks and an Antispam secret. The helpers below (a receiver started as a process, the Python C3-PRO
+/// client, what the FHIR server holds) serve them all, so that the receiver's tests run as several serialized
+/// suites side by side: each waits mostly on processes and timeouts, not on the CPU.
+protocol ServeHarness {
+    var work: TemporaryDirectory { get }
+    var resources: Resources { get }
+    var marker: String { get }
+    var antispam: String { get }
+}
+
+/// A running `dq serve` on a free loopback port.
+final class ServeReceiver: Sendable {
+    let process: ChildProcess
+    let port: Int
+    var base: String { "http://127.0.0.1:\(port)" }
+    var log: String { (try? String(contentsOfFile: process.stderrPath, encoding: .utf8)) ?? "" }
+
+    init(process: ChildProcess, port: Int) {
+        self.process = process
+        self.port = port
     }
 
-    /// Where each key goes in `keys_dir`: the C3-PRO consumer's `<id>/private-c3pro.der` or `<id>.pem`.
-    enum KeyLayout { case pem, der }
+    /// SIGTERM, and how it ended.
+    func stop() async -> ProcessResult {
+        process.kill(SIGTERM)
+        return await process.wait(timeout: .seconds(60))
+    }
+
+    deinit { process.killInBackground() }
+}
+
+/// Where each key goes in `keys_dir`: the C3-PRO consumer's `<id>/private-c3pro.der` or `<id>.pem`.
+enum ServeKeyLayout { case pem, der }
+
+/// An answer: `status` (0 when the connection failed: then `error`), `body` (text), `content_type`, `json`
+/// (whether the body is strict JSON) and `object` (the body parsed).
+struct ServeAnswer: CustomStringConvertible {
+    let status: Int
+    let body: String
+    let contentType: String
+    let strictJSON: Bool
+    let object: [String: Any]
+    let error: String?
+    /// The `Location`, `Retry-After` and `WWW-Authenticate` headers ("" when absent).
+    let location: String
+    let retryAfter: String
+    let challenge: String
+    /// Seconds from sending the request to its answer.
+    let elapsed: Double
+
+    init(_ raw: [String: Any]) {
+        elapsed = raw["elapsed"] as? Double ?? -1
+        location = raw["location"] as? String ?? ""
+        retryAfter = raw["retry_after"] as? String ?? ""
+        challenge = raw["www_authenticate"] as? String ?? ""
+        status = raw["status"] as? Int ?? -1
+        body = raw["body"] as? String ?? ""
+        contentType = raw["content_type"] as? String ?? ""
+        strictJSON = raw["json"] as? Bool ?? false
+        object = (try? JSONSerialization.jsonObject(with: Data(body.utf8))) as? [String: Any] ?? [:]
+        error = raw["error"] as? String
+    }
+
+    var description: String { "\(status) \(contentType) \(body.prefix(600))\(error.map { " error: \($0)" } ?? "")" }
+}
+
+/// The Python programs the harness runs.
+enum ServeScripts {
+    /// A C3-PRO client as the iOS app (C3PRO's `EncryptedDataQueue`, p2/OAuth2) behaves, written with Python
+    /// `requests` and `cryptography` alone: AES-256-CBC with a zero IV and PKCS#7 padding, one AES key per run,
+    /// the key wrapped with RSA-OAEP (SHA-1, MGF1-SHA-1) under the receiver's certificate. With `DQ_TEST_CA` set it
+    /// speaks HTTPS and verifies the receiver against that CA bundle.
+    ///
+    /// `client.py BASE STEPS.json` runs the steps in order and prints a JSON list of answers. A step: `path`;
+    /// `headers`; `basic` {id, secret, form} (form: id and secret form-encoded before Base64, RFC 6749 2.3.1);
+    /// `bearer` and `scheme`; one body: `json`, `form`, `fhir` (a resource as text), `raw` with `content_type`,
+    /// `seal` {resource, cert, key_id, version}, or `pad_bytes` (a JSON body of that size; `chunked` sends it
+    /// without a length).
+    static let client = #"""
+        import base64, json, os, sys, urllib.parse
+        import requests
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, padding
+        from cryptography.hazmat.primitives.asymmetric import padding as asym
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        AES_KEY = os.urandom(32)  # one per EncryptedDataQueue instance, as on iOS
+
+        def seal(spec):
+            with open(spec["cert"], "rb") as f:
+                public_key = x509.load_pem_x509_certificate(f.read()).public_key()
+            padder = padding.PKCS7(128).padder()
+            padded = padder.update(spec["resource"].encode()) + padder.finalize()
+            encryptor = Cipher(algorithms.AES(AES_KEY), modes.CBC(b"\0" * 16)).encryptor()
+            message = encryptor.update(padded) + encryptor.finalize()
+            wrapped = public_key.encrypt(
+                AES_KEY, asym.OAEP(mgf=asym.MGF1(algorithm=hashes.SHA1()), algorithm=hashes.SHA1(), label=None))
+            return json.dumps({
+                "key_id": spec["key_id"],
+                "symmetric_key": base64.b64encode(wrapped).decode(),
+                "message": base64.b64encode(message).decode(),
+                "version": spec.get("version", "3.0.0"),
+            }).encode()
+
+        def new_session():
+            session = requests.Session()
+            session.trust_env = False  # no proxy or .netrc from the environment: the receiver is spoken to directly
+            if os.environ.get("DQ_TEST_CA"):
+                session.verify = os.environ["DQ_TEST_CA"]
+            return session
+
+        def chunks(data, size=65536):
+            for start in range(0, len(data), size):
+                yield data[start:start + size]
+
+        def run(session, base, step):
+            headers = dict(step.get("headers", {}))
+            if "basic" in step:
+                b = step["basic"]
+                ident, secret = b["id"], b["secret"]
+                if b.get("form"):
+                    ident, secret = urllib.parse.quote_plus(ident), urllib.parse.quote_plus(secret)
+                headers["Authorization"] = "Basic " + base64.b64encode((ident + ":" + secret).encode()).decode()
+            if "bearer" in step:
+                headers["Authorization"] = step.get("scheme", "Bearer") + " " + step["bearer"]
+            body = None
+            if "seal" in step:
+                body, headers["Content-Type"] = seal(step["seal"]), "application/json"
+            elif "json" in step:
+                body, headers["Content-Type"] = json.dumps(step["json"]).encode(), "application/json"
+            elif "form" in step:
+                body, headers["Content-Type"] = step["form"].encode(), "application/x-www-form-urlencoded"
+            elif "fhir" in step:
+                body, headers["Content-Type"] = step["fhir"].encode(), "application/fhir+json"
+            elif "raw" in step:
+                body, headers["Content-Type"] = step["raw"].encode(), step.get("content_type", "text/plain")
+            elif "pad_bytes" in step:
+                n = step["pad_bytes"]
+                body = b'{"pad":"' + b"x" * (n - 10) + b'"}'
+                headers["Content-Type"] = "application/json"
+                if step.get("chunked"):
+                    body = chunks(body)
+            try:
+                r = session.request(step.get("method", "POST"), base + step["path"], data=body, headers=headers, timeout=60)
+            except requests.RequestException as error:
+                return {"status": 0, "body": "", "content_type": "", "json": False, "error": repr(error)}
+            try:
+                json.loads(r.text)
+                strict = True
+            except ValueError:
+                strict = False
+            return {"status": r.status_code, "body": r.text, "content_type": r.headers.get("Content-Type", ""), "json": strict,
+                    "location": r.headers.get("Location", ""), "retry_after": r.headers.get("Retry-After", ""),
+                    "www_authenticate": r.headers.get("WWW-Authenticate", ""),
+                    "elapsed": r.elapsed.total_seconds()}
+
+        def main():
+            base = sys.argv[1]
+            with open(sys.argv[2]) as f:
+                steps = json.load(f)
+            session = new_session()
+            answers = []
+            for step in steps:
+                answers.append(run(session, base, step))
+                if answers[-1]["status"] == 0:
+                    session = new_session()
+            json.dump(answers, sys.stdout)
+
+        main()
+        """#
+}
+
+extension ServeHarness {
+    typealias Receiver = ServeReceiver
+    typealias KeyLayout = ServeKeyLayout
+    typealias Answer = ServeAnswer
+    /// One request of the Python client; see `client.py` below for the fields.
+    typealias Step = [String: Any]
+
+    /// The C3-PRO client program (ServeScripts.client).
+    static var clientScript: String { ServeScripts.client }
+
+    // MARK: - The receiver
 
     /// Puts the private key of `keys` into `keys_dir` as the key of `id`.
     func install(_ keys: TestKeys, as id: String, layout: KeyLayout) async throws {
@@ -135,41 +328,6 @@ struct ServeTests {
     }
 
     // MARK: - The C3-PRO client
-
-    /// One request of the Python client; see `client.py` below for the fields.
-    typealias Step = [String: Any]
-
-    /// An answer: `status` (0 when the connection failed: then `error`), `body` (text), `content_type`, `json`
-    /// (whether the body is strict JSON) and `object` (the body parsed).
-    struct Answer: CustomStringConvertible {
-        let status: Int
-        let body: String
-        let contentType: String
-        let strictJSON: Bool
-        let object: [String: Any]
-        let error: String?
-        /// The `Location`, `Retry-After` and `WWW-Authenticate` headers ("" when absent).
-        let location: String
-        let retryAfter: String
-        let challenge: String
-        /// Seconds from sending the request to its answer.
-        let elapsed: Double
-
-        init(_ raw: [String: Any]) {
-            elapsed = raw["elapsed"] as? Double ?? -1
-            location = raw["location"] as? String ?? ""
-            retryAfter = raw["retry_after"] as? String ?? ""
-            challenge = raw["www_authenticate"] as? String ?? ""
-            status = raw["status"] as? Int ?? -1
-            body = raw["body"] as? String ?? ""
-            contentType = raw["content_type"] as? String ?? ""
-            strictJSON = raw["json"] as? Bool ?? false
-            object = (try? JSONSerialization.jsonObject(with: Data(body.utf8))) as? [String: Any] ?? [:]
-            error = raw["error"] as? String
-        }
-
-        var description: String { "\(status) \(contentType) \(body.prefix(600))\(error.map { " error: \($0)" } ?? "")" }
-    }
 
     /// Runs the steps in order with one Python process (one session, one AES key: as one iOS app run).
     func client(_ base: String, _ steps: [Step]) async throws -> [Answer] {
@@ -286,6 +444,54 @@ struct ServeTests {
         }
     }
 
+    // MARK: - The client program
+
+    /// sekmet, k1 installed (PEM), a receiver with `serve` added to its settings, and a client registered there: its
+    /// bearer token.
+    func startWithClient(serve: [String: Any?]) async throws -> (
+        server: FHIRServer, keys: TestKeys, config: String, receiver: Receiver, bearer: String
+    ) {
+        let server = try await FHIRServer.start()
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: server.base, serve: serve)
+        let receiver = try await start(config)
+        let bearer = try await token(receiver.base, try await register(receiver.base))
+        return (server, keys, config, receiver, bearer)
+    }
+
+    /// As ``startWithClient(serve:)``, with scripts/faultproxy.py (its `options`) between the receiver and sekmet.
+    func startBehindProxy(options: [String] = []) async throws -> (
+        server: FHIRServer, proxy: FaultProxy, keys: TestKeys, config: String, receiver: Receiver, bearer: String
+    ) {
+        let server = try await FHIRServer.start()
+        let proxy = try await FaultProxy(upstream: server, options: options)
+        let keys = try await TestKeys()
+        try await install(keys, as: "k1", layout: .pem)
+        let config = try await configure(server: proxy.base)
+        let receiver = try await start(config)
+        let bearer = try await token(receiver.base, try await register(receiver.base))
+        return (server, proxy, keys, config, receiver, bearer)
+    }
+
+    /// The lines of the receiver's `/metrics` that start with `name`.
+    func metricLines(_ receiver: Receiver, _ name: String) async throws -> [String] {
+        let (status, body) = try await HTTP.get(receiver.base + "/metrics")
+        #expect(status == 200)
+        return String(decoding: body, as: UTF8.self).split(separator: "\n").map(String.init).filter { $0.hasPrefix(name) }
+    }
+
+    /// Another device is answered (202 for an envelope holding the Observation "fast") while a slow one holds a
+    /// connection.
+    func anotherDeviceServed(_ receiver: Receiver, _ keys: TestKeys, _ bearer: String) async throws {
+        let other = try await client(
+            receiver.base,
+            [sealed("/c3pro/encfhir/Observation", observation("fast"), certificate: keys.certificate, keyID: "k1", token: bearer)])
+        #expect(other.first?.status == 202, "\(other)")
+    }
+}
+
+extension ServeTests {
     // MARK: - Tests
 
     @Test(
@@ -865,7 +1071,7 @@ struct ServeTests {
     }
 
     @Test(
-        "SIGHUP: dq serve goes on serving and reads the antispam file and the keys again; register and oauth are limited per address (429 with Retry-After); an expired token is refused (401); secret checks are limited for all addresses together (503 with Retry-After)"
+        "SIGHUP: dq serve goes on serving and reads the antispam file and the keys again; register and oauth are limited per address (429 with Retry-After); a token lives token_lifetime_seconds; secret checks are limited for all addresses together (503 with Retry-After)"
     )
     func hangupAndRateLimit() async throws {
         let server = try await FHIRServer.start()
@@ -922,19 +1128,14 @@ struct ServeTests {
         #expect(posted.first?.status == 202, "\(posted)")
         #expect(try await eventually { try await values(server) == ["h0", "h1"] }, "\(receiver.log.suffix(2000))")
 
-        // A token of this receiver lives 60 s: taken until then, 401 after.
-        let issued = ContinuousClock.now
+        // A token of this receiver lives 60 s (its expiry, by the receiver's time source, is tested in process:
+        // ReceiverLibraryTests.timeSource, without waiting a minute here).
         let short = try #require(burst[1].object["access_token"] as? String, "\(burst[1])")
         #expect(burst[1].body.contains(#""expires_in":60"#), "\(burst[1])")
         let fresh = try await client(
             receiver.base,
             [sealed("/c3pro/encfhir/Observation", observation("h2"), certificate: keys.certificate, keyID: "k1", token: short)])
         #expect(fresh.first?.status == 202, "\(fresh)")
-        try await Task.sleep(until: issued + .seconds(62))
-        let expired = try await client(
-            receiver.base,
-            [sealed("/c3pro/encfhir/Observation", observation("h3"), certificate: keys.certificate, keyID: "k1", token: short)])
-        #expect(expired.first?.status == 401, "expired: \(expired)")
         #expect(try await eventually { try await values(server) == ["h0", "h1", "h2"] }, "\(receiver.log.suffix(2000))")
         #expect(await receiver.stop().status == 0)
 
@@ -957,155 +1158,6 @@ struct ServeTests {
             [sealed("/c3pro/encfhir/Observation", observation("h4"), certificate: keys.certificate, keyID: "k1", token: bearer)])
         #expect(stillPosting.first?.status == 202, "a device with a token goes on posting: \(stillPosting)")
         #expect(await receiver.stop().status == 0)
-    }
-
-    // MARK: - The client program
-
-    /// A C3-PRO client as the iOS app (C3PRO's `EncryptedDataQueue`, p2/OAuth2) behaves, written with Python
-    /// `requests` and `cryptography` alone: AES-256-CBC with a zero IV and PKCS#7 padding, one AES key per run,
-    /// the key wrapped with RSA-OAEP (SHA-1, MGF1-SHA-1) under the receiver's certificate. With `DQ_TEST_CA` set it
-    /// speaks HTTPS and verifies the receiver against that CA bundle.
-    ///
-    /// `client.py BASE STEPS.json` runs the steps in order and prints a JSON list of answers. A step: `path`;
-    /// `headers`; `basic` {id, secret, form} (form: id and secret form-encoded before Base64, RFC 6749 2.3.1);
-    /// `bearer` and `scheme`; one body: `json`, `form`, `fhir` (a resource as text), `raw` with `content_type`,
-    /// `seal` {resource, cert, key_id, version}, or `pad_bytes` (a JSON body of that size; `chunked` sends it
-    /// without a length).
-    static let clientScript = #"""
-        import base64, json, os, sys, urllib.parse
-        import requests
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, padding
-        from cryptography.hazmat.primitives.asymmetric import padding as asym
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
-        AES_KEY = os.urandom(32)  # one per EncryptedDataQueue instance, as on iOS
-
-        def seal(spec):
-            with open(spec["cert"], "rb") as f:
-                public_key = x509.load_pem_x509_certificate(f.read()).public_key()
-            padder = padding.PKCS7(128).padder()
-            padded = padder.update(spec["resource"].encode()) + padder.finalize()
-            encryptor = Cipher(algorithms.AES(AES_KEY), modes.CBC(b"\0" * 16)).encryptor()
-            message = encryptor.update(padded) + encryptor.finalize()
-            wrapped = public_key.encrypt(
-                AES_KEY, asym.OAEP(mgf=asym.MGF1(algorithm=hashes.SHA1()), algorithm=hashes.SHA1(), label=None))
-            return json.dumps({
-                "key_id": spec["key_id"],
-                "symmetric_key": base64.b64encode(wrapped).decode(),
-                "message": base64.b64encode(message).decode(),
-                "version": spec.get("version", "3.0.0"),
-            }).encode()
-
-        def new_session():
-            session = requests.Session()
-            session.trust_env = False  # no proxy or .netrc from the environment: the receiver is spoken to directly
-            if os.environ.get("DQ_TEST_CA"):
-                session.verify = os.environ["DQ_TEST_CA"]
-            return session
-
-        def chunks(data, size=65536):
-            for start in range(0, len(data), size):
-                yield data[start:start + size]
-
-        def run(session, base, step):
-            headers = dict(step.get("headers", {}))
-            if "basic" in step:
-                b = step["basic"]
-                ident, secret = b["id"], b["secret"]
-                if b.get("form"):
-                    ident, secret = urllib.parse.quote_plus(ident), urllib.parse.quote_plus(secret)
-                headers["Authorization"] = "Basic " + base64.b64encode((ident + ":" + secret).encode()).decode()
-            if "bearer" in step:
-                headers["Authorization"] = step.get("scheme", "Bearer") + " " + step["bearer"]
-            body = None
-            if "seal" in step:
-                body, headers["Content-Type"] = seal(step["seal"]), "application/json"
-            elif "json" in step:
-                body, headers["Content-Type"] = json.dumps(step["json"]).encode(), "application/json"
-            elif "form" in step:
-                body, headers["Content-Type"] = step["form"].encode(), "application/x-www-form-urlencoded"
-            elif "fhir" in step:
-                body, headers["Content-Type"] = step["fhir"].encode(), "application/fhir+json"
-            elif "raw" in step:
-                body, headers["Content-Type"] = step["raw"].encode(), step.get("content_type", "text/plain")
-            elif "pad_bytes" in step:
-                n = step["pad_bytes"]
-                body = b'{"pad":"' + b"x" * (n - 10) + b'"}'
-                headers["Content-Type"] = "application/json"
-                if step.get("chunked"):
-                    body = chunks(body)
-            try:
-                r = session.request(step.get("method", "POST"), base + step["path"], data=body, headers=headers, timeout=60)
-            except requests.RequestException as error:
-                return {"status": 0, "body": "", "content_type": "", "json": False, "error": repr(error)}
-            try:
-                json.loads(r.text)
-                strict = True
-            except ValueError:
-                strict = False
-            return {"status": r.status_code, "body": r.text, "content_type": r.headers.get("Content-Type", ""), "json": strict,
-                    "location": r.headers.get("Location", ""), "retry_after": r.headers.get("Retry-After", ""),
-                    "www_authenticate": r.headers.get("WWW-Authenticate", ""),
-                    "elapsed": r.elapsed.total_seconds()}
-
-        def main():
-            base = sys.argv[1]
-            with open(sys.argv[2]) as f:
-                steps = json.load(f)
-            session = new_session()
-            answers = []
-            for step in steps:
-                answers.append(run(session, base, step))
-                if answers[-1]["status"] == 0:
-                    session = new_session()
-            json.dump(answers, sys.stdout)
-
-        main()
-        """#
-
-    /// sekmet, k1 installed (PEM), a receiver with `serve` added to its settings, and a client registered there: its
-    /// bearer token.
-    func startWithClient(serve: [String: Any?]) async throws -> (
-        server: FHIRServer, keys: TestKeys, config: String, receiver: Receiver, bearer: String
-    ) {
-        let server = try await FHIRServer.start()
-        let keys = try await TestKeys()
-        try await install(keys, as: "k1", layout: .pem)
-        let config = try await configure(server: server.base, serve: serve)
-        let receiver = try await start(config)
-        let bearer = try await token(receiver.base, try await register(receiver.base))
-        return (server, keys, config, receiver, bearer)
-    }
-
-    /// As ``startWithClient(serve:)``, with scripts/faultproxy.py (its `options`) between the receiver and sekmet.
-    func startBehindProxy(options: [String] = []) async throws -> (
-        server: FHIRServer, proxy: FaultProxy, keys: TestKeys, config: String, receiver: Receiver, bearer: String
-    ) {
-        let server = try await FHIRServer.start()
-        let proxy = try await FaultProxy(upstream: server, options: options)
-        let keys = try await TestKeys()
-        try await install(keys, as: "k1", layout: .pem)
-        let config = try await configure(server: proxy.base)
-        let receiver = try await start(config)
-        let bearer = try await token(receiver.base, try await register(receiver.base))
-        return (server, proxy, keys, config, receiver, bearer)
-    }
-
-    /// The lines of the receiver's `/metrics` that start with `name`.
-    func metricLines(_ receiver: Receiver, _ name: String) async throws -> [String] {
-        let (status, body) = try await HTTP.get(receiver.base + "/metrics")
-        #expect(status == 200)
-        return String(decoding: body, as: UTF8.self).split(separator: "\n").map(String.init).filter { $0.hasPrefix(name) }
-    }
-
-    /// Another device is answered (202 for an envelope holding the Observation "fast") while a slow one holds a
-    /// connection.
-    func anotherDeviceServed(_ receiver: Receiver, _ keys: TestKeys, _ bearer: String) async throws {
-        let other = try await client(
-            receiver.base,
-            [sealed("/c3pro/encfhir/Observation", observation("fast"), certificate: keys.certificate, keyID: "k1", token: bearer)])
-        #expect(other.first?.status == 202, "\(other)")
     }
 
     @Test(

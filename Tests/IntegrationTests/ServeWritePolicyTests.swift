@@ -4,7 +4,7 @@ import Testing
 /// The write policy of `dq serve` (`serve.write_policy`): a device writes only what is its own. Before it, an envelope
 /// holding a resource with an id overwrote a Patient made on the server directly, a transaction Bundle's DELETE
 /// removed one, and a path's type restricted nothing.
-extension ServeTests {
+extension ServeRepeatsSuite {
     func patient(_ id: String?, _ value: String, active: Bool = true) -> String {
         let idMember = id.map { #""id":"\#($0)","# } ?? ""
         return
