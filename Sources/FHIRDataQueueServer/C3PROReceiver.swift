@@ -316,6 +316,10 @@ public struct C3PROReceiver: Sendable {
             refused: { request, context, status in countRefusal(request, endpointPath: context.endpointPath, status: status) },
             limit: { request, context in bodyLimit(request, endpointPath: context.endpointPath) },
             authenticate: { request, context in
+                // What another middleware set is not trusted: the routes get only what this receiver found now
+                // (or nil, and check the token themselves). The token is checked before the body is read; a token
+                // that expires while a body arrives still counts for that request.
+                context.authenticatedClient = nil
                 switch await authenticate(request, endpointPath: context.endpointPath) {
                 case .refused(let response): return response
                 case .client(let client):

@@ -1,7 +1,7 @@
 import Foundation
 
 /// Where dq reads the time: the wall clock, for what is stored or compared with stored times (a token's expiry, a
-/// registration, a receipt's age), and a monotonic instant, for windows and intervals (rate limits, backoff, how
+/// registration, what is pruned), and a monotonic instant, for windows and intervals (rate limits, backoff, how
 /// often a table is pruned).
 ///
 /// Injected through the configuration types so that a test moves time instead of sleeping: a receiver given a
