@@ -78,7 +78,11 @@ extension DQ {
             let stops = StopSignals()
             let trappedStops = await UnixSignalsSequence(trapping: .sigterm, .sigint)
             let stopping = Task {
-                for await _ in trappedStops { stops.arrived() }
+                for await signal in trappedStops {
+                    stops.arrived()
+                    // Said once the stop is taken: from here no round starts (what an operator, or a test, waits for).
+                    Logger(label: "dq").notice("stopping on \(signal): the round in progress drains, no other starts")
+                }
             }
             defer { stopping.cancel() }
             let registry = PrometheusCollectorRegistry()
