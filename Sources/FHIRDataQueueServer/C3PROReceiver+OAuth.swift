@@ -61,14 +61,15 @@ extension C3PROReceiver {
         } catch is NIOTooManyBytesError {
             return oauthError(.contentTooLarge, "invalid_request", "the request is too large")
         }
-        // grant_type from the form body or the query (C3-PRO read it with getParameter: either works).
-        let form = Self.formFields(String(buffer: body))
-        let grant = form["grant_type"] ?? request.uri.queryParameters.get("grant_type")
+        // grant_type from the form body or the query (C3-PRO read it with getParameter: either works). A body that is
+        // not a form reads as an empty one, as it did when C3-PRO's servlet read it: the query may still carry the grant.
+        let form = (try? URLEncodedFormDecoder().decode(TokenRequestForm.self, from: String(buffer: body))) ?? TokenRequestForm()
+        let grant = form.grantType ?? request.uri.queryParameters.get("grant_type")
         guard let grant else { return oauthError(.badRequest, "invalid_request", "grant_type is missing") }
         guard grant == "client_credentials" else {
             return oauthError(.badRequest, "unsupported_grant_type", "only client_credentials is supported")
         }
-        if form["client_assertion"] != nil || form["client_assertion_type"] != nil {
+        if form.clientAssertion != nil || form.clientAssertionType != nil {
             return try await tokenForAssertion(form, path: request.uri.path)
         }
         guard let (id, secret) = Self.basicCredentials(request.headers[.authorization]) else {
@@ -110,8 +111,8 @@ extension C3PROReceiver {
     }
 
     /// A token for a client with a key set (SMART Backend Services): the form's signed assertion instead of a secret.
-    func tokenForAssertion(_ form: [String: String], path: String) async throws -> Response {
-        guard form["client_assertion_type"] == ClientAssertionVerifier.assertionType, let assertion = form["client_assertion"] else {
+    func tokenForAssertion(_ form: TokenRequestForm, path: String) async throws -> Response {
+        guard form.clientAssertionType == ClientAssertionVerifier.assertionType, let assertion = form.clientAssertion else {
             return oauthError(
                 .badRequest, "invalid_request",
                 "client_assertion and client_assertion_type (\(ClientAssertionVerifier.assertionType)) go together")
@@ -210,17 +211,6 @@ extension C3PROReceiver {
 
     // MARK: - Parsing
 
-    /// `application/x-www-form-urlencoded` fields (the first of each name).
-    static func formFields(_ text: String) -> [String: String] {
-        var fields: [String: String] = [:]
-        for pair in text.split(separator: "&") {
-            let parts = pair.split(separator: "=", maxSplits: 1, omittingEmptySubsequences: false)
-            guard let name = formDecode(String(parts[0])), fields[name] == nil else { continue }
-            fields[name] = parts.count > 1 ? formDecode(String(parts[1])) : ""
-        }
-        return fields
-    }
-
     /// A form-encoded value decoded (`+` is a space, `%XX` a byte); nil when it is not valid.
     static func formDecode(_ text: String) -> String? {
         text.replacingOccurrences(of: "+", with: " ").removingPercentEncoding
@@ -234,5 +224,18 @@ extension C3PROReceiver {
             let text = String(data: decoded, encoding: .utf8), let colon = text.firstIndex(of: ":")
         else { return nil }
         return (String(text[..<colon]), String(text[text.index(after: colon)...]))
+    }
+}
+
+/// The fields of a token request's form body the receiver reads (RFC 6749 4.4, RFC 7523 2.2); others are ignored.
+struct TokenRequestForm: Decodable {
+    var grantType: String?
+    var clientAssertion: String?
+    var clientAssertionType: String?
+
+    enum CodingKeys: String, CodingKey {
+        case grantType = "grant_type"
+        case clientAssertion = "client_assertion"
+        case clientAssertionType = "client_assertion_type"
     }
 }

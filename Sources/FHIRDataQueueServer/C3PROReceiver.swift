@@ -192,8 +192,10 @@ public struct C3PROReceiver: Sendable {
     private func addRoutes<Context: RemoteAddressRequestContext>(
         to router: some RouterMethods<Context>, found: @escaping @Sendable (Context) -> String?
     ) {
+        // One group under the prefix (the root when it is empty): the receiver's routes and their 405s.
         let prefix = configuration.pathPrefix.split(separator: "/").joined(separator: "/")
-        func path(_ rest: String) -> RouterPath { prefix.isEmpty ? RouterPath(rest) : RouterPath("\(prefix)/\(rest)") }
+        let router = prefix.isEmpty ? router.group() : router.group(RouterPath(prefix))
+        func path(_ rest: String) -> RouterPath { RouterPath(rest) }
         router.post(path("register")) { request, context in
             await measured(.register) { try await register(request, from: context.remoteAddress) }
         }
