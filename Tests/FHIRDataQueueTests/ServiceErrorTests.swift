@@ -217,6 +217,10 @@ struct ServiceErrorTests {
         configuration.requestTimeout = 0.5
         configuration.connectTimeout = 0.5
         configuration.settleDelay = 0
+        // A request that runs past its half second on a loaded machine is a transient failure: tried again at once,
+        // not after the default backoff (5 s, then 10, 20, 40...), which held a make test run past the time limit
+        // before the loop ever reached the gate.
+        configuration.retryPolicy = RetryPolicy(initialDelay: 0.05, maximumDelay: 0.2)
         let queue = try await DataQueue(baseURL: URL(string: server.baseURL + "/fhir")!, configuration: configuration)
         let gate = Gate()
         var serviceConfiguration = DataQueueService.Configuration(pollInterval: .milliseconds(50))
