@@ -90,6 +90,9 @@ struct ServeSettings: Sendable, Equatable {
     var maxWaitingPerClient = 10_000
     /// `max_waiting_bytes_per_client`: their bytes before it gets 507 (default 256 MiB; 0: no limit).
     var maxWaitingBytesPerClient = 256 << 20
+    /// `delivery_wait_seconds`: how long a plain resource's answer waits for its delivery (201 with the server's
+    /// `Location` within it, 202 after; default 2; 0: 202 once committed). An edge always answers 202 at once.
+    var deliveryWaitSeconds = 2
     /// Whether the file has a `serve` object at all.
     var present = false
 
@@ -99,7 +102,7 @@ struct ServeSettings: Sendable, Equatable {
         "secret_checks_per_minute", "trusted_proxies", "body_timeout_seconds", "idle_timeout_seconds", "dedupe_window_days",
         "role", "forward_to", "forward_certificate", "forward_key_id", "edges", "routes", "tls", "write_policy",
         "max_connections_per_address", "max_connections", "lingering_time_seconds", "lingering_timeout_seconds",
-        "max_waiting_per_client", "max_waiting_bytes_per_client",
+        "max_waiting_per_client", "max_waiting_bytes_per_client", "delivery_wait_seconds",
     ]
 
     /// The `serve` object of the file at `path` (nil: defaults); relative paths are taken from the file's directory.
@@ -165,6 +168,7 @@ struct ServeSettings: Sendable, Equatable {
         if let value = try integer("lingering_timeout_seconds", 1...3600) { settings.lingeringTimeoutSeconds = value }
         if let value = try integer("max_waiting_per_client", 0...100_000_000) { settings.maxWaitingPerClient = value }
         if let value = try integer("max_waiting_bytes_per_client", 0...(1 << 50)) { settings.maxWaitingBytesPerClient = value }
+        if let value = try integer("delivery_wait_seconds", 0...300) { settings.deliveryWaitSeconds = value }
         if let value = try string("role") {
             guard let role = ServeRole(rawValue: value) else { throw invalid("\"serve.role\" must be \(ServeRole.choices)") }
             settings.role = role
@@ -463,7 +467,7 @@ extension DQ {
                 authRequestsPerMinute: options.authRequestsPerMinute,
                 // An edge's delivery reaches the inside receiver, not the FHIR server: its answer says nothing a
                 // device reads (no Location), so a plain resource is answered 202 once it is committed.
-                deliveryWait: options.role == .edge ? .zero : .seconds(2))
+                deliveryWait: options.role == .edge ? .zero : .seconds(options.deliveryWaitSeconds))
             receiving.clientKeySets = try options.edgeKeySets()
             receiving.trustedProxies = Set(options.trustedProxies)
             receiving.secretChecksPerMinute = options.secretChecksPerMinute
@@ -609,6 +613,7 @@ extension ServeSettings {
         ("lingering_timeout_seconds", { "\($0.lingeringTimeoutSeconds)" }),
         ("max_waiting_per_client", { "\($0.maxWaitingPerClient)" }),
         ("max_waiting_bytes_per_client", { "\($0.maxWaitingBytesPerClient)" }),
+        ("delivery_wait_seconds", { "\($0.deliveryWaitSeconds)" }),
         ("tls", { $0.tls.map { "\($0.certificate) \($0.key)" } ?? "" }),
     ]
 }
