@@ -215,7 +215,8 @@ extension ServeRepeatsSuite {
     }
 
     @Test(
-        "serve.dedupe_window_days must be a whole number in 1...365 (0, 366, 1.5 and \"7\"), and serve.delivery_wait_seconds one in 0...300: stop dq serve (78) naming the key")
+        "serve.dedupe_window_days must be a whole number in 1...365 (0, 366, 1.5 and \"7\"), and serve.delivery_wait_seconds one in 0...300: stop dq serve (78) naming the key"
+    )
     func dedupeWindowChecked() async throws {
         for value in [0, 366, 1.5, "7"] as [Any] {
             let config = try await configure(server: "http://127.0.0.1:9/fhir", serve: ["dedupe_window_days": value])
