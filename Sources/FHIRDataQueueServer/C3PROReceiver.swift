@@ -313,23 +313,7 @@ public struct C3PROReceiver: Sendable {
     public func bodyLimitMiddleware<Context: AuthenticatedClientContext>(
         maximumBytes: Int? = nil, deadline: Duration? = .seconds(60)
     ) -> BodyLimitMiddleware<Context> {
-        BodyLimitMiddleware(
-            maximumBytes: maximumBytes ?? configuration.maximumBodyBytes, deadline: deadline,
-            refused: { request, context, status in countRefusal(request, endpointPath: context.endpointPath, status: status) },
-            limit: { request, context in bodyLimit(request, endpointPath: context.endpointPath) },
-            authenticate: { request, context in
-                // What another middleware set is not trusted: the routes get only what this receiver found now
-                // (or nil, and check the token themselves). The token is checked before the body is read; a token
-                // that expires while a body arrives still counts for that request.
-                context.authenticatedClient = nil
-                switch await authenticate(request, endpointPath: context.endpointPath) {
-                case .refused(let response): return response
-                case .client(let client):
-                    context.authenticatedClient = client
-                    return nil
-                case .unknown: return nil
-                }
-            })
+        bodyLimitMiddleware(maximumBytes: maximumBytes, deadline: deadline) { $0.authenticatedClient = $1 }
     }
 
     /// The ``BodyLimitMiddleware`` for a router that serves these routes, as above, for a context that cannot carry
@@ -338,11 +322,30 @@ public struct C3PROReceiver: Sendable {
     public func bodyLimitMiddleware<Context: RequestContext>(
         maximumBytes: Int? = nil, deadline: Duration? = .seconds(60)
     ) -> BodyLimitMiddleware<Context> {
+        bodyLimitMiddleware(maximumBytes: maximumBytes, deadline: deadline) { _, _ in }
+    }
+
+    /// Both: `carry` puts the client found (or nil) on the context.
+    private func bodyLimitMiddleware<Context: RequestContext>(
+        maximumBytes: Int?, deadline: Duration?, carry: @escaping @Sendable (inout Context, String?) -> Void
+    ) -> BodyLimitMiddleware<Context> {
         BodyLimitMiddleware(
             maximumBytes: maximumBytes ?? configuration.maximumBodyBytes, deadline: deadline,
             refused: { request, context, status in countRefusal(request, endpointPath: context.endpointPath, status: status) },
             limit: { request, context in bodyLimit(request, endpointPath: context.endpointPath) },
-            admit: { request, context in await admit(request, endpointPath: context.endpointPath) })
+            authenticate: { request, context in
+                // What another middleware set is not trusted: the routes get only what this receiver found now
+                // (or nil, and check the token themselves). The token is checked before the body is read; a token
+                // that expires while a body arrives still counts for that request.
+                carry(&context, nil)
+                switch await authenticate(request, endpointPath: context.endpointPath) {
+                case .refused(let response): return response
+                case .client(let client):
+                    carry(&context, client)
+                    return nil
+                case .unknown: return nil
+                }
+            })
     }
 
     static let registrationBodyLimit = 1 << 20

@@ -218,28 +218,19 @@ extension ServeRepeatsSuite {
         "serve.dedupe_window_days must be a whole number in 1...365 (0, 366, 1.5 and \"7\"), and serve.delivery_wait_seconds one in 0...300: stop dq serve (78) naming the key"
     )
     func dedupeWindowChecked() async throws {
-        for value in [0, 366, 1.5, "7"] as [Any] {
-            let config = try await configure(server: "http://127.0.0.1:9/fhir", serve: ["dedupe_window_days": value])
-            let result = try await ChildProcess(
-                Peers.dqBinary, ["serve", "--config", config, "--listen", "127.0.0.1:\(Peers.freePort())"],
-                environment: ["HOME": work.path], directory: work.path
-            ).wait(timeout: .seconds(60))
-            #expect(result.status == 78, "\(value): \(result.status) \(result.stderr.suffix(1000))")
-            #expect(
-                result.stderr.contains(#""serve.dedupe_window_days" must be a whole number in 1...365"#),
-                "\(value): \(result.stderr.suffix(1000))")
-        }
+        let dedupe = #""serve.dedupe_window_days" must be a whole number in 1...365"#
         // The answer's wait for a plain delivery, in seconds: 0 to 300.
-        for value in [-1, 301, 2.5] as [Any] {
-            let config = try await configure(server: "http://127.0.0.1:9/fhir", serve: ["delivery_wait_seconds": value])
+        let wait = #""serve.delivery_wait_seconds" must be a whole number in 0...300"#
+        let cases: [(key: String, value: Any, message: String)] =
+            [0, 366, 1.5, "7"].map { ("dedupe_window_days", $0, dedupe) } + [-1, 301, 2.5].map { ("delivery_wait_seconds", $0, wait) }
+        for (key, value, message) in cases {
+            let config = try await configure(server: "http://127.0.0.1:9/fhir", serve: [key: value])
             let result = try await ChildProcess(
                 Peers.dqBinary, ["serve", "--config", config, "--listen", "127.0.0.1:\(Peers.freePort())"],
                 environment: ["HOME": work.path], directory: work.path
             ).wait(timeout: .seconds(60))
-            #expect(result.status == 78, "\(value): \(result.status) \(result.stderr.suffix(1000))")
-            #expect(
-                result.stderr.contains(#""serve.delivery_wait_seconds" must be a whole number in 0...300"#),
-                "\(value): \(result.stderr.suffix(1000))")
+            #expect(result.status == 78, "\(key) \(value): \(result.status) \(result.stderr.suffix(1000))")
+            #expect(result.stderr.contains(message), "\(key) \(value): \(result.stderr.suffix(1000))")
         }
     }
 
